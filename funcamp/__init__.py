@@ -1,0 +1,3 @@
+"""funcamp: functional automatic mixed precision for PyTorch."""
+
+__version__ = "0.1.0"
