@@ -1,3 +1,36 @@
-"""funcamp: functional automatic mixed precision for PyTorch."""
+"""funcamp: functional (JAX-style) automatic mixed precision for PyTorch.
+
+Precision policies cast the floating leaves of pytrees; immutable loss scales scale the loss and
+unscale the gradients; ``grad_and_value`` checks them for overflow without a host sync; a pure train
+step composes these with optax-style optimizers and compiles whole with ``torch.compile``.
+"""
+
+from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
+from funcamp.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    loss_scale_from_state_dict,
+)
+from funcamp.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "Policy",
+    "StaticLossScale",
+    "__version__",
+    "all_finite",
+    "cast_to_full",
+    "cast_to_half",
+    "get_policy",
+    "global_norm",
+    "half_dtype",
+    "loss_scale_from_state_dict",
+    "select_tree",
+    "tree_bytes",
+]

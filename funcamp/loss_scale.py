@@ -1,0 +1,310 @@
+"""Immutable loss scales: ``scale`` the loss, ``unscale`` the gradients, ``adjust`` to a new object.
+
+Each loss scale is a frozen dataclass registered as a pytree in the funcamp namespace: its state is
+0-d tensors (children) and its configuration is static (part of the tree structure), so it passes
+through ``torch.compile`` as tensors and a changing scale never recompiles.
+
+References:
+  Micikevicius et al. 2018, "Mixed Precision Training", arXiv:1710.03740 (loss scaling).
+  jmp (google-deepmind/jmp) ``DynamicLossScale``; ``torch.amp.GradScaler`` (``_amp_update_scale_``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, TypeVar
+
+import torch
+
+from funcamp import _tree
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "loss_scale_from_state_dict",
+]
+
+T = TypeVar("T")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _scalar_tensor(x: Any, name: str, dtype: torch.dtype) -> Any:
+    """A Python number becomes a 0-d tensor of ``dtype``; a tensor is checked (metadata only).
+
+    Anything else (an ``object()`` or ``None`` that a tree utility puts in the leaves' place) is
+    returned as is, so that optree can rebuild the object from arbitrary leaves.
+    """
+    if _is_number(x):
+        return torch.tensor(x, dtype=dtype)
+    if isinstance(x, torch.Tensor):
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must be a {dtype} tensor or a Python number, got a {x.dtype} tensor")
+        if x.ndim != 0:
+            raise ValueError(f"{name} must be a 0-d tensor, got shape {tuple(x.shape)}")
+    return x
+
+
+def _check_grads_finite(grads_finite: Any) -> None:
+    if not isinstance(grads_finite, torch.Tensor) or grads_finite.dtype != torch.bool:
+        got = grads_finite.dtype if isinstance(grads_finite, torch.Tensor) else type(grads_finite).__name__
+        raise TypeError(
+            f"adjust: grads_finite must be a 0-d torch.bool tensor (e.g. funcamp.all_finite(grads)), got {got}"
+        )
+    if grads_finite.ndim != 0:
+        raise ValueError(f"adjust: grads_finite must be 0-d, got shape {tuple(grads_finite.shape)}")
+
+
+def _full_precision(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or float64 if it is float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class LossScale:
+    """Interface shared by the loss scales: ``loss_scale``, ``scale``, ``unscale``, ``adjust``, ``to``."""
+
+    loss_scale: torch.Tensor
+
+    def scale(self, tree: T) -> T:
+        """Multiply the floating leaves of ``tree`` by the loss scale, in float32 (float64 stays float64).
+
+        Floating leaves come back in float32 (or float64) whatever their dtype, like jmp, where a
+        float16 array times a float32 scale promotes; non-floating leaves are returned as is.
+        """
+        scale = self.loss_scale
+        return _tree.tree_map(lambda x: _full_precision(x) * scale if _tree.is_floating(x) else x, tree)
+
+    def unscale(self, tree: T) -> T:
+        """Divide the floating leaves of ``tree`` by the loss scale, in float32 (float64 stays float64).
+
+        The reciprocal is computed in float64 and cast to float32 (as ``torch.amp.GradScaler``).
+        Floating leaves come back in float32 (or float64) whatever their dtype, so a float16 gradient
+        that was finite before unscaling stays exact; non-floating leaves are returned as is.
+        """
+        inv = torch.reciprocal(self.loss_scale.double()).float()
+        return _tree.tree_map(lambda x: _full_precision(x) * inv.to(x.device) if _tree.is_floating(x) else x, tree)
+
+    def adjust(self, grads_finite: torch.Tensor) -> LossScale:
+        """The next loss scale given whether this step's gradients were finite (a new object)."""
+        raise NotImplementedError
+
+    def to(self, device: str | torch.device) -> LossScale:
+        """A copy with every state tensor on ``device``."""
+        return _tree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every field by name (tensors and Python numbers) plus ``"type"``.
+
+        Loadable with ``torch.load(weights_only=True)``; rebuild with :func:`loss_scale_from_state_dict`.
+        """
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {"type": type(self).__name__, **state}
+
+
+@_tree.dataclass
+class NoOpLossScale(LossScale):
+    """No loss scaling: ``scale`` and ``unscale`` return the tree unchanged; the scale reads 1.0.
+
+    Use it for float32 or bfloat16 compute, where gradients do not underflow.
+
+    Example:
+      >>> NoOpLossScale().loss_scale
+      tensor(1.)
+    """
+
+    @property
+    def loss_scale(self) -> torch.Tensor:  # type: ignore[override]
+        """A 0-d float32 tensor holding 1.0 (on the CPU)."""
+        return torch.ones((), dtype=torch.float32)
+
+    def scale(self, tree: T) -> T:
+        """Return ``tree`` unchanged."""
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        """Return ``tree`` unchanged."""
+        return tree
+
+    def adjust(self, grads_finite: torch.Tensor) -> NoOpLossScale:
+        """Return ``self`` (after checking that ``grads_finite`` is a 0-d bool tensor)."""
+        _check_grads_finite(grads_finite)
+        return self
+
+
+@_tree.dataclass
+class StaticLossScale(LossScale):
+    """A fixed loss scale.
+
+    Args:
+      loss_scale: a positive finite Python number or a 0-d float32 tensor.
+    Raises:
+      TypeError: if ``loss_scale`` is a tensor of another dtype than float32.
+      ValueError: if ``loss_scale`` is not 0-d, or (a Python number) not positive and finite.
+
+    Example:
+      >>> StaticLossScale(128.0).scale(torch.tensor(0.5, dtype=torch.float16))
+      tensor(64.)
+    """
+
+    loss_scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if _is_number(self.loss_scale) and not (0 < self.loss_scale < math.inf):
+            raise ValueError(f"StaticLossScale: loss_scale must be positive and finite, got {self.loss_scale}")
+        object.__setattr__(self, "loss_scale", _scalar_tensor(self.loss_scale, "loss_scale", torch.float32))
+
+    def adjust(self, grads_finite: torch.Tensor) -> StaticLossScale:
+        """Return ``self`` (after checking that ``grads_finite`` is a 0-d bool tensor)."""
+        _check_grads_finite(grads_finite)
+        return self
+
+
+@_tree.dataclass
+class DynamicLossScale(LossScale):
+    """A loss scale that grows while gradients stay finite and backs off when they overflow.
+
+    ``adjust(grads_finite)`` returns the next state:
+
+    - finite step: ``counter = (counter + 1) % period``; when the counter wraps (``period``
+      consecutive finite steps, as jmp and ``torch.amp.GradScaler``: not ``period + 1``) the scale is
+      multiplied by ``growth_factor``, capped at ``max_loss_scale``, and kept as it was if the grown
+      value is not finite in float32. ``hysteresis_left`` is reset to ``hysteresis``.
+    - non-finite step: ``counter = 0``; if ``hysteresis_left <= 1`` the scale backs off to
+      ``max(min_loss_scale, scale * backoff_factor)`` (or ``scale / growth_factor`` when
+      ``backoff_factor`` is None, exactly as jmp), otherwise ``hysteresis_left`` drops by one and the
+      scale is kept (DeepSpeed's consecutive hysteresis: once it has backed off, every further
+      consecutive non-finite step backs off again).
+
+    With the defaults the trajectory equals jmp's ``DynamicLossScale``; with ``growth_factor=2,
+    backoff_factor=0.5`` and a tiny ``min_loss_scale`` it equals ``torch.amp.GradScaler``'s, which has
+    no floor. Unlike jmp, ``min_loss_scale`` survives flattening, and a float16 scale is refused.
+
+    Args:
+      loss_scale: initial scale, a Python number or a 0-d float32 tensor (default ``2**15``).
+      counter: consecutive finite steps since the last change, 0-d int32 (default 0).
+      hysteresis_left: non-finite steps still tolerated before backing off, 0-d int32
+        (default ``hysteresis``).
+      period: finite steps between two growths, an int >= 1 (default 2000).
+      growth_factor: a float > 1 (default 2.0).
+      backoff_factor: a float in (0, 1), or None to divide by ``growth_factor`` (default None).
+      min_loss_scale: the floor, a finite float > 0 (default 1.0).
+      max_loss_scale: the cap, None (default) or a float >= ``min_loss_scale``.
+      hysteresis: consecutive non-finite steps before a backoff, an int >= 1 (default 1).
+    Raises:
+      TypeError: if a state field is a tensor of the wrong dtype, or an option has the wrong type.
+      ValueError: if a state tensor is not 0-d, or an option is out of the range above, or the
+        initial scale (a Python number) is below ``min_loss_scale`` or not finite.
+
+    Example:
+      >>> ls = DynamicLossScale(2.0**15, period=1)
+      >>> ls.adjust(torch.tensor(True)).loss_scale
+      tensor(65536.)
+      >>> ls.adjust(torch.tensor(False)).loss_scale
+      tensor(16384.)
+    """
+
+    loss_scale: torch.Tensor = 2.0**15  # type: ignore[assignment]
+    counter: torch.Tensor = 0  # type: ignore[assignment]
+    hysteresis_left: torch.Tensor | None = None
+    period: int = _tree.field(default=2000, pytree_node=False)
+    growth_factor: float = _tree.field(default=2.0, pytree_node=False)
+    backoff_factor: float | None = _tree.field(default=None, pytree_node=False)
+    min_loss_scale: float = _tree.field(default=1.0, pytree_node=False)
+    max_loss_scale: float | None = _tree.field(default=None, pytree_node=False)
+    hysteresis: int = _tree.field(default=1, pytree_node=False)
+
+    def __post_init__(self) -> None:
+        self._check_options()
+        if _is_number(self.loss_scale) and not (self.min_loss_scale <= self.loss_scale < math.inf):
+            raise ValueError(
+                f"DynamicLossScale: loss_scale must be finite and >= min_loss_scale={self.min_loss_scale}, "
+                f"got {self.loss_scale}"
+            )
+        if self.hysteresis_left is None:
+            object.__setattr__(self, "hysteresis_left", self.hysteresis)
+        object.__setattr__(self, "loss_scale", _scalar_tensor(self.loss_scale, "loss_scale", torch.float32))
+        object.__setattr__(self, "counter", _scalar_tensor(self.counter, "counter", torch.int32))
+        left = _scalar_tensor(self.hysteresis_left, "hysteresis_left", torch.int32)
+        object.__setattr__(self, "hysteresis_left", left)
+
+    def _check_options(self) -> None:
+        def fail(name: str, accepted: str) -> None:
+            raise ValueError(f"DynamicLossScale: {name} must be {accepted}, got {getattr(self, name)!r}")
+
+        for name in ("period", "hysteresis"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"DynamicLossScale: {name} must be an int >= 1, got {value!r}")
+            if value < 1:
+                fail(name, "an int >= 1")
+        for name in ("growth_factor", "backoff_factor", "min_loss_scale", "max_loss_scale"):
+            value = getattr(self, name)
+            if value is not None and not _is_number(value):
+                raise TypeError(f"DynamicLossScale: {name} must be a Python float, got {value!r}")
+        if not 1 < self.growth_factor < math.inf:
+            fail("growth_factor", "a finite float > 1")
+        if self.backoff_factor is not None and not 0 < self.backoff_factor < 1:
+            fail("backoff_factor", "a float in (0, 1) or None (divide by growth_factor)")
+        if not 0 < self.min_loss_scale < math.inf:
+            fail("min_loss_scale", "a finite float > 0")
+        if self.max_loss_scale is not None and not self.min_loss_scale <= self.max_loss_scale:
+            fail("max_loss_scale", f"None or a float >= min_loss_scale={self.min_loss_scale}")
+
+    def adjust(self, grads_finite: torch.Tensor) -> DynamicLossScale:
+        """The next loss scale (a new object); see the class docstring for the rule.
+
+        Traceable: tensor ops only, no host sync, no Python branch on tensor values; the new state
+        tensors keep their dtypes (float32 scale, int32 counters) and device.
+
+        Args:
+          grads_finite: a 0-d bool tensor, True when every gradient was finite this step.
+        Raises:
+          TypeError: if ``grads_finite`` is not a bool tensor.
+          ValueError: if ``grads_finite`` is not 0-d.
+        """
+        _check_grads_finite(grads_finite)
+        scale, counter, left = self.loss_scale, self.counter, self.hysteresis_left
+        grown = scale * self.growth_factor
+        if self.max_loss_scale is not None:
+            grown = torch.clamp(grown, max=self.max_loss_scale)
+        grown = torch.where(torch.isfinite(grown), grown, scale)
+        if self.backoff_factor is None:
+            backed_off = scale / self.growth_factor
+        else:
+            backed_off = scale * self.backoff_factor
+        backed_off = torch.clamp(backed_off, min=self.min_loss_scale)
+        back_off_now = left <= 1
+        if_finite = torch.where(counter == self.period - 1, grown, scale)
+        if_nonfinite = torch.where(back_off_now, backed_off, scale)
+        full = torch.full_like(left, self.hysteresis)
+        return dataclasses.replace(
+            self,
+            loss_scale=torch.where(grads_finite, if_finite, if_nonfinite),
+            counter=torch.where(grads_finite, (counter + 1) % self.period, torch.zeros_like(counter)),
+            hysteresis_left=torch.where(grads_finite, full, torch.clamp(left - 1, min=1)),
+        )
+
+
+_TYPES = {cls.__name__: cls for cls in (NoOpLossScale, StaticLossScale, DynamicLossScale)}
+
+
+def loss_scale_from_state_dict(state: dict[str, Any]) -> LossScale:
+    """Rebuild a loss scale from ``LossScale.state_dict()`` output.
+
+    Raises:
+      ValueError: if ``state["type"]`` is not a funcamp loss scale, or a field is missing or unknown.
+    """
+    state = dict(state)
+    kind = state.pop("type", None)
+    if kind not in _TYPES:
+        raise ValueError(f"loss_scale_from_state_dict: unknown type {kind!r}; expected one of {sorted(_TYPES)}")
+    try:
+        return _TYPES[kind](**state)
+    except TypeError as e:
+        raise ValueError(f"loss_scale_from_state_dict: bad fields for {kind}: {e}") from e
