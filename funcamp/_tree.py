@@ -31,6 +31,7 @@ __all__ = [
     "tree_flatten",
     "tree_leaves",
     "tree_map",
+    "tree_paths",
     "tree_structure",
     "tree_unflatten",
 ]
@@ -70,6 +71,12 @@ def tree_flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
 def tree_unflatten(treespec: optree.PyTreeSpec, leaves: Any) -> Any:
     """Rebuild a tree from ``treespec`` and an iterable of leaves."""
     return optree.tree_unflatten(treespec, leaves)
+
+
+def tree_paths(tree: Any) -> list[str]:
+    """A dotted name for each leaf of ``tree``, in leaf order (``"layer.weight"``, ``"0.bias"``)."""
+    paths, _, _ = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+    return [".".join(str(k) for k in path) for path in paths]
 
 
 def tree_structure(tree: Any) -> optree.PyTreeSpec:

@@ -1,0 +1,165 @@
+"""Mixed-precision gradients: scale the loss, differentiate, unscale in float32, check, cast back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from funcamp import _tree
+from funcamp.loss_scale import LossScale
+
+__all__ = ["GradAndValue", "grad_and_value"]
+
+
+class GradAndValue(NamedTuple):
+    """What :func:`grad_and_value` returns.
+
+    Attributes:
+      grads: gradients with the structure of the differentiated argument(s), each leaf in the dtype
+        of the parameter it belongs to.
+      value: the unscaled loss (``(loss, aux)`` with ``has_aux=True``), as ``fun`` returned it.
+      grads_finite: 0-d bool tensor on the parameters' device; False if any gradient element (or the
+        loss) is NaN or infinite.
+    """
+
+    grads: Any
+    value: Any
+    grads_finite: torch.Tensor
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"grad_and_value: fun must return a 0-d floating tensor (or (loss, aux) with has_aux=True), "
+            f"got {type(loss).__name__}"
+        )
+    if not loss.is_floating_point():
+        raise TypeError(f"grad_and_value: the loss must be a floating tensor, got dtype {loss.dtype}")
+    if loss.ndim != 0:
+        raise ValueError(
+            f"grad_and_value: the loss must be 0-d (reduce it, e.g. with .mean()), got shape {tuple(loss.shape)}"
+        )
+
+
+def _check_differentiable(args: tuple[Any, ...], argnums: int | tuple[int, ...]) -> None:
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    for n in nums:
+        if n >= len(args):
+            raise ValueError(f"grad_and_value: argnums={argnums} but only {len(args)} positional arguments given")
+        leaves = _tree.tree_leaves(args[n])
+        for path, leaf in zip(_tree.tree_paths(args[n]), leaves):
+            if not _tree.is_floating(leaf):
+                what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+                raise TypeError(
+                    f"grad_and_value: argument {n} is differentiated, so every leaf must be a floating tensor; "
+                    f"leaf {path!r} is {what}. Pass integer or frozen tensors in another argument."
+                )
+
+
+def _call_without_autocast(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fun`` with any enclosing CPU/CUDA autocast region switched off (the policy decides)."""
+    if torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return _call_without_autocast(fun, *args, **kwargs)
+    if torch.is_autocast_enabled("cuda"):
+        with torch.autocast("cuda", enabled=False):
+            return _call_without_autocast(fun, *args, **kwargs)
+    return fun(*args, **kwargs)
+
+
+def scaled_grad_and_value(
+    fun: Callable[..., Any],
+    loss_scale: LossScale,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like :func:`grad_and_value`, without the final cast and check: gradients stay unscaled float32.
+
+    Used by the train step to accumulate micro-batches in float32. Returns ``fn(*args, **kwargs) ->
+    (grads32, value)``.
+    """
+
+    def scaled(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        out = _call_without_autocast(fun, *args, **kwargs)
+        if has_aux:
+            if not isinstance(out, tuple) or len(out) != 2:
+                raise TypeError("grad_and_value: with has_aux=True, fun must return a (loss, aux) tuple")
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        _check_loss(loss)
+        return loss_scale.scale(loss), ((loss, aux) if has_aux else loss)
+
+    inner = torch.func.grad_and_value(scaled, argnums=argnums, has_aux=True)
+
+    def fn(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        _check_differentiable(args, argnums)
+        grads, (_, value) = inner(*args, **kwargs)
+        return loss_scale.unscale(grads), value
+
+    return fn
+
+
+def _like_params(grads: Any, args: tuple[Any, ...], argnums: int | tuple[int, ...]) -> Any:
+    params = args[argnums] if isinstance(argnums, int) else tuple(args[n] for n in argnums)
+    return _tree.tree_map(lambda g, p: g.to(p.dtype), grads, params)
+
+
+def grad_and_value(
+    fun: Callable[..., Any],
+    loss_scale: LossScale,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+) -> Callable[..., GradAndValue]:
+    """Mixed-precision ``torch.func.grad_and_value``: gradients of a scaled loss, unscaled and checked.
+
+    The returned function calls ``fun``, multiplies its loss by ``loss_scale`` in float32,
+    differentiates with ``torch.func.grad_and_value``, unscales the gradients in float32 (reciprocal
+    in float64, as ``torch.amp.GradScaler``), casts each to the dtype of the parameter it belongs to
+    and checks them all for NaN and infinity. No host sync; traceable by ``torch.compile(fullgraph=True)``.
+
+    Casting the computation is ``fun``'s business (a :class:`funcamp.Policy` or ``funcamp.nn``); an
+    enclosing ``torch.autocast`` region is switched off inside ``fun``, so the result is the same with
+    and without one. Unlike ``GradScaler``, nothing is mutated and nothing is skipped here: the caller
+    decides what to do with ``grads_finite`` (see :func:`funcamp.make_train_step`).
+
+    Args:
+      fun: ``fun(*args, **kwargs) -> loss`` (or ``(loss, aux)`` with ``has_aux``), ``loss`` a 0-d
+        floating tensor.
+      loss_scale: the loss scale to use (its ``loss_scale`` is a 0-d float32 tensor).
+      argnums: which positional argument(s) to differentiate, as ``torch.func``; every leaf of those
+        arguments must be a floating tensor.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+    Returns:
+      A function returning :class:`GradAndValue` ``(grads, value, grads_finite)``: ``grads`` has the
+      structure and dtypes of the differentiated argument(s), ``value`` is the unscaled loss (with
+      aux), ``grads_finite`` a 0-d bool tensor, False if a gradient or the loss is not finite.
+    Raises:
+      TypeError: if ``fun`` returns a non-tensor or a non-floating loss, if ``has_aux`` is set and
+        ``fun`` does not return a pair, or if a differentiated leaf is not a floating tensor.
+      ValueError: if the loss is not 0-d, or ``argnums`` names a missing argument.
+    References:
+      Micikevicius et al. 2018, "Mixed Precision Training", arXiv:1710.03740.
+
+    Example:
+      >>> from funcamp import StaticLossScale
+      >>> params = {"w": torch.tensor([3.0, 4.0])}
+      >>> loss_fn = lambda p, x: (p["w"].half() * x).sum()
+      >>> x = torch.ones(2, dtype=torch.float16)
+      >>> out = grad_and_value(loss_fn, StaticLossScale(2.0**10))(params, x)
+      >>> out.grads["w"], out.value, out.grads_finite
+      (tensor([1., 1.]), tensor(7., dtype=torch.float16), tensor(True))
+    """
+    scaled = scaled_grad_and_value(fun, loss_scale, argnums=argnums, has_aux=has_aux)
+
+    def fn(*args: Any, **kwargs: Any) -> GradAndValue:
+        grads32, value = scaled(*args, **kwargs)
+        grads = _like_params(grads32, args, argnums)
+        loss = value[0] if has_aux else value
+        return GradAndValue(grads, value, _tree.all_finite(grads) & torch.isfinite(loss).to(torch.bool))
+
+    return fn

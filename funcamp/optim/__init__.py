@@ -1,0 +1,62 @@
+"""optax-style optimizers for funcamp: pure ``init``/``update`` pairs over pytrees of tensors.
+
+An optimizer is a ``GradientTransformation``; ``chain`` composes them; ``apply_updates`` adds the
+result to the parameters, keeping each parameter's dtype. Every state is a NamedTuple of tensors
+(step counts are 0-d int32 tensors), so a whole train step compiles with ``fullgraph=True`` and does
+not recompile as the step count or the learning rate changes.
+"""
+
+from funcamp.optim.aliases import adam, adamw, lion, sgd
+from funcamp.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
+from funcamp.optim.schedules import (
+    Schedule,
+    constant,
+    cosine_decay,
+    linear_schedule,
+    linear_warmup,
+    warmup_cosine_decay,
+)
+from funcamp.optim.transforms import (
+    ScaleByAdamState,
+    ScaleByLearningRateState,
+    ScaleByLionState,
+    TraceState,
+    add_decayed_weights,
+    clip_by_global_norm,
+    learning_rate,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    trace,
+)
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "Schedule",
+    "ScaleByAdamState",
+    "ScaleByLearningRateState",
+    "ScaleByLionState",
+    "TraceState",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant",
+    "cosine_decay",
+    "identity",
+    "learning_rate",
+    "lion",
+    "linear_schedule",
+    "linear_warmup",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "sgd",
+    "trace",
+    "warmup_cosine_decay",
+]

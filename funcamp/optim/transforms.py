@@ -1,0 +1,528 @@
+"""Gradient transformations: the building blocks that ``chain`` composes into optimizers.
+
+Dtype rule, shared by every transformation here: arithmetic runs in float32 when a gradient (or
+moment) is float16 or bfloat16, in float64 when one is float64; each outgoing update is cast back to
+the dtype of the incoming update (for gradients, the dtype of their parameter). Moments are stored in
+``moment_dtype`` (default ``None``: each parameter's own dtype, as ``torch.optim`` does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from funcamp import _tree
+from funcamp.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    Params,
+    Updates,
+    check_beta,
+    check_dtype,
+    check_nonnegative,
+    check_positive,
+    check_real,
+    compute_dtype,
+    zero_count,
+)
+from funcamp.optim.schedules import Schedule, constant
+
+__all__ = [
+    "ScaleByAdamState",
+    "ScaleByLearningRateState",
+    "ScaleByLionState",
+    "TraceState",
+    "add_decayed_weights",
+    "clip_by_global_norm",
+    "learning_rate",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "trace",
+]
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of ``scale_by_adam``."""
+
+    count: torch.Tensor  # 0-d int32: number of updates applied so far
+    mu: Updates  # tree like params: first moment (EMA of gradients), in moment_dtype or the param's
+    nu: Updates  # tree like params: second moment (EMA of squared gradients), same dtypes as mu
+
+
+class ScaleByLionState(NamedTuple):
+    """State of ``scale_by_lion``."""
+
+    count: torch.Tensor  # 0-d int32: number of updates applied so far
+    mu: Updates  # tree like params: momentum (EMA of gradients with rate b2), in moment_dtype or the param's
+
+
+class TraceState(NamedTuple):
+    """State of ``trace``."""
+
+    trace: Updates  # tree like params: the momentum buffer, in moment_dtype or the param's dtype
+
+
+class ScaleByLearningRateState(NamedTuple):
+    """State of ``scale_by_learning_rate``."""
+
+    count: torch.Tensor  # 0-d int32: number of updates applied so far (the schedule's input)
+    learning_rate: torch.Tensor  # 0-d float32: the rate of the latest update; schedule(0) after init
+
+
+def _map_n(n: int, fn: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any) -> tuple[Any, ...]:
+    """Like ``tree_map`` for a ``fn`` returning ``n`` values: returns ``n`` trees of ``tree``'s structure."""
+    leaves, spec = _tree.tree_flatten(tree)
+    rest_leaves = []
+    for other in rest:
+        other_leaves, other_spec = _tree.tree_flatten(other)
+        if other_spec != spec:
+            raise ValueError(
+                f"updates and optimizer state must have the same structure, got {spec} and {other_spec}; "
+                "build the state with init(params) on parameters shaped like the gradients"
+            )
+        rest_leaves.append(other_leaves)
+    outs = [fn(*xs) for xs in zip(leaves, *rest_leaves)]
+    return tuple(_tree.tree_unflatten(spec, [o[i] for o in outs]) for i in range(n))
+
+
+def _zeros(params: Params, dtype: torch.dtype | None) -> Updates:
+    return _tree.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
+
+
+def _scale_leaf(u: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
+    return (u.to(compute_dtype(u.dtype)) * factor).to(u.dtype)
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiply every update by the constant ``factor`` (computed in float32 for low precision).
+
+    Args:
+      factor: a finite real number (use ``scale_by_learning_rate`` for a schedule).
+    Returns:
+      A ``GradientTransformation`` with an ``EmptyState``.
+    Raises:
+      ValueError: if ``factor`` is not a finite real number.
+
+    Example:
+      >>> import torch
+      >>> from funcamp import optim
+      >>> optim.scale(-2.0).update({"w": torch.ones(2)}, optim.EmptyState())[0]["w"]
+      tensor([-2., -2.])
+    """
+    factor = check_real("scale", "factor", factor)
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
+        del params
+        return _tree.tree_map(lambda u: _scale_leaf(u, factor), updates), state
+
+    return GradientTransformation(init, update)
+
+
+def _bias_correction(beta: float, t: torch.Tensor) -> torch.Tensor:
+    # 1 - beta**t as -expm1(t * log(beta)): accurate to float32 round-off even for beta near 1,
+    # where 1 - float32(beta) loses digits (1 - 0.999 in float32 is off by 1.3e-5 relatively).
+    if beta == 0.0:
+        return torch.ones_like(t)
+    return -torch.expm1(t * math.log(beta))
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    *,
+    moment_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    r"""Rescale updates by Adam's bias-corrected moment estimates.
+
+    With step ``t`` counted from 1 (as ``torch.optim.Adam``) and gradient ``g``:
+
+    .. math::
+       m_t = \beta_1 m_{t-1} + (1 - \beta_1) g, \qquad v_t = \beta_2 v_{t-1} + (1 - \beta_2) g^2,
+
+       u = \frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t) + \epsilon_{root}} + \epsilon}
+
+    The bias corrections are 0-d float32 tensors computed from the step count, so a compiled step
+    does not recompile as it advances.
+
+    Args:
+      b1: ``beta_1``, the decay of the first moment, in [0, 1).
+      b2: ``beta_2``, the decay of the second moment, in [0, 1).
+      eps: added to the denominator outside the square root, >= 0.
+      eps_root: added inside the square root, >= 0 (useful when differentiating through the update).
+      moment_dtype: dtype of both moments (e.g. ``torch.bfloat16`` to halve their memory); ``None``
+        keeps each parameter's dtype. optax's ``mu_dtype`` only sets the first moment.
+    Returns:
+      A ``GradientTransformation`` with a ``ScaleByAdamState``; the updates are the ascent direction
+      (chain with ``scale_by_learning_rate`` to descend).
+    Raises:
+      ValueError: if ``b1`` or ``b2`` is not in [0, 1).
+      ValueError: if ``eps`` or ``eps_root`` is negative or not finite.
+      ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
+    References:
+      Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization", arXiv:1412.6980.
+
+    Example:
+      >>> import torch
+      >>> from funcamp import optim
+      >>> opt = optim.scale_by_adam()
+      >>> params = {"w": torch.zeros(2)}
+      >>> updates, state = opt.update({"w": torch.tensor([0.1, -3.0])}, opt.init(params))
+      >>> updates["w"], state.count
+      (tensor([ 1.0000, -1.0000]), tensor(1, dtype=torch.int32))
+    """
+    fn = "scale_by_adam"
+    b1, b2 = check_beta(fn, "b1", b1), check_beta(fn, "b2", b2)
+    eps, eps_root = check_nonnegative(fn, "eps", eps), check_nonnegative(fn, "eps_root", eps_root)
+    moment_dtype = check_dtype(fn, moment_dtype)
+
+    def init(params: Params) -> ScaleByAdamState:
+        return ScaleByAdamState(
+            count=zero_count(params), mu=_zeros(params, moment_dtype), nu=_zeros(params, moment_dtype)
+        )
+
+    def update(
+        updates: Updates, state: ScaleByAdamState, params: Params = None
+    ) -> tuple[Updates, ScaleByAdamState]:
+        del params
+        count = state.count + 1
+        t = count.to(torch.float32)
+        bc1, bc2 = _bias_correction(b1, t), _bias_correction(b2, t)
+        bc2_sqrt = bc2.sqrt()
+
+        def leaf(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            c = compute_dtype(g.dtype, m.dtype)
+            g_c = g.to(c)
+            m_c = m.to(c).lerp(g_c, 1.0 - b1)
+            v_c = v.to(c).mul(b2).addcmul(g_c, g_c, value=1.0 - b2)
+            # sqrt(v / bc2 + eps_root), written as torch.optim writes it when eps_root == 0.
+            denom = (v_c + eps_root * bc2).sqrt() / bc2_sqrt + eps
+            return (m_c / bc1) / denom, m_c, v_c
+
+        u, mu, nu = _map_n(3, leaf, updates, state.mu, state.nu)
+        u = _tree.tree_map(lambda x, g: x.to(g.dtype), u, updates)
+        mu = _tree.tree_map(lambda x, m: x.to(m.dtype), mu, state.mu)
+        nu = _tree.tree_map(lambda x, v: x.to(v.dtype), nu, state.nu)
+        return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_lion(
+    b1: float = 0.9, b2: float = 0.99, *, moment_dtype: torch.dtype | None = None
+) -> GradientTransformation:
+    r"""Replace updates by the sign of Lion's interpolated momentum.
+
+    .. math::
+       u = \mathrm{sign}(\beta_1 m_{t-1} + (1 - \beta_1) g), \qquad m_t = \beta_2 m_{t-1} + (1 - \beta_2) g
+
+    Every element of the update is -1, 0 or +1, so Lion wants a learning rate 3-10x smaller than
+    AdamW's and a weight decay 3-10x larger (Chen et al.).
+
+    Args:
+      b1: the interpolation rate used for the update, in [0, 1).
+      b2: the decay of the momentum, in [0, 1).
+      moment_dtype: dtype of the momentum; ``None`` keeps each parameter's dtype.
+    Returns:
+      A ``GradientTransformation`` with a ``ScaleByLionState``.
+    Raises:
+      ValueError: if ``b1`` or ``b2`` is not in [0, 1).
+      ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
+    References:
+      Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", arXiv:2302.06675.
+
+    Example:
+      >>> import torch
+      >>> from funcamp import optim
+      >>> opt = optim.scale_by_lion()
+      >>> params = {"w": torch.zeros(3)}
+      >>> opt.update({"w": torch.tensor([0.2, 0.0, -5.0])}, opt.init(params))[0]["w"]
+      tensor([ 1.,  0., -1.])
+    """
+    fn = "scale_by_lion"
+    b1, b2 = check_beta(fn, "b1", b1), check_beta(fn, "b2", b2)
+    moment_dtype = check_dtype(fn, moment_dtype)
+
+    def init(params: Params) -> ScaleByLionState:
+        return ScaleByLionState(count=zero_count(params), mu=_zeros(params, moment_dtype))
+
+    def update(
+        updates: Updates, state: ScaleByLionState, params: Params = None
+    ) -> tuple[Updates, ScaleByLionState]:
+        del params
+
+        def leaf(g: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c = compute_dtype(g.dtype, m.dtype)
+            g_c, m_c = g.to(c), m.to(c)
+            return torch.sign(m_c.lerp(g_c, 1.0 - b1)).to(g.dtype), m_c.lerp(g_c, 1.0 - b2).to(m.dtype)
+
+        u, mu = _map_n(2, leaf, updates, state.mu)
+        return u, ScaleByLionState(count=state.count + 1, mu=mu)
+
+    return GradientTransformation(init, update)
+
+
+def trace(
+    decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | None = None
+) -> GradientTransformation:
+    r"""Accumulate a momentum trace of the updates (heavy ball, or Nesterov).
+
+    .. math::
+       b_t = \mu\, b_{t-1} + g, \qquad u = b_t \ \text{or, with Nesterov,}\ u = g + \mu\, b_t
+
+    With ``b_0 = 0`` the first trace is ``g``, as ``torch.optim.SGD`` with ``dampening=0``.
+
+    Args:
+      decay: the momentum ``mu``, >= 0.
+      nesterov: use Nesterov momentum.
+      moment_dtype: dtype of the trace; ``None`` keeps each parameter's dtype.
+    Returns:
+      A ``GradientTransformation`` with a ``TraceState``.
+    Raises:
+      ValueError: if ``decay`` is negative or not finite.
+      ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
+
+    Example:
+      >>> import torch
+      >>> from funcamp import optim
+      >>> opt = optim.trace(0.5)
+      >>> params = {"w": torch.zeros(1)}
+      >>> u, state = opt.update({"w": torch.ones(1)}, opt.init(params))
+      >>> opt.update({"w": torch.ones(1)}, state)[0]["w"]
+      tensor([1.5000])
+    """
+    decay = check_nonnegative("trace", "decay", decay)
+    moment_dtype = check_dtype("trace", moment_dtype)
+
+    def init(params: Params) -> TraceState:
+        return TraceState(trace=_zeros(params, moment_dtype))
+
+    def update(updates: Updates, state: TraceState, params: Params = None) -> tuple[Updates, TraceState]:
+        del params
+
+        def leaf(g: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c = compute_dtype(g.dtype, b.dtype)
+            g_c = g.to(c)
+            b_c = b.to(c).mul(decay).add(g_c)
+            u = g_c.add(b_c, alpha=decay) if nesterov else b_c
+            return u.to(g.dtype), b_c.to(b.dtype)
+
+        u, new_trace = _map_n(2, leaf, updates, state.trace)
+        return u, TraceState(trace=new_trace)
+
+    return GradientTransformation(init, update)
+
+
+Mask = Any  # a tree of Python bools shaped like params, or a callable params -> such a tree
+
+
+def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> GradientTransformation:
+    r"""Add ``weight_decay * param`` to each update (L2 decay, or decoupled decay when chained late).
+
+    .. math:: u \leftarrow u + \lambda\, p
+
+    Placed before an adaptive scaling (as in ``adam``) this is L2 regularisation, like
+    ``torch.optim.Adam(weight_decay=...)``; placed after it and before ``scale_by_learning_rate``
+    (as in ``adamw``) it is decoupled weight decay, ``p <- p - lr * wd * p``.
+
+    Args:
+      weight_decay: ``lambda``, >= 0.
+      mask: ``None`` (decay every leaf), or a tree of Python bools with the structure of params, or a
+        callable ``params -> such a tree``; leaves marked ``False`` are passed through.
+    Returns:
+      A ``GradientTransformation`` with an ``EmptyState``; ``update`` needs ``params``.
+    Raises:
+      ValueError: if ``weight_decay`` is negative or not finite.
+      ValueError: (from ``update``) if ``params`` is ``None`` and ``weight_decay > 0``.
+      TypeError: (from ``update``) if a mask leaf is not a Python bool.
+
+    Example:
+      >>> import torch
+      >>> from funcamp import optim
+      >>> params = {"b": torch.ones(1), "w": torch.ones(1)}
+      >>> opt = optim.add_decayed_weights(0.1, mask={"b": False, "w": True})
+      >>> opt.update({"b": torch.zeros(1), "w": torch.zeros(1)}, opt.init(params), params)[0]
+      {'b': tensor([0.]), 'w': tensor([0.1000])}
+    """
+    weight_decay = check_nonnegative("add_decayed_weights", "weight_decay", weight_decay)
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def decay(u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        c = compute_dtype(u.dtype, p.dtype)
+        return u.to(c).add(p.to(c), alpha=weight_decay).to(u.dtype)
+
+    def masked(u: torch.Tensor, p: torch.Tensor, keep: Any) -> torch.Tensor:
+        if not isinstance(keep, bool):
+            raise TypeError(
+                f"add_decayed_weights: mask leaves must be Python bools, got {type(keep).__name__}"
+            )
+        return decay(u, p) if keep else u
+
+    def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
+        if weight_decay == 0.0:
+            return updates, state
+        if params is None:
+            raise ValueError(
+                "add_decayed_weights: update needs the parameters: call update(updates, state, params)"
+            )
+        if mask is None:
+            return _tree.tree_map(decay, updates, params), state
+        tree_mask = mask(params) if callable(mask) else mask
+        return _tree.tree_map(masked, updates, params, tree_mask), state
+
+    return GradientTransformation(init, update)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    r"""Scale all updates down together so that their global L2 norm is at most ``max_norm``.
+
+    .. math:: u \leftarrow u \cdot \frac{c}{\lVert u \rVert} \ \text{if}\ \lVert u \rVert > c
+       \ \text{else}\ u
+
+    The norm is ``_tree.global_norm`` (float32, over all floating leaves). Updates whose norm is at
+    most ``max_norm`` are returned unchanged (bit for bit); a non-finite norm also leaves them as
+    they are, so a skipped step still sees its non-finite gradients. ``torch.nn.utils.clip_grad_norm_``
+    instead always multiplies by ``min(1, c / (norm + 1e-6))``.
+
+    Args:
+      max_norm: ``c``, > 0.
+    Returns:
+      A ``GradientTransformation`` with an ``EmptyState``.
+    Raises:
+      ValueError: if ``max_norm`` is not a finite number > 0.
+
+    Example:
+      >>> import torch
+      >>> from funcamp import optim
+      >>> clip = optim.clip_by_global_norm(1.0)
+      >>> clip.update({"w": torch.tensor([3.0, 4.0])}, optim.EmptyState())[0]["w"]
+      tensor([0.6000, 0.8000])
+    """
+    max_norm = check_positive("clip_by_global_norm", "max_norm", max_norm)
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
+        del params
+        norm = _tree.global_norm(updates)
+        factor = torch.where(norm > max_norm, max_norm / norm, torch.ones_like(norm))
+        return _tree.tree_map(lambda u: _scale_leaf(u, factor), updates), state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(
+    learning_rate: float | Schedule, *, flip_sign: bool = True
+) -> GradientTransformation:
+    r"""Multiply updates by ``-learning_rate`` (a constant or a schedule of the step count).
+
+    .. math:: u \leftarrow -\eta(t)\, u, \qquad t = \text{number of updates applied before this one}
+
+    The rate is a 0-d float32 tensor (a float is turned into ``constant(learning_rate)``), so a
+    compiled step does not recompile as a schedule changes; the state records the rate used by the
+    latest update for logging (see ``learning_rate``).
+
+    Args:
+      learning_rate: a float >= 0, or ``schedule(count) -> 0-d float32 tensor``.
+      flip_sign: multiply by ``-learning_rate`` (descent, the default) rather than ``+learning_rate``.
+    Returns:
+      A ``GradientTransformation`` with a ``ScaleByLearningRateState``.
+    Raises:
+      ValueError: if ``learning_rate`` is a number that is negative or not finite.
+      TypeError: if ``learning_rate`` is neither a real number nor callable.
+
+    Example:
+      >>> import torch
+      >>> from funcamp import optim
+      >>> opt = optim.scale_by_learning_rate(optim.linear_schedule(1.0, 0.0, 4))
+      >>> params = {"w": torch.zeros(1)}
+      >>> state = opt.init(params)
+      >>> u, state = opt.update({"w": torch.ones(1)}, state)
+      >>> u, state = opt.update({"w": torch.ones(1)}, state)
+      >>> u["w"], optim.learning_rate(state)
+      (tensor([-0.7500]), tensor(0.7500))
+    """
+    if callable(learning_rate):
+        schedule = learning_rate
+    elif isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool):
+        schedule = constant(check_nonnegative("scale_by_learning_rate", "learning_rate", learning_rate))
+    else:
+        raise TypeError(
+            "scale_by_learning_rate: learning_rate must be a float >= 0 or a schedule "
+            f"count -> 0-d tensor, got {type(learning_rate).__name__}"
+        )
+    sign = -1.0 if flip_sign else 1.0
+
+    def rate(count: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(schedule(count), dtype=torch.float32, device=count.device)
+
+    def init(params: Params) -> ScaleByLearningRateState:
+        count = zero_count(params)
+        return ScaleByLearningRateState(count=count, learning_rate=rate(count))
+
+    def update(
+        updates: Updates, state: ScaleByLearningRateState, params: Params = None
+    ) -> tuple[Updates, ScaleByLearningRateState]:
+        del params
+        lr = rate(state.count)
+        factor = sign * lr
+        new_updates = _tree.tree_map(lambda u: _scale_leaf(u, factor.to(compute_dtype(u.dtype))), updates)
+        return new_updates, ScaleByLearningRateState(count=state.count + 1, learning_rate=lr)
+
+    return GradientTransformation(init, update)
+
+
+def learning_rate(opt_state: Any) -> torch.Tensor:
+    """Return the learning rate of the latest update recorded in an optimizer state.
+
+    Searches ``opt_state`` (a state, or nested tuples, lists and dicts of states, as ``chain``
+    builds) for the first ``ScaleByLearningRateState`` and returns its ``learning_rate`` field. No
+    host sync: the result is the device tensor itself.
+
+    Args:
+      opt_state: an optimizer state.
+    Returns:
+      A 0-d float32 tensor: the rate used by the latest update (``schedule(0)`` before any update),
+      or a CPU NaN if the state holds no ``ScaleByLearningRateState``.
+
+    Example:
+      >>> import torch
+      >>> from funcamp import optim
+      >>> opt = optim.adamw(1e-3)
+      >>> optim.learning_rate(opt.init({"w": torch.zeros(2)}))
+      tensor(0.0010)
+      >>> optim.learning_rate(optim.EmptyState())
+      tensor(nan)
+    """
+    found = _find_lr_state(opt_state)
+    if found is None:
+        return torch.full((), math.nan, dtype=torch.float32)
+    return found.learning_rate
+
+
+def _find_lr_state(state: Any) -> ScaleByLearningRateState | None:
+    if isinstance(state, ScaleByLearningRateState):
+        return state
+    children = (
+        state.values() if isinstance(state, dict) else state if isinstance(state, (tuple, list)) else ()
+    )
+    for child in children:
+        found = _find_lr_state(child)
+        if found is not None:
+            return found
+    return None
