@@ -107,7 +107,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 "transformations; pass the state made by this chain's init"
             )
         new_state = []
-        for t, s in zip(transforms, state):
+        for t, s in zip(transforms, state, strict=True):
             updates, s = t.update(updates, s, params)
             new_state.append(s)
         return updates, tuple(new_state)
@@ -145,7 +145,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
             f"apply_updates: params and updates must have the same tree structure, got params {p_spec} "
             f"and updates {u_spec}"
         )
-    return _tree.tree_unflatten(p_spec, [_add_leaf(p, u) for p, u in zip(p_leaves, u_leaves)])
+    return _tree.tree_unflatten(p_spec, [_add_leaf(p, u) for p, u in zip(p_leaves, u_leaves, strict=True)])
 
 
 def _add_leaf(p: Any, u: Any) -> torch.Tensor:

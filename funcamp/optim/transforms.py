@@ -86,7 +86,7 @@ def _map_n(n: int, fn: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any) ->
                 "build the state with init(params) on parameters shaped like the gradients"
             )
         rest_leaves.append(other_leaves)
-    outs = [fn(*xs) for xs in zip(leaves, *rest_leaves)]
+    outs = [fn(*xs) for xs in zip(leaves, *rest_leaves, strict=True)]
     return tuple(_tree.tree_unflatten(spec, [o[i] for o in outs]) for i in range(n))
 
 
