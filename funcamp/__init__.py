@@ -5,7 +5,9 @@ unscale the gradients; ``grad_and_value`` checks them for overflow without a hos
 step composes these with optax-style optimizers and compiles whole with ``torch.compile``.
 """
 
+from funcamp import optim
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
+from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -14,23 +16,32 @@ from funcamp.loss_scale import (
     loss_scale_from_state_dict,
 )
 from funcamp.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
+from funcamp.train import SkippedStepsError, TrainState, check_skips, make_train_step, nonfinite_leaf_name
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "GradAndValue",
     "LossScale",
     "NoOpLossScale",
     "Policy",
+    "SkippedStepsError",
     "StaticLossScale",
+    "TrainState",
     "__version__",
     "all_finite",
     "cast_to_full",
     "cast_to_half",
+    "check_skips",
     "get_policy",
     "global_norm",
+    "grad_and_value",
     "half_dtype",
     "loss_scale_from_state_dict",
+    "make_train_step",
+    "nonfinite_leaf_name",
+    "optim",
     "select_tree",
     "tree_bytes",
 ]

@@ -83,7 +83,7 @@ def scaled_grad_and_value(
     """
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        out = _call_without_autocast(fun, *args, **kwargs)
+        out = fun(*args, **kwargs)
         if has_aux:
             if not isinstance(out, tuple) or len(out) != 2:
                 raise TypeError("grad_and_value: with has_aux=True, fun must return a (loss, aux) tuple")
@@ -97,7 +97,7 @@ def scaled_grad_and_value(
 
     def fn(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         _check_differentiable(args, argnums)
-        grads, (_, value) = inner(*args, **kwargs)
+        grads, (_, value) = _call_without_autocast(inner, *args, **kwargs)
         return loss_scale.unscale(grads), value
 
     return fn

@@ -1,0 +1,345 @@
+"""The functional train step: ``(state, batch) -> (state, metrics)``, compiled whole.
+
+One call scales the loss, differentiates (optionally over micro-batches), unscales and checks the
+gradients, runs the optimizer, and keeps the old parameters, buffers and optimizer state where the
+gradients were not finite, with ``torch.where``: no host sync and no Python branch on tensor values,
+so ``torch.compile(fullgraph=True)`` turns the whole step into one graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from funcamp import _tree
+from funcamp.grad import scaled_grad_and_value
+from funcamp.loss_scale import LossScale, NoOpLossScale
+from funcamp.optim import GradientTransformation, apply_updates, learning_rate
+from funcamp.policy import Policy, get_policy
+
+__all__ = [
+    "SkippedStepsError",
+    "TrainState",
+    "check_skips",
+    "make_train_step",
+    "nonfinite_leaf_name",
+]
+
+
+def _zero_int(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int32, device=device)
+
+
+def _device_of(tree: Any) -> torch.device:
+    for leaf in _tree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+@_tree.dataclass
+class TrainState:
+    """Everything a training run carries from step to step; immutable, a pytree of tensors.
+
+    Build it with :meth:`create`; :meth:`replace` returns a modified copy.
+
+    Attributes:
+      step: 0-d int32, the number of train-step calls so far (applied and skipped).
+      params: the master parameters (a dict of tensors, usually float32).
+      opt_state: the optimizer state (NamedTuples of tensors).
+      loss_scale: the current :class:`funcamp.LossScale`.
+      buffers: model buffers that change in training (BatchNorm statistics), or None.
+      skipped_steps: 0-d int32, steps skipped for non-finite gradients since the start.
+      consecutive_skips: 0-d int32, skipped steps since the last applied one.
+    """
+
+    step: torch.Tensor
+    params: Any
+    opt_state: Any
+    loss_scale: LossScale
+    buffers: Any = None
+    skipped_steps: torch.Tensor | None = None
+    consecutive_skips: torch.Tensor | None = None
+
+    @classmethod
+    def create(
+        cls,
+        params: Any,
+        optimizer: GradientTransformation,
+        *,
+        loss_scale: LossScale | None = None,
+        buffers: Any = None,
+    ) -> TrainState:
+        """A fresh state: ``optimizer.init(params)``, counters at 0, the loss scale on the params' device.
+
+        Args:
+          params: the master parameters, a pytree (usually a dict) of floating tensors.
+          optimizer: a :class:`funcamp.optim.GradientTransformation`.
+          loss_scale: default :class:`funcamp.NoOpLossScale`.
+          buffers: model buffers (``funcamp.nn.functionalize`` returns them), or None.
+        Raises:
+          TypeError: if ``optimizer`` is not a GradientTransformation, ``loss_scale`` not a LossScale,
+            or a parameter leaf is not a floating tensor.
+        """
+        if not isinstance(optimizer, GradientTransformation):
+            raise TypeError(
+                f"TrainState.create: optimizer must be a funcamp.optim.GradientTransformation, "
+                f"got {type(optimizer).__name__}"
+            )
+        loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+        if not isinstance(loss_scale, LossScale):
+            raise TypeError(
+                f"TrainState.create: loss_scale must be a funcamp loss scale (NoOpLossScale, StaticLossScale, "
+                f"DynamicLossScale), got {type(loss_scale).__name__}"
+            )
+        for path, leaf in zip(_tree.tree_paths(params), _tree.tree_leaves(params)):
+            if not _tree.is_floating(leaf):
+                what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+                raise TypeError(
+                    f"TrainState.create: every parameter must be a floating tensor; {path!r} is {what}. "
+                    "Keep integer state in buffers."
+                )
+        device = _device_of(params)
+        return cls(
+            step=_zero_int(device),
+            params=params,
+            opt_state=optimizer.init(params),
+            loss_scale=loss_scale.to(device),
+            buffers=buffers,
+            skipped_steps=_zero_int(device),
+            consecutive_skips=_zero_int(device),
+        )
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with the given fields replaced."""
+        return dataclasses.replace(self, **changes)
+
+
+def _micro_batches(batch: Any, k: int) -> list[Any]:
+    if k == 1:
+        return [batch]
+    leaves, spec = _tree.tree_flatten(batch)
+    chunks = []
+    for path, leaf in zip(_tree.tree_paths(batch), leaves):
+        if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0 or leaf.shape[0] % k:
+            shape = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            raise ValueError(
+                f"make_train_step: with accumulation_steps={k}, every batch leaf must be a tensor whose first "
+                f"dimension is divisible by {k}; leaf {path!r} is {shape}"
+            )
+        chunks.append(leaf.chunk(k))
+    return [_tree.tree_unflatten(spec, [c[i] for c in chunks]) for i in range(k)]
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: GradientTransformation,
+    *,
+    has_aux: bool = False,
+    accumulation_steps: int = 1,
+    max_consecutive_skips: int | None = None,
+    compile: bool = True,
+    backend: str | None = None,
+    data_parallel: Any = None,
+    policy: Policy | str | None = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+    """Build the pure train step ``step(state, batch) -> (new_state, metrics)``.
+
+    Per call: split ``batch`` into ``accumulation_steps`` micro-batches along dim 0; for each, the
+    gradient of ``loss_fn`` times the loss scale, unscaled in float32 and summed; their mean is cast to
+    the parameters' dtypes (the gradient of the mean loss). If every gradient and the loss are finite,
+    the optimizer update is applied; otherwise params, buffers and the whole optimizer state (its step
+    count too, so schedules do not advance) are kept bitwise. The loss scale is adjusted once per call.
+    ``state`` is never mutated.
+
+    ``loss_fn`` is ``loss_fn(params, batch) -> loss`` when ``state.buffers`` is None, else
+    ``loss_fn(params, buffers, batch) -> (loss, new_buffers)``; with ``has_aux`` the loss becomes
+    ``(loss, aux)``, i.e. ``(loss, aux)`` or ``((loss, aux), new_buffers)``.
+
+    Metrics (0-d tensors on the parameters' device): ``loss`` (mean unscaled loss, float32),
+    ``loss_scale`` (the scale used this step), ``grads_finite``, ``grad_norm`` (global L2 norm of the
+    unscaled gradients, before any clipping), ``learning_rate`` (the rate this step used or would
+    have used), ``skipped_steps``, ``consecutive_skips``, ``nonfinite_leaf`` (index of the first
+    parameter whose gradient was not finite, -1 if none; see :func:`nonfinite_leaf_name`), and with
+    ``max_consecutive_skips`` also ``too_many_skips`` (bool; :func:`check_skips` raises on it). With
+    ``has_aux``, ``metrics["aux"]`` holds the last micro-batch's aux.
+
+    Unlike ``torch.amp.GradScaler``, nothing is read on the host: pass metrics to a logger at its
+    own interval.
+
+    Args:
+      loss_fn: the loss, see above; a 0-d floating tensor.
+      optimizer: a :class:`funcamp.optim.GradientTransformation`.
+      has_aux: whether the loss comes with aux data.
+      accumulation_steps: micro-batches per step (>= 1); every batch leaf's first dimension must be
+        divisible by it.
+      max_consecutive_skips: report ``too_many_skips`` once this many steps in a row were skipped.
+      compile: wrap the step in ``torch.compile(fullgraph=True)``.
+      backend: the ``torch.compile`` backend (default inductor).
+      data_parallel: None (one process), True (the default ``torch.distributed`` process group) or
+        a process group: gradients are averaged over its ranks in ``policy.reduce_dtype`` and one
+        ``grads_finite`` is agreed for all ranks, with functional collectives that ``torch.compile``
+        traces (see :mod:`funcamp.parallel`).
+      policy: the precision policy (or string) whose ``reduce_dtype`` the gradients are averaged in;
+        default: each gradient's own dtype. Only used with ``data_parallel``.
+    Returns:
+      The step function.
+    Raises:
+      TypeError: if ``loss_fn`` is not callable or ``optimizer`` not a GradientTransformation.
+      ValueError: if ``accumulation_steps`` < 1 or ``max_consecutive_skips`` < 1; at call time, if a
+        batch leaf cannot be split into ``accumulation_steps`` micro-batches.
+
+    Example:
+      >>> import funcamp as fa
+      >>> from funcamp import optim
+      >>> params = {"w": torch.zeros(3)}
+      >>> loss_fn = lambda p, batch: ((batch["x"] @ p["w"] - batch["y"]) ** 2).mean()
+      >>> opt = optim.sgd(0.1)
+      >>> state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15))
+      >>> step = fa.make_train_step(loss_fn, opt, compile=False)
+      >>> state, metrics = step(state, {"x": torch.eye(3), "y": torch.ones(3)})
+      >>> state.params["w"], metrics["grads_finite"]
+      (tensor([0.0667, 0.0667, 0.0667]), tensor(True))
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            f"make_train_step: optimizer must be a funcamp.optim.GradientTransformation, "
+            f"got {type(optimizer).__name__}"
+        )
+    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"make_train_step: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+    if max_consecutive_skips is not None and (
+        not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1
+    ):
+        raise ValueError(
+            f"make_train_step: max_consecutive_skips must be None or an int >= 1, got {max_consecutive_skips!r}"
+        )
+    reduce_dtype = None if policy is None else get_policy(policy).reduce_dtype
+    if data_parallel is not None:
+        from funcamp import parallel
+
+        group = parallel.resolve_group(data_parallel)
+    k = accumulation_steps
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        with_buffers = state.buffers is not None
+        if with_buffers:
+            # The buffers come back through aux; the loss_fn's own aux (if any) rides along.
+            def fun(params: Any, buffers: Any, mb: Any) -> Any:
+                out, new_buffers = loss_fn(params, buffers, mb)
+                loss, aux = out if has_aux else (out, ())
+                return loss, (new_buffers, aux)
+        else:
+
+            def fun(params: Any, buffers: Any, mb: Any) -> Any:
+                out = loss_fn(params, mb)
+                loss, aux = out if has_aux else (out, ())
+                return loss, ((), aux)
+
+        grad_fn = scaled_grad_and_value(fun, state.loss_scale, has_aux=True)
+        # torch.func wants tensors (or empty containers) in aux: () stands for "no buffers".
+        buffers, total, losses, aux = (state.buffers if with_buffers else ()), None, [], ()
+        for mb in _micro_batches(batch, k):
+            grads32, (loss, (buffers, aux)) = grad_fn(state.params, buffers, mb)
+            total = grads32 if total is None else _tree.tree_map(torch.add, total, grads32)
+            losses.append(loss.float())
+        params = state.params
+        if data_parallel is not None:
+            total = parallel.mean_gradients(total, group, reduce_dtype)
+        grads = _tree.tree_map(lambda g, p: (g / k if k > 1 else g).to(p.dtype), total, params)
+        loss = torch.stack(losses).mean() if k > 1 else losses[0]
+        flags = _tree.finite_flags(grads)
+        finite = flags.all() & torch.isfinite(loss)
+        if data_parallel is not None:
+            finite = parallel.all_ranks_true(finite, group)
+            loss = parallel.mean_over_ranks(loss, group)
+
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
+        new_params = apply_updates(params, updates)
+        skipped = state.skipped_steps + (~finite).to(torch.int32)
+        consecutive = torch.where(finite, torch.zeros_like(state.consecutive_skips), state.consecutive_skips + 1)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=_tree.select_tree(finite, new_params, params),
+            opt_state=_tree.select_tree(finite, new_opt_state, state.opt_state),
+            loss_scale=state.loss_scale.adjust(finite),
+            buffers=_tree.select_tree(finite, buffers, state.buffers) if with_buffers else None,
+            skipped_steps=skipped,
+            consecutive_skips=consecutive,
+        )
+        first_bad = torch.argmax((~flags).to(torch.int32)) if flags.numel() else torch.zeros((), dtype=torch.long)
+        metrics = {
+            "loss": loss,
+            "loss_scale": state.loss_scale.loss_scale,
+            "grads_finite": finite,
+            "grad_norm": _tree.global_norm(grads),
+            "learning_rate": learning_rate(new_opt_state),
+            "skipped_steps": skipped,
+            "consecutive_skips": consecutive,
+            "nonfinite_leaf": torch.where(flags.all(), -1, first_bad.to(torch.int32)),
+        }
+        if max_consecutive_skips is not None:
+            metrics["too_many_skips"] = consecutive >= max_consecutive_skips
+        if has_aux:
+            metrics["aux"] = aux
+        return new_state, metrics
+
+    if compile:
+        return torch.compile(step, fullgraph=True, backend=backend or "inductor")
+    return step
+
+
+def nonfinite_leaf_name(params: Any, index: int | torch.Tensor) -> str | None:
+    """The name of the parameter that ``metrics["nonfinite_leaf"]`` points at (host side).
+
+    Args:
+      params: the parameters (``state.params``), to read the names from.
+      index: ``metrics["nonfinite_leaf"]`` (reads it from the device: call it outside the step).
+    Returns:
+      The parameter's dotted name (``"blocks.0.attn.weight"``), or None for -1 (all finite).
+    Raises:
+      IndexError: if ``index`` is out of range for ``params``.
+    """
+    i = int(index)
+    if i < 0:
+        return None
+    names = [p for p, leaf in zip(_tree.tree_paths(params), _tree.tree_leaves(params)) if _tree.is_floating(leaf)]
+    if i >= len(names):
+        raise IndexError(f"nonfinite_leaf_name: index {i} out of range for {len(names)} floating parameters")
+    return names[i]
+
+
+class SkippedStepsError(RuntimeError):
+    """Raised by :func:`check_skips` when too many consecutive steps were skipped."""
+
+
+def check_skips(metrics: dict[str, Any], params: Any = None) -> None:
+    """Raise if the step reported ``too_many_skips`` (host side: reads device tensors).
+
+    Call it outside the compiled step, at your logging interval.
+
+    Args:
+      metrics: the metrics of a step built with ``max_consecutive_skips``.
+      params: optional, to name the first parameter whose gradient was not finite.
+    Raises:
+      KeyError: if ``metrics`` has no ``too_many_skips`` (the step was built without
+        ``max_consecutive_skips``).
+      SkippedStepsError: if ``too_many_skips`` is true.
+    """
+    if "too_many_skips" not in metrics:
+        raise KeyError("check_skips: metrics has no 'too_many_skips'; build the step with max_consecutive_skips=N")
+    if bool(metrics["too_many_skips"]):
+        where = ""
+        if params is not None:
+            name = nonfinite_leaf_name(params, metrics["nonfinite_leaf"])
+            where = f"; first non-finite gradient: {name}" if name else "; the loss itself was not finite"
+        raise SkippedStepsError(
+            f"{int(metrics['consecutive_skips'])} consecutive steps skipped for non-finite gradients at loss "
+            f"scale {float(metrics['loss_scale']):g}{where}. Lower the learning rate, check the data, or "
+            "compute in bfloat16/float32."
+        )
