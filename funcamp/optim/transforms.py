@@ -191,9 +191,7 @@ def scale_by_adam(
             count=zero_count(params), mu=_zeros(params, moment_dtype), nu=_zeros(params, moment_dtype)
         )
 
-    def update(
-        updates: Updates, state: ScaleByAdamState, params: Params = None
-    ) -> tuple[Updates, ScaleByAdamState]:
+    def update(updates: Updates, state: ScaleByAdamState, params: Params = None) -> tuple[Updates, ScaleByAdamState]:
         del params
         count = state.count + 1
         t = count.to(torch.float32)
@@ -256,9 +254,7 @@ def scale_by_lion(
     def init(params: Params) -> ScaleByLionState:
         return ScaleByLionState(count=zero_count(params), mu=_zeros(params, moment_dtype))
 
-    def update(
-        updates: Updates, state: ScaleByLionState, params: Params = None
-    ) -> tuple[Updates, ScaleByLionState]:
+    def update(updates: Updates, state: ScaleByLionState, params: Params = None) -> tuple[Updates, ScaleByLionState]:
         del params
 
         def leaf(g: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,9 +268,7 @@ def scale_by_lion(
     return GradientTransformation(init, update)
 
 
-def trace(
-    decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | None = None
-) -> GradientTransformation:
+def trace(decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | None = None) -> GradientTransformation:
     r"""Accumulate a momentum trace of the updates (heavy ball, or Nesterov).
 
     .. math::
@@ -366,18 +360,14 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
 
     def masked(u: torch.Tensor, p: torch.Tensor, keep: Any) -> torch.Tensor:
         if not isinstance(keep, bool):
-            raise TypeError(
-                f"add_decayed_weights: mask leaves must be Python bools, got {type(keep).__name__}"
-            )
+            raise TypeError(f"add_decayed_weights: mask leaves must be Python bools, got {type(keep).__name__}")
         return decay(u, p) if keep else u
 
     def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         if weight_decay == 0.0:
             return updates, state
         if params is None:
-            raise ValueError(
-                "add_decayed_weights: update needs the parameters: call update(updates, state, params)"
-            )
+            raise ValueError("add_decayed_weights: update needs the parameters: call update(updates, state, params)")
         if mask is None:
             return _tree.tree_map(decay, updates, params), state
         tree_mask = mask(params) if callable(mask) else mask
@@ -419,16 +409,19 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         del params
-        norm = _tree.global_norm(updates)
+        norm = _tree.global_norm(_tree.tree_map(_no_float64, updates))
         factor = torch.where(norm > max_norm, max_norm / norm, torch.ones_like(norm))
         return _tree.tree_map(lambda u: _scale_leaf(u, factor), updates), state
 
     return GradientTransformation(init, update)
 
 
-def scale_by_learning_rate(
-    learning_rate: float | Schedule, *, flip_sign: bool = True
-) -> GradientTransformation:
+def _no_float64(x: Any) -> Any:
+    # _tree.global_norm asks vector_norm for float32, which refuses float64 inputs: narrow them first.
+    return x.to(torch.float32) if isinstance(x, torch.Tensor) and x.dtype == torch.float64 else x
+
+
+def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool = True) -> GradientTransformation:
     r"""Multiply updates by ``-learning_rate`` (a constant or a schedule of the step count).
 
     .. math:: u \leftarrow -\eta(t)\, u, \qquad t = \text{number of updates applied before this one}
@@ -518,9 +511,7 @@ def learning_rate(opt_state: Any) -> torch.Tensor:
 def _find_lr_state(state: Any) -> ScaleByLearningRateState | None:
     if isinstance(state, ScaleByLearningRateState):
         return state
-    children = (
-        state.values() if isinstance(state, dict) else state if isinstance(state, (tuple, list)) else ()
-    )
+    children = state.values() if isinstance(state, dict) else state if isinstance(state, (tuple, list)) else ()
     for child in children:
         found = _find_lr_state(child)
         if found is not None:
