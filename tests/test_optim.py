@@ -302,7 +302,8 @@ def test_learning_rate_recorded_in_state():
     lr_state = state[1][-1]
     assert isinstance(lr_state, optim.ScaleByLearningRateState) and lr_state.count.dtype == torch.int32
     assert lr_state.count.item() == 3
-    assert torch.isnan(optim.learning_rate((optim.EmptyState(), {"a": optim.TraceState(trace={})})))
+    no_rate = optim.learning_rate((optim.EmptyState(), {"a": optim.TraceState(trace={"w": torch.ones(1)})}))
+    assert torch.isnan(no_rate) and no_rate.dtype == torch.float32 and no_rate.ndim == 0
 
 
 # --- Lion --------------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ def sgd(
        g \leftarrow g + \lambda p, \qquad b_t = \mu b_{t-1} + g, \qquad
        p \leftarrow p - \eta\, (b_t \ \text{or}\ g + \mu b_t)
 
-    As ``torch.optim.SGD(lr, momentum, nesterov=..., weight_decay=..., dampening=0)``.
+    As ``torch.optim.SGD(lr, momentum, nesterov=..., weight_decay=..., dampening=0)``; torch's
+    ``dampening`` and ``maximize`` have no counterpart (chain ``scale(-1.0)`` first to maximize).
 
     Args:
       learning_rate: ``eta``, a float >= 0 or a schedule ``count -> 0-d float32 tensor``.
@@ -93,7 +94,8 @@ def adam(
 
     .. math:: g \leftarrow g + \lambda p, \qquad p \leftarrow p - \eta\, \mathrm{adam}(g)
 
-    where ``adam`` is ``scale_by_adam`` (bias-corrected moments, step counted from 1).
+    where ``adam`` is ``scale_by_adam`` (bias-corrected moments, step counted from 1). As
+    ``torch.optim.Adam`` without ``amsgrad``; unlike optax's ``adam``, which has no weight decay.
 
     Args:
       learning_rate: ``eta``, a float >= 0 or a schedule ``count -> 0-d float32 tensor``.
@@ -144,6 +146,12 @@ def adamw(
     As ``torch.optim.AdamW``, including its default ``weight_decay=0.01`` (optax's ``adamw``
     defaults to 1e-4). The decay is scaled by the learning rate, so it follows a schedule.
 
+    Warning: ``torch.optim.AdamW`` multiplies the parameters by ``1 - lr * weight_decay`` rounded
+    to float32, which misstates a small decay (by 0.13% at ``lr * weight_decay = 1e-5``); funcamp
+    adds ``-lr * weight_decay * p`` instead. The two drift apart by up to about ``2**-24 * |p|`` per
+    step (measured: 5.7e-6 after 100 steps at the defaults with ``lr=1e-3``, against 1.2e-7 for
+    ``adam``); they agree to float32 round-off when ``lr * weight_decay`` is a power of two.
+
     Args:
       learning_rate: ``eta``, a float >= 0 or a schedule ``count -> 0-d float32 tensor``.
       b1: decay of the first moment, in [0, 1).
@@ -193,7 +201,8 @@ def lion(
        p \leftarrow p - \eta\,(\mathrm{sign}(\beta_1 m + (1 - \beta_1) g) + \lambda p), \qquad
        m \leftarrow \beta_2 m + (1 - \beta_2) g
 
-    There is no ``torch.optim`` counterpart; the defaults are the paper's (and optax's).
+    There is no ``torch.optim`` counterpart; ``b1`` and ``b2`` default to the paper's values, and
+    ``weight_decay`` to 0 (optax's ``lion`` defaults to 1e-3).
 
     Args:
       learning_rate: ``eta``, a float >= 0 or a schedule ``count -> 0-d float32 tensor``.

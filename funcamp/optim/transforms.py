@@ -491,7 +491,8 @@ def learning_rate(opt_state: Any) -> torch.Tensor:
       opt_state: an optimizer state.
     Returns:
       A 0-d float32 tensor: the rate used by the latest update (``schedule(0)`` before any update),
-      or a CPU NaN if the state holds no ``ScaleByLearningRateState``.
+      or NaN if the state holds no ``ScaleByLearningRateState`` (on the device of the state's first
+      tensor; CPU if it has none).
 
     Example:
       >>> import torch
@@ -504,7 +505,9 @@ def learning_rate(opt_state: Any) -> torch.Tensor:
     """
     found = _find_lr_state(opt_state)
     if found is None:
-        return torch.full((), math.nan, dtype=torch.float32)
+        tensors = [x for x in _tree.tree_leaves(opt_state) if isinstance(x, torch.Tensor)]
+        device = tensors[0].device if tensors else None
+        return torch.full((), math.nan, dtype=torch.float32, device=device)
     return found.learning_rate
 
 
