@@ -149,7 +149,7 @@ def adamw(
     Warning: ``torch.optim.AdamW`` multiplies the parameters by ``1 - lr * weight_decay`` rounded
     to float32, which misstates a small decay (by 0.13% at ``lr * weight_decay = 1e-5``); funcamp
     adds ``-lr * weight_decay * p`` instead. The two drift apart by up to about ``2**-24 * |p|`` per
-    step (measured: 5.7e-6 after 100 steps at the defaults with ``lr=1e-3``, against 1.2e-7 for
+    step (measured: 1e-5 after 100 steps at the defaults with ``lr=1e-3`` and ``|p| < 4``, against 1e-7 for
     ``adam``); they agree to float32 round-off when ``lr * weight_decay`` is a power of two.
 
     Args:
