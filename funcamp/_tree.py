@@ -174,7 +174,8 @@ def global_norm(tree: Any) -> torch.Tensor:
     leaves = _floating_leaves(tree)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
-    norms = [torch.linalg.vector_norm(x, dtype=torch.float32) for x in leaves]
+    # float64 leaves are normed in float64 (vector_norm will not narrow), then every norm is float32.
+    norms = [torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32)).float() for x in leaves]
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
