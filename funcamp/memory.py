@@ -1,0 +1,211 @@
+"""Memory footprints: the bytes of parameters and buffers, and what a precision policy stores and computes.
+
+:func:`memory_footprint` counts what Hugging Face's ``model.get_memory_footprint()`` counts (parameters,
+tied ones once, plus buffers) for a module, or the tensor leaves of any pytree. :func:`memory_report`
+splits the bytes by dtype: what the master copy holds between steps, and the compute-dtype copies of
+the parameters that a forward pass under the policy makes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from funcamp import _tree
+from funcamp.policy import Policy, get_policy
+
+__all__ = ["MemoryReport", "memory_footprint", "memory_report"]
+
+PolicyArg = Policy | str | Mapping[str, Policy | str] | None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def memory_footprint(tree_or_module: Any, *, buffers: bool = True) -> int:
+    """Bytes held by a module's parameters and buffers, or by the tensor leaves of a pytree.
+
+    For a module this is ``model.get_memory_footprint(return_buffers=buffers)`` of Hugging Face
+    transformers: ``numel * element_size`` of each parameter (a tied parameter once) plus each buffer.
+    For a pytree (the ``params`` that :func:`funcamp.nn.functionalize` returns, a train state) it is
+    :func:`funcamp.tree_bytes`. Views are counted at their own size, not their storage's.
+
+    Args:
+      tree_or_module: an ``nn.Module`` or a pytree whose tensor leaves are counted.
+      buffers: for a module, whether to count its buffers too (ignored for a pytree).
+    Returns:
+      The size in bytes, a Python int.
+
+    Example:
+      >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+      >>> memory_footprint(model)  # (16 + 4 + 4 + 4) * 4 float32 params, 8 float32 stats, one int64
+      152
+      >>> memory_footprint({"w": torch.zeros(4, 4, dtype=torch.bfloat16), "step": 3})
+      32
+    """
+    if isinstance(tree_or_module, nn.Module):
+        total = sum(_nbytes(p) for p in tree_or_module.parameters())
+        if buffers:
+            total += sum(_nbytes(b) for b in tree_or_module.buffers())
+        return total
+    return _tree.tree_bytes(tree_or_module)
+
+
+def _format_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes by dtype that a model holds, and that its forward pass adds, under a precision policy.
+
+    Attributes:
+      stored: bytes of the master parameters and buffers between steps, by dtype (floating parameters
+        and persistent buffers in their policy's ``param_dtype``; integer tensors and non-persistent
+        buffers as they are).
+      compute: bytes of the compute-dtype copies of floating parameters and persistent buffers that
+        a forward pass makes, by dtype (none where ``compute_dtype == param_dtype``). Activations,
+        gradients and optimizer state are not included.
+      policy: the policy as text (``"mixed"`` for per-name policies, ``None`` without a policy).
+    """
+
+    stored: dict[torch.dtype, int]
+    compute: dict[torch.dtype, int]
+    policy: str | None = None
+
+    @property
+    def stored_bytes(self) -> int:
+        """Total bytes stored."""
+        return sum(self.stored.values())
+
+    @property
+    def compute_bytes(self) -> int:
+        """Total bytes of compute copies."""
+        return sum(self.compute.values())
+
+    @property
+    def total_bytes(self) -> int:
+        """Stored plus compute-copy bytes: the peak for parameters during a forward pass."""
+        return self.stored_bytes + self.compute_bytes
+
+    def __str__(self) -> str:
+        dtypes = sorted({*self.stored, *self.compute}, key=lambda d: (-d.itemsize, str(d)))
+
+        def cell(table: dict[torch.dtype, int], dtype: torch.dtype) -> str:
+            return _format_bytes(table[dtype]) if dtype in table else "-"
+
+        rows = [("dtype", "stored", "compute copies")]
+        rows += [(_dtype_name(d), cell(self.stored, d), cell(self.compute, d)) for d in dtypes]
+        rows.append(("total", _format_bytes(self.stored_bytes), _format_bytes(self.compute_bytes)))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = [f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}" for r in rows]
+        title = f"memory ({self.policy})" if self.policy else "memory"
+        return "\n".join([title, *lines])
+
+
+def _named_tensors(tree_or_module: Any) -> Iterator[tuple[str | None, torch.Tensor, bool]]:
+    """``(name, tensor, follows_policy)`` for everything counted; names are None in a nested tree."""
+    if isinstance(tree_or_module, nn.Module):
+        for name, p in tree_or_module.named_parameters():
+            yield name, p, True
+        for name, b in tree_or_module.named_buffers():
+            prefix, _, leaf = name.rpartition(".")
+            owner = tree_or_module.get_submodule(prefix)
+            yield name, b, leaf not in owner._non_persistent_buffers_set
+        return
+    if isinstance(tree_or_module, Mapping) and all(isinstance(k, str) for k in tree_or_module):
+        for name, leaf in tree_or_module.items():
+            for x in _tree.tree_leaves(leaf):
+                if isinstance(x, torch.Tensor):
+                    yield name, x, True
+        return
+    for x in _tree.tree_leaves(tree_or_module):
+        if isinstance(x, torch.Tensor):
+            yield None, x, True
+
+
+def _policy_for(policy: Any, name: str | None) -> Policy:
+    if not isinstance(policy, Mapping):
+        return policy
+    if name is None:
+        raise TypeError(
+            "memory_report: per-name policies need a module or a flat dict of tensors by name "
+            "(such as the params funcamp.nn.functionalize returns)"
+        )
+    if name not in policy:
+        raise ValueError(
+            f"memory_report: no policy for {name!r}; pass funcamp.nn.param_policies(model, policy) "
+            "for the model these tensors belong to"
+        )
+    return get_policy(policy[name])
+
+
+def memory_report(tree_or_module: Any, policy: PolicyArg = None) -> MemoryReport:
+    """Bytes by dtype that a model stores, and the compute copies it makes, under a precision policy.
+
+    Every floating parameter (and persistent buffer, and floating leaf of a pytree) is counted in its
+    policy's ``param_dtype`` under ``stored``, and, where the policy's ``compute_dtype`` differs, once
+    more in the compute dtype under ``compute``: the copy :func:`funcamp.nn.functionalize`'s
+    ``apply_fn`` casts it to. Integer tensors and non-persistent buffers are counted as they are.
+    Without a policy, ``stored`` is what the tensors hold now and ``compute`` is empty.
+
+    Args:
+      tree_or_module: an ``nn.Module`` or a pytree of tensors.
+      policy: a Policy, a policy string, a dict from names (``named_parameters`` names, or the keys of
+        a flat dict) to policies such as :func:`funcamp.nn.param_policies` returns, which knows that
+        normalisation layers stay in float32; or None.
+    Returns:
+      A :class:`MemoryReport`; ``str()`` of it is a table.
+    Raises:
+      TypeError: if per-name policies are given with a nested pytree.
+      ValueError: if a policy string does not parse, or a floating tensor has no per-name policy.
+
+    Example:
+      >>> model = torch.nn.Linear(1024, 1024)
+      >>> report = memory_report(model, "params=float32,compute=bfloat16,output=float32")
+      >>> report.stored_bytes, report.compute_bytes
+      (4198400, 2099200)
+      >>> print(report)
+      memory (params=float32,compute=bfloat16,output=float32)
+      dtype      stored  compute copies
+      float32   4.0 MiB               -
+      bfloat16        -         2.0 MiB
+      total     4.0 MiB         2.0 MiB
+    """
+    if isinstance(policy, Mapping):
+        policy_name: str | None = "mixed"
+    elif policy is not None:
+        policy = get_policy(policy)
+        policy_name = str(policy)
+    else:
+        policy_name = None
+    stored: dict[torch.dtype, int] = {}
+    compute: dict[torch.dtype, int] = {}
+    for name, tensor, follows in _named_tensors(tree_or_module):
+        if policy is None or not follows or not tensor.is_floating_point():
+            _add(stored, tensor.dtype, _nbytes(tensor))
+            continue
+        p = _policy_for(policy, name)
+        _add(stored, p.param_dtype, tensor.numel() * p.param_dtype.itemsize)
+        if p.compute_dtype != p.param_dtype:
+            _add(compute, p.compute_dtype, tensor.numel() * p.compute_dtype.itemsize)
+    return MemoryReport(stored, compute, policy_name)
+
+
+def _add(table: dict[torch.dtype, int], dtype: torch.dtype, n: int) -> None:
+    table[dtype] = table.get(dtype, 0) + n
