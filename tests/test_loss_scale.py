@@ -1,0 +1,266 @@
+"""Loss scales: trajectories against jmp (golden) and torch.amp.GradScaler (live), floors, round trips."""
+
+import copy
+import io
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import funcamp as fa
+from funcamp import _tree
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "jmp_loss_scale.json").read_text())
+CASES = {c["name"]: c for c in GOLDEN["cases"]}
+TRUE, FALSE = torch.tensor(True), torch.tensor(False)
+
+
+def _run(loss_scale, flags, adjust=None):
+    adjust = adjust or (lambda ls, f: ls.adjust(f))
+    scales, counters = [], []
+    for flag in flags:
+        loss_scale = adjust(loss_scale, TRUE if flag else FALSE)
+        scales.append(float(loss_scale.loss_scale))
+        counters.append(int(loss_scale.counter))
+    return scales, counters
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "k_initial_below_floor"])
+def test_trajectory_equals_jmp(name):
+    # Golden data: tests/golden/jmp_loss_scale.json, jmp 0.0.4 DynamicLossScale.adjust run step by step
+    # (un-jitted) by tools/make_jmp_golden.py. Defaults differ from jmp only in spelling: factor ->
+    # growth_factor, and backoff_factor=None divides by it exactly as jmp does.
+    case = CASES[name]
+    loss_scale = fa.DynamicLossScale(
+        case["initial_scale"],
+        period=case["period"],
+        growth_factor=float(case["factor"]),
+        min_loss_scale=case["min_loss_scale"],
+    )
+    flags = [c == "1" for c in case["flags"]]
+    scales, counters = _run(loss_scale, flags)
+    assert scales == case["scales"]
+    assert counters == case["counters"]
+
+
+def test_golden_cases_exercise_growth_backoff_floor_and_saturation():
+    saturate = CASES["f_saturate_2pow127"]["scales"]
+    assert max(saturate) == 2.0**127 and all(np.isfinite(saturate))
+    assert min(CASES["g_backoff_to_floor"]["scales"]) == 1.0
+    assert min(CASES["h_tiny_floor"]["scales"]) == 2.0**-10
+    assert len(set(CASES["a_defaults_p0.001"]["scales"])) > 1
+
+
+def test_initial_scale_below_floor_is_refused():
+    # jmp accepts it and its first backoff *raises* the scale to the floor (golden case k); funcamp refuses.
+    case = CASES["k_initial_below_floor"]
+    assert case["scales"][case["flags"].index("0")] == 1.0
+    with pytest.raises(ValueError, match="min_loss_scale"):
+        fa.DynamicLossScale(0.5)
+
+
+def _grad_scaler_trajectory(init, interval, flags):
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_interval=interval)
+    scales, counters = [], []
+    for flag in flags:
+        scaler.scale((param * 0).sum())  # what a training loop scales; sets up the scaler's state
+        param.grad = torch.ones(1) if flag else torch.full((1,), float("inf"))
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+        counters.append(int(scaler._growth_tracker))
+    return scales, counters
+
+
+@pytest.mark.parametrize(
+    "init, period, p_nonfinite, seed",
+    [(2.0**15, 1, 0.5, 0), (2.0**15, 2, 0.3, 1), (2.0**10, 5, 0.1, 2), (2.0**15, 2000, 0.0005, 3), (1.0, 3, 0.2, 4)],
+)
+def test_trajectory_equals_torch_amp_grad_scaler(init, period, p_nonfinite, seed):
+    # GradScaler has no floor and multiplies by backoff_factor=0.5: funcamp with those options matches.
+    flags = (np.random.RandomState(seed).random_sample(2500) >= p_nonfinite).tolist()
+    expected = _grad_scaler_trajectory(init, period, flags)
+    ours = fa.DynamicLossScale(init, period=period, growth_factor=2.0, backoff_factor=0.5, min_loss_scale=2.0**-126)
+    assert _run(ours, flags) == expected
+    assert len(set(expected[0])) >= 2  # the scale really moved
+
+
+def _overflow_loss(params):
+    """Loss 1000 (finite in float16) whose gradient, 100000, overflows float16 at any scale >= 1 but not at 0.5."""
+    h = params["w"].half() * torch.tensor(250.0, dtype=torch.float16)
+    return (h * torch.tensor(400.0, dtype=torch.float16)).sum()
+
+
+PARAMS = {"w": torch.full((1,), 0.01)}
+
+
+def _overflowing_grad(scale_value, min_loss_scale=1.0):
+    loss_scale = fa.DynamicLossScale(scale_value, period=2000, min_loss_scale=min_loss_scale)
+    return fa.grad_and_value(_overflow_loss, loss_scale)(PARAMS), loss_scale
+
+
+def test_floor_below_one_lets_an_overflowing_model_recover():
+    out, loss_scale = _overflowing_grad(1.0, min_loss_scale=2.0**-10)
+    assert not out.grads_finite
+    loss_scale = loss_scale.adjust(out.grads_finite)
+    assert float(loss_scale.loss_scale) == 0.5
+    out = fa.grad_and_value(_overflow_loss, loss_scale)(PARAMS)
+    assert out.grads_finite
+    # 0.5 * 400 * 250 = 50000 rounds to 49984 in float16 (spacing 32 there); unscaled: 99968.
+    assert out.grads["w"].item() == 99968.0 and torch.isfinite(out.value)
+
+
+def test_default_floor_keeps_overflowing_forever():
+    out, loss_scale = _overflowing_grad(1.0)
+    for _ in range(5):
+        assert not out.grads_finite
+        loss_scale = loss_scale.adjust(out.grads_finite)
+        assert float(loss_scale.loss_scale) == 1.0
+
+
+def test_unscale_happens_in_float32():
+    loss_scale = fa.StaticLossScale(2.0**15)
+    scaled = (torch.tensor(0.003, dtype=torch.float16) * 2**15).to(torch.float16)
+    unscaled = loss_scale.unscale({"g": scaled})["g"]
+    assert unscaled.dtype == torch.float32
+    assert abs(unscaled.item() - 0.0030003) < 1e-7
+    assert fa.all_finite(unscaled)
+    overflowed = (torch.tensor(3.0, dtype=torch.float16) * 2**15).to(torch.float16)
+    assert torch.isinf(overflowed)
+    assert not fa.all_finite(loss_scale.unscale(overflowed))
+
+
+def test_scale_is_float32_even_where_float16_cannot_hold_it():
+    loss_scale = fa.DynamicLossScale(2.0**16)
+    assert loss_scale.loss_scale.dtype == torch.float32 and loss_scale.loss_scale.ndim == 0
+    assert torch.isinf(torch.tensor(2.0**16, dtype=torch.float16))
+    assert loss_scale.scale(torch.tensor(1.0, dtype=torch.float16)).item() == 2.0**16
+    with pytest.raises(TypeError, match="float32"):
+        fa.DynamicLossScale(torch.tensor(2.0**15, dtype=torch.float16))
+
+
+def test_float64_leaves_stay_float64_and_ints_pass_through():
+    loss_scale = fa.StaticLossScale(4.0)
+    tree = {"a": torch.tensor(1.0, dtype=torch.float64), "n": torch.tensor(3), "s": "x"}
+    scaled = loss_scale.scale(tree)
+    assert scaled["a"].dtype == torch.float64 and scaled["a"].item() == 4.0
+    assert scaled["n"] is tree["n"] and scaled["s"] == "x"
+    assert loss_scale.unscale(scaled)["a"].item() == 1.0
+
+
+def test_noop_and_static_never_change():
+    for loss_scale in (fa.NoOpLossScale(), fa.StaticLossScale(128.0)):
+        assert loss_scale.adjust(FALSE) is loss_scale
+        assert loss_scale.adjust(TRUE) is loss_scale
+    noop = fa.NoOpLossScale()
+    x = torch.ones(2, dtype=torch.float16)
+    assert noop.scale(x) is x and noop.unscale(x) is x
+    assert noop.loss_scale.dtype == torch.float32 and noop.loss_scale.item() == 1.0
+
+
+def test_growth_capped_by_max_loss_scale():
+    loss_scale = fa.DynamicLossScale(2.0**14, period=1, max_loss_scale=2.0**15)
+    scales, _ = _run(loss_scale, [True] * 4)
+    assert scales == [2.0**15] * 4
+
+
+def test_backoff_factor_and_growth_factor():
+    loss_scale = fa.DynamicLossScale(1024.0, period=2, growth_factor=4.0, backoff_factor=0.25)
+    scales, counters = _run(loss_scale, [True, True, False, True])
+    assert scales == [1024.0, 4096.0, 1024.0, 1024.0]
+    assert counters == [1, 0, 0, 1]
+
+
+def test_hysteresis_tolerates_consecutive_overflows():
+    loss_scale = fa.DynamicLossScale(1024.0, period=100, hysteresis=3)
+    flags = [False, False, True, False, False, False, False, True, False]
+    scales, counters = _run(loss_scale, flags)
+    # Two overflows tolerated; a finite step resets; the third in a row backs off, and so does each next one.
+    assert scales == [1024.0, 1024.0, 1024.0, 1024.0, 1024.0, 512.0, 256.0, 256.0, 256.0]
+    assert counters == [0, 0, 1, 0, 0, 0, 0, 1, 0]
+
+
+def test_round_trips_keep_every_field():
+    states = [
+        fa.NoOpLossScale(),
+        fa.StaticLossScale(512.0),
+        fa.DynamicLossScale(
+            1024.0, period=7, growth_factor=3.0, backoff_factor=0.25, min_loss_scale=2.0**-10, max_loss_scale=2.0**20,
+            hysteresis=2,
+        ).adjust(TRUE),
+    ]
+    for state in states:
+        leaves, spec = _tree.tree_flatten(state)
+        for other in (
+            _tree.tree_unflatten(spec, leaves),
+            copy.deepcopy(state),
+            pickle.loads(pickle.dumps(state)),
+            _tree.tree_map(lambda x: x.clone(), state),
+        ):
+            _assert_same(other, state)
+        buffer = io.BytesIO()
+        torch.save(state.state_dict(), buffer)
+        buffer.seek(0)
+        _assert_same(fa.loss_scale_from_state_dict(torch.load(buffer, weights_only=True)), state)
+
+
+def _assert_same(a, b):
+    assert type(a) is type(b)
+    for name in vars(b):
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(y, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        else:
+            assert x == y and type(x) is type(y), name
+
+
+def test_checkpoint_at_1024_counter_1_resumes_exactly():
+    loss_scale = fa.DynamicLossScale(1024.0, period=2).adjust(TRUE)
+    assert (float(loss_scale.loss_scale), int(loss_scale.counter)) == (1024.0, 1)
+    buffer = io.BytesIO()
+    torch.save(loss_scale.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = fa.loss_scale_from_state_dict(torch.load(buffer, weights_only=True))
+    assert (float(loaded.loss_scale), int(loaded.counter), loaded.period) == (1024.0, 1, 2)
+    nxt = loaded.adjust(TRUE)
+    assert (float(nxt.loss_scale), int(nxt.counter)) == (2048.0, 0)
+
+
+def test_state_dict_errors():
+    with pytest.raises(ValueError, match="unknown type"):
+        fa.loss_scale_from_state_dict({"type": "GradScaler"})
+    with pytest.raises(ValueError, match="bad fields"):
+        fa.loss_scale_from_state_dict({"type": "DynamicLossScale", "scale": torch.tensor(1.0)})
+
+
+def test_adjust_is_immutable():
+    loss_scale = fa.DynamicLossScale(8.0, period=1)
+    before = loss_scale.loss_scale.clone()
+    grown = loss_scale.adjust(TRUE)
+    assert grown is not loss_scale and float(grown.loss_scale) == 16.0
+    assert torch.equal(loss_scale.loss_scale, before)
+    with pytest.raises(AttributeError):
+        loss_scale.loss_scale = torch.tensor(1.0)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_adjust_compiles_without_recompiling(backend):
+    torch._dynamo.reset()
+    adjust = torch.compile(lambda ls, f: ls.adjust(f), fullgraph=True, backend=backend)
+    case = CASES["c_period2_p0.3"]
+    flags = [c == "1" for c in case["flags"][:40]]
+    loss_scale = fa.DynamicLossScale(case["initial_scale"], period=2)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        scales, counters = _run(loss_scale, flags, adjust)
+    assert scales == case["scales"][:40] and counters == case["counters"][:40]
+
+
+def test_to_moves_state():
+    loss_scale = fa.DynamicLossScale(4.0).to("cpu")
+    assert loss_scale.loss_scale.device.type == "cpu" and loss_scale.counter.dtype == torch.int32
