@@ -1,0 +1,121 @@
+"""Tree utilities: all_finite, select_tree, global_norm, casting, bytes, paths."""
+
+import math
+
+import pytest
+import torch
+
+import funcamp as fa
+from funcamp import _tree
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_all_finite_sees_any_non_finite_element(dtype, bad):
+    tree = {"a": torch.ones(3, 4, dtype=dtype), "b": [torch.zeros(5, dtype=dtype), None], "n": torch.arange(3)}
+    assert fa.all_finite(tree)
+    for leaf in (tree["a"], tree["b"][0]):
+        for index in range(leaf.numel()):
+            poisoned = leaf.clone()
+            poisoned.view(-1)[index] = bad
+            other = {**tree, "a": poisoned} if leaf is tree["a"] else {**tree, "b": [poisoned, None]}
+            assert not fa.all_finite(other)
+
+
+def test_all_finite_edge_cases():
+    assert fa.all_finite({}) and fa.all_finite([]) and fa.all_finite(None)
+    assert fa.all_finite({"a": None, "b": (None,)})
+    assert fa.all_finite({"ids": torch.tensor([2**62]), "flag": torch.tensor(True), "s": "x", "n": 3.0})
+    result = fa.all_finite({"x": torch.ones(2)})
+    assert result.dtype == torch.bool and result.ndim == 0
+    assert not fa.all_finite(torch.tensor(float("nan")))
+
+
+def test_finite_flags_per_leaf_in_leaf_order():
+    tree = {"b": torch.tensor([float("inf")]), "a": torch.ones(1), "c": torch.arange(2)}
+    flags = _tree.finite_flags(tree)
+    assert flags.tolist() == [True, False]  # optree order: a, b; the integer leaf c is skipped
+    assert _tree.finite_flags({}).shape == (0,)
+
+
+def test_select_tree_picks_whole_trees():
+    a = {"x": torch.ones(2), "n": torch.tensor(1), "s": "same"}
+    b = {"x": torch.zeros(2), "n": torch.tensor(2), "s": "same"}
+    chosen = fa.select_tree(torch.tensor(True), a, b)
+    assert torch.equal(chosen["x"], a["x"]) and chosen["n"].item() == 1 and chosen["s"] == "same"
+    chosen = fa.select_tree(torch.tensor(False), a, b)
+    assert torch.equal(chosen["x"], b["x"]) and chosen["n"].item() == 2
+
+
+def test_select_tree_keeps_nan_payload_bitwise():
+    a = {"x": torch.tensor([float("nan"), 1.0])}
+    b = {"x": torch.tensor([2.0, -0.0])}
+    chosen = fa.select_tree(torch.tensor(False), a, b)["x"]
+    assert chosen[0].item() == 2.0 and math.copysign(1.0, chosen[1].item()) == -1.0
+
+
+@pytest.mark.parametrize(
+    "pred, error, fragment",
+    [
+        (True, TypeError, "0-d torch.bool tensor"),
+        (torch.tensor(1), TypeError, "dtype torch.int64"),
+        (torch.tensor([True]), ValueError, "must be 0-d"),
+        (torch.tensor([[True, False]]), ValueError, "shape (1, 2)"),
+    ],
+)
+def test_select_tree_rejects_bad_predicates(pred, error, fragment):
+    with pytest.raises(error, match="pred") as info:
+        fa.select_tree(pred, {"x": torch.ones(1)}, {"x": torch.ones(1)})
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "a, b, fragment",
+    [
+        ({"x": torch.ones(1)}, {"y": torch.ones(1)}, "same structure"),
+        ({"x": torch.ones(1)}, {"x": torch.ones(1), "y": torch.ones(1)}, "same structure"),
+        ({"x": torch.ones(1)}, {"x": torch.ones(1, dtype=torch.float16)}, "dtype"),
+        ({"x": "a"}, {"x": "b"}, "must be equal"),
+        ({"x": torch.ones(1)}, {"x": 1.0}, "must be equal"),
+    ],
+)
+def test_select_tree_rejects_mismatched_trees(a, b, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        fa.select_tree(torch.tensor(True), a, b)
+
+
+def test_select_tree_traces_without_graph_break():
+    torch._dynamo.reset()
+    select = torch.compile(fa.select_tree, fullgraph=True, backend="aot_eager")
+    out = select(torch.tensor(False), {"x": torch.ones(2)}, {"x": torch.full((2,), 3.0)})
+    assert out["x"].tolist() == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_global_norm_in_float32(dtype):
+    tree = {"a": torch.tensor([3.0], dtype=dtype), "b": [torch.tensor([4.0], dtype=dtype)], "i": torch.tensor([7])}
+    norm = fa.global_norm(tree)
+    assert norm.dtype == torch.float32 and norm.ndim == 0 and norm.item() == 5.0
+    assert fa.global_norm({}).item() == 0.0
+
+
+def test_global_norm_does_not_overflow_for_large_float16_values():
+    # 60000**2 overflows float16; the norm is taken in float32.
+    norm = fa.global_norm({"a": torch.full((4,), 60000.0, dtype=torch.float16)})
+    assert torch.isfinite(norm) and abs(norm.item() - 120000.0) < 1.0
+    assert not torch.isfinite(fa.global_norm({"a": torch.tensor([float("inf")])}))
+
+
+def test_tree_bytes_and_paths():
+    tree = {"w": torch.ones(2, 3), "h": torch.ones(4, dtype=torch.float16), "ids": torch.ones(2, dtype=torch.int64), "s": 3}
+    assert fa.tree_bytes(tree) == 2 * 3 * 4 + 4 * 2 + 2 * 8
+    assert _tree.tree_paths({"b": {"w": 1}, "a": [1, 2]}) == ["a.0", "a.1", "b.w"]
+
+
+def test_cast_floating_leaves_others_alone():
+    complex_leaf = torch.ones(1, dtype=torch.complex64)
+    tree = {"x": torch.ones(1, dtype=torch.float64), "c": complex_leaf, "none": None, "obj": object}
+    out = _tree.cast_floating(tree, torch.float16)
+    assert out["x"].dtype == torch.float16 and out["c"] is complex_leaf and out["none"] is None and out["obj"] is object
