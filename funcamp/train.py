@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _tree
+from funcamp import _tree, parallel
 from funcamp.grad import scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, apply_updates, learning_rate
@@ -179,16 +179,18 @@ def make_train_step(
       max_consecutive_skips: report ``too_many_skips`` once this many steps in a row were skipped.
       compile: wrap the step in ``torch.compile(fullgraph=True)``.
       backend: the ``torch.compile`` backend (default inductor).
-      data_parallel: None (one process), True (the default ``torch.distributed`` process group) or
-        a process group: gradients are averaged over its ranks in ``policy.reduce_dtype`` and one
-        ``grads_finite`` is agreed for all ranks, with functional collectives that ``torch.compile``
+      data_parallel: None or False (one process), True (the default ``torch.distributed`` process
+        group) or a process group: gradients are averaged over its ranks in ``policy.reduce_dtype``
+        and one ``grads_finite`` is agreed for all ranks, with functional collectives that ``torch.compile``
         traces (see :mod:`funcamp.parallel`).
       policy: the precision policy (or string) whose ``reduce_dtype`` the gradients are averaged in;
         default: each gradient's own dtype. Only used with ``data_parallel``.
     Returns:
       The step function.
     Raises:
-      TypeError: if ``loss_fn`` is not callable or ``optimizer`` not a GradientTransformation.
+      TypeError: if ``loss_fn`` is not callable, ``optimizer`` not a GradientTransformation, or
+        ``data_parallel`` not None, a bool or a ProcessGroup.
+      RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
       ValueError: if ``accumulation_steps`` < 1 or ``max_consecutive_skips`` < 1; at call time, if a
         batch leaf cannot be split into ``accumulation_steps`` micro-batches.
 
@@ -220,10 +222,7 @@ def make_train_step(
             f"make_train_step: max_consecutive_skips must be None or an int >= 1, got {max_consecutive_skips!r}"
         )
     reduce_dtype = None if policy is None else get_policy(policy).reduce_dtype
-    if data_parallel is not None:
-        from funcamp import parallel
-
-        group = parallel.resolve_group(data_parallel)
+    group = parallel.resolve_group(data_parallel)  # None: one process
     k = accumulation_steps
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -249,13 +248,15 @@ def make_train_step(
             total = grads32 if total is None else _tree.tree_map(torch.add, total, grads32)
             losses.append(loss.float())
         params = state.params
-        if data_parallel is not None:
+        if k > 1:
+            total = _tree.tree_map(lambda g: g / k, total)
+        if group is not None:  # the mean over micro-batches, then over ranks (float32 in, float32 out)
             total = parallel.mean_gradients(total, group, reduce_dtype)
-        grads = _tree.tree_map(lambda g, p: (g / k if k > 1 else g).to(p.dtype), total, params)
+        grads = _tree.tree_map(lambda g, p: g.to(p.dtype), total, params)
         loss = torch.stack(losses).mean() if k > 1 else losses[0]
         flags = _tree.finite_flags(grads)
         finite = flags.all() & torch.isfinite(loss)
-        if data_parallel is not None:
+        if group is not None:
             finite = parallel.all_ranks_true(finite, group)
             loss = parallel.mean_over_ranks(loss, group)
 

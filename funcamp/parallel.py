@@ -1,0 +1,302 @@
+"""Data parallelism on ``torch.distributed``: one pure train step on many processes, launched by ``torchrun``.
+
+Each process (rank) holds a full copy of the parameters and computes gradients on its own shard of
+the batch. Inside the train step, :func:`mean_gradients` averages the unscaled gradients over the
+ranks in the policy's ``reduce_dtype`` and :func:`all_ranks_true` agrees on one ``grads_finite``, so a
+non-finite gradient on any rank skips the step on every rank and the ranks stay identical. Both use
+``torch.distributed._functional_collectives``, which ``torch.compile`` traces into the step's graph:
+the compiled step stays one graph with no host sync. Outside the step, :func:`setup_from_env` starts
+the process group from torchrun's environment, :func:`broadcast_params` makes every rank start from
+rank 0's parameters, and :func:`is_main_process` tells the rank that logs and writes checkpoints.
+
+Unlike ``torch.nn.parallel.DistributedDataParallel`` there are no autograd hooks, no module wrapper
+and no overlap of communication with the backward pass: gradients are reduced once per step, after
+all micro-batches, in one bucket per dtype. Unlike jmp (which leaves this to ``jax.lax.pmean``), the
+reduction dtype is part of the :class:`funcamp.Policy` (``r=``/``reduce=``), as in FSDP2's
+``MixedPrecisionPolicy(reduce_dtype=...)``.
+
+The default process group must be initialized (:func:`setup_from_env` or
+``torch.distributed.init_process_group``) before a data-parallel step is built.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from funcamp import _tree
+
+__all__ = [
+    "all_ranks_true",
+    "broadcast_params",
+    "is_main_process",
+    "mean_gradients",
+    "mean_over_ranks",
+    "reduce_bytes",
+    "resolve_group",
+    "setup_from_env",
+    "shutdown",
+]
+
+T = TypeVar("T")
+
+_ACCEPTED_GROUP = "None or False (one process), True (the default process group) or a ProcessGroup"
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(f"setup_from_env: WORLD_SIZE > 1 but the environment variable {name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"setup_from_env: environment variable {name} must be an integer, got {value!r}") from None
+
+
+def setup_from_env(backend: str | None = None, *, timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
+    """Start the default process group from the environment that ``torchrun`` sets.
+
+    With ``WORLD_SIZE`` > 1, calls ``torch.distributed.init_process_group`` (reading ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); on CUDA it also selects GPU ``LOCAL_RANK``.
+    Without ``WORLD_SIZE`` or with ``WORLD_SIZE=1`` it starts nothing. Calling it again once the group
+    is up returns the same answer and starts nothing.
+
+    Args:
+      backend: ``"nccl"``, ``"gloo"`` or another ``torch.distributed`` backend; default ``"nccl"``
+        when CUDA is available, else ``"gloo"``.
+      timeout_s: seconds a collective may wait for the other ranks before it fails (> 0).
+    Returns:
+      ``(rank, world_size, device)``: this process's global rank, the number of processes, and the
+      device to put its parameters and batches on (``cuda:LOCAL_RANK`` when CUDA is available, else
+      ``cpu``). ``(0, 1, device)`` for a single process.
+    Raises:
+      TypeError: if ``backend`` is not None or a string.
+      ValueError: if ``timeout_s`` is not > 0, or ``WORLD_SIZE``, ``RANK`` or ``LOCAL_RANK`` is
+        missing (with ``WORLD_SIZE`` > 1) or not an integer.
+      RuntimeError: if ``torch.distributed`` is not available in this build of torch, or
+        ``backend="nccl"`` without CUDA.
+
+    Example:
+      >>> import os
+      >>> "WORLD_SIZE" in os.environ or setup_from_env()[:2] == (0, 1)
+      True
+    """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"setup_from_env: backend must be None or a string such as 'gloo' or 'nccl', got {backend!r}")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"setup_from_env: timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0) if world_size <= 1 else _env_int("LOCAL_RANK")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if world_size <= 1 and not _initialized():
+        return 0, 1, device
+    if not dist.is_available():
+        raise RuntimeError("setup_from_env: WORLD_SIZE > 1 but this build of torch has no torch.distributed")
+    if backend == "nccl" and not cuda:
+        raise RuntimeError("setup_from_env: backend='nccl' needs CUDA; use backend='gloo' on CPUs")
+    if not _initialized():
+        _env_int("RANK")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend or ("nccl" if cuda else "gloo"),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if cuda else None,
+        )
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def shutdown() -> None:
+    """Destroy the default process group if one is up (call it at the end of a torchrun job)."""
+    if _initialized():
+        dist.destroy_process_group()
+
+
+def is_main_process() -> bool:
+    """True on global rank 0, and in a process without an initialized process group.
+
+    Use it to log, write checkpoints and show progress bars once per job.
+
+    Example:
+      >>> is_main_process()
+      True
+    """
+    return not _initialized() or dist.get_rank() == 0
+
+
+def resolve_group(data_parallel: Any) -> dist.ProcessGroup | None:
+    """The process group that ``make_train_step(data_parallel=...)`` reduces over (build time, host side).
+
+    Args:
+      data_parallel: None or False (no data parallelism), True (the default process group, all
+        ranks), or a ``torch.distributed.ProcessGroup``.
+    Returns:
+      The group, or None for no data parallelism.
+    Raises:
+      TypeError: if ``data_parallel`` is none of the above.
+      RuntimeError: if a group is asked for and the default process group is not initialized.
+
+    Example:
+      >>> resolve_group(None) is None and resolve_group(False) is None
+      True
+    """
+    if data_parallel is None or data_parallel is False:
+        return None
+    if data_parallel is not True and not (dist.is_available() and isinstance(data_parallel, dist.ProcessGroup)):
+        raise TypeError(f"data_parallel must be {_ACCEPTED_GROUP}, got {data_parallel!r}")
+    if not _initialized():
+        raise RuntimeError(
+            "data_parallel: the default torch.distributed process group is not initialized; call "
+            "funcamp.parallel.setup_from_env() (under torchrun) or torch.distributed.init_process_group first"
+        )
+    return dist.group.WORLD if data_parallel is True else data_parallel
+
+
+def broadcast_params(tree: T, src: int = 0, group: dist.ProcessGroup | None = None) -> T:
+    """Copies of the tensor leaves of ``tree`` as rank ``src`` holds them, on every rank (host side).
+
+    Call it on the initial parameters (and buffers) before ``TrainState.create``, outside the
+    compiled step, so that every rank starts identical; the data-parallel step keeps them so. (DDP
+    does this when it wraps the module; funcamp has no wrapper.) Every rank must call it with a tree of
+    the same structure, shapes and dtypes. Non-tensor leaves are returned as they are. Tensors stay on
+    their devices (gloo for CPU tensors, nccl for CUDA ones).
+
+    Args:
+      tree: a pytree of tensors, e.g. the parameters.
+      src: the global rank whose values are copied.
+      group: the process group; default the default group.
+    Returns:
+      A tree of the same structure with new tensors; ``tree`` itself (no copy) when no process
+      group is initialized.
+    Raises:
+      TypeError: if ``src`` is not an int.
+      ValueError: if ``src`` is not a rank of the group.
+
+    Example:
+      >>> broadcast_params({"w": torch.ones(2)})  # one process: returned as is
+      {'w': tensor([1., 1.])}
+    """
+    if not isinstance(src, int) or isinstance(src, bool):
+        raise TypeError(f"broadcast_params: src must be an int (a global rank), got {src!r}")
+    if not _initialized():
+        return tree
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    if src not in ranks:
+        raise ValueError(f"broadcast_params: src={src} is not a rank of the group (ranks {ranks})")
+
+    def copy(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        y = x.detach().clone(memory_format=torch.contiguous_format)
+        dist.broadcast(y, src=src, group=group)
+        return y
+
+    return _tree.tree_map(copy, tree)
+
+
+def _check_group(group: Any, fn: str) -> None:
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{fn}: group must be a torch.distributed.ProcessGroup (see resolve_group), got {group!r}")
+
+
+def _sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    from torch.distributed import _functional_collectives as funcol
+
+    y = funcol.all_reduce(x, "sum", group)
+    # Traced, all_reduce already inserts its wait; eager, it returns an AsyncCollectiveTensor: wait for a plain one.
+    return y if torch.compiler.is_compiling() else funcol.wait_tensor(y)
+
+
+def mean_gradients(grads: T, group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None) -> T:
+    """The mean of ``grads`` over the ranks of ``group``, communicated in ``reduce_dtype``.
+
+    Each floating leaf is divided by the world size in its own dtype (before the reduction, so a
+    float16 sum cannot overflow where the mean would not), cast to ``reduce_dtype``, packed with the
+    other leaves into one flat bucket per dtype, summed over the ranks with one functional
+    ``all_reduce`` per bucket, and cast back to its own dtype. Every rank gets the same result.
+    Non-floating leaves are returned as they are. Traceable by ``torch.compile`` (no graph break, no
+    host sync); every rank must call it with trees of the same structure, shapes and dtypes.
+
+    Args:
+      grads: a pytree of gradients (in the train step: the unscaled float32 gradients).
+      group: the process group (:func:`resolve_group`).
+      reduce_dtype: the dtype on the wire (``Policy.reduce_dtype``); None keeps each leaf's dtype.
+    Returns:
+      A tree like ``grads``: same structure, shapes, dtypes and devices.
+    Raises:
+      TypeError: if ``group`` is not a ProcessGroup or ``reduce_dtype`` not a floating dtype.
+    """
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise TypeError(f"mean_gradients: reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}")
+    _check_group(group, "mean_gradients")
+    leaves, spec = _tree.tree_flatten(grads)
+    world = group.size()
+    buckets: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if _tree.is_floating(x):
+            buckets.setdefault(reduce_dtype or x.dtype, []).append(i)
+    out = list(leaves)
+    for dtype, idx in buckets.items():
+        flat = torch.cat([(leaves[i] / world).to(dtype).reshape(-1) for i in idx])
+        parts = _sum(flat, group).split([leaves[i].numel() for i in idx])
+        for i, part in zip(idx, parts):
+            out[i] = part.view(leaves[i].shape).to(leaves[i].dtype)
+    return _tree.tree_unflatten(spec, out)
+
+
+def reduce_bytes(grads: Any, reduce_dtype: torch.dtype | None = None) -> int:
+    """Bytes each rank puts into the gradient all-reduce of one step, for gradients shaped like ``grads``.
+
+    The payload of :func:`mean_gradients`: ``numel * itemsize`` of ``reduce_dtype`` (or each leaf's
+    own dtype) summed over the floating leaves. A ring all-reduce sends about twice this per rank.
+    Computed from shapes and dtypes only (no copy, no communication).
+
+    Example:
+      >>> g = {"w": torch.zeros(10, 10), "b": torch.zeros(10)}
+      >>> reduce_bytes(g), reduce_bytes(g, torch.bfloat16)
+      (440, 220)
+    """
+    return sum(x.numel() * (reduce_dtype or x.dtype).itemsize for x in _tree.tree_leaves(grads) if _tree.is_floating(x))
+
+
+def all_ranks_true(flag: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Whether ``flag`` is true on every rank of ``group``: one int32 all-reduce, no host sync.
+
+    Args:
+      flag: a 0-d bool tensor (e.g. this rank's ``grads_finite``).
+      group: the process group.
+    Returns:
+      A 0-d bool tensor on ``flag``'s device, the same on every rank.
+    Raises:
+      TypeError: if ``flag`` is not a bool tensor or ``group`` not a ProcessGroup.
+      ValueError: if ``flag`` is not 0-d.
+    """
+    if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool:
+        raise TypeError(f"all_ranks_true: flag must be a 0-d torch.bool tensor, got {flag!r}")
+    if flag.ndim != 0:
+        raise ValueError(f"all_ranks_true: flag must be 0-d, got shape {tuple(flag.shape)}")
+    _check_group(group, "all_ranks_true")
+    return _sum((~flag).to(torch.int32), group) == 0
+
+
+def mean_over_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The mean of the floating tensor ``x`` over the ranks of ``group`` (e.g. the loss), in ``x``'s dtype.
+
+    Raises:
+      TypeError: if ``x`` is not a floating tensor or ``group`` not a ProcessGroup.
+    """
+    if not _tree.is_floating(x):
+        raise TypeError(f"mean_over_ranks: x must be a floating tensor, got {x!r}")
+    _check_group(group, "mean_over_ranks")
+    return _sum(x, group) / group.size()
