@@ -229,7 +229,8 @@ def mean_gradients(grads: T, group: dist.ProcessGroup, reduce_dtype: torch.dtype
     host sync); every rank must call it with trees of the same structure, shapes and dtypes.
 
     Args:
-      grads: a pytree of gradients (in the train step: the unscaled float32 gradients).
+      grads: a pytree of gradients (in the train step: the unscaled float32 gradients; also used
+        there for floating buffers such as BatchNorm running statistics, with ``reduce_dtype=None``).
       group: the process group (:func:`resolve_group`).
       reduce_dtype: the dtype on the wire (``Policy.reduce_dtype``); None keeps each leaf's dtype.
     Returns:

@@ -182,7 +182,8 @@ def make_train_step(
       data_parallel: None or False (one process), True (the default ``torch.distributed`` process
         group) or a process group: gradients are averaged over its ranks in ``policy.reduce_dtype``
         and one ``grads_finite`` is agreed for all ranks, with functional collectives that ``torch.compile``
-        traces (see :mod:`funcamp.parallel`).
+        traces (see :mod:`funcamp.parallel`); floating buffers are averaged over the ranks in their
+        own dtype (DDP instead broadcasts rank 0's).
       policy: the precision policy (or string) whose ``reduce_dtype`` the gradients are averaged in;
         default: each gradient's own dtype. Only used with ``data_parallel``.
     Returns:
@@ -259,6 +260,8 @@ def make_train_step(
         if group is not None:
             finite = parallel.all_ranks_true(finite, group)
             loss = parallel.mean_over_ranks(loss, group)
+            if with_buffers:  # running statistics: the mean over ranks, so that ranks stay identical
+                buffers = parallel.mean_gradients(buffers, group)
 
         updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
         new_params = apply_updates(params, updates)

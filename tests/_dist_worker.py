@@ -70,6 +70,17 @@ def make_loss_fn(policy: fa.Policy):
     return loss_fn
 
 
+def make_buffer_loss_fn(policy: fa.Policy):
+    """``loss_fn(params, buffers, batch) -> (loss, new_buffers)``: a running mean of the inputs and a count."""
+    base = make_loss_fn(policy)
+
+    def loss_fn(params: Any, buffers: Any, batch: Any) -> Any:
+        new = {"mean": 0.9 * buffers["mean"] + 0.1 * batch["x"].mean(0), "count": buffers["count"] + 1}
+        return base(params, batch), new
+
+    return loss_fn
+
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     # name: policy, loss scale, optimizer, accumulation steps, poisoned rank
     "bf16": dict(policy="p=f32,c=bf16,o=f32", scale=None, opt="adam", k=1, poison=None),
@@ -79,6 +90,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "f32": dict(policy="p=f32,c=f32", scale=None, opt="sgd", k=1, poison=None),
     "r_f32": dict(policy="p=f32,c=f32,r=f32", scale=None, opt="sgd", k=1, poison=None),
     "r_bf16": dict(policy="p=f32,c=f32,r=bf16", scale=None, opt="sgd", k=1, poison=None),
+    "buffers": dict(policy="p=f32,c=bf16,o=f32", scale=None, opt="adam", k=1, poison=None, buffers=True),
 }
 
 
@@ -104,9 +116,10 @@ def run(
     policy = fa.get_policy(cfg["policy"])
     opt = _optimizer(cfg["opt"])
     scale = fa.DynamicLossScale(cfg["scale"]) if cfg["scale"] else fa.NoOpLossScale()
-    state = fa.TrainState.create(params, opt, loss_scale=scale)
+    buffers = {"mean": torch.zeros(F_IN), "count": torch.zeros((), dtype=torch.int32)} if cfg.get("buffers") else None
+    state = fa.TrainState.create(params, opt, loss_scale=scale, buffers=buffers)
     step = fa.make_train_step(
-        make_loss_fn(policy),
+        make_buffer_loss_fn(policy) if buffers else make_loss_fn(policy),
         opt,
         accumulation_steps=accumulation_steps or cfg["k"],
         data_parallel=data_parallel,
@@ -127,6 +140,7 @@ def run(
                 "loss": m["loss"].clone(),
                 "skipped_steps": state.skipped_steps.clone(),
                 "world": world,
+                "buffers": state.buffers,
             }
         )
     return records
@@ -188,7 +202,7 @@ def main(out: str) -> None:
         "graphs": len(counter.graphs),
         "code": [g.code for g in counter.graphs],
     }
-    for name in ("bf16", "bf16_accum", "f16", "f16_inf", "f32"):
+    for name in ("bf16", "bf16_accum", "f16", "f16_inf", "f32", "buffers"):
         results[name] = run(name, params, rank, data_parallel=True)
     for name in ("r_f32", "r_bf16"):
         results[name], results[name + "_bytes"], results[name + "_dtypes"] = _bytes_in(name, params, rank)

@@ -286,3 +286,16 @@ def test_compiled_distributed_step_is_one_graph(ranks):
         for got, want in zip(r["bf16_compiled"], r["bf16"]):
             assert _max_diff(got["params"], want["params"]) <= 1e-6
             assert torch.equal(got["grads_finite"], want["grads_finite"])
+
+
+def test_buffers_are_averaged_over_ranks(ranks):
+    """Running statistics: the mean over ranks == the statistic of one process on the whole batch."""
+    _assert_ranks_identical(ranks, "buffers")
+    for a, b in zip(ranks[0]["buffers"], ranks[1]["buffers"]):
+        assert torch.equal(a["buffers"]["mean"], b["buffers"]["mean"])
+    plain = W.run("buffers", W.init_params())
+    for step, (got, want) in enumerate(zip(ranks[0]["buffers"], plain)):
+        assert torch.allclose(got["buffers"]["mean"], want["buffers"]["mean"], rtol=0, atol=1e-6), step
+        assert got["buffers"]["count"].dtype == torch.int32 and int(got["buffers"]["count"]) == step + 1
+    same_ops = W.run("buffers", W.init_params(), accumulation_steps=2)
+    assert _max_diff(ranks[0]["buffers"][-1]["params"], same_ops[-1]["params"]) <= 1e-6
