@@ -63,8 +63,7 @@ def _check_dtype(name: str, dtype: Any) -> None:
         )
     if dtype not in _DTYPE_NAMES:
         raise ValueError(
-            f"Policy: {name} must be a real floating-point dtype "
-            f"({', '.join(map(str, _DTYPE_NAMES))}), got {dtype}"
+            f"Policy: {name} must be a real floating-point dtype ({', '.join(map(str, _DTYPE_NAMES))}), got {dtype}"
         )
 
 
@@ -222,8 +221,7 @@ def _parse_part(part: str, policy: str, seen: dict[str, torch.dtype]) -> dict[st
     if part.count("=") != 1:
         what = "an empty part" if not part.strip() else f"part {part.strip()!r}"
         raise ValueError(
-            f"get_policy: {what} in {policy!r}; each comma-separated part must be key=dtype "
-            f"with key one of {keys}"
+            f"get_policy: {what} in {policy!r}; each comma-separated part must be key=dtype with key one of {keys}"
         )
     key, value = (s.strip() for s in part.split("="))
     field = _KEYS.get(key.lower())

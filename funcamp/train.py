@@ -211,14 +211,11 @@ def make_train_step(
         raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(
-            f"make_train_step: optimizer must be a funcamp.optim.GradientTransformation, "
-            f"got {type(optimizer).__name__}"
+            f"make_train_step: optimizer must be a funcamp.optim.GradientTransformation, got {type(optimizer).__name__}"
         )
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"make_train_step: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
-    if max_consecutive_skips is not None and (
-        not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1
-    ):
+    if max_consecutive_skips is not None and (not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1):
         raise ValueError(
             f"make_train_step: max_consecutive_skips must be None or an int >= 1, got {max_consecutive_skips!r}"
         )

@@ -17,7 +17,12 @@ def _mlp():
 def _convnet():
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 3 * 3, 3)
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 3 * 3, 3),
     )
 
 
@@ -100,7 +105,10 @@ def test_compiled_over_functional_call_with_buffers_and_frozen_params_equals_eag
     compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
     for scale in (1.0, 256.0):
         loss_scale = fa.DynamicLossScale(scale)
-        eager, comp = run(trainable, frozen, buffers, x, loss_scale), compiled(trainable, frozen, buffers, x, loss_scale)
+        eager, comp = (
+            run(trainable, frozen, buffers, x, loss_scale),
+            compiled(trainable, frozen, buffers, x, loss_scale),
+        )
         assert set(comp.grads) == set(trainable)
         assert torch.equal(eager.value, comp.value) and bool(comp.grads_finite)
         for name in trainable:
@@ -108,14 +116,22 @@ def test_compiled_over_functional_call_with_buffers_and_frozen_params_equals_eag
 
 
 def test_low_precision_params_get_grads_in_their_own_dtype():
-    params = {"h": torch.ones(3, dtype=torch.float16), "b": torch.ones(3, dtype=torch.bfloat16), "d": torch.ones(3, dtype=torch.float64)}
+    params = {
+        "h": torch.ones(3, dtype=torch.float16),
+        "b": torch.ones(3, dtype=torch.bfloat16),
+        "d": torch.ones(3, dtype=torch.float64),
+    }
 
     def loss_fn(p):
         return (p["h"].float() * 2).sum() + (p["b"].float() * 3).sum() + (p["d"] * 4).sum()
 
     out = fa.grad_and_value(loss_fn, fa.StaticLossScale(1024.0))(params)
     assert {k: g.dtype for k, g in out.grads.items()} == {k: p.dtype for k, p in params.items()}
-    assert out.grads["h"].tolist() == [2.0] * 3 and out.grads["b"].tolist() == [3.0] * 3 and out.grads["d"].tolist() == [4.0] * 3
+    assert (
+        out.grads["h"].tolist() == [2.0] * 3
+        and out.grads["b"].tolist() == [3.0] * 3
+        and out.grads["d"].tolist() == [4.0] * 3
+    )
 
 
 def test_overflow_is_reported_not_raised():
@@ -130,7 +146,9 @@ def test_overflow_is_reported_not_raised():
 
 
 def test_nan_loss_is_not_finite_even_with_finite_grads():
-    out = fa.grad_and_value(lambda p: p["w"].sum() + torch.tensor(float("nan")), fa.NoOpLossScale())({"w": torch.ones(2)})
+    out = fa.grad_and_value(lambda p: p["w"].sum() + torch.tensor(float("nan")), fa.NoOpLossScale())(
+        {"w": torch.ones(2)}
+    )
     assert torch.isfinite(out.grads["w"]).all() and not out.grads_finite
 
 

@@ -191,7 +191,12 @@ def test_round_trips_keep_every_field():
         fa.NoOpLossScale(),
         fa.StaticLossScale(512.0),
         fa.DynamicLossScale(
-            1024.0, period=7, growth_factor=3.0, backoff_factor=0.25, min_loss_scale=2.0**-10, max_loss_scale=2.0**20,
+            1024.0,
+            period=7,
+            growth_factor=3.0,
+            backoff_factor=0.25,
+            min_loss_scale=2.0**-10,
+            max_loss_scale=2.0**20,
             hysteresis=2,
         ).adjust(TRUE),
     ]

@@ -109,7 +109,12 @@ def test_global_norm_does_not_overflow_for_large_float16_values():
 
 
 def test_tree_bytes_and_paths():
-    tree = {"w": torch.ones(2, 3), "h": torch.ones(4, dtype=torch.float16), "ids": torch.ones(2, dtype=torch.int64), "s": 3}
+    tree = {
+        "w": torch.ones(2, 3),
+        "h": torch.ones(4, dtype=torch.float16),
+        "ids": torch.ones(2, dtype=torch.int64),
+        "s": 3,
+    }
     assert fa.tree_bytes(tree) == 2 * 3 * 4 + 4 * 2 + 2 * 8
     assert _tree.tree_paths({"b": {"w": 1}, "a": [1, 2]}) == ["a.0", "a.1", "b.w"]
 
