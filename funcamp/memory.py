@@ -104,7 +104,7 @@ class MemoryReport:
         return self.stored_bytes + self.compute_bytes
 
     def __str__(self) -> str:
-        dtypes = sorted({*self.stored, *self.compute}, key=lambda d: (-d.itemsize, str(d)))
+        dtypes = sorted({*self.stored, *self.compute}, key=lambda d: (not d.is_floating_point, -d.itemsize, str(d)))
 
         def cell(table: dict[torch.dtype, int], dtype: torch.dtype) -> str:
             return _format_bytes(table[dtype]) if dtype in table else "-"

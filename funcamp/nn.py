@@ -148,7 +148,7 @@ class _Plan:
         entries = _entries(module_policies)
         self.modules: dict[str, Policy] = {}
         self.own: dict[str, Policy] = {}
-        for name, sub in module.named_modules():
+        for name, sub in module.named_modules(remove_duplicate=False):
             surrounding = self.modules[name.rpartition(".")[0]] if name else policy
             match = next(((value, s) for m, value, s in entries if m(name, sub)), None)
             self.modules[name] = surrounding if match is None else _apply(match[0], surrounding)
@@ -158,6 +158,8 @@ class _Plan:
         self.params = [name for name, _ in module.named_parameters()]
         self.buffers = [name for name, _ in module.named_buffers() if _is_persistent(module, name)]
         self.tensors = {name: self._tensor_policy(name, patterns) for name in self.params + self.buffers}
+        self.aliases = {a: m for a, m in _aliases(module).items() if m in self.tensors}
+        self.alias_policies = {a: self._tensor_policy(a, patterns) for a in self.aliases}
 
     def _tensor_policy(self, name: str, patterns: list[tuple[_Matcher, ModulePolicy]]) -> Policy:
         owner = self.modules[name.rpartition(".")[0]]
@@ -166,10 +168,17 @@ class _Plan:
 
     def forward_dtype(self, name: str, autocast: bool) -> torch.dtype:
         """The dtype a floating tensor enters the forward pass in (under autocast, half casts are left to it)."""
-        policy = self.tensors[name]
+        policy = self.alias_policies[name] if name in self.aliases else self.tensors[name]
         if autocast and policy.compute_dtype in _HALF:
             return policy.param_dtype
         return policy.compute_dtype
+
+
+def _aliases(module: nn.Module) -> dict[str, str]:
+    """Every further name of a tied (shared) parameter or buffer, mapped to its first name."""
+    first: dict[int, str] = {}
+    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    return {name: first[id(t)] for name, t in named if first.setdefault(id(t), name) != name}
 
 
 def _is_persistent(module: nn.Module, name: str) -> bool:
@@ -266,9 +275,12 @@ def _skeleton(module: nn.Module, plan: _Plan, autocast: bool, training: bool | N
         ) from e
     if training is not None:
         skeleton.train(training)
-    modules = dict(skeleton.named_modules())
-    for name, policy in plan.own.items():
-        _wrap_forward(modules[name], policy, autocast)
+    modules = dict(skeleton.named_modules(remove_duplicate=False))
+    wrapped: set[int] = set()
+    for name, policy in plan.own.items():  # a module reachable by two names is wrapped once, by the first
+        if id(modules[name]) not in wrapped:
+            wrapped.add(id(modules[name]))
+            _wrap_forward(modules[name], policy, autocast)
     return skeleton
 
 
@@ -303,36 +315,41 @@ def functionalize(
 ):
     """Turn ``module`` into a pure function of its parameters (and buffers), under a precision policy.
 
-    Returns ``(apply_fn, params)`` for a module without persistent buffers and
-    ``(apply_fn, params, buffers)`` for one with them (BatchNorm): the rule is the state dict. Persistent
-    buffers are state and travel explicitly; non-persistent ones (causal masks, rotary tables,
-    position ids) are constants of ``apply_fn``, used as the module holds them (not cast, and not
-    copied: a forward that writes to one in place writes to your module's tensor).
+    The return value follows the state dict: ``(apply_fn, params)`` for a module without persistent
+    buffers, ``(apply_fn, params, buffers)`` for one with them (BatchNorm).
 
-    - ``apply_fn(params, *args, **kwargs) -> out``, or, with buffers,
-      ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``. Pure: neither ``params``,
-      ``buffers`` nor ``module`` is changed (in-place buffer updates land in fresh copies, which come
-      back as ``new_buffers``).
-    - ``params``: detached copies of ``named_parameters()`` (tied weights once, under their first name,
-      so one master tensor gets the sum of the gradients of both uses), floating ones in their policy's
-      ``param_dtype``. ``buffers``: copies of the persistent buffers, floating ones in ``param_dtype``,
-      integer ones (``num_batches_tracked``) unchanged.
+    - ``apply_fn(params, *args, **kwargs) -> out``, or with buffers
+      ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``. Pure: ``params``,
+      ``buffers`` and ``module`` are never changed; in-place buffer updates (running statistics) land
+      in fresh copies, which come back as ``new_buffers``.
+    - ``params``: detached copies of ``named_parameters()`` (new memory, not views of the module's),
+      floating ones in their policy's ``param_dtype``. A tied weight (GPT-2's token embedding and LM
+      head) is one master tensor, under its first name; each use gets its own compute-dtype copy, so
+      its gradient is the sum of the gradients of both uses, added in the parameter dtype.
+    - ``buffers``: copies of the persistent buffers, floating ones in ``param_dtype`` (BatchNorm
+      statistics in float32), integer ones (``num_batches_tracked``) unchanged. Non-persistent buffers
+      (causal masks, rotary tables, position ids) are constants of ``apply_fn``, used as the module
+      holds them: not cast, and not copied (a forward that writes one in place writes your module's).
 
-    Casting (default, ``autocast=False``, jmp and haiku's rule): floating inputs are cast to
-    ``policy.compute_dtype``, each parameter and floating buffer to its policy's compute dtype, and the
-    output to ``policy.output_dtype``. A module with a policy of its own casts its floating inputs to
-    that policy's compute dtype and its output to its output dtype. By default normalisation layers
-    (:data:`NORM_TYPES`, and classes named ``*LayerNorm``, ``*RMSNorm``, ``*GroupNorm``,
-    ``*BatchNorm{1,2,3}d``, ``*InstanceNorm{1,2,3}d``) follow :func:`keep_in_float32`: float32
-    parameters, statistics and arithmetic, output in the surrounding compute dtype.
+    Casting (``autocast=False``, the rule of jmp and haiku): floating inputs are cast to
+    ``policy.compute_dtype``, each parameter and floating buffer to its own policy's compute dtype, and
+    the output to ``policy.output_dtype``. A module with a policy of its own casts its floating inputs
+    to that policy's compute dtype and its output to that policy's output dtype. By default
+    normalisation layers (:data:`NORM_TYPES`, and classes named ``*LayerNorm``, ``*RMSNorm``,
+    ``*GroupNorm``, ``*BatchNorm{1,2,3}d``, ``*InstanceNorm{1,2,3}d``, such as Hugging Face's
+    ``LlamaRMSNorm``) follow :func:`keep_in_float32`: float32 parameters, statistics and arithmetic,
+    output in the surrounding compute dtype.
 
-    With ``autocast=True`` the forward instead runs under ``torch.autocast(device, compute_dtype)``
-    (the device of the parameters) with parameters in their param dtype and inputs uncast, so torch's
-    op lists decide (matmuls and convolutions low, softmax and losses float32); modules whose policy
-    computes in float32 (the norms) run with autocast off and float32 inputs. Both modes differentiate
-    to gradients in the parameters' dtypes and compile with ``fullgraph=True``.
+    With ``autocast=True`` the forward runs under ``torch.autocast(device, compute_dtype)`` instead
+    (the parameters' device type), with parameters in their param dtype and inputs not cast, so that
+    torch's op lists decide: matmuls and convolutions in the compute dtype; losses, and on CUDA
+    softmax, in float32. Modules whose policy computes in float32 (the norms) run with autocast off and
+    float32 inputs. Both modes give gradients in the parameters' dtypes and compile with
+    ``fullgraph=True``. Known torch 2.13 failure: on CPU, differentiating ``scaled_dot_product_attention``
+    with ``dropout_p > 0`` under ``torch.func.grad`` and autocast raises a dtype error in the backward
+    (Hugging Face GPT-2 in training mode); the default casting mode is not affected.
 
-    Inputs and outputs are walked with ``torch.utils._pytree`` (so Hugging Face ``ModelOutput`` is
+    Inputs and outputs are walked with ``torch.utils._pytree`` (so Hugging Face's ``ModelOutput`` is
     cast); only real floating tensors are cast.
 
     Args:
@@ -378,7 +395,7 @@ def functionalize(
     named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     params = {name: _master(named[name], plan.tensors[name]) for name in plan.params}
     buffers = {name: _master(named[name], plan.tensors[name]) for name in plan.buffers}
-    forward_dtypes = {name: plan.forward_dtype(name, autocast) for name in plan.params + plan.buffers}
+    forward_dtypes = {name: plan.forward_dtype(name, autocast) for name in [*plan.tensors, *plan.aliases]}
     stored_dtypes = {name: buffers[name].dtype for name in plan.buffers}
 
     def run(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
@@ -388,15 +405,20 @@ def functionalize(
         # Fresh tensors: the module's in-place updates (running statistics) must not reach the caller's.
         fresh = {name: _to_forward(b, forward_dtypes[name], copy=True) for name, b in state.items()}
         tensors.update(fresh)
+        # Each use of a tied parameter gets its own cast, so that the gradients of the uses are summed in
+        # the parameter's dtype (and a use in a module with another policy gets that policy's dtype).
+        # A tied buffer is the same fresh tensor under every name.
+        for alias, name in plan.aliases.items():
+            tensors[alias] = fresh[name] if name in fresh else _to_forward(params[name], forward_dtypes[alias])
         if autocast:
             half = policy.compute_dtype in _HALF
             with torch.autocast(
                 _device_type(params, args, kwargs), dtype=policy.compute_dtype if half else None, enabled=half
             ):
-                out = torch.func.functional_call(skeleton, tensors, tuple(args), kwargs, tie_weights=True)
+                out = torch.func.functional_call(skeleton, tensors, tuple(args), kwargs, tie_weights=False)
         else:
             args, kwargs = _cast_io((tuple(args), kwargs), policy.compute_dtype)
-            out = torch.func.functional_call(skeleton, tensors, args, kwargs, tie_weights=True)
+            out = torch.func.functional_call(skeleton, tensors, args, kwargs, tie_weights=False)
         # functional_call writes attribute reassignments back into the dict it was given.
         new_state = {name: tensors[name].to(stored_dtypes[name]) for name in fresh}
         return _cast_io(out, policy.output_dtype), new_state

@@ -1,0 +1,510 @@
+"""funcamp.nn.functionalize: casts per module, explicit buffers, tied weights, purity, compilation.
+
+References are the original modules run under the same casts by hand (deep copies whose parameters
+are cast, and whose norm layers get hooks that cast their inputs to float32 and their outputs back),
+and plain autograd on them; compiled steps are compared with the same steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import funcamp as fa
+from funcamp.nn import NORM_TYPES, functionalize, keep_in_float32, param_policies
+
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+MIXED = {BF16: "params=float32,compute=bfloat16,output=float32", F16: "params=float32,compute=float16,output=float32"}
+
+
+# --- models -------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class TinyGPT(nn.Module):
+    """A GPT with a tied LM head (one master weight for the token embedding and the output layer)."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 2, layers: int = 2, ctx: int = 16) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads, 0.1) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def bn_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 5),
+    )
+
+
+def mlp_ln() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3))
+
+
+class Recorder(TorchDispatchMode):
+    """Records ``(op name, dtypes of its tensor arguments)`` for every aten op that runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, list[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops.append((func.overloadpacket.__name__, [a.dtype for a in args if isinstance(a, torch.Tensor)]))
+        return func(*args, **(kwargs or {}))
+
+    def dtypes(self, name: str) -> list[list[torch.dtype]]:
+        return [d for op, d in self.ops if op == name]
+
+
+class Cast(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+def cast_reference(model: nn.Module, compute: torch.dtype) -> tuple[nn.Module, dict[str, nn.Parameter]]:
+    """The same model run under funcamp's casts by hand: a copy whose non-norm parameters are cast to
+    ``compute`` at each use (a parametrization: float32 leaves, so the uses of a tied weight add their
+    gradients in float32), and whose norm layers get hooks casting their inputs to float32 and their
+    outputs back to ``compute``. Also returns the float32 leaf parameters by their original names."""
+    ref = copy.deepcopy(model)
+    leaves = dict(ref.named_parameters())
+    for module in list(ref.modules()):
+        if isinstance(module, NORM_TYPES):
+            module.register_forward_pre_hook(lambda m, args: tuple(a.float() for a in args))
+            module.register_forward_hook(lambda m, args, out: out.to(compute))
+        elif compute != F32:
+            for name, _ in list(module.named_parameters(recurse=False)):
+                torch.nn.utils.parametrize.register_parametrization(module, name, Cast(compute), unsafe=True)
+    return ref, leaves
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor], training: bool) -> None:
+    after = model.state_dict(keep_vars=True)
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert after[k].dtype == v.dtype, k
+        torch.testing.assert_close(after[k], v, rtol=0, atol=0, msg=k)
+    assert all(m.training == training for m in model.modules())
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+# --- BatchNorm: buffers in and out ---------------------------------------------------------------
+
+
+def feature_mean_two() -> torch.Tensor:
+    """8 x 4 batch, every feature 1.0 or 3.0 (exact in half types): mean 2.0, unbiased variance 8/7."""
+    return torch.tensor([1.0, 3.0]).repeat(4)[:, None].expand(8, 4).contiguous()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["cast", "autocast"])
+@pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
+def test_batchnorm_running_stats(compute, autocast):
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4)
+    before = snapshot(bn)
+    apply_fn, params, buffers = functionalize(bn, MIXED[compute], autocast=autocast)
+    caller = {k: v.clone() for k, v in buffers.items()}
+    x = feature_mean_two()
+
+    out, new = apply_fn(params, buffers, x)
+
+    assert new["running_mean"].dtype == F32 and new["running_var"].dtype == F32
+    torch.testing.assert_close(new["running_mean"], torch.full((4,), 0.2), rtol=0, atol=1e-7)
+    torch.testing.assert_close(new["running_var"], torch.full((4,), 0.9 + 0.1 * 8 / 7), rtol=0, atol=1e-6)
+    assert new["num_batches_tracked"].dtype == torch.int64 and new["num_batches_tracked"].item() == 1
+    for k in buffers:  # the caller's tensors are not mutated, and not returned as the new ones
+        torch.testing.assert_close(buffers[k], caller[k], rtol=0, atol=0)
+        assert new[k] is not buffers[k]
+    assert out.dtype == F32
+    torch.testing.assert_close(out, F.batch_norm(x, None, None, params["weight"], params["bias"], training=True))
+    assert_unchanged(bn, before, training=True)
+
+    # Eval mode (a flag on funcamp's copy; the module keeps its own) uses the stored statistics.
+    eval_fn, _, _ = functionalize(bn, MIXED[compute], autocast=autocast, training=False)
+    out, same = eval_fn(params, new, x)
+    expected = (x - new["running_mean"]) / torch.sqrt(new["running_var"] + bn.eps)
+    torch.testing.assert_close(out.to(compute), expected.to(compute))  # computed in f32, returned in compute
+    for k in new:
+        torch.testing.assert_close(same[k], new[k], rtol=0, atol=0)
+    assert_unchanged(bn, before, training=True)
+
+
+def test_training_flag_follows_module_unless_given():
+    bn = nn.BatchNorm1d(4).eval()
+    apply_fn, params, buffers = functionalize(bn, "f32")  # eval, captured now
+    bn.train()
+    _, new = apply_fn(params, buffers, feature_mean_two())
+    assert new["num_batches_tracked"].item() == 0
+    apply_fn, params, buffers = functionalize(bn.eval(), "f32", training=True)
+    _, new = apply_fn(params, buffers, feature_mean_two())
+    assert new["num_batches_tracked"].item() == 1 and not bn.training
+
+
+def test_buffers_are_stored_in_param_dtype_and_integers_untouched():
+    bn = nn.BatchNorm1d(4).to(F64)
+    _, params, buffers = functionalize(bn, "params=float32,compute=bfloat16")
+    assert {k: v.dtype for k, v in params.items()} == {"weight": F32, "bias": F32}
+    assert buffers["running_mean"].dtype == F32 and buffers["num_batches_tracked"].dtype == torch.int64
+    assert bn.running_mean.dtype == F64  # the module keeps its own
+
+
+def test_with_buffers_option():
+    apply_fn, params, buffers = functionalize(mlp_ln(), "f32", with_buffers=True)
+    assert buffers == {}
+    out, new = apply_fn(params, buffers, torch.ones(2, 4))
+    assert new == {} and out.shape == (2, 3)
+    # Frozen statistics: the short form; updates are discarded.
+    apply_fn, params = functionalize(nn.BatchNorm1d(4), "f32", with_buffers=False)
+    x = feature_mean_two()
+    torch.testing.assert_close(apply_fn(params, x), apply_fn(params, x))
+
+
+def test_non_persistent_buffers_are_constants():
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("mask", torch.tensor([1.0, 0.0, 1.0, 0.0]), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.mask
+
+    model = Masked()
+    apply_fn, params = functionalize(model, "f32")  # no state: the short form
+    torch.testing.assert_close(apply_fn(params, torch.ones(2, 4)), model(torch.ones(2, 4)), rtol=0, atol=0)
+
+
+# --- which dtypes the ops see --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["cast", "autocast"])
+@pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
+def test_norm_runs_in_float32_linear_in_compute_dtype(compute, autocast):
+    model = mlp_ln()
+    apply_fn, params = functionalize(model, MIXED[compute], autocast=autocast)
+    assert all(p.dtype == F32 for p in params.values())
+    with Recorder() as rec:
+        out = apply_fn(params, torch.randn(5, 4))
+    assert out.dtype == F32
+    assert rec.dtypes("addmm") == [[compute] * 3, [compute] * 3]
+    assert rec.dtypes("native_layer_norm") == [[F32, F32, F32]]
+    grads = torch.func.grad(lambda p: apply_fn(p, torch.randn(5, 4)).sum())(params)
+    assert all(g.dtype == F32 for g in grads.values())
+
+
+def test_norm_default_can_be_turned_off():
+    apply_fn, params = functionalize(mlp_ln(), MIXED[BF16], module_policies={nn.LayerNorm: None})
+    with Recorder() as rec:
+        apply_fn(params, torch.randn(5, 4))
+    assert rec.dtypes("native_layer_norm") == [[BF16, BF16, BF16]]
+
+
+def test_norm_classes_recognised_by_name_and_custom_policies():
+    class LlamaRMSNorm(nn.Module):  # as in Hugging Face: not an nn.RMSNorm
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    model = nn.Sequential(nn.Linear(4, 4), LlamaRMSNorm(4), nn.Linear(4, 4))
+    policy = fa.get_policy("params=bfloat16,compute=bfloat16,output=bfloat16")
+    pols = param_policies(model, policy)
+    assert pols["1.weight"] == keep_in_float32(policy)
+    assert pols["0.weight"] == policy
+    apply_fn, params = functionalize(model, policy)
+    assert params["1.weight"].dtype == F32 and params["0.weight"].dtype == BF16
+    with Recorder() as rec:
+        apply_fn(params, torch.randn(2, 4))
+    assert rec.dtypes("rsqrt") == [[F32]]
+
+    # A name pattern on a module: the LM-head-style last layer in float32, its output cast back.
+    apply_fn, params = functionalize(model, MIXED[BF16], module_policies={"2": "params=f32,compute=f32,output=bf16"})
+    with Recorder() as rec:
+        assert apply_fn(params, torch.randn(2, 4)).dtype == F32
+    assert rec.dtypes("addmm") == [[BF16] * 3, [F32] * 3]
+    # A name pattern on parameters: only their dtypes.
+    _, params = functionalize(model, "bf16", module_policies={"*.bias": "float32"})
+    assert params["0.bias"].dtype == F32 and params["0.weight"].dtype == BF16
+
+
+def test_float64_policy_keeps_norms_in_float64():
+    assert keep_in_float32(fa.get_policy("f64")) == fa.get_policy("params=f64,compute=f64,output=f64")
+
+
+def test_autocast_leaves_op_lists_to_torch():
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(self.lin(x), y)
+
+    apply_fn, params = functionalize(WithLoss(), "params=float32,compute=bfloat16,output=bfloat16", autocast=True)
+    with Recorder() as rec:
+        out = apply_fn(params, torch.randn(2, 4), torch.randn(2, 4))
+    assert rec.dtypes("addmm") == [[BF16] * 3]
+    assert rec.dtypes("mse_loss") == [[F32, F32]]  # autocast's float32 list
+    assert out.dtype == BF16  # the policy's output dtype
+
+
+# --- equal to the original module under the same casts -------------------------------------------
+
+
+@pytest.mark.parametrize("compute", [BF16, F16, F32], ids=["bf16", "f16", "f32"])
+def test_outputs_and_gradients_match_the_module(compute):
+    torch.manual_seed(0)
+    model = TinyGPT().eval()
+    before = snapshot(model)
+    policy = f"params=float32,compute={compute},output=float32".replace("torch.", "")
+    apply_fn, params = functionalize(model, policy)
+    ids = torch.randint(0, 64, (2, 12))
+    grads, out = torch.func.grad_and_value(lambda p: apply_fn(p, ids).square().mean())(params)
+
+    ref, leaves = cast_reference(model, compute)
+    ref_out = ref(ids).float().square().mean()
+    ref_out.backward()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    assert grads.keys() == leaves.keys()
+    for k, g in grads.items():
+        assert g.dtype == F32
+        torch.testing.assert_close(g, leaves[k].grad, rtol=0, atol=0, msg=k)
+    assert_unchanged(model, before, training=False)
+
+
+def test_float32_policy_equals_plain_autograd():
+    torch.manual_seed(0)
+    model = bn_cnn()
+    before = snapshot(model)
+    apply_fn, params, buffers = functionalize(model, "float32")
+    x = torch.randn(4, 3, 8, 8)
+    grads, (loss, new) = torch.func.grad_and_value(
+        lambda p: (lambda o: (o[0].square().mean(), o[1]))(apply_fn(p, buffers, x)), has_aux=True
+    )(params)
+    ref = copy.deepcopy(model)
+    ref_loss = ref(x).square().mean()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, rtol=0, atol=0, msg=k)
+    for k, b in ref.named_buffers():
+        torch.testing.assert_close(new[k], b, rtol=0, atol=0, msg=k)
+    assert_unchanged(model, before, training=True)
+
+
+def test_tied_weights_stay_tied():
+    torch.manual_seed(0)
+    model = TinyGPT().eval()
+    apply_fn, params = functionalize(model, MIXED[BF16])
+    assert "tok.weight" in params and "head.weight" not in params
+    ids = torch.randint(0, 64, (2, 12))
+    grads = torch.func.grad(lambda p: apply_fn(p, ids).square().mean())(params)
+
+    untied = copy.deepcopy(model)
+    untied.head.weight = nn.Parameter(untied.tok.weight.detach().clone())
+    untied_fn, untied_params = functionalize(untied, MIXED[BF16])
+    untied_grads = torch.func.grad(lambda p: untied_fn(p, ids).square().mean())(untied_params)
+    # Each use has its own bf16 copy; the two gradients are added in float32, as if untied.
+    expected = untied_grads["tok.weight"] + untied_grads["head.weight"]
+    torch.testing.assert_close(grads["tok.weight"], expected, rtol=0, atol=0)
+
+
+def test_inputs_are_cast_and_integers_pass_through():
+    model = TinyGPT().eval()
+    apply_fn, params = functionalize(model, "params=float32,compute=bfloat16,output=float16")
+    ids = torch.randint(0, 64, (1, 4))
+    with Recorder() as rec:
+        out = apply_fn(params, ids)
+    assert out.dtype == F16
+    assert rec.dtypes("embedding")[0] == [BF16, torch.int64]
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="nn.Module"):
+        functionalize(lambda x: x, "f32")
+    with pytest.raises(TypeError, match="keys must be nn.Module subclasses or name patterns"):
+        functionalize(mlp_ln(), "f32", module_policies={3: "f32"})
+    with pytest.raises(TypeError, match="must be a Policy"):
+        functionalize(mlp_ln(), "f32", module_policies={nn.Linear: 3})
+    with pytest.raises(ValueError, match="unknown dtype"):
+        functionalize(mlp_ln(), "f32", module_policies={nn.Linear: "f8"})
+    with pytest.raises(ValueError, match="unknown dtype"):
+        functionalize(mlp_ln(), "float8")
+    apply_fn, params = functionalize(mlp_ln(), "f32")
+    with pytest.raises(ValueError, match=r"missing \['0.bias'\]"):
+        apply_fn({k: v for k, v in params.items() if k != "0.bias"}, torch.ones(1, 4))
+    with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
+        apply_fn({**params, "extra": torch.ones(1)}, torch.ones(1, 4))
+
+
+# --- compiled train steps ------------------------------------------------------------------------
+
+
+def sgd_step(loss_fn, lr=0.1):
+    """A tiny hand SGD train step over ``loss_fn(params, buffers, batch) -> (loss, new_buffers)``."""
+
+    def step(params, buffers, batch):
+        grads, (loss, new_buffers) = torch.func.grad_and_value(loss_fn, has_aux=True)(params, buffers, batch)
+        return {k: p - lr * grads[k] for k, p in params.items()}, new_buffers, loss
+
+    return step
+
+
+def gpt_loss_fn(apply_fn):
+    def loss_fn(params, buffers, ids):
+        logits = apply_fn(params, ids[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()), buffers
+
+    return loss_fn
+
+
+def cnn_loss_fn(apply_fn):
+    def loss_fn(params, buffers, batch):
+        logits, new_buffers = apply_fn(params, buffers, batch[0])
+        return F.cross_entropy(logits, batch[1]), new_buffers
+
+    return loss_fn
+
+
+def _run(step, params, buffers, batch, n=2):
+    losses = []
+    for _ in range(n):
+        params, buffers, loss = step(params, buffers, batch)
+        losses.append(loss)
+    return params, buffers, losses
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["cast", "autocast"])
+def compiled_steps(request):
+    """For each mode: the GPT and CNN train steps, eager and compiled (aot_eager), and their data."""
+    autocast = request.param
+    torch.manual_seed(0)
+    gpt, cnn = TinyGPT(), bn_cnn()
+    gpt_fn, gpt_params = functionalize(gpt, MIXED[BF16], autocast=autocast, training=False)
+    cnn_fn, cnn_params, cnn_buffers = functionalize(cnn, MIXED[BF16], autocast=autocast)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cases = {
+        "gpt": (sgd_step(gpt_loss_fn(gpt_fn)), gpt_params, {}, torch.randint(0, 64, (2, 13))),
+        "cnn": (sgd_step(cnn_loss_fn(cnn_fn)), cnn_params, cnn_buffers, (torch.randn(4, 3, 8, 8), torch.arange(4))),
+    }
+    results = {}
+    for name, (step, params, buffers, batch) in cases.items():
+        frozen = (copy.deepcopy(params), copy.deepcopy(buffers))
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        results[name] = (
+            _run(compiled, params, buffers, batch),
+            _run(step, params, buffers, batch),
+            frozen,
+            params,
+            buffers,
+        )
+    return results, dict(torch._dynamo.utils.counters)
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_compiled_train_step_has_no_graph_break_and_matches_eager(compiled_steps, name):
+    results, counters = compiled_steps
+    assert not counters.get("graph_break")
+    (c_params, c_buffers, c_losses), (e_params, e_buffers, e_losses), frozen, params, buffers = results[name]
+    assert all(math.isfinite(x.item()) for x in c_losses) and c_losses[1] < c_losses[0]
+    torch.testing.assert_close(c_losses, e_losses)
+    torch.testing.assert_close(c_params, e_params)
+    torch.testing.assert_close(c_buffers, e_buffers)
+    assert all(p.dtype == F32 for p in c_params.values())
+    torch.testing.assert_close((params, buffers), frozen, rtol=0, atol=0)  # inputs never mutated
+    if name == "cnn":
+        assert c_buffers["1.num_batches_tracked"].item() == 2 and c_buffers["1.running_mean"].dtype == F32
+
+
+# --- Hugging Face transformers (optional) --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_hf_gpt2_outputs_gradients_and_tied_head(hf_gpt2):
+    before = snapshot(hf_gpt2)
+    apply_fn, params = functionalize(hf_gpt2, MIXED[BF16])
+    assert "transformer.wte.weight" in params and "lm_head.weight" not in params
+    assert params["transformer.h.0.ln_1.weight"].dtype == F32
+    ids = torch.randint(0, 96, (2, 10))
+    out = apply_fn(params, input_ids=ids)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions" and out.logits.dtype == F32
+    grads, loss = torch.func.grad_and_value(lambda p: apply_fn(p, input_ids=ids).logits.square().mean())(params)
+
+    ref, leaves = cast_reference(hf_gpt2, BF16)
+    ref_loss = ref(input_ids=ids).logits.float().square().mean()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for k, p in leaves.items():
+        torch.testing.assert_close(grads[k], p.grad, rtol=0, atol=0, msg=k)
+    assert_unchanged(hf_gpt2, before, training=False)
+
+
+def test_hf_gpt2_float32_equals_the_model(hf_gpt2):
+    apply_fn, params = functionalize(hf_gpt2, "float32", autocast=True)
+    ids = torch.randint(0, 96, (2, 10))
+    torch.testing.assert_close(apply_fn(params, input_ids=ids).logits, hf_gpt2(input_ids=ids).logits, rtol=0, atol=0)
