@@ -30,6 +30,10 @@ __all__ = [
 
 T = TypeVar("T")
 
+# A scale must be a normal float32 so that it and its reciprocal (used by ``unscale``) are finite.
+_F32_TINY = torch.finfo(torch.float32).tiny  # 2**-126
+_F32_MAX = torch.finfo(torch.float32).max
+
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
@@ -142,7 +146,7 @@ class StaticLossScale(LossScale):
     """A fixed loss scale.
 
     Args:
-      loss_scale: a positive finite Python number or a 0-d float32 tensor.
+      loss_scale: a Python number in [2**-126, float32 max] or a 0-d float32 tensor.
     Raises:
       TypeError: if ``loss_scale`` is a tensor of another dtype than float32.
       ValueError: if ``loss_scale`` is not 0-d, or (a Python number) not positive and finite.
@@ -155,8 +159,11 @@ class StaticLossScale(LossScale):
     loss_scale: torch.Tensor
 
     def __post_init__(self) -> None:
-        if _is_number(self.loss_scale) and not (0 < self.loss_scale < math.inf):
-            raise ValueError(f"StaticLossScale: loss_scale must be positive and finite, got {self.loss_scale}")
+        if _is_number(self.loss_scale) and not (_F32_TINY <= self.loss_scale <= _F32_MAX):
+            raise ValueError(
+                f"StaticLossScale: loss_scale must be positive and finite in float32 (between 2**-126 and "
+                f"{_F32_MAX}), got {self.loss_scale}"
+            )
         object.__setattr__(self, "loss_scale", _scalar_tensor(self.loss_scale, "loss_scale", torch.float32))
 
     def adjust(self, grads_finite: torch.Tensor) -> StaticLossScale:
@@ -193,8 +200,9 @@ class DynamicLossScale(LossScale):
       period: finite steps between two growths, an int >= 1 (default 2000).
       growth_factor: a float > 1 (default 2.0).
       backoff_factor: a float in (0, 1), or None to divide by ``growth_factor`` (default None).
-      min_loss_scale: the floor, a finite float > 0 (default 1.0).
-      max_loss_scale: the cap, None (default) or a float >= ``min_loss_scale``.
+      min_loss_scale: the floor, a float in [2**-126, float32 max], so that the scale and its
+        reciprocal stay finite float32 (default 1.0).
+      max_loss_scale: the cap, None (default), inf, or a float in [``min_loss_scale``, float32 max].
       hysteresis: consecutive non-finite steps before a backoff, an int >= 1 (default 1).
     Raises:
       TypeError: if a state field is a tensor of the wrong dtype, or an option has the wrong type.
@@ -221,10 +229,10 @@ class DynamicLossScale(LossScale):
 
     def __post_init__(self) -> None:
         self._check_options()
-        if _is_number(self.loss_scale) and not (self.min_loss_scale <= self.loss_scale < math.inf):
+        if _is_number(self.loss_scale) and not (self.min_loss_scale <= self.loss_scale <= _F32_MAX):
             raise ValueError(
-                f"DynamicLossScale: loss_scale must be finite and >= min_loss_scale={self.min_loss_scale}, "
-                f"got {self.loss_scale}"
+                f"DynamicLossScale: loss_scale must be >= min_loss_scale={self.min_loss_scale} and finite in "
+                f"float32 (<= {_F32_MAX}), got {self.loss_scale}"
             )
         if self.hysteresis_left is None:
             object.__setattr__(self, "hysteresis_left", self.hysteresis)
@@ -251,10 +259,14 @@ class DynamicLossScale(LossScale):
             fail("growth_factor", "a finite float > 1")
         if self.backoff_factor is not None and not 0 < self.backoff_factor < 1:
             fail("backoff_factor", "a float in (0, 1) or None (divide by growth_factor)")
-        if not 0 < self.min_loss_scale < math.inf:
-            fail("min_loss_scale", "a finite float > 0")
-        if self.max_loss_scale is not None and not self.min_loss_scale <= self.max_loss_scale:
-            fail("max_loss_scale", f"None or a float >= min_loss_scale={self.min_loss_scale}")
+        if not _F32_TINY <= self.min_loss_scale <= _F32_MAX:
+            fail("min_loss_scale", f"a float between 2**-126 (the smallest normal float32) and {_F32_MAX}")
+        max_scale = self.max_loss_scale
+        if max_scale is not None and not (self.min_loss_scale <= max_scale <= _F32_MAX or max_scale == math.inf):
+            fail(
+                "max_loss_scale",
+                f"None, inf, or a float >= min_loss_scale={self.min_loss_scale} and <= {_F32_MAX} (float32's max)",
+            )
 
     def adjust(self, grads_finite: torch.Tensor) -> DynamicLossScale:
         """The next loss scale (a new object); see the class docstring for the rule.
