@@ -81,7 +81,8 @@ class MemoryReport:
       compute: bytes of the compute-dtype copies of floating parameters and persistent buffers that
         a forward pass makes, by dtype (none where ``compute_dtype == param_dtype``). Activations,
         gradients and optimizer state are not included.
-      policy: the policy as text (``"mixed"`` for per-name policies, ``None`` without a policy).
+      policy: the policy as text; for per-name policies, the one holding the most bytes and how many
+        tensors follow others; ``None`` without a policy.
     """
 
     stored: dict[torch.dtype, int]
@@ -118,25 +119,31 @@ class MemoryReport:
         return "\n".join([title, *lines])
 
 
-def _named_tensors(tree_or_module: Any) -> Iterator[tuple[str | None, torch.Tensor, bool]]:
-    """``(name, tensor, follows_policy)`` for everything counted; names are None in a nested tree."""
+def _named_tensors(tree_or_module: Any) -> Iterator[tuple[str | None, torch.Tensor, bool, bool]]:
+    """``(name, tensor, follows_policy, first_use)`` for everything counted.
+
+    Names are None in a nested tree. A tied parameter of a module comes once per name, with
+    ``first_use`` False after the first (it is stored once but cast once per use).
+    """
     if isinstance(tree_or_module, nn.Module):
-        for name, p in tree_or_module.named_parameters():
-            yield name, p, True
+        seen: set[int] = set()
+        for name, p in tree_or_module.named_parameters(remove_duplicate=False):
+            yield name, p, True, id(p) not in seen
+            seen.add(id(p))
         for name, b in tree_or_module.named_buffers():
             prefix, _, leaf = name.rpartition(".")
             owner = tree_or_module.get_submodule(prefix)
-            yield name, b, leaf not in owner._non_persistent_buffers_set
+            yield name, b, leaf not in owner._non_persistent_buffers_set, True
         return
     if isinstance(tree_or_module, Mapping) and all(isinstance(k, str) for k in tree_or_module):
         for name, leaf in tree_or_module.items():
             for x in _tree.tree_leaves(leaf):
                 if isinstance(x, torch.Tensor):
-                    yield name, x, True
+                    yield name, x, True, True
         return
     for x in _tree.tree_leaves(tree_or_module):
         if isinstance(x, torch.Tensor):
-            yield None, x, True
+            yield None, x, True, True
 
 
 def _policy_for(policy: Any, name: str | None) -> Policy:
@@ -161,7 +168,9 @@ def memory_report(tree_or_module: Any, policy: PolicyArg = None) -> MemoryReport
     Every floating parameter (and persistent buffer, and floating leaf of a pytree) is counted in its
     policy's ``param_dtype`` under ``stored``, and, where the policy's ``compute_dtype`` differs, once
     more in the compute dtype under ``compute``: the copy :func:`funcamp.nn.functionalize`'s
-    ``apply_fn`` casts it to. Integer tensors and non-persistent buffers are counted as they are.
+    ``apply_fn`` casts it to. A tied parameter of a module (GPT-2's embedding and LM head) is stored
+    once and copied once per use, as ``apply_fn`` does. Integer tensors and non-persistent buffers are
+    counted as they are.
     Without a policy, ``stored`` is what the tensors hold now and ``compute`` is empty.
 
     Args:
@@ -188,7 +197,7 @@ def memory_report(tree_or_module: Any, policy: PolicyArg = None) -> MemoryReport
       total     4.0 MiB         2.0 MiB
     """
     if isinstance(policy, Mapping):
-        policy_name: str | None = "mixed"
+        policy_name: str | None = None  # set below, from the bytes under each policy
     elif policy is not None:
         policy = get_policy(policy)
         policy_name = str(policy)
@@ -196,16 +205,33 @@ def memory_report(tree_or_module: Any, policy: PolicyArg = None) -> MemoryReport
         policy_name = None
     stored: dict[torch.dtype, int] = {}
     compute: dict[torch.dtype, int] = {}
-    for name, tensor, follows in _named_tensors(tree_or_module):
+    by_policy: dict[str, list[int]] = {}  # policy text -> [bytes, tensors]
+    for name, tensor, follows, first_use in _named_tensors(tree_or_module):
         if policy is None or not follows or not tensor.is_floating_point():
-            _add(stored, tensor.dtype, _nbytes(tensor))
+            if first_use:
+                _add(stored, tensor.dtype, _nbytes(tensor))
             continue
         p = _policy_for(policy, name)
-        _add(stored, p.param_dtype, tensor.numel() * p.param_dtype.itemsize)
+        if first_use:
+            _add(stored, p.param_dtype, tensor.numel() * p.param_dtype.itemsize)
+            count = by_policy.setdefault(str(p), [0, 0])
+            count[0] += tensor.numel() * p.param_dtype.itemsize
+            count[1] += 1
         if p.compute_dtype != p.param_dtype:
             _add(compute, p.compute_dtype, tensor.numel() * p.compute_dtype.itemsize)
+    if isinstance(policy, Mapping):
+        policy_name = _describe(by_policy)
     return MemoryReport(stored, compute, policy_name)
 
 
 def _add(table: dict[torch.dtype, int], dtype: torch.dtype, n: int) -> None:
     table[dtype] = table.get(dtype, 0) + n
+
+
+def _describe(by_policy: dict[str, list[int]]) -> str | None:
+    """The policy holding the most bytes, and how many tensors follow other policies."""
+    if not by_policy:
+        return None
+    main = max(by_policy, key=lambda text: by_policy[text][0])
+    others = sum(n for text, (_, n) in by_policy.items() if text != main)
+    return main if not others else f"{main}; {others} tensors under other policies"

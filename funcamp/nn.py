@@ -199,7 +199,8 @@ def param_policies(
       policy: the top-level policy (or policy string).
       module_policies: as for :func:`functionalize`.
     Returns:
-      A dict from qualified name (``named_parameters`` and persistent ``named_buffers`` names) to Policy.
+      A dict from qualified name to Policy: every parameter and persistent buffer, a tied parameter
+      under each of its names (each use is cast to the policy of the module using it).
     Raises:
       TypeError: if ``module`` is not an ``nn.Module`` or ``module_policies`` is malformed.
       ValueError: if a policy string does not parse.
@@ -210,7 +211,8 @@ def param_policies(
       'params=float32,compute=float32,output=bfloat16'
     """
     _check_module(module)
-    return _Plan(module, get_policy(policy), module_policies).tensors
+    plan = _Plan(module, get_policy(policy), module_policies)
+    return {**plan.tensors, **plan.alias_policies}
 
 
 def _check_module(module: Any) -> None:

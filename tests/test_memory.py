@@ -51,10 +51,20 @@ def test_report_under_a_policy():
     report = memory_report(model, param_policies(model, "params=float32,compute=bfloat16,output=float32"))
     assert report.stored == {F32: (20 + 8 + 8) * 4, torch.int64: 8}
     assert report.compute == {BF16: 20 * 2}
-    assert report.policy == "mixed"
+    assert report.policy == "params=float32,compute=bfloat16,output=float32; 4 tensors under other policies"
     # Storing in half: the compute copy is not needed.
     report = memory_report(model.to(F32), "bf16")
     assert report.stored == {BF16: (20 + 8 + 8) * 2, torch.int64: 8} and report.compute == {}
+
+
+def test_tied_parameters_are_stored_once_and_cast_per_use():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    report = memory_report(model, "params=float32,compute=bfloat16")
+    assert report.stored == {F32: 40 * 4} and report.compute == {BF16: 2 * 40 * 2}
+    # An LM head in float32 by name: its use of the tied weight is not copied.
+    pols = param_policies(model, "params=float32,compute=bfloat16", module_policies={"1": "float32"})
+    assert memory_report(model, pols).compute == {BF16: 40 * 2}
 
 
 def test_report_of_params_from_functionalize():
@@ -130,4 +140,5 @@ def test_gpt2_report_under_mixed_bfloat16(gpt2):
     report = memory_report(gpt2, param_policies(gpt2, policy))
     assert report.stored_bytes == gpt2.get_memory_footprint()
     norm_params = sum(p.numel() for m in gpt2.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters())
-    assert report.compute == {BF16: (gpt2.num_parameters() - norm_params) * 2}
+    lm_head_use = gpt2.lm_head.weight.numel()  # tied to the token embedding: a second bf16 copy
+    assert report.compute == {BF16: (gpt2.num_parameters() - norm_params + lm_head_use) * 2}
