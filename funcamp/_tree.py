@@ -129,8 +129,8 @@ def select_tree(pred: torch.Tensor, a: T, b: T) -> T:
     """Elementwise ``a if pred else b`` over two trees of the same structure.
 
     Tensor leaves are combined with ``torch.where`` (no host sync, traceable); each pair of tensor
-    leaves must have the same dtype. Non-tensor leaves must be equal in both trees and are taken
-    from ``a``.
+    leaves must have the same dtype and shape (no broadcasting). Non-tensor leaves must be equal in
+    both trees and are taken from ``a``.
 
     Args:
       pred: a 0-d ``torch.bool`` tensor.
@@ -139,7 +139,7 @@ def select_tree(pred: torch.Tensor, a: T, b: T) -> T:
     Raises:
       TypeError: if ``pred`` is not a tensor, or is not of dtype ``torch.bool``.
       ValueError: if ``pred`` is not 0-d, if the structures of ``a`` and ``b`` differ, or if two
-        paired leaves differ in dtype or in value (for non-tensors).
+        paired leaves differ in dtype, in shape, or in value (for non-tensors).
     """
     if not isinstance(pred, torch.Tensor):
         raise TypeError(f"select_tree: pred must be a 0-d torch.bool tensor, got {type(pred).__name__}")
@@ -158,6 +158,10 @@ def _select_leaf(pred: torch.Tensor, x: Any, y: Any) -> Any:
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
         if x.dtype != y.dtype:
             raise ValueError(f"select_tree: paired leaves differ in dtype: {x.dtype} and {y.dtype}")
+        if x.shape != y.shape:
+            raise ValueError(
+                f"select_tree: paired leaves must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}"
+            )
         return torch.where(pred, x, y)
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
         raise ValueError(f"select_tree: non-tensor leaves must be equal in a and b, got {x!r} and {y!r}")
