@@ -130,6 +130,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     Raises:
       ValueError: if ``params`` and ``updates`` have different tree structures (both are named).
       TypeError: if a leaf of ``params`` or ``updates`` is not a floating-point tensor.
+      ValueError: if an update's shape differs from its parameter's.
 
     Example:
       >>> import torch
@@ -155,6 +156,11 @@ def _add_leaf(p: Any, u: Any) -> torch.Tensor:
                 f"apply_updates: every {name} leaf must be a floating-point tensor, got "
                 f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
             )
+    if p.shape != u.shape:
+        raise ValueError(
+            f"apply_updates: each update must have its parameter's shape (no broadcasting), got param "
+            f"{tuple(p.shape)} and update {tuple(u.shape)}"
+        )
     c = compute_dtype(p.dtype, u.dtype)
     return (p.to(c) + u.to(c)).to(p.dtype)
 
