@@ -77,8 +77,8 @@ def setup_from_env(backend: str | None = None, *, timeout_s: float = 600.0) -> t
       timeout_s: seconds a collective may wait for the other ranks before it fails (> 0).
     Returns:
       ``(rank, world_size, device)``: this process's global rank, the number of processes, and the
-      device to put its parameters and batches on (``cuda:LOCAL_RANK`` when CUDA is available, else
-      ``cpu``). ``(0, 1, device)`` for a single process.
+      device to put its parameters and batches on (``cuda:LOCAL_RANK`` when CUDA is available and
+      ``backend`` is not ``"gloo"``, else ``cpu``). ``(0, 1, device)`` for a single process.
     Raises:
       TypeError: if ``backend`` is not None or a string.
       ValueError: if ``timeout_s`` is not > 0, or ``WORLD_SIZE``, ``RANK`` or ``LOCAL_RANK`` is
@@ -97,13 +97,13 @@ def setup_from_env(backend: str | None = None, *, timeout_s: float = 600.0) -> t
         raise ValueError(f"setup_from_env: timeout_s must be a number of seconds > 0, got {timeout_s!r}")
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0) if world_size <= 1 else _env_int("LOCAL_RANK")
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and backend != "gloo"
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if world_size <= 1 and not _initialized():
         return 0, 1, device
     if not dist.is_available():
         raise RuntimeError("setup_from_env: WORLD_SIZE > 1 but this build of torch has no torch.distributed")
-    if backend == "nccl" and not cuda:
+    if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("setup_from_env: backend='nccl' needs CUDA; use backend='gloo' on CPUs")
     if not _initialized():
         _env_int("RANK")
