@@ -46,7 +46,7 @@ def _check_loss(loss: Any) -> None:
 def _check_differentiable(args: tuple[Any, ...], argnums: int | tuple[int, ...]) -> None:
     nums = (argnums,) if isinstance(argnums, int) else argnums
     for n in nums:
-        if n >= len(args):
+        if not -len(args) <= n < len(args):
             raise ValueError(f"grad_and_value: argnums={argnums} but only {len(args)} positional arguments given")
         leaves = _tree.tree_leaves(args[n])
         for path, leaf in zip(_tree.tree_paths(args[n]), leaves):
@@ -56,6 +56,19 @@ def _check_differentiable(args: tuple[Any, ...], argnums: int | tuple[int, ...])
                     f"grad_and_value: argument {n} is differentiated, so every leaf must be a floating tensor; "
                     f"leaf {path!r} is {what}. Pass integer or frozen tensors in another argument."
                 )
+
+
+def _check_arguments(fun: Any, loss_scale: Any, argnums: Any) -> None:
+    if not callable(fun):
+        raise TypeError(f"grad_and_value: fun must be callable, got {type(fun).__name__}")
+    if not isinstance(loss_scale, LossScale):
+        raise TypeError(
+            "grad_and_value: loss_scale must be a funcamp loss scale (NoOpLossScale, StaticLossScale, "
+            f"DynamicLossScale), got {type(loss_scale).__name__}"
+        )
+    nums = argnums if isinstance(argnums, tuple) and argnums else (argnums,)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
+        raise TypeError(f"grad_and_value: argnums must be an int or a non-empty tuple of ints, got {argnums!r}")
 
 
 def _call_without_autocast(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -93,6 +106,7 @@ def scaled_grad_and_value(
         _check_loss(loss)
         return loss_scale.scale(loss), ((loss, aux) if has_aux else loss)
 
+    _check_arguments(fun, loss_scale, argnums)
     inner = torch.func.grad_and_value(scaled, argnums=argnums, has_aux=True)
 
     def fn(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
@@ -141,6 +155,8 @@ def grad_and_value(
     Raises:
       TypeError: if ``fun`` returns a non-tensor or a non-floating loss, if ``has_aux`` is set and
         ``fun`` does not return a pair, or if a differentiated leaf is not a floating tensor.
+      TypeError: if ``fun`` is not callable, ``loss_scale`` is not a funcamp loss scale, or
+        ``argnums`` is not an int or a non-empty tuple of ints.
       ValueError: if the loss is not 0-d, or ``argnums`` names a missing argument.
     References:
       Micikevicius et al. 2018, "Mixed Precision Training", arXiv:1710.03740.
