@@ -291,8 +291,30 @@ def make_train_step(
         return new_state, metrics
 
     if compile:
-        return torch.compile(step, fullgraph=True, backend=backend or "inductor")
+        return _with_eager_errors(step, torch.compile(step, fullgraph=True, backend=backend or "inductor"))
     return step
+
+
+def _with_eager_errors(step: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, but a bad input raises funcamp's own error rather than dynamo's.
+
+    With ``fullgraph=True`` an exception raised while tracing (a loss that is not 0-d, a batch that
+    does not split into micro-batches) reaches the caller as ``torch._dynamo.exc.Unsupported``
+    ("Observed exception"). The step is pure, so on that error it is run once eagerly: that raises
+    the real ``ValueError``/``TypeError``; if the eager step succeeds, dynamo's error is re-raised.
+    """
+
+    def compiled_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        try:
+            return compiled(state, batch)
+        except torch._dynamo.exc.Unsupported as unsupported:
+            try:
+                step(state, batch)
+            except Exception as error:
+                raise error from None
+            raise unsupported
+
+    return compiled_step
 
 
 def nonfinite_leaf_name(params: Any, index: int | torch.Tensor) -> str | None:
