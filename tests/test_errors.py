@@ -1,0 +1,265 @@
+"""Bad-input catalogue: wrong calls across the public API, each refused with a specific exception type
+and a message that names the argument and says what is accepted.
+
+Every case runs against shared objects (a train state, a loss scale, parameters, trees); after each
+refused call they must be exactly as before (same leaf objects, same values): a refused call leaves
+nothing half-updated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import funcamp as fa
+from funcamp import _tree, optim
+
+PARAMS = {"b": torch.zeros(3), "w": torch.ones(4, 3)}
+OPT = optim.adamw(1e-2)
+STATE = fa.TrainState.create(PARAMS, OPT, loss_scale=fa.DynamicLossScale(2.0**4, period=1))
+LS = fa.DynamicLossScale(2.0**10, period=3, hysteresis=2)
+BATCH = {"x": torch.ones(4, 4)}
+TREE_A = {"a": torch.ones(2), "b": [torch.zeros(3, dtype=torch.float16), 1]}
+TREE_B = {"a": torch.zeros(2), "b": [torch.ones(3, dtype=torch.float16), 1]}
+TRUE = torch.tensor(True)
+WATCHED = (PARAMS, STATE, LS, BATCH, TREE_A, TREE_B)
+
+
+def good_loss(p: dict, batch: dict) -> torch.Tensor:
+    return ((batch["x"] @ p["w"] + p["b"]) ** 2).mean()
+
+
+def vector_loss(p: dict, batch: dict) -> torch.Tensor:
+    return (batch["x"] @ p["w"]).sum(-1)  # forgot to reduce
+
+
+def int_loss(p: dict, batch: dict) -> torch.Tensor:
+    return (batch["x"] @ p["w"]).sum().long()
+
+
+def python_loss(p: dict, batch: dict) -> float:
+    return 1.0
+
+
+def _step(loss_fn: Callable, state: fa.TrainState = STATE, batch: Any = BATCH, **kwargs: Any) -> Callable:
+    def call() -> Any:
+        return fa.make_train_step(loss_fn, OPT, **kwargs)(state, batch)
+
+    return call
+
+
+def _compiled(loss_fn: Callable, **kwargs: Any) -> Callable:
+    return _step(loss_fn, backend="aot_eager", **kwargs)
+
+
+def _eager(loss_fn: Callable, **kwargs: Any) -> Callable:
+    return _step(loss_fn, compile=False, **kwargs)
+
+
+def _gav(fun: Callable, *args: Any, loss_scale: Any = LS, **kwargs: Any) -> Callable:
+    return lambda: fa.grad_and_value(fun, loss_scale, **kwargs)(*args)
+
+
+def case(name: str, call: Callable[[], Any], exc: type[Exception], match: str) -> Any:
+    return pytest.param(call, exc, match, id=name)
+
+
+F32 = torch.float32
+CASES = [
+    # --- policies -------------------------------------------------------------------------------------
+    case("policy-unknown-dtype", lambda: fa.get_policy("params=float32,compute=float8"), ValueError,
+         r"unknown dtype 'float8' in part 'compute=float8'.*accepted dtype names: .*bfloat16"),
+    case("policy-unknown-key", lambda: fa.get_policy("params=float32,comput=bf16"), ValueError,
+         r"unknown key 'comput'.*accepted keys: p/params/c/compute/o/output/r/reduce"),
+    case("policy-empty", lambda: fa.get_policy("  "), ValueError,
+         r"empty policy string; expected e.g. 'params=float32,compute=bfloat16,output=float32'"),
+    case("policy-empty-part", lambda: fa.get_policy("p=f32,,c=bf16"), ValueError,
+         r"an empty part in 'p=f32,,c=bf16'; each comma-separated part must be key=dtype"),
+    case("policy-double-equals", lambda: fa.get_policy("c==bf16"), ValueError,
+         r"part 'c==bf16'.*must be key=dtype with key one of"),
+    case("policy-key-twice", lambda: fa.get_policy("p=f32,params=bf16"), ValueError,
+         r"param_dtype given twice.*at most once"),
+    case("policy-not-a-string", lambda: fa.get_policy(torch.float16), TypeError,
+         r"get_policy: expected a policy string or a Policy, got dtype"),
+    case("policy-int-dtype", lambda: fa.Policy(F32, torch.int8, F32), ValueError,
+         r"compute_dtype must be a real floating-point dtype \(torch.float16.*got torch.int8"),
+    case("policy-complex-dtype", lambda: fa.Policy(F32, F32, torch.complex64), ValueError,
+         r"output_dtype must be a real floating-point dtype"),
+    case("policy-string-dtype", lambda: fa.Policy("float32", F32, F32), TypeError,
+         r"param_dtype must be a torch.dtype .*got 'float32'; use funcamp.get_policy"),
+    case("policy-state-dict-missing", lambda: fa.Policy.from_state_dict({"param_dtype": "float32"}), ValueError,
+         r"from_state_dict: bad keys \['param_dtype'\].*missing .*'compute_dtype'"),
+    # --- loss scales ----------------------------------------------------------------------------------
+    case("static-zero", lambda: fa.StaticLossScale(0.0), ValueError,
+         r"loss_scale must be positive and finite in float32 \(between 2\*\*-126 and"),
+    case("static-overflows-float32", lambda: fa.StaticLossScale(1e39), ValueError,
+         r"loss_scale must be positive and finite in float32"),
+    case("static-f16-tensor", lambda: fa.StaticLossScale(torch.tensor(2.0, dtype=torch.float16)), TypeError,
+         r"loss_scale must be a torch.float32 tensor or a Python number, got a torch.float16 tensor"),
+    case("static-vector", lambda: fa.StaticLossScale(torch.ones(2)), ValueError,
+         r"loss_scale must be a 0-d tensor, got shape \(2,\)"),
+    case("dynamic-period-zero", lambda: fa.DynamicLossScale(period=0), ValueError,
+         r"period must be an int >= 1, got 0"),
+    case("dynamic-period-float", lambda: fa.DynamicLossScale(period=2.5), TypeError, r"period must be an int >= 1"),
+    case("dynamic-hysteresis-zero", lambda: fa.DynamicLossScale(hysteresis=0), ValueError,
+         r"hysteresis must be an int >= 1"),
+    case("dynamic-growth-one", lambda: fa.DynamicLossScale(growth_factor=1.0), ValueError,
+         r"growth_factor must be a finite float > 1, got 1.0"),
+    case("dynamic-growth-negative", lambda: fa.DynamicLossScale(growth_factor=-2.0), ValueError,
+         r"growth_factor must be a finite float > 1"),
+    case("dynamic-growth-string", lambda: fa.DynamicLossScale(growth_factor="2"), TypeError,
+         r"growth_factor must be a Python float, got '2'"),
+    case("dynamic-backoff-zero", lambda: fa.DynamicLossScale(backoff_factor=0.0), ValueError,
+         r"backoff_factor must be a float in \(0, 1\) or None"),
+    case("dynamic-backoff-negative", lambda: fa.DynamicLossScale(backoff_factor=-0.5), ValueError,
+         r"backoff_factor must be a float in \(0, 1\)"),
+    case("dynamic-backoff-one", lambda: fa.DynamicLossScale(backoff_factor=1.0), ValueError,
+         r"backoff_factor must be a float in \(0, 1\)"),
+    case("dynamic-floor-zero", lambda: fa.DynamicLossScale(min_loss_scale=0.0), ValueError,
+         r"min_loss_scale must be a float between 2\*\*-126 \(the smallest normal float32\)"),
+    case("dynamic-floor-negative", lambda: fa.DynamicLossScale(min_loss_scale=-1.0), ValueError,
+         r"min_loss_scale must be a float between 2\*\*-126"),
+    case("dynamic-floor-underflows", lambda: fa.DynamicLossScale(1.0, min_loss_scale=1e-50), ValueError,
+         r"min_loss_scale must be a float between 2\*\*-126"),
+    case("dynamic-cap-below-floor", lambda: fa.DynamicLossScale(max_loss_scale=0.5), ValueError,
+         r"max_loss_scale must be None, inf, or a float >= min_loss_scale=1.0"),
+    case("dynamic-cap-overflows", lambda: fa.DynamicLossScale(max_loss_scale=1e39), ValueError,
+         r"max_loss_scale must be None, inf, or a float .* <= 3.4028234663852886e\+38"),
+    case("dynamic-scale-below-floor", lambda: fa.DynamicLossScale(0.5), ValueError,
+         r"loss_scale must be >= min_loss_scale=1.0"),
+    case("dynamic-scale-inf", lambda: fa.DynamicLossScale(math.inf), ValueError,
+         r"loss_scale must be >= min_loss_scale=1.0 and finite in float32"),
+    case("dynamic-scale-overflows", lambda: fa.DynamicLossScale(1e39), ValueError,
+         r"loss_scale must be .* finite in float32"),
+    case("dynamic-float-counter", lambda: fa.DynamicLossScale(counter=torch.tensor(0.0)), TypeError,
+         r"counter must be a torch.int32 tensor or a Python number"),
+    case("adjust-python-bool", lambda: LS.adjust(True), TypeError,
+         r"grads_finite must be a 0-d torch.bool tensor \(e.g. funcamp.all_finite\(grads\)\), got bool"),
+    case("adjust-vector", lambda: LS.adjust(torch.tensor([True, False])), ValueError,
+         r"grads_finite must be 0-d, got shape \(2,\)"),
+    case("adjust-float-tensor", lambda: LS.adjust(torch.tensor(1.0)), TypeError,
+         r"grads_finite must be a 0-d torch.bool tensor.*got torch.float32"),
+    case("adjust-int-tensor", lambda: LS.adjust(torch.tensor(1)), TypeError,
+         r"grads_finite must be a 0-d torch.bool tensor.*got torch.int64"),
+    case("static-adjust-vector", lambda: fa.StaticLossScale(8.0).adjust(torch.ones(1, dtype=torch.bool)), ValueError,
+         r"grads_finite must be 0-d"),
+    case("noop-adjust-int", lambda: fa.NoOpLossScale().adjust(1), TypeError,
+         r"grads_finite must be a 0-d torch.bool tensor"),
+    case("state-dict-unknown-type", lambda: fa.loss_scale_from_state_dict({"type": "GradScaler"}), ValueError,
+         r"unknown type 'GradScaler'; expected one of \['DynamicLossScale', 'NoOpLossScale', 'StaticLossScale'\]"),
+    case("state-dict-unknown-field", lambda: fa.loss_scale_from_state_dict({"type": "DynamicLossScale", "bogus": 1}),
+         ValueError, r"bad fields for DynamicLossScale.*'bogus'"),
+    # --- trees ----------------------------------------------------------------------------------------
+    case("select-python-pred", lambda: fa.select_tree(True, TREE_A, TREE_B), TypeError,
+         r"pred must be a 0-d torch.bool tensor, got bool"),
+    case("select-int-pred", lambda: fa.select_tree(torch.tensor(1), TREE_A, TREE_B), TypeError,
+         r"pred must be a 0-d torch.bool tensor, got dtype torch.int64"),
+    case("select-vector-pred", lambda: fa.select_tree(torch.tensor([True]), TREE_A, TREE_B), ValueError,
+         r"pred must be 0-d \(a scalar\), got shape \(1,\)"),
+    case("select-structure", lambda: fa.select_tree(TRUE, TREE_A, {"a": TREE_B["a"]}), ValueError,
+         r"a and b must have the same structure"),
+    case("select-dtype", lambda: fa.select_tree(TRUE, {"a": torch.ones(2)}, {"a": torch.ones(2).half()}), ValueError,
+         r"paired leaves differ in dtype: torch.float32 and torch.float16"),
+    case("select-shape", lambda: fa.select_tree(TRUE, {"a": torch.ones(1)}, {"a": torch.ones(3)}), ValueError,
+         r"paired leaves must have the same shape, got \(1,\) and \(3,\)"),
+    case("select-python-leaves", lambda: fa.select_tree(TRUE, {"a": 1}, {"a": 2}), ValueError,
+         r"non-tensor leaves must be equal in a and b, got 1 and 2"),
+    # --- grad_and_value -------------------------------------------------------------------------------
+    case("gav-vector-loss", _gav(vector_loss, PARAMS, BATCH), ValueError,
+         r"the loss must be 0-d \(reduce it, e.g. with .mean\(\)\), got shape \(4,\)"),
+    case("gav-int-loss", _gav(int_loss, PARAMS, BATCH), TypeError,
+         r"the loss must be a floating tensor, got dtype torch.int64"),
+    case("gav-python-loss", _gav(python_loss, PARAMS, BATCH), TypeError,
+         r"fun must return a 0-d floating tensor \(or \(loss, aux\) with has_aux=True\), got float"),
+    case("gav-aux-missing", _gav(good_loss, PARAMS, BATCH, has_aux=True), TypeError,
+         r"with has_aux=True, fun must return a \(loss, aux\) tuple"),
+    case("gav-int-param", _gav(good_loss, {**PARAMS, "steps": torch.tensor(3)}, BATCH), TypeError,
+         r"argument 0 is differentiated, so every leaf must be a floating tensor; leaf 'steps' is torch.int64"),
+    case("gav-number-loss-scale", _gav(good_loss, PARAMS, BATCH, loss_scale=2.0**15), TypeError,
+         r"loss_scale must be a funcamp loss scale \(NoOpLossScale, StaticLossScale, DynamicLossScale\), got float"),
+    case("gav-not-callable", lambda: fa.grad_and_value("good_loss", LS), TypeError,
+         r"fun must be callable, got str"),
+    case("gav-argnums-missing", _gav(good_loss, PARAMS, BATCH, argnums=2), ValueError,
+         r"argnums=2 but only 2 positional arguments given"),
+    case("gav-argnums-string", lambda: fa.grad_and_value(good_loss, LS, argnums="0"), TypeError,
+         r"argnums must be an int or a non-empty tuple of ints, got '0'"),
+    # --- optimizers -----------------------------------------------------------------------------------
+    case("apply-structure", lambda: optim.apply_updates(PARAMS, {"w": PARAMS["w"]}), ValueError,
+         r"params and updates must have the same tree structure"),
+    case("apply-int-param", lambda: optim.apply_updates({"n": torch.tensor(1)}, {"n": torch.tensor(1.0)}), TypeError,
+         r"every param leaf must be a floating-point tensor, got torch.int64"),
+    case("apply-shape", lambda: optim.apply_updates(PARAMS, {"b": torch.zeros(1), "w": PARAMS["w"]}), ValueError,
+         r"each update must have its parameter's shape \(no broadcasting\), got param \(3,\) and update \(1,\)"),
+    case("sgd-negative-lr", lambda: optim.sgd(-0.1), ValueError, r"learning_rate must be >= 0, got -0.1"),
+    case("sgd-string-lr", lambda: optim.sgd("0.1"), TypeError,
+         r"learning_rate must be a float >= 0 or a schedule .* got str"),
+    case("adam-b1-one", lambda: optim.adam(1e-3, b1=1.0), ValueError, r"b1 must be in \[0, 1\), got 1.0"),
+    case("clip-zero", lambda: optim.clip_by_global_norm(0.0), ValueError, r"max_norm must be > 0, got 0.0"),
+    case("chain-not-transform", lambda: optim.chain(optim.sgd(0.1), "adam"), TypeError,
+         r"chain: argument 1 must be a GradientTransformation, got str"),
+    # --- train state and step -------------------------------------------------------------------------
+    case("state-int-param", lambda: fa.TrainState.create({**PARAMS, "n": torch.tensor(1)}, OPT), TypeError,
+         r"every parameter must be a floating tensor; 'n' is torch.int64. Keep integer state in buffers"),
+    case("state-not-optimizer", lambda: fa.TrainState.create(PARAMS, "adam"), TypeError,
+         r"optimizer must be a funcamp.optim.GradientTransformation, got str"),
+    case("state-number-loss-scale", lambda: fa.TrainState.create(PARAMS, OPT, loss_scale=2.0**15), TypeError,
+         r"loss_scale must be a funcamp loss scale \(NoOpLossScale, StaticLossScale, DynamicLossScale\), got float"),
+    case("step-not-callable", lambda: fa.make_train_step("good_loss", OPT), TypeError,
+         r"loss_fn must be callable, got str"),
+    case("step-accumulation-zero", lambda: fa.make_train_step(good_loss, OPT, accumulation_steps=0), ValueError,
+         r"accumulation_steps must be an int >= 1, got 0"),
+    case("step-skips-zero", lambda: fa.make_train_step(good_loss, OPT, max_consecutive_skips=0), ValueError,
+         r"max_consecutive_skips must be None or an int >= 1, got 0"),
+    case("step-bad-policy", lambda: fa.make_train_step(good_loss, OPT, policy="compute=float8"), ValueError,
+         r"unknown dtype 'float8'.*accepted dtype names"),
+    case("step-vector-loss", _eager(vector_loss), ValueError, r"the loss must be 0-d .* got shape \(4,\)"),
+    case("step-vector-loss-compiled", _compiled(vector_loss), ValueError, r"the loss must be 0-d .* got shape \(4,\)"),
+    case("step-int-loss-compiled", _compiled(int_loss), TypeError, r"the loss must be a floating tensor"),
+    case("step-int-param", _eager(good_loss, state=STATE.replace(params={**PARAMS, "n": torch.tensor(1)})), TypeError,
+         r"every leaf must be a floating tensor; leaf 'n' is torch.int64"),
+    case("step-batch-does-not-split", _compiled(good_loss, accumulation_steps=3), ValueError,
+         r"accumulation_steps=3, every batch leaf must be a tensor whose first dimension is divisible by 3; "
+         r"leaf 'x' is \(4, 4\)"),
+    case("check-skips-without-option", lambda: fa.check_skips({"loss": torch.tensor(1.0)}), KeyError,
+         r"metrics has no 'too_many_skips'; build the step with max_consecutive_skips=N"),
+    case("nonfinite-leaf-out-of-range", lambda: fa.nonfinite_leaf_name(PARAMS, 5), IndexError,
+         r"index 5 out of range for 2 floating parameters"),
+]  # fmt: skip
+
+
+def _snapshot(tree: Any) -> list[tuple[Any, Any]]:
+    return [(x, x.clone() if isinstance(x, torch.Tensor) else x) for x in _tree.tree_leaves(tree)]
+
+
+def _unchanged(tree: Any, snapshot: list[tuple[Any, Any]]) -> bool:
+    leaves = _tree.tree_leaves(tree)
+    return len(leaves) == len(snapshot) and all(
+        x is obj and (torch.equal(x, copy) if isinstance(x, torch.Tensor) else x == copy)
+        for x, (obj, copy) in zip(leaves, snapshot)
+    )
+
+
+@pytest.mark.parametrize("call, exc, match", CASES)
+def test_bad_input_is_refused(call, exc, match):
+    before = [_snapshot(t) for t in WATCHED]
+    with pytest.raises(exc, match=match) as info:
+        call()
+    assert type(info.value) is exc  # the specific type, not a subclass such as dynamo's errors
+    assert all(_unchanged(t, s) for t, s in zip(WATCHED, before)), "a refused call changed a shared object"
+
+
+def test_catalogue_size():
+    # The README's closing note quotes this count.
+    assert len(CASES) >= 30
+    assert len({p.id for p in CASES}) == len(CASES)
+
+
+def test_shared_objects_still_work():
+    # The refused calls above did not break the objects they were given: a good step still runs.
+    state, metrics = fa.make_train_step(good_loss, OPT, compile=False)(STATE, BATCH)
+    assert bool(metrics["grads_finite"]) and int(state.step) == 1
+    assert float(LS.adjust(TRUE).loss_scale) == 2.0**10
