@@ -8,9 +8,9 @@ parameters and their arithmetic in float32, as torch.amp, Apex (``keep_batchnorm
 Face (``_keep_in_fp32_modules``) do. Buffers that change in training (BatchNorm running statistics)
 come in and go out explicitly: ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``.
 
-The module you pass is never changed: ``functionalize`` works on a structural copy of it that shares
-its tensors (no parameter memory is copied for the structure), sets the training flag and the
-per-module casting wrappers on that copy, and never runs the copy with the module's own parameters.
+The module you pass is never changed, nor kept alive: ``functionalize`` works on a structural copy of
+it whose parameters are shape-only placeholders (on the ``meta`` device), sets the training flag and
+the per-module casting wrappers on that copy, and runs it with the tensors passed to ``apply_fn``.
 """
 
 from __future__ import annotations
@@ -42,12 +42,14 @@ ModulePolicy = Policy | str | Callable[[Policy], Policy] | None
 ModulePolicies = Mapping[type | str, ModulePolicy]
 
 #: Module types that run in float32 by default (with :func:`keep_in_float32`): BatchNorm*, SyncBatchNorm
-#: and InstanceNorm* (``_NormBase``), LayerNorm, GroupNorm, RMSNorm.
+#: and InstanceNorm* (``_NormBase``), LayerNorm, GroupNorm, RMSNorm, LocalResponseNorm (which has no
+#: half-precision CPU kernel).
 NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,
     nn.LayerNorm,
     nn.GroupNorm,
     nn.RMSNorm,
+    nn.LocalResponseNorm,
 )
 # Normalisation layers of other libraries, recognised by their class name: LlamaRMSNorm, T5LayerNorm,
 # FusedLayerNorm, torchvision's FrozenBatchNorm2d, ...
@@ -266,8 +268,16 @@ def _wrap_forward(module: nn.Module, policy: Policy, autocast: bool) -> None:
 
 
 def _skeleton(module: nn.Module, plan: _Plan, autocast: bool, training: bool | None) -> nn.Module:
-    """A copy of ``module``'s structure that shares its tensors, with the casting wrappers installed."""
-    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    """A copy of ``module``'s structure with the casting wrappers installed.
+
+    ``apply_fn`` passes every parameter and persistent buffer in, so the copy holds shape-only ``meta``
+    placeholders for them (it does not keep your module's weights alive); non-persistent buffers,
+    the constants, are shared with your module.
+    """
+    named = dict(module.named_buffers())
+    state = [*module.parameters(), *(named[name] for name in plan.buffers)]
+    memo: dict[int, Any] = {id(t): t for t in module.buffers()}
+    memo.update({id(t): _placeholder(t) for t in state})
     try:
         skeleton = copy.deepcopy(module, memo)
     except Exception as e:
@@ -284,6 +294,11 @@ def _skeleton(module: nn.Module, plan: _Plan, autocast: bool, training: bool | N
             wrapped.add(id(modules[name]))
             _wrap_forward(modules[name], policy, autocast)
     return skeleton
+
+
+def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    empty = torch.empty_like(tensor, device="meta")
+    return nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
 
 
 def _check_keys(what: str, got: Mapping[str, Any], expected: list[str]) -> None:
