@@ -163,7 +163,7 @@ def _adam_count(state: fa.TrainState) -> int:
 
 
 def soak(dtype: torch.dtype, steps: int, compile: bool, seed: int) -> dict:
-    """Run the injected schedule, checking every step; then the clean-only run. Returns the record."""
+    """Run the injected schedule, checking every step; then the run without the injected steps."""
     opt = optim.adamw(1e-2, weight_decay=0.01)
     kwargs = dict(backend="aot_eager") if compile else dict(compile=False)
     step = fa.make_train_step(make_loss_fn(dtype), opt, **kwargs)
@@ -172,7 +172,7 @@ def soak(dtype: torch.dtype, steps: int, compile: bool, seed: int) -> dict:
     opts = LOSS_SCALE[dtype]
     ref = (np.float32(opts["loss_scale"]), 0, opts.get("hysteresis", 1))
     rec = dict(
-        dtype=dtype, opts=opts, faults=faults, finite=[], scales=[], ref_scales=[], applied=0, skipped=0, problems=[]
+        dtype=dtype, opts=opts, faults=faults, finite=[], scales=[], ref_scales=[], n_clean=0, n_injected=0, problems=[]
     )
     for i, (batch, fault) in enumerate(zip(batches, faults)):
         new, m = step(state, batch)
@@ -186,14 +186,14 @@ def soak(dtype: torch.dtype, steps: int, compile: bool, seed: int) -> dict:
             rec["problems"].append(f"step {i}: loss scale {float(new.loss_scale.loss_scale)} is not > 0")
         kept = [_equal_trees(getattr(new, f), getattr(state, f)) for f in ("params", "opt_state", "buffers")]
         if fault is not None:
-            rec["skipped"] += 1
+            rec["n_injected"] += 1
             expected_leaf = KEYS.index(fault.leaf) if fault.kind == "grad" else None
             if finite or not all(kept) or int(new.skipped_steps) != int(state.skipped_steps) + 1:
                 rec["problems"].append(f"step {i}: injected {fault} was not skipped and counted")
             if expected_leaf is not None and int(m["nonfinite_leaf"]) != expected_leaf:
                 rec["problems"].append(f"step {i}: nonfinite_leaf {int(m['nonfinite_leaf'])} for {fault}")
         else:
-            rec["applied"] += 1
+            rec["n_clean"] += 1
             applied = (
                 finite
                 and not kept[0]
@@ -212,14 +212,14 @@ def soak(dtype: torch.dtype, steps: int, compile: bool, seed: int) -> dict:
     # a power of two is exact, so the clean run keeps its own loss scale (it never backs off) and still
     # matches bitwise. In float16 a gradient rounds differently at another scale (subnormals below
     # 6.1e-5), so there each clean step runs at the loss scale the soak used for it.
-    clean = _init_state(dtype, opt)
+    omitted = _init_state(dtype, opt)
     for batch, fault, scale in zip(batches, faults, rec["scales"]):
         if fault is None:
             if dtype == torch.float16:
-                ls = dataclasses.replace(clean.loss_scale, loss_scale=torch.tensor(scale))
-                clean = clean.replace(loss_scale=ls)
-            clean, _ = step(clean, batch)
-    rec["clean"] = clean
+                ls = dataclasses.replace(omitted.loss_scale, loss_scale=torch.tensor(scale))
+                omitted = omitted.replace(loss_scale=ls)
+            omitted, _ = step(omitted, batch)
+    rec["omitted"] = omitted
     return rec
 
 
@@ -255,8 +255,8 @@ def test_no_problem_at_any_step(run):
 def test_counts(run):
     injected = sum(f is not None for f in run["faults"])
     final = run["final"]
-    assert run["skipped"] == injected == int(final.skipped_steps) == run["finite"].count(False)
-    assert run["applied"] == STEPS - injected == run["finite"].count(True)
+    assert run["n_injected"] == injected == int(final.skipped_steps) == run["finite"].count(False)
+    assert run["n_clean"] == STEPS - injected == run["finite"].count(True)
     assert int(final.step) == STEPS
     assert _adam_count(final) == STEPS - injected
 
@@ -275,20 +275,20 @@ def test_loss_scale_trajectory_matches_reference(run):
 
 
 def test_equals_run_without_injected_steps(run):
-    final, clean = run["final"], run["clean"]
+    final, omitted = run["final"], run["omitted"]
     for field in ("params", "opt_state", "buffers"):
-        assert _equal_trees(getattr(final, field), getattr(clean, field)), field
-    assert int(clean.skipped_steps) == 0
+        assert _equal_trees(getattr(final, field), getattr(omitted, field)), field
+    assert int(omitted.skipped_steps) == 0 and int(omitted.step) == STEPS - run["n_injected"]
     if run["dtype"] == torch.bfloat16:
-        # The bfloat16 clean run grew its own scale, undisturbed, to the cap.
-        assert float(clean.loss_scale.loss_scale) == run["opts"]["max_loss_scale"]
+        # The bfloat16 run without faults grew its own scale, undisturbed, to the cap.
+        assert float(omitted.loss_scale.loss_scale) == run["opts"]["max_loss_scale"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 def test_eager_soak(dtype):
     rec = soak(dtype, EAGER_STEPS, compile=False, seed=7)
     assert rec["problems"] == []
-    assert rec["skipped"] == rec["finite"].count(False) == int(rec["final"].skipped_steps) > 0
+    assert rec["n_injected"] == rec["finite"].count(False) == int(rec["final"].skipped_steps) > 0
     assert rec["scales"] == rec["ref_scales"]
     for field in ("params", "opt_state", "buffers"):
-        assert _equal_trees(getattr(rec["final"], field), getattr(rec["clean"], field)), field
+        assert _equal_trees(getattr(rec["final"], field), getattr(rec["omitted"], field)), field
