@@ -303,7 +303,10 @@ def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
 
 def _check_keys(what: str, got: Mapping[str, Any], expected: list[str]) -> None:
     if not isinstance(got, Mapping):
-        raise TypeError(f"apply_fn: {what} must be a dict of tensors by name, got {type(got).__name__}")
+        hint = (
+            " (this module has buffers: call apply_fn(params, buffers, *args, **kwargs))" if what == "buffers" else ""
+        )
+        raise TypeError(f"apply_fn: {what} must be a dict of tensors by name, got {type(got).__name__}{hint}")
     if got.keys() != set(expected):
         missing = sorted(set(expected) - got.keys())
         unexpected = sorted(got.keys() - set(expected))
@@ -392,6 +395,7 @@ def functionalize(
         cannot be deep-copied.
       ValueError: if a policy string does not parse; at call time, if ``params`` or ``buffers`` do not
         have the module's names.
+      TypeError: at call time, if ``params`` or ``buffers`` is not a dict.
 
     Example:
       >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
@@ -444,7 +448,7 @@ def functionalize(
     if explicit:
 
         def apply_fn(
-            params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any
+            params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any
         ) -> tuple[Any, dict[str, torch.Tensor]]:
             return run(params, buffers, args, kwargs)
 
@@ -452,7 +456,7 @@ def functionalize(
 
     frozen = buffers
 
-    def apply_fn(params: Mapping[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+    def apply_fn(params: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
         return run(params, frozen, args, kwargs)[0]
 
     return apply_fn, params

@@ -375,6 +375,19 @@ def test_tied_weights_stay_tied():
     torch.testing.assert_close(grads["tok.weight"], expected, rtol=0, atol=0)
 
 
+def test_module_kwargs_named_params_or_buffers_reach_the_module():
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, params: torch.Tensor, buffers: torch.Tensor) -> torch.Tensor:
+            return self.lin(params) + buffers
+
+    apply_fn, p = functionalize(Odd(), "f32")
+    assert apply_fn(p, params=torch.ones(1, 2), buffers=torch.ones(1, 2)).shape == (1, 2)
+
+
 def test_inputs_are_cast_and_integers_pass_through():
     model = TinyGPT().eval()
     apply_fn, params = functionalize(model, "params=float32,compute=bfloat16,output=float16")
@@ -497,6 +510,9 @@ def test_errors():
         apply_fn({k: v for k, v in params.items() if k != "0.bias"}, torch.ones(1, 4))
     with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
         apply_fn({**params, "extra": torch.ones(1)}, torch.ones(1, 4))
+    apply_fn, params, _ = functionalize(nn.BatchNorm1d(4), "f32")
+    with pytest.raises(TypeError, match=r"this module has buffers: call apply_fn\(params, buffers"):
+        apply_fn(params, torch.ones(2, 4))
 
 
 # --- compiled train steps ------------------------------------------------------------------------
