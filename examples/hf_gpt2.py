@@ -30,7 +30,10 @@ MIB = 2**20
 
 def build_gpt2(tiny: bool, attn_implementation: str) -> torch.nn.Module:
     """GPT-2 with random weights: the 124M configuration, or a 2-layer one for quick runs."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as e:
+        raise SystemExit(f"this example needs transformers: pip install -e '.[hf]' ({e})") from e
 
     if tiny:
         config = GPT2Config(
