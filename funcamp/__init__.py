@@ -5,7 +5,7 @@ unscale the gradients; ``grad_and_value`` checks them for overflow without a hos
 step composes these with optax-style optimizers and compiles whole with ``torch.compile``.
 """
 
-from funcamp import optim
+from funcamp import memory, nn, optim, parallel
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
@@ -15,6 +15,7 @@ from funcamp.loss_scale import (
     StaticLossScale,
     loss_scale_from_state_dict,
 )
+from funcamp.memory import MemoryReport, memory_footprint, memory_report
 from funcamp.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from funcamp.train import SkippedStepsError, TrainState, check_skips, make_train_step, nonfinite_leaf_name
 
@@ -24,6 +25,7 @@ __all__ = [
     "DynamicLossScale",
     "GradAndValue",
     "LossScale",
+    "MemoryReport",
     "NoOpLossScale",
     "Policy",
     "SkippedStepsError",
@@ -40,8 +42,13 @@ __all__ = [
     "half_dtype",
     "loss_scale_from_state_dict",
     "make_train_step",
+    "memory",
+    "memory_footprint",
+    "memory_report",
+    "nn",
     "nonfinite_leaf_name",
     "optim",
+    "parallel",
     "select_tree",
     "tree_bytes",
 ]
