@@ -33,11 +33,13 @@ def test_training_loop_example_runs():
     # Fewer steps and the fast compile backend: the code is otherwise the README's, unchanged.
     assert "range(200)" in code and "make_train_step(loss_fn, optimizer)" in code
     code = code.replace("range(200)", "range(3)").replace("print(", "printed.append((")
-    code = code.replace("bool(metrics[\"grads_finite\"]))", "bool(metrics[\"grads_finite\"])))")
-    code = code.replace("make_train_step(loss_fn, optimizer)", "make_train_step(loss_fn, optimizer, backend='aot_eager')")
+    code = code.replace('bool(metrics["grads_finite"]))', 'bool(metrics["grads_finite"])))')
+    code = code.replace(
+        "make_train_step(loss_fn, optimizer)", "make_train_step(loss_fn, optimizer, backend='aot_eager')"
+    )
     torch._dynamo.reset()
     namespace = {"printed": []}
     exec(compile(code, "README.md", "exec"), namespace)
-    (step, loss, scale, finite), = namespace["printed"]
+    ((step, loss, scale, finite),) = namespace["printed"]
     assert step == 0 and loss > 0 and scale == 2.0**15 and finite
     assert int(namespace["state"].step) == 3
