@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import funcamp as fa
-from funcamp import _tree, optim
+from funcamp import _tree, checkpoint, optim
 
 PARAMS = {"b": torch.zeros(3), "w": torch.ones(4, 3)}
 OPT = optim.adamw(1e-2)
@@ -231,6 +232,67 @@ CASES = [
 ]  # fmt: skip
 
 
+# --- checkpoints: each case gets the paths of the files made by the ``files`` fixture --------------------
+OTHER_STATE = fa.TrainState.create({"w": torch.ones(4, 3)}, OPT)  # no "b"
+WIDER_STATE = fa.TrainState.create({"b": torch.zeros(5), "w": torch.ones(4, 5)}, OPT)
+HALF_STATE = fa.TrainState.create({k: v.half() for k, v in PARAMS.items()}, OPT)
+MismatchError, CorruptError = checkpoint.CheckpointMismatchError, checkpoint.CorruptCheckpointError
+CHECKPOINT_CASES = [
+    case("load-other-structure", lambda f: checkpoint.load(f["good"], like={"state": OTHER_STATE}), MismatchError,
+         r"ckpt.pt: state.params has other keys than like: missing \[\], unexpected \['b'\]"),
+    case("load-other-shape", lambda f: checkpoint.load(f["good"], like={"state": WIDER_STATE}), MismatchError,
+         r"state.params.b has shape \(3,\) in the checkpoint, \(5,\) in like"),
+    case("load-other-dtype", lambda f: checkpoint.load(f["good"], like={"state": HALF_STATE}), MismatchError,
+         r"state.params.b has dtype torch.float32 in the checkpoint, torch.float16 in like"),
+    case("load-other-kind", lambda f: checkpoint.load(f["good"], like={"state": PARAMS}), MismatchError,
+         r"state is a dataclass funcamp.train.TrainState in the checkpoint but a dict in like"),
+    case("load-truncated", lambda f: checkpoint.load(f["truncated"]), CorruptError,
+         r"truncated.pt: not a readable funcamp checkpoint \(truncated or corrupt\?\)"),
+    case("load-plain-torch-file", lambda f: checkpoint.load(f["plain"]), CorruptError,
+         r"plain.pt: not a funcamp checkpoint \(no format='funcamp.checkpoint' header\)"),
+    case("load-missing", lambda f: checkpoint.load(f["missing"]), FileNotFoundError,
+         r"no checkpoint at '.*missing.pt'"),
+    case("load-path-not-a-path", lambda f: checkpoint.load(3), TypeError, r"path must be a str or path, got int"),
+    case("save-missing-directory", lambda f: checkpoint.save(f["missing_dir"], {"state": STATE}), FileNotFoundError,
+         r"directory '.*no-such-dir' of '.*' does not exist"),
+    case("save-unsupported-leaf", lambda f: checkpoint.save(f["good"], {"state": STATE, "fn": good_loss}), TypeError,
+         r"cannot save fn of type function; a checkpoint holds tensors, None"),
+    case("save-path-not-a-path", lambda f: checkpoint.save(None, {"state": STATE}), TypeError,
+         r"path must be a str or path, got NoneType"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("ckpt")
+    checkpoint.save(d / "ckpt.pt", {"state": STATE})
+    data = (d / "ckpt.pt").read_bytes()
+    (d / "truncated.pt").write_bytes(data[: len(data) // 2])
+    torch.save({"params": PARAMS}, d / "plain.pt")
+    return {
+        "good": d / "ckpt.pt",
+        "truncated": d / "truncated.pt",
+        "plain": d / "plain.pt",
+        "missing": d / "missing.pt",
+        "missing_dir": d / "no-such-dir" / "ckpt.pt",
+    }
+
+
+@pytest.mark.parametrize("call, exc, match", CHECKPOINT_CASES)
+def test_bad_checkpoint_call_is_refused(files, call, exc, match):
+    directory = files["good"].parent
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    watched = [_snapshot(t) for t in WATCHED]
+    with pytest.raises(exc, match=match) as info:
+        call(files)
+    assert type(info.value) is exc
+    # The files on disk (the good checkpoint included) are byte for byte as before; no temporary file.
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    assert all(_unchanged(t, s) for t, s in zip(WATCHED, watched))
+    reloaded = checkpoint.load(files["good"], like={"state": STATE})["state"]
+    assert all(torch.equal(x, y) for x, y in zip(_tree.tree_leaves(reloaded), _tree.tree_leaves(STATE)))
+
+
 def _snapshot(tree: Any) -> list[tuple[Any, Any]]:
     return [(x, x.clone() if isinstance(x, torch.Tensor) else x) for x in _tree.tree_leaves(tree)]
 
@@ -254,8 +316,8 @@ def test_bad_input_is_refused(call, exc, match):
 
 def test_catalogue_size():
     # The README's closing note quotes this count.
-    assert len(CASES) >= 30
-    assert len({p.id for p in CASES}) == len(CASES)
+    assert len(CASES) + len(CHECKPOINT_CASES) >= 30
+    assert len({p.id for p in CASES + CHECKPOINT_CASES}) == len(CASES) + len(CHECKPOINT_CASES)
 
 
 def test_shared_objects_still_work():
