@@ -47,6 +47,8 @@ def _scalar_tensor(x: Any, name: str, dtype: torch.dtype) -> Any:
     """
     if _is_number(x):
         return torch.tensor(x, dtype=dtype)
+    if isinstance(x, (str, bytes, bool)):
+        raise TypeError(f"{name} must be a {dtype} 0-d tensor or a Python number, got {x!r}")
     if isinstance(x, torch.Tensor):
         if x.dtype != dtype:
             raise TypeError(f"{name} must be a {dtype} tensor or a Python number, got a {x.dtype} tensor")

@@ -213,7 +213,7 @@ def make_train_step(
         raise TypeError(
             f"make_train_step: optimizer must be a funcamp.optim.GradientTransformation, got {type(optimizer).__name__}"
         )
-    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+    if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
         raise ValueError(f"make_train_step: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
     if max_consecutive_skips is not None and (not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1):
         raise ValueError(

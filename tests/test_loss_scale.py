@@ -269,3 +269,11 @@ def test_adjust_compiles_without_recompiling(backend):
 def test_to_moves_state():
     loss_scale = fa.DynamicLossScale(4.0).to("cpu")
     assert loss_scale.loss_scale.device.type == "cpu" and loss_scale.counter.dtype == torch.int32
+
+
+@pytest.mark.parametrize("bad", ["1024", b"2", True])
+def test_strings_and_bools_are_not_scales(bad):
+    with pytest.raises(TypeError, match="loss_scale must be"):
+        fa.StaticLossScale(bad)
+    with pytest.raises(TypeError, match="loss_scale must be"):
+        fa.DynamicLossScale(bad)

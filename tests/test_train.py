@@ -294,8 +294,9 @@ def test_create_and_make_train_step_validate():
         fa.TrainState.create(_params(), optim.sgd(0.1), loss_scale=2.0**15)
     with pytest.raises(TypeError, match="'step'"):
         fa.TrainState.create({**_params(), "step": torch.tensor(1)}, optim.sgd(0.1))
-    with pytest.raises(ValueError, match="accumulation_steps"):
-        fa.make_train_step(loss_fn, optim.sgd(0.1), accumulation_steps=0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="accumulation_steps"):
+            fa.make_train_step(loss_fn, optim.sgd(0.1), accumulation_steps=bad)
     with pytest.raises(ValueError, match="max_consecutive_skips"):
         fa.make_train_step(loss_fn, optim.sgd(0.1), max_consecutive_skips=0)
     with pytest.raises(TypeError, match="loss_fn"):
