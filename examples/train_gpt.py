@@ -1,0 +1,386 @@
+"""Train a small GPT in mixed precision with funcamp, on real text, and log it to TensorBoard.
+
+    python examples/train_gpt.py                      # defaults: no download, a few minutes on 2 CPU cores
+    tensorboard --logdir runs                         # then open http://localhost:6006
+
+Byte-level language modelling (vocabulary 256): the default corpus is the English text of the Python
+help topics that every CPython ships (``pydoc_data.topics``, about 460 KB); ``--data PATH`` takes any
+UTF-8 text file. The first 90% of the bytes train, the last 10% validate.
+
+The model is a plain ``nn.Module`` (``examples/gpt.py``); ``funcamp.nn.functionalize`` makes it a pure
+function of float32 master parameters that computes in the policy's half dtype; the whole train step
+(loss scaling, gradients, finite check, clipping, AdamW, skip on overflow, loss-scale update) is one
+``torch.compile`` graph. Defaults: CPU ``params=float32,compute=bfloat16,output=float32`` without loss
+scaling; CUDA bfloat16 where supported, else float16 with a dynamic loss scale.
+
+Every step's batch is a function of ``(seed, step)``, so ``--resume`` continues bit-for-bit from the
+last checkpoint (saved every ``--save-every`` steps, atomically, with ``funcamp.checkpoint``).
+Logging and checkpoint writes happen only where ``is_main`` (rank 0 under data parallelism).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python examples/train_gpt.py` from anywhere
+
+from gpt import GPT, SIZES, config_for  # noqa: E402
+
+import funcamp as fa  # noqa: E402
+from funcamp import checkpoint, optim  # noqa: E402
+from funcamp.nn import functionalize  # noqa: E402
+from funcamp.tensorboard import TensorBoardLogger  # noqa: E402
+
+SAMPLE_PROMPT = "The "
+# Settings whose change between a run and its --resume breaks bit-for-bit continuation.
+_RESUME_KEYS = ("model", "block_size", "batch_size", "steps", "lr", "warmup", "weight_decay", "clip", "seed", "data")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data", default=None, help="UTF-8 text file (default: Python's bundled pydoc_data.topics)")
+    p.add_argument("--model", default="small", choices=sorted(SIZES), help="model size (default: small)")
+    p.add_argument("--block-size", type=int, default=None, help="context length in bytes (default: the model's)")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step (default: 32)")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps; the schedule's length (default: 400)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: min(50, steps // 10))")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices (default: 0.1)")
+    p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (default: 1.0)")
+    p.add_argument("--policy", default="auto", help="precision policy string, or auto (default: per device)")
+    p.add_argument(
+        "--loss-scale",
+        default="auto",
+        choices=["auto", "none", "static", "dynamic"],
+        help="auto: dynamic for float16 compute, none otherwise",
+    )
+    p.add_argument("--init-scale", type=float, default=2.0**15, help="initial loss scale (default: 2**15)")
+    p.add_argument("--scale-period", type=int, default=2000, help="finite steps before the dynamic scale grows")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the step")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
+    p.add_argument("--logdir", default="runs/gpt", help="TensorBoard directory (default: runs/gpt)")
+    p.add_argument("--log-every", type=int, default=10, help="steps per logging interval (default: 10)")
+    p.add_argument("--eval-every", type=int, default=100, help="steps between validations (default: 100)")
+    p.add_argument("--eval-batches", type=int, default=8, help="validation batches (default: 8)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint file (default: LOGDIR/checkpoint.pt)")
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (default: 100)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--stop-after", type=int, default=None, help="stop after this step, as if interrupted")
+    p.add_argument("--max-consecutive-skips", type=int, default=100, help="fail after this many skipped steps")
+    p.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    for name in ("batch_size", "steps", "log_every", "eval_every", "eval_batches", "save_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup is None:
+        args.warmup = min(50, args.steps // 10)
+    if args.warmup < 0 or args.warmup >= args.steps:
+        p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
+    return args
+
+
+# --- data -------------------------------------------------------------------------------------------
+
+
+def load_corpus(path: str | None) -> tuple[torch.Tensor, str]:
+    """The corpus as a 1-d uint8 tensor of UTF-8 bytes, and its name."""
+    if path is None:
+        from pydoc_data.topics import topics
+
+        text, name = "\n\n".join(topics[k] for k in sorted(topics)), "pydoc_data.topics"
+    else:
+        text, name = Path(path).read_text(encoding="utf-8"), os.path.abspath(path)
+    data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+    return data, name
+
+
+def split(data: torch.Tensor, block_size: int, train_fraction: float = 0.9) -> tuple[torch.Tensor, torch.Tensor]:
+    """First ``train_fraction`` of the bytes for training, the rest for validation."""
+    n = int(len(data) * train_fraction)
+    train, val = data[:n], data[n:]
+    if len(val) <= block_size + 1:
+        raise SystemExit(f"the corpus ({len(data)} bytes) is too small for --block-size {block_size}")
+    return train, val
+
+
+def get_batch(
+    data: torch.Tensor,
+    index: int,
+    *,
+    batch_size: int,
+    block_size: int,
+    seed: int,
+    stream: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Batch ``index`` of a stream: random windows, a pure function of ``(seed, stream, index)``.
+
+    The global batch is ``batch_size * world_size`` windows; rank ``r`` takes rows ``r*B:(r+1)*B``,
+    so data parallelism shards it without changing what the model sees. Returns ``inputs`` and
+    ``targets`` (targets shifted by one), ``(batch_size, block_size)`` int64 on ``device``.
+    """
+    g = torch.Generator().manual_seed((seed * 1_000_003 + stream) * 1_000_000_007 + index)
+    starts = torch.randint(len(data) - block_size - 1, (batch_size * world_size,), generator=g)
+    starts = starts[rank * batch_size : (rank + 1) * batch_size]
+    windows = data[starts[:, None] + torch.arange(block_size + 1)].long()
+    return {
+        "inputs": windows[:, :-1].to(device, non_blocking=True),
+        "targets": windows[:, 1:].to(device, non_blocking=True),
+    }
+
+
+# --- model, loss, sampling ----------------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available (use --device cpu or auto)")
+    return torch.device(name)
+
+
+def default_policy(device: torch.device) -> str:
+    """float32 params and outputs, compute in the device's half dtype (CPU and new GPUs: bfloat16)."""
+    half = str(fa.half_dtype(device)).removeprefix("torch.")
+    return f"params=float32,compute={half},output=float32"
+
+
+def make_loss_scale(kind: str, policy: fa.Policy, init_scale: float, period: int) -> fa.LossScale:
+    if kind == "auto":
+        kind = "dynamic" if policy.compute_dtype == torch.float16 else "none"
+    if kind == "none":
+        return fa.NoOpLossScale()
+    if kind == "static":
+        return fa.StaticLossScale(init_scale)
+    return fa.DynamicLossScale(init_scale, period=period)
+
+
+def make_loss_fn(apply_fn: Any) -> Any:
+    def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = apply_fn(params, batch["inputs"])  # output dtype of the policy (float32)
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+
+    return loss_fn
+
+
+@torch.no_grad()
+def evaluate(loss_fn: Any, params: Any, val: torch.Tensor, args: argparse.Namespace, device: torch.device) -> float:
+    """Mean loss over ``--eval-batches`` fixed validation batches (one host read)."""
+    total = torch.zeros((), device=device)
+    for i in range(args.eval_batches):
+        batch = get_batch(
+            val, i, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed, stream=1, device=device
+        )
+        total += loss_fn(params, batch)
+    return total.item() / args.eval_batches
+
+
+@torch.no_grad()
+def generate(apply_fn: Any, params: Any, prompt: str, n: int, block_size: int, seed: int, device: torch.device) -> str:
+    """Sample ``n`` bytes after ``prompt`` (temperature 0.8), decoded as UTF-8 with replacement."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.tensor([list(prompt.encode("utf-8"))], device=device)
+    for _ in range(n):
+        logits = apply_fn(params, idx[:, -block_size:])[:, -1].float()
+        probs = torch.softmax(logits / 0.8, dim=-1)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=g)], dim=1)
+    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def distributed_info() -> tuple[int, int]:
+    """``(rank, world_size)``; one process for now (data parallelism plugs in here)."""
+    return 0, 1
+
+
+# --- the run --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run training; returns the results (final state, losses, timings) for tests and scripts."""
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, world_size = distributed_info()
+    is_main = rank == 0
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+    data, data_name = load_corpus(args.data)
+    cfg = config_for(args.model, vocab_size=256, block_size=args.block_size)
+    args.block_size = cfg.block_size
+    train, val = split(data, cfg.block_size)
+    policy = fa.get_policy(default_policy(device) if args.policy == "auto" else args.policy)
+
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).to(device)
+    apply_fn, params = functionalize(model, policy)
+    loss_fn = make_loss_fn(apply_fn)
+    decay_mask = {name: p.ndim >= 2 for name, p in params.items()}  # no decay of norms and biases
+    schedule = optim.warmup_cosine_decay(args.lr, warmup=args.warmup, total=args.steps, end_value=args.lr / 10)
+    optimizer = optim.chain(
+        optim.clip_by_global_norm(args.clip),
+        optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask),
+    )
+    loss_scale = make_loss_scale(args.loss_scale, policy, args.init_scale, args.scale_period)
+    state = fa.TrainState.create(params, optimizer, loss_scale=loss_scale)
+    train_step = fa.make_train_step(
+        loss_fn,
+        optimizer,
+        max_consecutive_skips=args.max_consecutive_skips,
+        compile=args.compile,
+        backend=args.backend,
+    )
+
+    ckpt_path = args.checkpoint or os.path.join(args.logdir, "checkpoint.pt")
+    config = {k: v for k, v in vars(args).items() if k in _RESUME_KEYS}
+    config["data"] = data_name
+    start = 0
+    if args.resume:
+        if not os.path.exists(ckpt_path):
+            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
+        like = {"state": state, "rng": {"torch": torch.get_rng_state()}, "config": config}
+        saved = checkpoint.load(ckpt_path, like=like)
+        state, start = saved["state"], int(saved["state"].step)
+        torch.set_rng_state(saved["rng"]["torch"])
+        changed = {k: (saved["config"].get(k), v) for k, v in config.items() if saved["config"].get(k) != v}
+        if changed and is_main:
+            print(f"warning: settings differ from the checkpoint's (saved, now): {changed}", file=sys.stderr)
+
+    tokens_per_step = args.batch_size * cfg.block_size * world_size
+    logger = TensorBoardLogger(
+        args.logdir,
+        log_every=args.log_every,
+        tokens_per_step=tokens_per_step,
+        enabled=is_main,
+        purge_step=start + 1 if args.resume else None,
+    )
+    if is_main:
+        n_params = sum(p.numel() for p in params.values())
+        print(
+            f"funcamp {fa.__version__} | {device} | policy {policy} | {type(state.loss_scale).__name__} | "
+            f"model {args.model} ({n_params / 1e6:.2f}M params, context {cfg.block_size}) | "
+            f"data {os.path.basename(data_name)}: {len(train)} train / {len(val)} val bytes | "
+            f"{'compiled (' + args.backend + ')' if args.compile else 'eager'} | steps {start}->{args.steps}",
+            flush=True,
+        )
+
+    def save_checkpoint() -> None:
+        if is_main:
+            rng = {"torch": torch.get_rng_state()}
+            checkpoint.save(ckpt_path, {"state": state, "rng": rng, "config": config})
+
+    history: dict[str, list[tuple[int, float]]] = {"train_loss": [], "loss_scale": [], "val_loss": [], "tokens_s": []}
+    bar = tqdm(total=args.steps, initial=start, disable=not is_main or args.quiet, dynamic_ncols=True, unit="step")
+    other_s, compile_s, t_first, steps_timed = 0.0, None, None, 0
+    end = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
+    for step in range(start + 1, end + 1):
+        batch = get_batch(
+            train,
+            step,
+            batch_size=args.batch_size,
+            block_size=cfg.block_size,
+            seed=args.seed,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+        )
+        state, metrics = train_step(state, batch)
+        if t_first is None:
+            sync(device)
+            t_first = time.perf_counter()
+            compile_s = t_first - t_start
+        else:
+            steps_timed += 1
+        written = logger.log(metrics, step=step)
+        bar.update(1)
+        if written is not None:
+            fa.check_skips(metrics, state.params)
+            history["train_loss"].append((step, written["train/loss"]))
+            history["loss_scale"].append((step, written["amp/loss_scale"]))
+            tok_s = written.get("perf/tokens_per_second")
+            if tok_s is not None:
+                history["tokens_s"].append((step, tok_s))
+            bar.set_postfix(
+                loss=f"{written['train/loss']:.3f}",
+                scale=f"{written['amp/loss_scale']:g}",
+                tok_s=f"{tok_s:,.0f}" if tok_s else "-",
+            )
+        evaluate_now = step % args.eval_every == 0 or step == args.steps
+        save_now = step % args.save_every == 0 or step == args.steps
+        if evaluate_now or save_now:  # not training: its time counts neither in tokens/s nor in the logger's
+            t0 = time.perf_counter()
+            if evaluate_now:
+                val_loss = evaluate(loss_fn, state.params, val, args, device)
+                history["val_loss"].append((step, val_loss))
+                logger.log_scalars({"val/loss": val_loss}, step)
+                bar.write(f"step {step}: val loss {val_loss:.4f}")
+            if save_now:
+                save_checkpoint()
+            other_s += time.perf_counter() - t0
+            logger.restart_clock()
+    sync(device)
+    loop_end = time.perf_counter()
+    logger.flush()
+    bar.close()
+
+    train_s = loop_end - (t_first or loop_end) - other_s
+    tokens_per_second = tokens_per_step * steps_timed / train_s if steps_timed and train_s > 0 else float("nan")
+    results: dict[str, Any] = {
+        "state": state,
+        "history": history,
+        "val_loss": history["val_loss"][-1][1] if history["val_loss"] else None,
+        "tokens_per_second": tokens_per_second,
+        "compile_seconds": compile_s,
+        "logdir": args.logdir,
+        "checkpoint": ckpt_path,
+        "policy": str(policy),
+        "sample": None,
+    }
+    if end == args.steps and args.sample_bytes > 0:
+        results["sample"] = generate(
+            apply_fn, state.params, SAMPLE_PROMPT, args.sample_bytes, cfg.block_size, args.seed, device
+        )
+        logger.log_text("sample", results["sample"], end)
+    logger.close()
+    results["wall_seconds"] = time.perf_counter() - t_start
+    if is_main:
+        skipped = int(state.skipped_steps)
+        print(
+            f"done: step {int(state.step)}, val loss {results['val_loss']}, {skipped} skipped steps, "
+            f"final loss scale {float(state.loss_scale.loss_scale):g}, {tokens_per_second:,.0f} tokens/s "
+            f"(after compile: {compile_s:.1f} s to the first step), wall {results['wall_seconds']:.1f} s"
+            if compile_s is not None
+            else f"done: nothing to do (checkpoint at step {start})",
+            flush=True,
+        )
+        if results["sample"] is not None:
+            print(f"--- sample ---\n{results['sample']}\n--------------")
+        print(f"TensorBoard: tensorboard --logdir {args.logdir}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
