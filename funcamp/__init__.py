@@ -5,7 +5,7 @@ unscale the gradients; ``grad_and_value`` checks them for overflow without a hos
 step composes these with optax-style optimizers and compiles whole with ``torch.compile``.
 """
 
-from funcamp import memory, nn, optim, parallel
+from funcamp import checkpoint, memory, nn, optim, parallel
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
@@ -17,6 +17,7 @@ from funcamp.loss_scale import (
 )
 from funcamp.memory import MemoryReport, memory_footprint, memory_report
 from funcamp.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
+from funcamp.tensorboard import TensorBoardLogger
 from funcamp.train import SkippedStepsError, TrainState, check_skips, make_train_step, nonfinite_leaf_name
 
 __version__ = "0.1.0"
@@ -30,11 +31,13 @@ __all__ = [
     "Policy",
     "SkippedStepsError",
     "StaticLossScale",
+    "TensorBoardLogger",
     "TrainState",
     "__version__",
     "all_finite",
     "cast_to_full",
     "cast_to_half",
+    "checkpoint",
     "check_skips",
     "get_policy",
     "global_norm",
