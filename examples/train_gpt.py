@@ -37,7 +37,6 @@ from gpt import GPT, SIZES, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
 from funcamp import checkpoint, optim  # noqa: E402
-from funcamp.nn import functionalize  # noqa: E402
 from funcamp.tensorboard import TensorBoardLogger  # noqa: E402
 
 SAMPLE_PROMPT = "The "
@@ -236,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
-    apply_fn, params = functionalize(model, policy)
+    apply_fn, params = fa.nn.functionalize(model, policy)  # float32 masters, LayerNorms in float32
     loss_fn = make_loss_fn(apply_fn)
     decay_mask = {name: p.ndim >= 2 for name, p in params.items()}  # no decay of norms and biases
     schedule = optim.warmup_cosine_decay(args.lr, warmup=args.warmup, total=args.steps, end_value=args.lr / 10)
