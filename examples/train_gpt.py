@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python examples/tra
 from gpt import GPT, SIZES, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
-from funcamp import checkpoint, optim  # noqa: E402
-from funcamp.tensorboard import TensorBoardLogger  # noqa: E402
+from funcamp import optim  # noqa: E402
 
 SAMPLE_PROMPT = "The "
 # Settings whose change between a run and its --resume breaks bit-for-bit continuation.
@@ -261,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not os.path.exists(ckpt_path):
             raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
         like = {"state": state, "rng": {"torch": torch.get_rng_state()}, "config": config}
-        saved = checkpoint.load(ckpt_path, like=like)
+        saved = fa.checkpoint.load(ckpt_path, like=like)
         state, start = saved["state"], int(saved["state"].step)
         torch.set_rng_state(saved["rng"]["torch"])
         changed = {k: (saved["config"].get(k), v) for k, v in config.items() if saved["config"].get(k) != v}
@@ -269,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"warning: settings differ from the checkpoint's (saved, now): {changed}", file=sys.stderr)
 
     tokens_per_step = args.batch_size * cfg.block_size * world_size
-    logger = TensorBoardLogger(
+    logger = fa.TensorBoardLogger(
         args.logdir,
         log_every=args.log_every,
         tokens_per_step=tokens_per_step,
@@ -289,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def save_checkpoint() -> None:
         if is_main:
             rng = {"torch": torch.get_rng_state()}
-            checkpoint.save(ckpt_path, {"state": state, "rng": rng, "config": config})
+            fa.checkpoint.save(ckpt_path, {"state": state, "rng": rng, "config": config})
 
     history: dict[str, list[tuple[int, float]]] = {"train_loss": [], "loss_scale": [], "val_loss": [], "tokens_s": []}
     bar = tqdm(total=args.steps, initial=start, disable=not is_main or args.quiet, dynamic_ncols=True, unit="step")
