@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         written = logger.log(metrics, step=step)
         bar.update(1)
         if written is not None:
-            fa.check_skips(metrics, state.params)
+            if written["amp/consecutive_skips"] >= args.max_consecutive_skips:  # no extra device read otherwise
+                fa.check_skips(metrics, state.params)  # raises SkippedStepsError naming the first bad parameter
             history["train_loss"].append((step, written["train/loss"]))
             history["loss_scale"].append((step, written["amp/loss_scale"]))
             tok_s = written.get("perf/tokens_per_second")

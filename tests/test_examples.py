@@ -105,6 +105,13 @@ def test_float16_with_dynamic_loss_scale_backs_off_then_grows(tmp_path):
     _assert_params_finite(results["state"])
 
 
+def test_too_many_consecutive_skips_stops_the_run(tmp_path):
+    argv = [*TINY, "--steps", "6", "--log-every", "1", "--no-compile", "--policy", F16, "--loss-scale", "dynamic"]
+    argv += ["--init-scale", str(2.0**24), "--max-consecutive-skips", "2", "--logdir", str(tmp_path)]
+    with pytest.raises(fa.SkippedStepsError, match="2 consecutive steps skipped .* first non-finite gradient"):
+        train_gpt.main(argv)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
 def test_resume_after_interruption_is_bitwise_identical(tmp_path, compiled):
     common = [*TINY, "--steps", "6", "--log-every", "1", "--eval-every", "6", "--save-every", "2"]
