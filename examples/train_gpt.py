@@ -16,6 +16,11 @@ scaling; CUDA bfloat16 where supported, else float16 with a dynamic loss scale.
 Every step's batch is a function of ``(seed, step)``, so ``--resume`` continues bit-for-bit from the
 last checkpoint (saved every ``--save-every`` steps, atomically, with ``funcamp.checkpoint``).
 Logging and checkpoint writes happen only where ``is_main`` (rank 0 under data parallelism).
+
+More than one device: the same script under ``torchrun`` trains data-parallel, one process per device
+(NCCL on GPUs, gloo on CPUs); each rank reads its own ``--batch-size`` rows of every global batch:
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --policy p=f32,c=bf16,o=f32,r=bf16
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python examples/tra
 from gpt import GPT, SIZES, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
-from funcamp import optim  # noqa: E402
+from funcamp import optim, parallel  # noqa: E402
 
 SAMPLE_PROMPT = "The "
 # Settings whose change between a run and its --resume breaks bit-for-bit continuation.
@@ -206,9 +211,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def distributed_info() -> tuple[int, int]:
-    """``(rank, world_size)``; one process for now (data parallelism plugs in here)."""
-    return 0, 1
+def distributed_info(device: torch.device) -> tuple[int, int, torch.device]:
+    """``(rank, world_size, device)``: under ``torchrun``, start the process group (NCCL on CUDA, gloo
+    on CPUs) with this rank on GPU ``LOCAL_RANK``; ``(0, 1, device)`` in a single process."""
+    rank, world_size, local = parallel.setup_from_env(None if device.type == "cuda" else "gloo")
+    return rank, world_size, local if device.type == "cuda" else device
 
 
 # --- the run --------------------------------------------------------------------------------------------
@@ -220,9 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rank, world_size = distributed_info()
+    rank, world_size, device = distributed_info(resolve_device(args.device))
     is_main = rank == 0
-    device = resolve_device(args.device)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 
@@ -235,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
     apply_fn, params = fa.nn.functionalize(model, policy)  # float32 masters, LayerNorms in float32
+    params = parallel.broadcast_params(params)  # every rank starts from rank 0's parameters
     loss_fn = make_loss_fn(apply_fn)
     decay_mask = {name: p.ndim >= 2 for name, p in params.items()}  # no decay of norms and biases
     schedule = optim.warmup_cosine_decay(args.lr, warmup=args.warmup, total=args.steps, end_value=args.lr / 10)
@@ -250,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_consecutive_skips=args.max_consecutive_skips,
         compile=args.compile,
         backend=args.backend,
+        data_parallel=world_size > 1,  # gradients averaged over the ranks in policy.reduce_dtype
+        policy=policy,
     )
 
     ckpt_path = args.checkpoint or os.path.join(args.logdir, "checkpoint.pt")
@@ -335,7 +344,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 val_loss = evaluate(loss_fn, state.params, val, args, device)
                 history["val_loss"].append((step, val_loss))
                 logger.log_scalars({"val/loss": val_loss}, step)
-                bar.write(f"step {step}: val loss {val_loss:.4f}")
+                if is_main:
+                    bar.write(f"step {step}: val loss {val_loss:.4f}")
             if save_now:
                 save_checkpoint()
             other_s += time.perf_counter() - t0
@@ -358,13 +368,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "policy": str(policy),
         "sample": None,
     }
-    if end == args.steps and args.sample_bytes > 0:
+    if end == args.steps and args.sample_bytes > 0 and is_main:
         results["sample"] = generate(
             apply_fn, state.params, SAMPLE_PROMPT, args.sample_bytes, cfg.block_size, args.seed, device
         )
         logger.log_text("sample", results["sample"], end)
     logger.close()
     results["wall_seconds"] = time.perf_counter() - t_start
+    parallel.shutdown()
     if is_main:
         skipped = int(state.skipped_steps)
         print(
