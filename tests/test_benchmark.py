@@ -1,0 +1,129 @@
+"""The train-step benchmark runs end to end on a tiny GPT and reports every variant and column.
+
+Runs ``benchmarks/bench_train_step.py`` in a subprocess for 2 timed steps (Dynamo's ``eager`` backend, so
+that nothing is compiled to C++), with its memory/host-sync subprocesses and a short recompile check.
+Speed is not asserted here: the benchmark measures it; this test checks that the harness works.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_train_step.py"
+VARIANTS = ["fp32_eager", "amp_eager", "amp_compile", "funcamp_eager", "funcamp_compile"]
+PROBED = ["amp_eager", "funcamp_eager", "funcamp_compile"]
+COLUMNS = [
+    "variant",
+    "ms_per_step",
+    "spread_ms",
+    "cpu_ms_per_step",
+    "tokens_per_s",
+    "ratio_vs_2",
+    "ratio_vs_3",
+    "peak_mb",
+    "peak_vs_2",
+    "rss_delta_mb",
+    "first_call_s",
+    "graphs",
+    "recompiles",
+    "host_syncs_per_step",
+    "final_loss",
+]
+HEADERS = [
+    "variant",
+    "ms/step",
+    "spread",
+    "CPU ms/step",
+    "tokens/s",
+    "vs 2",
+    "vs 3",
+    "peak MB",
+    "peak vs 2",
+    "RSS Δ MB",
+    "first call s",
+    "graphs",
+    "recompiles",
+    "host syncs/step",
+    "final loss",
+]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, str(SCRIPT), "--config", "tiny", "--batch-size", "4", "--warmup", "1"]
+    cmd += ["--steps", "2", "--rounds", "1", "--probe-steps", "1", "--backend", "eager", "--check-recompiles", "3"]
+    cmd += ["--probe-variants", ",".join(PROBED)]  # the other two probes cost time and add no code path
+    cmd += ["--json", str(out / "bench.json"), "--markdown", str(out / "bench.md"), "--cache-dir", str(out / "cache")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "bench.json").read_text())
+    data["_markdown"] = (out / "bench.md").read_text()
+    data["_stdout"] = proc.stdout
+    return data
+
+
+def test_every_variant_has_every_column(result: dict) -> None:
+    assert list(result["rows"]) == VARIANTS
+    for name, row in result["rows"].items():
+        missing = [c for c in COLUMNS if c not in row]
+        assert not missing, f"{name} lacks {missing}"
+        for col in ("ms_per_step", "cpu_ms_per_step", "tokens_per_s", "ratio_vs_2", "ratio_vs_3", "first_call_s"):
+            assert isinstance(row[col], float) and row[col] > 0, (name, col, row[col])
+        assert len(row["samples_ms"]) == 1  # one round
+        if name in PROBED:
+            assert row["peak_mb"] > 0 and row["peak_vs_2"] > 0 and row["host_syncs_per_step"] >= 0, row
+        else:
+            assert row["peak_mb"] is None and row["host_syncs_per_step"] is None
+
+
+def test_ratios_are_relative_to_variants_2_and_3(result: dict) -> None:
+    rows = result["rows"]
+    assert rows["amp_eager"]["ratio_vs_2"] == pytest.approx(1.0)
+    assert rows["amp_compile"]["ratio_vs_3"] == pytest.approx(1.0)
+    for row in rows.values():
+        assert row["ratio_vs_2"] == pytest.approx(row["ms_per_step"] / rows["amp_eager"]["ms_per_step"])
+
+
+def test_final_losses_agree(result: dict) -> None:
+    assert result["valid"] is True, result["loss_check"]
+    losses = [row["final_loss"] for row in result["rows"].values()]
+    assert all(math.isfinite(x) for x in losses)
+    assert max(losses) - min(losses) <= 0.02 * losses[0]
+
+
+def test_compiled_variants_one_graph_and_funcamp_no_host_syncs(result: dict) -> None:
+    rows = result["rows"]
+    for name in ("amp_compile", "funcamp_compile"):
+        assert rows[name]["graphs"] == 1 and rows[name]["recompiles"] == 0, rows[name]
+    for name in ("fp32_eager", "amp_eager", "funcamp_eager"):
+        assert rows[name]["graphs"] is None
+    assert rows["funcamp_compile"]["host_syncs_per_step"] == 0
+    assert rows["funcamp_eager"]["host_syncs_per_step"] == 0
+
+
+def test_recompile_check_skips_and_changes_scale_in_one_graph(result: dict) -> None:
+    check = result["recompile_check"]
+    assert check["graphs"] == 1 and check["recompiles"] == 0
+    assert check["skipped_steps"] >= 1 and check["scale_changes"] >= 1
+    assert check["host_reads_last_step"] == 0
+
+
+def test_markdown_table_has_every_column_and_variant(result: dict) -> None:
+    md = result["_markdown"]
+    header = next(line for line in md.splitlines() if line.startswith("| variant"))
+    assert [c.strip() for c in header.strip("|").split("|")] == HEADERS
+    body = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
+    assert len(body) == len(VARIANTS)
+    for i, line in enumerate(body, start=1):
+        assert line.startswith(f"| {i} ") and len(line.strip("|").split("|")) == len(HEADERS)
+    for text in ("Command: `python benchmarks/bench_train_step.py", "torch ", "final losses agree", "Recompile check"):
+        assert text in md
+    assert md in result["_stdout"]  # the table written is the table printed
