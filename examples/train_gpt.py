@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step, as if interrupted")
     p.add_argument("--max-consecutive-skips", type=int, default=100, help="fail after this many skipped steps")
-    p.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end")
+    p.add_argument("--sample-bytes", type=int, default=200, help="bytes of text to generate at the end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
