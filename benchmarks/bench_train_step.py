@@ -348,9 +348,26 @@ def profiled_step(step: Callable[[], Any]) -> tuple[int, int]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
-    peak = max((n.extra_fields.total_allocated for n in nodes if n.tag == _EventType.Allocation), default=0)
+    allocs = sorted((n for n in nodes if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns)
     reads = sum(1 for n in nodes if n.name in ("aten::_local_scalar_dense", "aten::nonzero"))
-    return max(peak, 0), reads
+    if not allocs:
+        return 0, reads
+    # The running total is process-wide and carries over from earlier profiled steps: start from its value
+    # before this step's first allocation.
+    start = allocs[0].extra_fields.total_allocated - allocs[0].extra_fields.alloc_size
+    return max(0, max(n.extra_fields.total_allocated for n in allocs) - start), reads
+
+
+def cuda_syncs(step: Callable[[], Any]) -> int:
+    """Run ``step`` with ``torch.cuda.set_sync_debug_mode("warn")``: the synchronising calls it made."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def _rss_kb(field: str) -> int:
@@ -397,18 +414,10 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     out["rss_delta_mb"] = (_rss_kb("VmHWM") - rss_before_kb) / 1024 if can_reset else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        syncs = 0
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for _ in range(args.probe_steps):
-                    step(next(it))
-                sync(device)
-            syncs = sum("synchroniz" in str(w.message) for w in caught)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        syncs = sum(cuda_syncs(lambda: step(next(it))) for _ in range(args.probe_steps))
+        sync(device)
         out["peak_mb"] = (torch.cuda.max_memory_allocated(device) - alloc_before) / 2**20
+        out["rest_mb"] = (torch.cuda.memory_allocated(device) - alloc_before) / 2**20
         out["host_syncs_per_step"] = syncs / args.probe_steps
         out["memory_method"] = "torch.cuda.max_memory_allocated over the measured steps, minus the bytes before"
         out["sync_method"] = "torch.cuda.set_sync_debug_mode('warn') warnings per step"
@@ -420,6 +429,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
             peaks.append(live0 + peak)
             reads += r
         out["peak_mb"] = (max(peaks) - live_before) / 2**20
+        out["rest_mb"] = (live0 - live_before) / 2**20  # held between steps: parameters, optimizer state
         out["host_syncs_per_step"] = reads / args.probe_steps
         out["memory_method"] = "live tensor bytes before the step + profiler peak of CPU-allocator bytes during it"
         out["sync_method"] = "aten::_local_scalar_dense + aten::nonzero calls per step (torch.profiler)"
@@ -488,14 +498,14 @@ def recompile_check(args: argparse.Namespace) -> dict[str, Any]:
         graphs = compiled_graphs() - before
         metrics.append(m)
         for i in range(1, n):
-            if i == n - 1 and device.type == "cpu":  # one profiled step: host reads inside the compiled step
+            if i == n - 1:  # the last step, watched for host syncs
 
                 def one(i: int = i) -> None:
                     nonlocal state
                     state, m = step(state, batches[i])
                     metrics.append(m)
 
-                _, reads = profiled_step(one)
+                reads = cuda_syncs(one) if device.type == "cuda" else profiled_step(one)[1]
                 continue
             state, m = step(state, batches[i])
             metrics.append(m)
@@ -514,7 +524,7 @@ def recompile_check(args: argparse.Namespace) -> dict[str, Any]:
         "scale_changes": sum(a != b for a, b in zip(scales, scales[1:])),
         "distinct_scales": len(set(scales)),
         "lr_changes": sum(a != b for a, b in zip(lrs, lrs[1:])),
-        "host_reads_last_step": reads if device.type == "cpu" else None,
+        "host_reads_last_step": reads,
         "final_loss": float(metrics[-1]["loss"]),
         "skipped_steps_in_state": int(state.skipped_steps),
     }
