@@ -115,8 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="inductor", help="torch.compile backend of variants 3 and 5")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (default: all five)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant, the first call included")
-    p.add_argument("--steps", type=int, default=5, help="steps per variant per timed round")
-    p.add_argument("--rounds", type=int, default=10, help="timed rounds (samples per variant)")
+    p.add_argument("--steps", type=int, default=None, help="steps per variant per timed round (CPU 2, CUDA 10)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds, samples per variant (CPU 30, CUDA 10)")
     p.add_argument("--probe-steps", type=int, default=3, help="measured steps in each memory/sync subprocess")
     p.add_argument("--no-probe", action="store_true", help="skip the memory and host-sync subprocesses")
     p.add_argument("--probe-variants", default=None, help="variants to probe (default: all that run)")
@@ -141,6 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for v in args.variants + args.probe_variants:
         if v not in VARIANTS:
             p.error(f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    cuda = args.device == "cuda"
+    args.steps = args.steps or (10 if cuda else 2)  # short rounds on a shared CPU: neighbours hit all alike
+    args.rounds = args.rounds or (10 if cuda else 30)
     for name in ("warmup", "steps", "rounds", "probe_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -608,6 +611,9 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
     for row in rows.values():
         for ref, key in (("amp_eager", "ratio_vs_2"), ("amp_compile", "ratio_vs_3")):
             row[key] = row["ms_per_step"] / rows[ref]["ms_per_step"] if ref in rows else None
+            # Cross-check: the median over rounds of the ratio within each round (neighbours' load cancels).
+            paired = [a / b for a, b in zip(row["samples_ms"], rows[ref]["samples_ms"])] if ref in rows else []
+            row["paired_" + key] = statistics.median(paired) if paired else None
     return {"rows": rows, "n_params": n_params, "tokens_per_step": tokens, "timed_steps": args.rounds * args.steps}
 
 
