@@ -409,16 +409,11 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         del params
-        norm = _tree.global_norm(_tree.tree_map(_no_float64, updates))
+        norm = _tree.global_norm(updates)
         factor = torch.where(norm > max_norm, max_norm / norm, torch.ones_like(norm))
         return _tree.tree_map(lambda u: _scale_leaf(u, factor), updates), state
 
     return GradientTransformation(init, update)
-
-
-def _no_float64(x: Any) -> Any:
-    # _tree.global_norm asks vector_norm for float32, which refuses float64 inputs: narrow them first.
-    return x.to(torch.float32) if isinstance(x, torch.Tensor) and x.dtype == torch.float64 else x
 
 
 def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool = True) -> GradientTransformation:
