@@ -93,8 +93,7 @@ def run_trajectory(initial, period, factor, min_scale, flags, jit):
     return scales, counters
 
 
-def numpy_reference(initial, period, factor, min_scale, flags,
-                    reciprocal=False, floor_override=None):
+def numpy_reference(initial, period, factor, min_scale, flags, reciprocal=False, floor_override=None):
     """Float32 NumPy model of jmp 0.0.4 adjust, used only to cross-check.
 
     reciprocal=True models backoff as x * float32(1/factor) (what XLA's jit
@@ -131,8 +130,7 @@ def explain_jit(initial, period, factor, min_scale, flags, jscales, jcounters):
             if floor is not None:
                 parts.append("min_loss_scale reset to 1.0 (dropped by tree_flatten)")
             if recip:
-                parts.append("backoff computed as scale * float32(1/factor) "
-                             "instead of scale / factor")
+                parts.append("backoff computed as scale * float32(1/factor) instead of scale / factor")
             reasons.append(" and ".join(parts))
     return reasons[0] if reasons else "unexplained"
 
@@ -163,19 +161,17 @@ def make_loss_scale_cases():
             "jit_identical": scales == jscales and counters == jcounters,
         }
         if not case["jit_identical"]:
-            diverge = next(
-                i for i in range(steps)
-                if scales[i] != jscales[i] or counters[i] != jcounters[i]
-            )
+            diverge = next(i for i in range(steps) if scales[i] != jscales[i] or counters[i] != jcounters[i])
             case["jit_first_divergence_step"] = diverge
-            case["jit_explained_by"] = explain_jit(
-                initial, period, factor, min_scale, flags, jscales, jcounters)
+            case["jit_explained_by"] = explain_jit(initial, period, factor, min_scale, flags, jscales, jcounters)
             case["jit_scales"] = jscales
             case["jit_counters"] = jcounters
         cases.append(case)
-        print(f"{name}: final scale {scales[-1]!r}, min {min(scales)!r}, "
-              f"max {max(scales)!r}, jit_identical={case['jit_identical']}",
-              file=sys.stderr)
+        print(
+            f"{name}: final scale {scales[-1]!r}, min {min(scales)!r}, "
+            f"max {max(scales)!r}, jit_identical={case['jit_identical']}",
+            file=sys.stderr,
+        )
     return cases
 
 
@@ -184,16 +180,53 @@ def make_loss_scale_cases():
 # ---------------------------------------------------------------------------
 
 KEYS = {"p": ("p", "params"), "c": ("c", "compute"), "o": ("o", "output")}
-DTYPE_NAMES = ["half", "full", "f16", "float16", "bf16", "bfloat16",
-               "f32", "float32", "f64", "float64"]
+DTYPE_NAMES = ["half", "full", "f16", "float16", "bf16", "bfloat16", "f32", "float32", "f64", "float64"]
 
 REJECT_CANDIDATES = [
-    "", "c=f16,", ",c=f16", "c=f16,,o=f32", "p=f32,x=f16", "x=f16", "x=float8",
-    "c=float8", "c=f8", "c=f16=f32", "p=f16=bf16=f32", " c=f16", "c =f16", "c= f16",
-    "c=f16 ", "p=f32, c=f16", "C=F16", "C=f16", "c=F16", "P=f32", "fp16", "fp32",
-    "F16", "FULL", "Half", "f", "h", "b", "bf", "float", "double", "int8",
-    "f16,bf16", "c=", "=f16", "=", "c:f16", "c=f16;o=f32", "param=f32",
-    "parameters=f32", "out=f16", "comp=f16", "p=int32", "c=float",
+    "",
+    "c=f16,",
+    ",c=f16",
+    "c=f16,,o=f32",
+    "p=f32,x=f16",
+    "x=f16",
+    "x=float8",
+    "c=float8",
+    "c=f8",
+    "c=f16=f32",
+    "p=f16=bf16=f32",
+    " c=f16",
+    "c =f16",
+    "c= f16",
+    "c=f16 ",
+    "p=f32, c=f16",
+    "C=F16",
+    "C=f16",
+    "c=F16",
+    "P=f32",
+    "fp16",
+    "fp32",
+    "F16",
+    "FULL",
+    "Half",
+    "f",
+    "h",
+    "b",
+    "bf",
+    "float",
+    "double",
+    "int8",
+    "f16,bf16",
+    "c=",
+    "=f16",
+    "=",
+    "c:f16",
+    "c=f16;o=f32",
+    "param=f32",
+    "parameters=f32",
+    "out=f16",
+    "comp=f16",
+    "p=int32",
+    "c=float",
 ]
 
 
@@ -243,8 +276,7 @@ def policy_inputs():
     for d1, d2, d3 in itertools.product(["f16", "bf16", "f32", "f64"], repeat=3):
         inputs.append(f"p={d1},c={d2},o={d3}")
     # Duplicate keys (last one wins?).
-    inputs += ["c=f16,c=bf16", "p=f16,params=bf16", "o=f32,output=f16,o=bf16",
-               "c=f16,compute=f32"]
+    inputs += ["c=f16,c=bf16", "p=f16,params=bf16", "o=f32,output=f16,o=bf16", "c=f16,compute=f32"]
     inputs += REJECT_CANDIDATES
     seen, out = set(), []
     for s in inputs:
@@ -290,37 +322,41 @@ def main():
 
     ls_cases = make_loss_scale_cases()
     ls_header = dict(common)
-    ls_header.update({
-        "driver": "plain (un-jitted) DynamicLossScale.adjust, one call per step; "
-                  "'scales'/'counters' are from the plain run. Each case was also "
-                  "run with jax.jit(lambda s, g: s.adjust(g)); 'jit_identical' says "
-                  "whether it matched, and if not 'jit_scales'/'jit_counters' hold "
-                  "the jitted trajectory and 'jit_explained_by' why it differs "
-                  "(jmp 0.0.4 tree_flatten drops min_loss_scale, which resets to "
-                  "1.0 under jit; XLA's jit also turns division by a constant "
-                  "non-power-of-two factor into a reciprocal multiply). Plain "
-                  "scales equal a float32 NumPy model using true division.",
-        "state_init": "jmp.DynamicLossScale(jnp.asarray(initial_scale, jnp.float32), "
-                      "period=period, factor=factor, "
-                      "min_loss_scale=jnp.asarray(min_loss_scale, jnp.float32)); "
-                      "counter starts at 0",
-        "flags_rule": "finite = numpy.random.RandomState(seed).random_sample(steps) "
-                      ">= p_nonfinite; flags[i] == '1' means grads finite at step i",
-        "values": "scales[i]/counters[i] are the state after step i; scales are "
-                  "float32 values stored exactly as Python floats",
-    })
+    ls_header.update(
+        {
+            "driver": "plain (un-jitted) DynamicLossScale.adjust, one call per step; "
+            "'scales'/'counters' are from the plain run. Each case was also "
+            "run with jax.jit(lambda s, g: s.adjust(g)); 'jit_identical' says "
+            "whether it matched, and if not 'jit_scales'/'jit_counters' hold "
+            "the jitted trajectory and 'jit_explained_by' why it differs "
+            "(jmp 0.0.4 tree_flatten drops min_loss_scale, which resets to "
+            "1.0 under jit; XLA's jit also turns division by a constant "
+            "non-power-of-two factor into a reciprocal multiply). Plain "
+            "scales equal a float32 NumPy model using true division.",
+            "state_init": "jmp.DynamicLossScale(jnp.asarray(initial_scale, jnp.float32), "
+            "period=period, factor=factor, "
+            "min_loss_scale=jnp.asarray(min_loss_scale, jnp.float32)); "
+            "counter starts at 0",
+            "flags_rule": "finite = numpy.random.RandomState(seed).random_sample(steps) "
+            ">= p_nonfinite; flags[i] == '1' means grads finite at step i",
+            "values": "scales[i]/counters[i] are the state after step i; scales are "
+            "float32 values stored exactly as Python floats",
+        }
+    )
     write_json(os.path.join(OUT_DIR, "jmp_loss_scale.json"), ls_header, ls_cases)
 
     pol_cases = make_policy_cases()
     pol_header = dict(common)
-    pol_header.update({
-        "half_dtype": dtype_name(jmp.half_dtype()),
-        "note": "dtypes mapped to torch-style names via jnp.dtype(d).name; "
-                "'half' is jmp.half_dtype(), float16 on non-TPU backends. f64 "
-                "policies report float64 even though, with x64 disabled, jax "
-                "would cast to float32. Rejected inputs record the exception "
-                "type name in 'error' and str(exception) in 'message'.",
-    })
+    pol_header.update(
+        {
+            "half_dtype": dtype_name(jmp.half_dtype()),
+            "note": "dtypes mapped to torch-style names via jnp.dtype(d).name; "
+            "'half' is jmp.half_dtype(), float16 on non-TPU backends. f64 "
+            "policies report float64 even though, with x64 disabled, jax "
+            "would cast to float32. Rejected inputs record the exception "
+            "type name in 'error' and str(exception) in 'message'.",
+        }
+    )
     write_json(os.path.join(OUT_DIR, "jmp_policy.json"), pol_header, pol_cases)
 
     # Validate: load back and check counts / shapes.
@@ -336,8 +372,7 @@ def main():
         pol = json.load(f)
     assert pol["cases"] == pol_cases
     n_err = sum("error" in c for c in pol_cases)
-    print(f"loss scale: {len(ls_cases)} cases; policy: {len(pol_cases)} cases "
-          f"({n_err} rejected)", file=sys.stderr)
+    print(f"loss scale: {len(ls_cases)} cases; policy: {len(pol_cases)} cases ({n_err} rejected)", file=sys.stderr)
 
 
 if __name__ == "__main__":
