@@ -105,7 +105,10 @@ def load_corpus(path: str | None) -> tuple[torch.Tensor, str]:
 
         text, name = "\n\n".join(topics[k] for k in sorted(topics)), "pydoc_data.topics"
     else:
-        text, name = Path(path).read_text(encoding="utf-8"), os.path.abspath(path)
+        try:
+            text, name = Path(path).read_text(encoding="utf-8"), os.path.abspath(path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit(f"--data {path}: cannot read it as UTF-8 text ({e})") from None
     data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
     return data, name
 
@@ -236,7 +239,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = config_for(args.model, vocab_size=256, block_size=args.block_size)
     args.block_size = cfg.block_size
     train, val = split(data, cfg.block_size)
-    policy = fa.get_policy(default_policy(device) if args.policy == "auto" else args.policy)
+    try:
+        policy = fa.get_policy(default_policy(device) if args.policy == "auto" else args.policy)
+    except ValueError as e:
+        raise SystemExit(f"--policy: {e}") from None
 
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)

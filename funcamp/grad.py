@@ -65,7 +65,7 @@ def _check_arguments(fun: Any, loss_scale: Any, argnums: Any) -> None:
     if not isinstance(loss_scale, LossScale):
         raise TypeError(
             "grad_and_value: loss_scale must be a funcamp loss scale (NoOpLossScale, StaticLossScale, "
-            f"DynamicLossScale), got {type(loss_scale).__name__}"
+            f"DynamicLossScale), got {type(loss_scale).__name__}; wrap a number, e.g. funcamp.StaticLossScale(1024.0)"
         )
     nums = argnums if isinstance(argnums, tuple) and argnums else (argnums,)
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):

@@ -166,7 +166,8 @@ class StaticLossScale(LossScale):
                 f"StaticLossScale: loss_scale must be positive and finite in float32 (between 2**-126 and "
                 f"{_F32_MAX}), got {self.loss_scale}"
             )
-        object.__setattr__(self, "loss_scale", _scalar_tensor(self.loss_scale, "loss_scale", torch.float32))
+        scale = _scalar_tensor(self.loss_scale, f"{type(self).__name__}: loss_scale", torch.float32)
+        object.__setattr__(self, "loss_scale", scale)
 
     def adjust(self, grads_finite: torch.Tensor) -> StaticLossScale:
         """Return ``self`` (after checking that ``grads_finite`` is a 0-d bool tensor)."""
@@ -238,9 +239,10 @@ class DynamicLossScale(LossScale):
             )
         if self.hysteresis_left is None:
             object.__setattr__(self, "hysteresis_left", self.hysteresis)
-        object.__setattr__(self, "loss_scale", _scalar_tensor(self.loss_scale, "loss_scale", torch.float32))
-        object.__setattr__(self, "counter", _scalar_tensor(self.counter, "counter", torch.int32))
-        left = _scalar_tensor(self.hysteresis_left, "hysteresis_left", torch.int32)
+        scale = _scalar_tensor(self.loss_scale, f"{type(self).__name__}: loss_scale", torch.float32)
+        object.__setattr__(self, "loss_scale", scale)
+        object.__setattr__(self, "counter", _scalar_tensor(self.counter, "DynamicLossScale: counter", torch.int32))
+        left = _scalar_tensor(self.hysteresis_left, "DynamicLossScale: hysteresis_left", torch.int32)
         object.__setattr__(self, "hysteresis_left", left)
 
     def _check_options(self) -> None:

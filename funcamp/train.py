@@ -82,7 +82,7 @@ class TrainState:
           buffers: model buffers (``funcamp.nn.functionalize`` returns them), or None.
         Raises:
           TypeError: if ``optimizer`` is not a GradientTransformation, ``loss_scale`` not a LossScale,
-            or a parameter leaf is not a floating tensor.
+            ``params`` an ``nn.Module``, or a parameter leaf is not a floating tensor.
         """
         if not isinstance(optimizer, GradientTransformation):
             raise TypeError(
@@ -93,7 +93,12 @@ class TrainState:
         if not isinstance(loss_scale, LossScale):
             raise TypeError(
                 f"TrainState.create: loss_scale must be a funcamp loss scale (NoOpLossScale, StaticLossScale, "
-                f"DynamicLossScale), got {type(loss_scale).__name__}"
+                f"DynamicLossScale), got {type(loss_scale).__name__}; e.g. funcamp.DynamicLossScale(2.0**15)"
+            )
+        if isinstance(params, torch.nn.Module):
+            raise TypeError(
+                "TrainState.create: params must be a pytree (dict) of tensors, got an nn.Module; "
+                "use `apply_fn, params = funcamp.nn.functionalize(model, policy)` and pass those params"
             )
         for path, leaf in zip(_tree.tree_paths(params), _tree.tree_leaves(params)):
             if not _tree.is_floating(leaf):

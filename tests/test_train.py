@@ -326,3 +326,8 @@ def test_inductor_compiled_step_matches_eager_for_twenty_steps(eager_step):
     # runs agree to float16 tolerance, not bitwise.
     for x, y in zip(_tree.tree_leaves(a), _tree.tree_leaves(b)):
         torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-3)
+
+
+def test_create_points_a_module_to_functionalize():
+    with pytest.raises(TypeError, match="funcamp.nn.functionalize"):
+        fa.TrainState.create(torch.nn.Linear(2, 2), optim.sgd(0.1))
