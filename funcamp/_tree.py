@@ -24,10 +24,12 @@ __all__ = [
     "dataclass",
     "field",
     "finite_flags",
+    "first_non_floating",
     "global_norm",
     "is_floating",
     "select_tree",
     "tree_bytes",
+    "tree_device",
     "tree_flatten",
     "tree_leaves",
     "tree_map",
@@ -101,6 +103,25 @@ def cast_floating(tree: T, dtype: torch.dtype) -> T:
 
 def _floating_leaves(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_leaves(tree) if is_floating(x)]
+
+
+def tree_device(tree: Any) -> torch.device:
+    """The device of the first floating leaf of ``tree`` (CPU for a tree with none)."""
+    for x in tree_leaves(tree):
+        if is_floating(x):
+            return x.device
+    return torch.device("cpu")
+
+
+def first_non_floating(tree: Any) -> tuple[str, str] | None:
+    """``(path, what)`` of the first leaf of ``tree`` that is not a floating tensor, or None.
+
+    ``what`` is the leaf's dtype for a tensor, its type name otherwise; used by error messages.
+    """
+    for path, leaf in zip(tree_paths(tree), tree_leaves(tree)):
+        if not is_floating(leaf):
+            return path, str(leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+    return None
 
 
 def finite_flags(tree: Any) -> torch.Tensor:

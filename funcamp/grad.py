@@ -49,14 +49,12 @@ def _check_differentiable(args: tuple[Any, ...], argnums: int | tuple[int, ...])
     for n in nums:
         if not -len(args) <= n < len(args):
             raise ValueError(f"grad_and_value: argnums={argnums} but only {len(args)} positional arguments given")
-        leaves = _tree.tree_leaves(args[n])
-        for path, leaf in zip(_tree.tree_paths(args[n]), leaves):
-            if not _tree.is_floating(leaf):
-                what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-                raise TypeError(
-                    f"grad_and_value: argument {n} is differentiated, so every leaf must be a floating tensor; "
-                    f"leaf {path!r} is {what}. Pass integer or frozen tensors in another argument."
-                )
+        bad = _tree.first_non_floating(args[n])
+        if bad is not None:
+            raise TypeError(
+                f"grad_and_value: argument {n} is differentiated, so every leaf must be a floating tensor; "
+                f"leaf {bad[0]!r} is {bad[1]}. Pass integer or frozen tensors in another argument."
+            )
 
 
 def _check_arguments(fun: Any, loss_scale: Any, argnums: Any) -> None:

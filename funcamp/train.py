@@ -33,13 +33,6 @@ def _zero_int(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int32, device=device)
 
 
-def _device_of(tree: Any) -> torch.device:
-    for leaf in _tree.tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device
-    return torch.device("cpu")
-
-
 @_tree.dataclass
 class TrainState:
     """Everything a training run carries from step to step; immutable, a pytree of tensors.
@@ -100,14 +93,13 @@ class TrainState:
                 "TrainState.create: params must be a pytree (dict) of tensors, got an nn.Module; "
                 "use `apply_fn, params = funcamp.nn.functionalize(model, policy)` and pass those params"
             )
-        for path, leaf in zip(_tree.tree_paths(params), _tree.tree_leaves(params)):
-            if not _tree.is_floating(leaf):
-                what = leaf.dtype if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-                raise TypeError(
-                    f"TrainState.create: every parameter must be a floating tensor; {path!r} is {what}. "
-                    "Keep integer state in buffers."
-                )
-        device = _device_of(params)
+        bad = _tree.first_non_floating(params)
+        if bad is not None:
+            raise TypeError(
+                f"TrainState.create: every parameter must be a floating tensor; {bad[0]!r} is {bad[1]}. "
+                "Keep integer state in buffers."
+            )
+        device = _tree.tree_device(params)
         return cls(
             step=_zero_int(device),
             params=params,

@@ -59,15 +59,11 @@ def identity() -> GradientTransformation:
       tensor([1., 1.])
     """
 
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         del params
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(empty_init, update)
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -176,17 +172,15 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return out
 
 
-def tree_device(tree: Any) -> torch.device:
-    """The device of the first floating leaf of ``tree`` (CPU for a tree with none)."""
-    for x in _tree.tree_leaves(tree):
-        if _tree.is_floating(x):
-            return x.device
-    return torch.device("cpu")
+def empty_init(params: Params) -> EmptyState:
+    """The ``init`` of a stateless transform: ``EmptyState()`` whatever the params."""
+    del params
+    return EmptyState()
 
 
 def zero_count(params: Params) -> torch.Tensor:
     """A 0-d int32 zero on the device of ``params``: the step count of a fresh state."""
-    return torch.zeros((), dtype=torch.int32, device=tree_device(params))
+    return torch.zeros((), dtype=torch.int32, device=_tree.tree_device(params))
 
 
 def check_real(fn: str, name: str, value: Any) -> float:

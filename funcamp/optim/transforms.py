@@ -26,6 +26,7 @@ from funcamp.optim.base import (
     check_positive,
     check_real,
     compute_dtype,
+    empty_init,
     zero_count,
 )
 from funcamp.optim.schedules import Schedule, constant
@@ -116,15 +117,11 @@ def scale(factor: float) -> GradientTransformation:
     """
     factor = check_real("scale", "factor", factor)
 
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         del params
         return _tree.tree_map(lambda u: _scale_leaf(u, factor), updates), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(empty_init, update)
 
 
 def _bias_correction(beta: float, t: torch.Tensor) -> torch.Tensor:
@@ -350,10 +347,6 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
     """
     weight_decay = check_nonnegative("add_decayed_weights", "weight_decay", weight_decay)
 
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def decay(u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         c = compute_dtype(u.dtype, p.dtype)
         return u.to(c).add(p.to(c), alpha=weight_decay).to(u.dtype)
@@ -373,7 +366,7 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
         tree_mask = mask(params) if callable(mask) else mask
         return _tree.tree_map(masked, updates, params, tree_mask), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(empty_init, update)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -403,17 +396,13 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """
     max_norm = check_positive("clip_by_global_norm", "max_norm", max_norm)
 
-    def init(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         del params
         norm = _tree.global_norm(updates)
         factor = torch.where(norm > max_norm, max_norm / norm, torch.ones_like(norm))
         return _tree.tree_map(lambda u: _scale_leaf(u, factor), updates), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(empty_init, update)
 
 
 def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool = True) -> GradientTransformation:
