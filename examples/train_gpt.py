@@ -10,8 +10,10 @@ UTF-8 text file. The first 90% of the bytes train, the last 10% validate.
 The model is a plain ``nn.Module`` (``examples/gpt.py``); ``funcamp.nn.functionalize`` makes it a pure
 function of float32 master parameters that computes in the policy's half dtype; the whole train step
 (loss scaling, gradients, finite check, clipping, AdamW, skip on overflow, loss-scale update) is one
-``torch.compile`` graph. Defaults: CPU ``params=float32,compute=bfloat16,output=float32`` without loss
-scaling; CUDA bfloat16 where supported, else float16 with a dynamic loss scale.
+``torch.compile`` graph. Default (``--policy auto``): float32 params and outputs, computing in the dtype
+``funcamp.half_dtype(device)`` finds fast on this machine (bfloat16 on AMX CPUs and Ampere+ GPUs, float16
+with a dynamic loss scale on older GPUs, float32 on CPUs without fast half precision, such as AVX2-only
+ones); the header says which and why.
 
 Every step's batch is a function of ``(seed, step)``, so ``--resume`` continues bit-for-bit from the
 last checkpoint (saved every ``--save-every`` steps, atomically, with ``funcamp.checkpoint``).
@@ -162,7 +164,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def default_policy(device: torch.device) -> str:
-    """float32 params and outputs, compute in the device's half dtype (CPU and new GPUs: bfloat16)."""
+    """float32 params and outputs, compute in the dtype the device is fast in (``fa.half_dtype``)."""
     half = str(fa.half_dtype(device)).removeprefix("torch.")
     return f"params=float32,compute={half},output=float32"
 
@@ -299,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{'compiled (' + args.backend + ')' if args.compile else 'eager'} | steps {start}->{args.steps}",
             flush=True,
         )
+        if args.policy == "auto":
+            print(f"policy auto: {fa.hardware.probe(device).explain()}", flush=True)
 
     def save_checkpoint() -> None:
         if is_main:

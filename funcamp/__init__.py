@@ -5,7 +5,7 @@ unscale the gradients; ``grad_and_value`` checks them for overflow without a hos
 step composes these with optax-style optimizers and compiles whole with ``torch.compile``.
 """
 
-from funcamp import checkpoint, memory, nn, optim, parallel
+from funcamp import checkpoint, hardware, memory, nn, optim, parallel
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
@@ -43,6 +43,7 @@ __all__ = [
     "global_norm",
     "grad_and_value",
     "half_dtype",
+    "hardware",
     "loss_scale_from_state_dict",
     "make_train_step",
     "memory",

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from funcamp import _tree
+from funcamp import _tree, hardware
 
 __all__ = [
     "Policy",
@@ -233,22 +233,26 @@ def _parse_part(part: str, policy: str, seen: dict[str, torch.dtype]) -> dict[st
 
 
 def half_dtype(device: str | torch.device | None = None) -> torch.dtype:
-    """The half-precision dtype to compute in on ``device``.
+    """The dtype to compute in on ``device``: its fast half-precision dtype, or float32 if it has none.
 
-    CUDA: bfloat16 where the GPU supports it (compute capability 8.0 and newer), else float16. CPU:
-    bfloat16 (float16 matmuls are slow on most CPUs). Other devices: float16.
+    Decided by :func:`funcamp.hardware.probe` (once per device and process): bfloat16 where the device
+    computes it fast, else float16 where that is fast, else **float32**. CUDA: bfloat16 from compute
+    capability 8.0, float16 from 7.0. CPU: bfloat16 with AMX, neither on a CPU for which oneDNN has
+    no half-precision kernels (AVX2-only CPUs, where a bfloat16 matmul is 20-40x slower than float32),
+    and a few-millisecond matmul measurement in between (AVX-512 without AMX). Other devices: measured.
+
+    Unlike jmp's ``half_dtype`` (float16 off TPU) and ``torch.autocast`` on CPU (bfloat16 everywhere),
+    this never returns a dtype the device computes slowly; ``funcamp.hardware.probe(device).explain()``
+    says why it chose what it did.
 
     Args:
       device: a device or its name; ``None`` means CUDA when available, else CPU.
+    Returns:
+      ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+    Raises:
+      TypeError: if ``device`` is not a str, torch.device or None.
     """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    kind = torch.device(device).type
-    if kind == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if kind == "cpu":
-        return torch.bfloat16
-    return torch.float16
+    return hardware.probe(device).half_dtype
 
 
 def cast_to_full(tree: T) -> T:
@@ -257,5 +261,5 @@ def cast_to_full(tree: T) -> T:
 
 
 def cast_to_half(tree: T, device: str | torch.device | None = None) -> T:
-    """Cast the floating leaves of ``tree`` to :func:`half_dtype` of ``device``."""
+    """Cast the floating leaves of ``tree`` to :func:`half_dtype` of ``device`` (float32 where no half is fast)."""
     return _tree.cast_floating(tree, half_dtype(device))

@@ -1,0 +1,148 @@
+"""The hardware probe behind ``half_dtype`` and ``--policy auto``: never a dtype the device computes slowly.
+
+The CPU facts (capability, oneDNN support, AMX) and the matmul timer are replaced by fakes, so each case
+runs the same on every machine; one test also runs the real probe on this machine and checks it agrees
+with what torch reports.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcamp as fa
+from funcamp import hardware
+
+AVX2 = {"capability": "AVX2", "mkldnn_bf16": False, "mkldnn_fp16": False, "amx": False}
+AMX = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": False, "amx": True}
+AVX512 = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": True, "amx": False}
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch):
+    """Set the CPU facts and the measured matmul seconds per dtype; the probe's cache is cleared around it."""
+    timed: list[torch.dtype] = []
+
+    def install(facts, seconds=None):
+        monkeypatch.setattr(hardware, "_cpu_facts", lambda: dict(facts))
+
+        def fake_seconds(dtype, device):
+            timed.append(dtype)
+            if seconds is None:
+                raise AssertionError(f"the probe measured {dtype} although torch's report was conclusive")
+            return seconds[dtype]
+
+        monkeypatch.setattr(hardware, "_matmul_seconds", fake_seconds)
+        hardware._probe.cache_clear()
+        return timed
+
+    yield install
+    hardware._probe.cache_clear()
+
+
+def test_avx2_cpu_computes_in_float32_without_measuring(fake_cpu):
+    timed = fake_cpu(AVX2)
+    report = hardware.probe("cpu")
+    assert fa.half_dtype("cpu") == torch.float32
+    assert fa.cast_to_half({"x": torch.ones(2)}, "cpu")["x"].dtype == torch.float32
+    assert not report.bfloat16.fast and not report.float16.fast
+    assert "oneDNN has no bfloat16 kernels" in report.bfloat16.reason and "AVX2" in report.explain()
+    assert report.explain().startswith("float32 compute")
+    assert not report.bfloat16.kernels and not report.float16.kernels
+    assert timed == []
+
+
+def test_amx_cpu_computes_in_bfloat16_without_measuring(fake_cpu):
+    timed = fake_cpu(AMX)
+    assert fa.half_dtype("cpu") == torch.bfloat16
+    assert "AMX" in hardware.probe("cpu").explain()
+    assert timed == []  # float16: oneDNN reports no kernels, so nothing to measure either
+
+
+@pytest.mark.parametrize(
+    "seconds, expected",
+    [
+        ({torch.float32: 1.0, torch.bfloat16: 0.5, torch.float16: 0.6}, torch.bfloat16),
+        ({torch.float32: 1.0, torch.bfloat16: 1.6, torch.float16: 0.9}, torch.float16),
+        ({torch.float32: 1.0, torch.bfloat16: 1.6, torch.float16: 40.0}, torch.float32),
+        ({torch.float32: 1.0, torch.bfloat16: hardware.FAST_RATIO, torch.float16: 2.0}, torch.bfloat16),
+    ],
+)
+def test_inconclusive_cpu_is_measured(fake_cpu, seconds, expected):
+    timed = fake_cpu(AVX512, seconds)
+    report = hardware.probe("cpu")
+    assert report.half_dtype == expected == fa.half_dtype("cpu")
+    assert set(timed) == {torch.float32, torch.bfloat16, torch.float16}
+    assert report.bfloat16.ratio == pytest.approx(seconds[torch.bfloat16] / seconds[torch.float32])
+    assert "measured" in report.bfloat16.reason
+
+
+def test_probe_is_cached_per_device(fake_cpu):
+    timed = fake_cpu(AVX512, {torch.float32: 1.0, torch.bfloat16: 0.5, torch.float16: 0.5})
+    hardware.probe("cpu")
+    n = len(timed)
+    assert hardware.probe(torch.device("cpu")) is hardware.probe(None if not torch.cuda.is_available() else "cpu")
+    assert len(timed) == n
+
+
+def test_a_dtype_without_kernels_is_slow(fake_cpu, monkeypatch):
+    fake_cpu(AVX512, {torch.float32: 1.0})
+
+    def no_kernel(dtype, device):
+        if dtype != torch.float32:
+            raise RuntimeError('"addmm_impl_cpu_" not implemented for ' + str(dtype))
+        return 1.0
+
+    monkeypatch.setattr(hardware, "_matmul_seconds", no_kernel)
+    report = hardware.probe("cpu")
+    assert report.half_dtype == torch.float32
+    assert "not implemented" in report.float16.reason and not report.float16.kernels
+
+
+@pytest.mark.parametrize(
+    "cc, expected",
+    [
+        ((9, 0), torch.bfloat16),
+        ((8, 0), torch.bfloat16),
+        ((7, 5), torch.float16),
+        ((7, 0), torch.float16),
+        ((6, 0), torch.float16),
+        ((6, 1), torch.float32),
+        ((5, 2), torch.float32),
+    ],
+)
+def test_cuda_by_compute_capability(cc, expected):
+    report = hardware._probe_cuda(torch.device("cuda", 0), "GPU", cc)
+    assert report.half_dtype == expected
+    assert f"{cc[0]}.{cc[1]}" in report.name
+
+
+def test_main_job_auto_policy_follows_the_probe(fake_cpu):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        train_gpt = importlib.import_module("train_gpt")
+    finally:
+        sys.path.pop(0)
+    fake_cpu(AVX2)
+    assert fa.get_policy(train_gpt.default_policy(torch.device("cpu"))).compute_dtype == torch.float32
+    fake_cpu(AMX)
+    assert fa.get_policy(train_gpt.default_policy(torch.device("cpu"))).compute_dtype == torch.bfloat16
+
+
+def test_real_probe_agrees_with_torch():
+    report = hardware.probe("cpu")
+    assert report.half_dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert not report.bfloat16.fast
+    if not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        assert not report.float16.fast
+    assert torch.backends.cpu.get_cpu_capability() in report.name
+
+
+def test_bad_device():
+    with pytest.raises(TypeError, match="device must be"):
+        hardware.probe(3)
