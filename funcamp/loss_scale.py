@@ -210,7 +210,8 @@ class DynamicLossScale(LossScale):
     Raises:
       TypeError: if a state field is a tensor of the wrong dtype, or an option has the wrong type.
       ValueError: if a state tensor is not 0-d, or an option is out of the range above, or the
-        initial scale (a Python number) is below ``min_loss_scale`` or not finite.
+        initial scale (a Python number) is below ``min_loss_scale``, above ``max_loss_scale`` or not
+        finite.
 
     Example:
       >>> ls = DynamicLossScale(2.0**15, period=1)
@@ -232,10 +233,12 @@ class DynamicLossScale(LossScale):
 
     def __post_init__(self) -> None:
         self._check_options()
-        if _is_number(self.loss_scale) and not (self.min_loss_scale <= self.loss_scale <= _F32_MAX):
+        cap = _F32_MAX if self.max_loss_scale is None else min(self.max_loss_scale, _F32_MAX)
+        if _is_number(self.loss_scale) and not (self.min_loss_scale <= self.loss_scale <= cap):
+            upper = f"<= max_loss_scale={self.max_loss_scale}" if cap < _F32_MAX else f"finite in float32 (<= {cap})"
             raise ValueError(
-                f"DynamicLossScale: loss_scale must be >= min_loss_scale={self.min_loss_scale} and finite in "
-                f"float32 (<= {_F32_MAX}), got {self.loss_scale}"
+                f"DynamicLossScale: loss_scale must be >= min_loss_scale={self.min_loss_scale} and {upper}, "
+                f"got {self.loss_scale}"
             )
         if self.hysteresis_left is None:
             object.__setattr__(self, "hysteresis_left", self.hysteresis)

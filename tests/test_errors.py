@@ -134,6 +134,8 @@ CASES = [
          r"loss_scale must be >= min_loss_scale=1.0"),
     case("dynamic-scale-inf", lambda: fa.DynamicLossScale(math.inf), ValueError,
          r"loss_scale must be >= min_loss_scale=1.0 and finite in float32"),
+    case("dynamic-scale-above-cap", lambda: fa.DynamicLossScale(2.0**20, period=1, max_loss_scale=2.0**10),
+         ValueError, r"loss_scale must be >= min_loss_scale=1.0 and <= max_loss_scale=1024.0, got 1048576.0"),
     case("dynamic-scale-overflows", lambda: fa.DynamicLossScale(1e39), ValueError,
          r"loss_scale must be .* finite in float32"),
     case("dynamic-float-counter", lambda: fa.DynamicLossScale(counter=torch.tensor(0.0)), TypeError,

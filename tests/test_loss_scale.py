@@ -3,6 +3,7 @@
 import copy
 import io
 import json
+import math
 import pickle
 from pathlib import Path
 
@@ -60,6 +61,15 @@ def test_initial_scale_below_floor_is_refused():
     assert case["scales"][case["flags"].index("0")] == 1.0
     with pytest.raises(ValueError, match="min_loss_scale"):
         fa.DynamicLossScale(0.5)
+
+
+def test_initial_scale_above_cap_is_refused():
+    # Issue 11.8: accepted before, and the first growth step *shrank* it to the cap (2**20 -> 1024).
+    with pytest.raises(ValueError, match="max_loss_scale"):
+        fa.DynamicLossScale(2.0**20, period=1, max_loss_scale=2.0**10)
+    at_cap = fa.DynamicLossScale(2.0**10, period=1, max_loss_scale=2.0**10)
+    assert at_cap.adjust(torch.tensor(True)).loss_scale.item() == 2.0**10
+    assert fa.DynamicLossScale(2.0**20, max_loss_scale=math.inf).loss_scale.item() == 2.0**20
 
 
 def _grad_scaler_trajectory(init, interval, flags):
