@@ -273,10 +273,12 @@ def make_train_step(
         first_bad = torch.argmax((~flags).to(torch.int32)) if flags.numel() else torch.zeros((), dtype=torch.long)
         metrics = {
             "loss": loss,
-            "loss_scale": state.loss_scale.loss_scale,
+            # On the parameters' device (state.step lives there): NoOpLossScale has no tensor to carry a
+            # device, and a stateless optimizer's learning_rate is a NaN made on the CPU.
+            "loss_scale": state.loss_scale.loss_scale.to(state.step.device),
             "grads_finite": finite,
             "grad_norm": _tree.global_norm(grads),
-            "learning_rate": learning_rate(new_opt_state),
+            "learning_rate": learning_rate(new_opt_state).to(state.step.device),
             "skipped_steps": skipped,
             "consecutive_skips": consecutive,
             "nonfinite_leaf": torch.where(flags.all(), -1, first_bad.to(torch.int32)),
