@@ -15,211 +15,27 @@ the per-module casting wrappers on that copy, and runs it with the tensors passe
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import functools
-import re
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
+from funcamp.nn import _remat
+from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
 from funcamp.policy import Policy, get_policy
 
-__all__ = [
-    "NORM_TYPES",
-    "functionalize",
-    "keep_in_float32",
-    "param_policies",
-]
+__all__ = ["functionalize"]
 
-PolicyLike = Policy | str
-#: A value of ``module_policies``: a policy, a policy string, ``None`` (no policy of its own: follow the
-#: surrounding module), or a function of the surrounding policy such as :func:`keep_in_float32`.
-ModulePolicy = Policy | str | Callable[[Policy], Policy] | None
-ModulePolicies = Mapping[type | str, ModulePolicy]
-
-#: Module types that run in float32 by default (with :func:`keep_in_float32`): BatchNorm*, SyncBatchNorm
-#: and InstanceNorm* (``_NormBase``), LayerNorm, GroupNorm, RMSNorm, LocalResponseNorm (which has no
-#: half-precision CPU kernel).
-NORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.RMSNorm,
-    nn.LocalResponseNorm,
-)
-# Normalisation layers of other libraries, recognised by their class name: LlamaRMSNorm, T5LayerNorm,
-# FusedLayerNorm, torchvision's FrozenBatchNorm2d, ...
-_NORM_NAME = re.compile(r"(Layer|RMS|Group|Batch|Instance)Norm(\dd)?$")
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _full(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def keep_in_float32(surrounding: Policy) -> Policy:
-    """The default policy of normalisation layers, given the policy of the module around them.
-
-    Parameters are stored and the layer computes in float32 (float64 stays float64: never lower than
-    the surrounding dtypes); its output is cast to the surrounding compute dtype, so the next layer
-    sees what it would have seen without the norm's policy (haiku's recipe for BatchNorm).
-
-    Args:
-      surrounding: the policy of the enclosing module (the top-level policy for most layers).
-    Returns:
-      ``Policy(param=max(param, float32), compute=max(compute, float32), output=surrounding compute)``.
-
-    Example:
-      >>> str(keep_in_float32(get_policy("params=float32,compute=bfloat16,output=float32")))
-      'params=float32,compute=float32,output=bfloat16'
-    """
-    return Policy(
-        _full(surrounding.param_dtype),
-        _full(surrounding.compute_dtype),
-        surrounding.compute_dtype,
-        surrounding.reduce_dtype,
-    )
-
-
-def _is_default_norm(name: str, module: nn.Module) -> bool:
-    return isinstance(module, NORM_TYPES) or bool(_NORM_NAME.search(type(module).__name__))
-
-
-_Matcher = Callable[[str, nn.Module], bool]
-
-
-def _matcher(key: Any) -> _Matcher:
-    if isinstance(key, str):
-        return lambda name, module: fnmatch.fnmatchcase(name, key)
-    if isinstance(key, type) and issubclass(key, nn.Module):
-        return lambda name, module: isinstance(module, key)
-    raise TypeError(
-        f"functionalize: module_policies keys must be nn.Module subclasses or name patterns (str, fnmatch "
-        f"syntax such as 'lm_head' or '*.ln_*'), got {key!r}"
-    )
-
-
-def _check_value(key: Any, value: Any) -> ModulePolicy:
-    if value is None or isinstance(value, Policy) or callable(value):
-        return value
-    if isinstance(value, str):
-        return get_policy(value)
-    raise TypeError(
-        f"functionalize: module_policies[{key!r}] must be a Policy, a policy string, None or a function "
-        f"of the surrounding policy (e.g. funcamp.nn.keep_in_float32), got {type(value).__name__}"
-    )
-
-
-def _entries(module_policies: ModulePolicies | None) -> list[tuple[_Matcher, ModulePolicy, bool]]:
-    """``(matcher, value, from_user_string)``: the user's entries in order, then the norm default."""
-    if module_policies is not None and not isinstance(module_policies, Mapping):
-        raise TypeError(
-            f"functionalize: module_policies must be a mapping (dict) or None, got {type(module_policies).__name__}"
-        )
-    user = [(_matcher(k), _check_value(k, v), isinstance(k, str)) for k, v in (module_policies or {}).items()]
-    return [*user, (_is_default_norm, keep_in_float32, False)]
-
-
-def _apply(value: ModulePolicy, surrounding: Policy) -> Policy:
-    if value is None:
-        return surrounding
-    if isinstance(value, Policy):
-        return value
-    policy = value(surrounding)
-    if not isinstance(policy, Policy):
-        raise TypeError(f"functionalize: a module policy function returned {type(policy).__name__}, not a Policy")
-    return policy
-
-
-class _Plan:
-    """Which policy each module and each tensor follows; computed once from the module's structure.
-
-    Attributes:
-      modules: resolved policy of every module, by qualified name ("" is the root).
-      own: the modules that have a policy of their own (their forward gets a casting wrapper).
-      tensors: policy of every parameter and persistent buffer, by qualified name.
-      params: parameter names (tied parameters once, under their first name).
-      buffers: persistent buffer names (the state that ``apply_fn`` takes and returns).
-    """
-
-    def __init__(self, module: nn.Module, policy: Policy, module_policies: ModulePolicies | None) -> None:
-        entries = _entries(module_policies)
-        self.modules: dict[str, Policy] = {}
-        self.own: dict[str, Policy] = {}
-        for name, sub in module.named_modules(remove_duplicate=False):
-            surrounding = self.modules[name.rpartition(".")[0]] if name else policy
-            match = next(((value, s) for m, value, s in entries if m(name, sub)), None)
-            self.modules[name] = surrounding if match is None else _apply(match[0], surrounding)
-            if match is not None and match[0] is not None:
-                self.own[name] = self.modules[name]
-        patterns = [(m, v) for m, v, from_string in entries if from_string]
-        self.params = [name for name, _ in module.named_parameters()]
-        self.buffers = [name for name, _ in module.named_buffers() if _is_persistent(module, name)]
-        self.tensors = {name: self._tensor_policy(name, patterns) for name in self.params + self.buffers}
-        self.aliases = {a: m for a, m in _aliases(module).items() if m in self.tensors}
-        self.alias_policies = {a: self._tensor_policy(a, patterns) for a in self.aliases}
-
-    def _tensor_policy(self, name: str, patterns: list[tuple[_Matcher, ModulePolicy]]) -> Policy:
-        owner = self.modules[name.rpartition(".")[0]]
-        value = next((v for m, v in patterns if m(name, None)), None)  # type: ignore[arg-type]
-        return _apply(value, owner)
-
-    def forward_dtype(self, name: str, autocast: bool) -> torch.dtype:
-        """The dtype a floating tensor enters the forward pass in (under autocast, half casts are left to it)."""
-        policy = self.alias_policies[name] if name in self.aliases else self.tensors[name]
-        if autocast and policy.compute_dtype in _HALF:
-            return policy.param_dtype
-        return policy.compute_dtype
-
-
-def _aliases(module: nn.Module) -> dict[str, str]:
-    """Every further name of a tied (shared) parameter or buffer, mapped to its first name."""
-    first: dict[int, str] = {}
-    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
-    return {name: first[id(t)] for name, t in named if first.setdefault(id(t), name) != name}
-
-
-def _is_persistent(module: nn.Module, name: str) -> bool:
-    prefix, _, leaf = name.rpartition(".")
-    return leaf not in module.get_submodule(prefix)._non_persistent_buffers_set
-
-
-def param_policies(
-    module: nn.Module, policy: PolicyLike, *, module_policies: ModulePolicies | None = None
-) -> dict[str, Policy]:
-    """The policy each parameter and persistent buffer of ``module`` follows under :func:`functionalize`.
-
-    Pass the result to :func:`funcamp.memory.memory_report` for a per-dtype report that knows which
-    layers stay in float32.
-
-    Args:
-      module: the model.
-      policy: the top-level policy (or policy string).
-      module_policies: as for :func:`functionalize`.
-    Returns:
-      A dict from qualified name to Policy: every parameter and persistent buffer, a tied parameter
-      under each of its names (each use is cast to the policy of the module using it).
-    Raises:
-      TypeError: if ``module`` is not an ``nn.Module`` or ``module_policies`` is malformed.
-      ValueError: if a policy string does not parse.
-
-    Example:
-      >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
-      >>> {k: str(p) for k, p in param_policies(model, "c=bf16").items()}["1.weight"]
-      'params=float32,compute=float32,output=bfloat16'
-    """
-    _check_module(module)
-    plan = _Plan(module, get_policy(policy), module_policies)
-    return {**plan.tensors, **plan.alias_policies}
-
-
-def _check_module(module: Any) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"functionalize: expected a torch.nn.Module, got {type(module).__name__}")
+#: A value of ``trainable``: None (each parameter's ``requires_grad``), True (every parameter), fnmatch
+#: patterns of parameter or module names, or a predicate ``(name, tensor) -> bool``.
+Trainable = bool | str | Iterable[str] | Callable[[str, torch.Tensor], bool] | None
 
 
 def _cast_io(tree: Any, dtype: torch.dtype) -> Any:
@@ -301,7 +117,7 @@ def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
 
 
-def _check_keys(what: str, got: Mapping[str, Any], expected: list[str]) -> None:
+def _check_keys(what: str, got: Mapping[str, Any], expected: list[str], frozen: Iterable[str] = ()) -> None:
     if not isinstance(got, Mapping):
         hint = (
             " (this module has buffers: call apply_fn(params, buffers, *args, **kwargs))" if what == "buffers" else ""
@@ -310,15 +126,108 @@ def _check_keys(what: str, got: Mapping[str, Any], expected: list[str]) -> None:
     if got.keys() != set(expected):
         missing = sorted(set(expected) - got.keys())
         unexpected = sorted(got.keys() - set(expected))
+        held = sorted(set(unexpected) & set(frozen))
+        hint = (
+            f"; {held} are frozen (held by apply_fn, see apply_fn.frozen): leave them out of params, or choose "
+            "them with functionalize(..., trainable=...)"
+            if held
+            else ""
+        )
         raise ValueError(
             f"apply_fn: {what} do not match the module: missing {missing}, unexpected {unexpected}; pass the "
-            f"{what} functionalize returned (or a tree_map of them)"
+            f"{what} functionalize returned (or a tree_map of them){hint}"
         )
 
 
 def _master(tensor: torch.Tensor, policy: Policy) -> torch.Tensor:
     dtype = policy.param_dtype if tensor.is_floating_point() else tensor.dtype
     return tensor.detach().to(dtype, copy=True)
+
+
+# --- trainable and frozen parameters ------------------------------------------------------------
+
+
+def _prefixes(name: str) -> list[str]:
+    """``"a.b.weight"`` -> ``["a.b.weight", "a.b", "a"]``: the tensor and the modules that hold it."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _trainable_names(module: nn.Module, plan: _Plan, trainable: Trainable) -> set[str]:
+    """The parameters (by first name) that go into ``params``; see ``trainable`` in :func:`functionalize`."""
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    names = {name: [name] for name in plan.params}  # first name -> all its names
+    for alias, first in plan.aliases.items():
+        if first in names:
+            names[first].append(alias)
+    if trainable is None:
+        return {name for name in plan.params if tensors[name].requires_grad}
+    if trainable is True:
+        return set(plan.params)
+    if callable(trainable):
+        chosen = set()
+        for first, all_names in names.items():
+            for name in all_names:
+                keep = trainable(name, tensors[name])
+                if not isinstance(keep, bool):
+                    raise TypeError(
+                        f"functionalize: trainable({name!r}, tensor) must return a bool, got {type(keep).__name__}"
+                    )
+                if keep:
+                    chosen.add(first)
+        if not chosen:
+            raise ValueError(
+                f"functionalize: the trainable predicate selected no parameter of the {len(plan.params)} "
+                f"({_sample(plan.params)}); to freeze the whole model for inference use "
+                "model.requires_grad_(False) and trainable=None"
+            )
+        return chosen
+    patterns = [trainable] if isinstance(trainable, str) else trainable
+    if isinstance(trainable, (bool, bytes)) or not isinstance(patterns, Iterable):
+        raise TypeError(
+            "functionalize: trainable must be None (each parameter's requires_grad), True (every parameter), "
+            "a name pattern or list of them (fnmatch, e.g. ['lm_head.*', '*.bias']), or a function "
+            f"(name, tensor) -> bool; got {trainable!r}"
+        )
+    patterns = list(patterns)
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad or not patterns:
+        raise TypeError(f"functionalize: trainable patterns must be a non-empty list of strings, got {trainable!r}")
+    chosen = set()
+    for pattern in patterns:
+        hits = {
+            first
+            for first, all_names in names.items()
+            if any(fnmatch.fnmatchcase(p, pattern) for name in all_names for p in _prefixes(name))
+        }
+        if not hits:
+            raise ValueError(
+                f"functionalize: trainable pattern {pattern!r} matches no parameter (nor module holding one); "
+                f"parameter names are {_sample(plan.params)}"
+            )
+        chosen |= hits
+    return chosen
+
+
+def _sample(names: list[str], n: int = 6) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return f"[{shown}{', ...' if len(names) > n else ''}]"
+
+
+def _frozen_dtype(tensor: torch.Tensor, policy: Policy, autocast: bool) -> torch.dtype:
+    """The dtype a frozen tensor is stored in: the one it enters the forward in, never a needless upcast.
+
+    Casting mode: its module's compute dtype. Under autocast, for a module computing in half precision
+    (autocast casts per op): its own dtype if that is a half one, else its param dtype.
+    """
+    if not tensor.is_floating_point():
+        return tensor.dtype
+    if autocast and policy.compute_dtype in _HALF:
+        return tensor.dtype if tensor.dtype in _HALF else policy.param_dtype
+    return policy.compute_dtype
+
+
+# --- functionalize --------------------------------------------------------------------------------
 
 
 def functionalize(
@@ -329,6 +238,7 @@ def functionalize(
     autocast: bool = False,
     training: bool | None = None,
     with_buffers: bool | None = None,
+    trainable: Trainable = None,
 ) -> (
     tuple[Callable[..., Any], dict[str, torch.Tensor]]
     | tuple[Callable[..., Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]
@@ -342,23 +252,36 @@ def functionalize(
       ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``. Pure: ``params``,
       ``buffers`` and ``module`` are never changed; in-place buffer updates (running statistics) land
       in fresh copies, which come back as ``new_buffers``.
-    - ``params``: detached copies of ``named_parameters()`` (new memory, not views of the module's),
-      floating ones in their policy's ``param_dtype``. A tied weight (GPT-2's token embedding and LM
-      head) is one master tensor, under its first name; each use gets its own compute-dtype copy, so
-      its gradient is the sum of the gradients of both uses, added in the parameter dtype.
+    - ``params``: the *trainable* parameters, detached copies of ``named_parameters()`` (new memory,
+      not views of the module's), floating ones in their policy's ``param_dtype``. A tied weight
+      (GPT-2's token embedding and LM head) is one master tensor, under its first name; each use gets
+      its own compute-dtype copy, so its gradient is the sum of the gradients of both uses, added in
+      the parameter dtype.
+    - Frozen parameters (``requires_grad=False`` in your module by default, see ``trainable``) are not
+      in ``params``: ``apply_fn`` holds them as constants (``apply_fn.frozen``, a read-only dict by
+      name), so they are never differentiated, never in an optimizer state, a :class:`funcamp.TrainState`
+      or a checkpoint, and never written. They are stored in the dtype they enter the forward in, with
+      no float32 master: their module's compute dtype (bf16 under a bf16 policy; float32 in norm
+      layers); under ``autocast=True``, in modules computing in half precision, their own dtype if it
+      is a half one, else the param dtype (autocast casts them per op, as torch.amp does). They are
+      copies: later changes to your module do not reach ``apply_fn`` (``del model`` frees its weights).
+      torch.amp differs: there a frozen weight stays in your module, in its dtype, and autocast casts
+      it at every use.
     - ``buffers``: copies of the persistent buffers, floating ones in ``param_dtype`` (BatchNorm
       statistics in float32), integer ones (``num_batches_tracked``) unchanged. Non-persistent buffers
       (causal masks, rotary tables, position ids) are constants of ``apply_fn``, used as the module
       holds them: not cast, and not copied (a forward that writes one in place writes your module's).
+      Buffers of frozen modules still update in training mode, as in torch (use ``training=False``
+      or ``with_buffers=False`` to keep frozen statistics).
 
     Casting (``autocast=False``, the rule of jmp and haiku): floating inputs are cast to
-    ``policy.compute_dtype``, each parameter and floating buffer to its own policy's compute dtype, and
-    the output to ``policy.output_dtype``. A module with a policy of its own casts its floating inputs
-    to that policy's compute dtype and its output to that policy's output dtype. By default
-    normalisation layers (:data:`NORM_TYPES`, and classes named ``*LayerNorm``, ``*RMSNorm``,
-    ``*GroupNorm``, ``*BatchNorm{1,2,3}d``, ``*InstanceNorm{1,2,3}d``, such as Hugging Face's
-    ``LlamaRMSNorm``) follow :func:`keep_in_float32`: float32 parameters, statistics and arithmetic,
-    output in the surrounding compute dtype.
+    ``policy.compute_dtype``, each parameter and floating buffer to the compute dtype of the module
+    that holds it, and the output to ``policy.output_dtype``. A module with a policy of its own casts
+    its floating inputs to that policy's compute dtype and its output to that policy's output dtype.
+    By default normalisation layers (:data:`NORM_TYPES`, and classes named ``*LayerNorm``,
+    ``*RMSNorm``, ``*GroupNorm``, ``*BatchNorm{1,2,3}d``, ``*InstanceNorm{1,2,3}d``, such as Hugging
+    Face's ``LlamaRMSNorm``) follow :func:`keep_in_float32`: float32 parameters, statistics and
+    arithmetic, output in the surrounding compute dtype.
 
     With ``autocast=True`` the forward runs under ``torch.autocast(device, compute_dtype)`` instead
     (the parameters' device type), with parameters in their param dtype and inputs not cast, so that
@@ -369,6 +292,13 @@ def functionalize(
     with ``dropout_p > 0`` under ``torch.func.grad`` and autocast raises a dtype error in the backward
     (Hugging Face GPT-2 in training mode); the default casting mode is not affected.
 
+    Activation checkpointing (``torch.utils.checkpoint.checkpoint``, reentrant or not, and
+    ``checkpoint_sequential``) in the module's forward works: differentiated eagerly with plain
+    autograd (eager :func:`funcamp.grad_and_value`, ``make_train_step(compile=False)``) the region is
+    recomputed in the backward with this call's tensors; under ``torch.func`` transforms (the compiled
+    step) torch 2.13 cannot checkpoint and the region runs as is (a :class:`RematInactiveWarning`,
+    once). Gradients equal those of the model without checkpointing, bitwise, in every case.
+
     Inputs and outputs are walked with ``torch.utils._pytree`` (so Hugging Face's ``ModelOutput`` is
     cast); only real floating tensors are cast.
 
@@ -377,10 +307,12 @@ def functionalize(
       policy: a :class:`funcamp.Policy` or a policy string for the whole model.
       module_policies: ``{module type or name pattern: policy}``; first match wins, before the norm
         default. A type matches its instances; a string (fnmatch syntax) matches qualified module names
-        (the module and everything under it follows the policy) and parameter names (that parameter's
-        dtypes only). Values: a Policy, a policy string, a function of the surrounding policy (such as
-        :func:`keep_in_float32`), or ``None`` to follow the surrounding module (``{nn.LayerNorm: None}``
-        turns the norm default off for LayerNorm).
+        (the module and everything under it follows the policy) and parameter names. A parameter name
+        pattern changes where that tensor is stored (``param_dtype``, ``reduce_dtype``): its module
+        still computes with it in the module's compute dtype (``{"*.bias": "float32"}`` keeps float32
+        master biases that enter a bf16 Linear in bf16). Values: a Policy, a policy string, a function
+        of the surrounding policy (such as :func:`keep_in_float32`), or ``None`` to follow the
+        surrounding module (``{nn.LayerNorm: None}`` turns the norm default off for LayerNorm).
       autocast: run under ``torch.autocast`` instead of casting parameters up front.
       training: the training flag ``apply_fn`` runs with (dropout, BatchNorm statistics), set on the
         internal copy; ``None`` keeps each submodule's flag as it is now. ``functionalize(model.eval(),
@@ -388,13 +320,25 @@ def functionalize(
       with_buffers: ``None`` (the rule above); ``True``: always the buffer form (an empty dict for a
         model without buffers, handy for generic code); ``False``: always the short form, the buffers
         being constants whose in-place updates are discarded (inference, frozen statistics).
+      trainable: which parameters go into ``params`` (the rest are frozen): ``None`` (default), each
+        parameter's ``requires_grad`` (torch's own marking: ``requires_grad_(False)`` on a tensor or a
+        submodule); ``True``, all of them; a name pattern or a list of them (fnmatch; a pattern selects
+        a parameter when it matches its qualified name or the name of a module holding it, so
+        ``"lm_head"``, ``"lm_head.*"`` and ``"*.bias"`` all work); or a predicate
+        ``trainable(name, tensor) -> bool`` (``tensor`` is your module's). Given patterns or a
+        predicate decide alone (``requires_grad`` is then ignored). A tied parameter is trainable
+        when any of its names is selected.
     Returns:
-      ``(apply_fn, params)`` or ``(apply_fn, params, buffers)``, see above.
+      ``(apply_fn, params)`` or ``(apply_fn, params, buffers)``, see above. ``apply_fn.frozen`` is a
+      read-only dict of the frozen tensors (empty when everything is trainable).
     Raises:
       TypeError: if ``module`` is not an ``nn.Module``, ``module_policies`` is malformed, or the module
         cannot be deep-copied.
-      ValueError: if a policy string does not parse; at call time, if ``params`` or ``buffers`` do not
-        have the module's names.
+      TypeError: if ``trainable`` is not one of the forms above, or its predicate returns a non-bool.
+      ValueError: if a policy string does not parse; if a ``trainable`` pattern or the predicate
+        selects no parameter.
+      ValueError: at call time, if ``params`` or ``buffers`` do not have the module's names (a frozen
+        name in ``params`` is named as such).
       TypeError: at call time, if ``params`` or ``buffers`` is not a dict.
 
     Example:
@@ -408,38 +352,62 @@ def functionalize(
       >>> grads = torch.func.grad(lambda p, x: apply_fn(p, x).sum())(params, torch.ones(3, 4))
       >>> grads["0.weight"].dtype
       torch.float32
+
+      Fine-tune the last layer only:
+
+      >>> apply_fn, params = functionalize(model, "params=float32,compute=bfloat16,output=float32", trainable="2")
+      >>> sorted(params), sorted(apply_fn.frozen), apply_fn.frozen["0.weight"].dtype
+      (['2.bias', '2.weight'], ['0.bias', '0.weight', '1.bias', '1.weight'], torch.bfloat16)
     """
     _check_module(module)
     policy = get_policy(policy)
     plan = _Plan(module, policy, module_policies)
+    chosen = _trainable_names(module, plan, trainable)
+    _remat.install()
     skeleton = _skeleton(module, plan, autocast, training)
     named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    params = {name: _master(named[name], plan.tensors[name]) for name in plan.params}
+    train_names = [name for name in plan.params if name in chosen]
+    params = {name: _master(named[name], plan.tensors[name]) for name in train_names}
+    frozen = {
+        name: named[name].detach().to(_frozen_dtype(named[name], plan.tensors[name], autocast), copy=True)
+        for name in plan.params
+        if name not in chosen
+    }
     buffers = {name: _master(named[name], plan.tensors[name]) for name in plan.buffers}
     forward_dtypes = {name: plan.forward_dtype(name, autocast) for name in [*plan.tensors, *plan.aliases]}
+    forward_dtypes.update({name: t.dtype for name, t in frozen.items()})
     stored_dtypes = {name: buffers[name].dtype for name in plan.buffers}
 
     def run(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
-        _check_keys("params", params, plan.params)
+        _check_keys("params", params, train_names, frozen)
         _check_keys("buffers", state, plan.buffers)
         tensors = {name: _to_forward(p, forward_dtypes[name]) for name, p in params.items()}
+        tensors.update(frozen)
         # Fresh tensors: the module's in-place updates (running statistics) must not reach the caller's.
         fresh = {name: _to_forward(b, forward_dtypes[name], copy=True) for name, b in state.items()}
-        tensors.update(fresh)
         # Each use of a tied parameter gets its own cast, so that the gradients of the uses are summed in
         # the parameter's dtype (and a use in a module with another policy gets that policy's dtype).
         # A tied buffer is the same fresh tensor under every name.
         for alias, name in plan.aliases.items():
-            tensors[alias] = fresh[name] if name in fresh else _to_forward(params[name], forward_dtypes[alias])
-        if autocast:
-            half = policy.compute_dtype in _HALF
-            with torch.autocast(
-                _device_type(params, args, kwargs), dtype=policy.compute_dtype if half else None, enabled=half
-            ):
-                out = torch.func.functional_call(skeleton, tensors, tuple(args), kwargs, tie_weights=False)
-        else:
-            args, kwargs = _cast_io((tuple(args), kwargs), policy.compute_dtype)
-            out = torch.func.functional_call(skeleton, tensors, args, kwargs, tie_weights=False)
+            if name not in fresh:
+                tensors[alias] = _to_forward(tensors[name] if name in frozen else params[name], forward_dtypes[alias])
+        call = None
+        if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
+            call = _remat._Call(skeleton, tensors, functools.partial(_fresh_buffers, plan, state, forward_dtypes))
+        tensors.update(fresh)
+        for alias, name in plan.aliases.items():
+            if name in fresh:
+                tensors[alias] = fresh[name]
+        with _remat.inside(call) if call is not None else contextlib.nullcontext():
+            if autocast:
+                half = policy.compute_dtype in _HALF
+                with torch.autocast(
+                    _device_type(params, args, kwargs), dtype=policy.compute_dtype if half else None, enabled=half
+                ):
+                    out = torch.func.functional_call(skeleton, tensors, tuple(args), kwargs, tie_weights=False)
+            else:
+                args, kwargs = _cast_io((tuple(args), kwargs), policy.compute_dtype)
+                out = torch.func.functional_call(skeleton, tensors, args, kwargs, tie_weights=False)
         # functional_call writes attribute reassignments back into the dict it was given.
         new_state = {name: tensors[name].to(stored_dtypes[name]) for name in fresh}
         return _cast_io(out, policy.output_dtype), new_state
@@ -452,17 +420,28 @@ def functionalize(
         ) -> tuple[Any, dict[str, torch.Tensor]]:
             return run(params, buffers, args, kwargs)
 
+        apply_fn.frozen = types.MappingProxyType(frozen)  # type: ignore[attr-defined]
         return apply_fn, params, buffers
 
-    frozen = buffers
+    constant = buffers
 
     def apply_fn(params: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
-        return run(params, frozen, args, kwargs)[0]
+        return run(params, constant, args, kwargs)[0]
 
+    apply_fn.frozen = types.MappingProxyType(frozen)  # type: ignore[attr-defined]
     return apply_fn, params
+
+
+def _fresh_buffers(
+    plan: _Plan, state: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]
+) -> dict[str, torch.Tensor]:
+    """Buffers as they were when the call began (fresh copies: a recompute must not update them twice)."""
+    fresh = {name: _to_forward(b, dtypes[name], copy=True) for name, b in state.items()}
+    fresh.update({alias: fresh[name] for alias, name in plan.aliases.items() if name in fresh})
+    return fresh
 
 
 def _to_forward(tensor: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
     if not tensor.is_floating_point():
         return tensor.clone() if copy else tensor
-    return tensor.to(dtype, copy=copy)
+    return tensor.to(dtype, copy=True) if copy else tensor.to(dtype)

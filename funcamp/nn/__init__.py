@@ -1,0 +1,26 @@
+"""Bring your own ``torch.nn.Module``: a pure function of parameter pytrees, with a policy per module.
+
+:func:`functionalize` turns a module into ``apply_fn(params, *args, **kwargs)`` built on
+``torch.func.functional_call``, together with detached master parameters in the policy's param dtype.
+Parameters and floating inputs are cast to the compute dtype inside ``apply_fn`` (or the forward runs
+under ``torch.autocast``), and the output is cast to the output dtype. Normalisation layers keep their
+parameters and their arithmetic in float32, as torch.amp, Apex (``keep_batchnorm_fp32``) and Hugging
+Face (``_keep_in_fp32_modules``) do. Buffers that change in training (BatchNorm running statistics)
+come in and go out explicitly: ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``.
+Frozen parameters (``requires_grad=False``, or not selected by ``trainable=``) are held by ``apply_fn``
+as constants, apart from the trainable ``params``: never differentiated, never in an optimizer state.
+
+The module you pass is never changed, nor kept alive: ``functionalize`` works on a structural copy of
+it whose parameters are shape-only placeholders (on the ``meta`` device), sets the training flag and
+the per-module casting wrappers on that copy, and runs it with the tensors passed to ``apply_fn``.
+``torch.utils.checkpoint`` inside the module's forward works (see :mod:`funcamp.nn._remat`).
+
+Layout: ``_plan`` (which policy each module and tensor follows), ``_functionalize`` (the pure
+function, the trainable/frozen split), ``_remat`` (activation checkpointing inside ``apply_fn``).
+"""
+
+from funcamp.nn._functionalize import functionalize
+from funcamp.nn._plan import NORM_TYPES, keep_in_float32, param_policies
+from funcamp.nn._remat import RematInactiveWarning
+
+__all__ = ["NORM_TYPES", "RematInactiveWarning", "functionalize", "keep_in_float32", "param_policies"]
