@@ -10,6 +10,9 @@ leaf lists that came from the two libraries.
 
 from __future__ import annotations
 
+import cmath
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,10 +26,12 @@ __all__ = [
     "cast_floating",
     "dataclass",
     "field",
+    "finite_flag_paths",
     "finite_flags",
     "first_non_floating",
     "global_norm",
     "is_floating",
+    "scaled_global_norm",
     "select_tree",
     "tree_bytes",
     "tree_device",
@@ -101,10 +106,6 @@ def cast_floating(tree: T, dtype: torch.dtype) -> T:
     return tree_map(lambda x: x.to(dtype) if is_floating(x) and x.dtype != dtype else x, tree)
 
 
-def _floating_leaves(tree: Any) -> list[torch.Tensor]:
-    return [x for x in tree_leaves(tree) if is_floating(x)]
-
-
 def tree_device(tree: Any) -> torch.device:
     """The device of the first floating leaf of ``tree`` (CPU for a tree with none)."""
     for x in tree_leaves(tree):
@@ -124,26 +125,136 @@ def first_non_floating(tree: Any) -> tuple[str, str] | None:
     return None
 
 
-def finite_flags(tree: Any) -> torch.Tensor:
-    """Per-leaf finiteness: a 1-d bool tensor with one entry per floating leaf, in leaf order.
+# --- leaf kinds: what the finite check and the norm see ----------------------------------------------
 
-    Non-floating leaves are skipped. For an empty tree the result has shape ``(0,)`` on the CPU.
+_SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _describe(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return f"a tensor of dtype {leaf.dtype} and layout {leaf.layout}"
+    return f"a {type(leaf).__name__}"
+
+
+def _stored_values(fn: str, path: str, x: torch.Tensor) -> torch.Tensor | None:
+    """The dense tensor of ``x``'s stored elements if ``x`` is floating or complex; None if integer/bool.
+
+    Sparse tensors give their stored values (COO ones coalesced first, so that duplicate entries are
+    summed as the tensor means); nested tensors their packed values; dense tensors themselves.
+    Elements a sparse tensor does not store are zeros, hence finite and outside the norm.
     """
-    leaves = _floating_leaves(tree)
-    if not leaves:
-        return torch.ones(0, dtype=torch.bool)
-    return torch.stack([torch.isfinite(x).all() for x in leaves])
+    if x.is_quantized:
+        raise TypeError(
+            f"{fn}: leaf {path!r} is a quantized tensor ({x.dtype}), which funcamp does not check; "
+            "pass x.dequantize() or leave it out of the tree"
+        )
+    if not (x.is_floating_point() or x.is_complex()):
+        return None
+    if x.is_nested:
+        return x.values()
+    if x.layout == torch.sparse_coo:
+        return x.coalesce().values()
+    if x.layout in _SPARSE_LAYOUTS:
+        return x.values()
+    if x.layout != torch.strided:
+        raise TypeError(
+            f"{fn}: leaf {path!r} has layout {x.layout}, which funcamp does not check; "
+            "pass a dense tensor (x.to_dense()) or leave it out of the tree"
+        )
+    return x
+
+
+def _finite_flag(fn: str, path: str, leaf: Any, device: torch.device) -> torch.Tensor | None:
+    """A 0-d bool tensor for a leaf that can hold a non-finite value, None for one that cannot."""
+    if isinstance(leaf, torch.Tensor):
+        x = _stored_values(fn, path, leaf)
+        if x is None:
+            return None  # integer and bool tensors cannot hold NaN or inf
+        if x.dtype.itemsize == 1:  # float8: isfinite has no kernel for every float8 format
+            x = x.float()
+        return torch.isfinite(x).all()  # complex: finite when both parts are
+    if isinstance(leaf, numbers.Integral):  # Python bool and int (and numpy integers)
+        return None
+    if isinstance(leaf, numbers.Complex):  # Python float and complex: a constant, checked on the host
+        return torch.tensor(cmath.isfinite(complex(leaf)), device=device)
+    raise TypeError(
+        f"{fn}: leaf {path!r} is {_describe(leaf)}, which funcamp cannot check for NaN and inf; "
+        "keep only tensors and numbers in the tree (None marks an absent leaf)"
+    )
+
+
+def _first_tensor_device(leaves: list[Any]) -> torch.device:
+    return next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+def _flags_with_paths(fn: str, tree: Any) -> tuple[list[torch.Tensor], list[str]]:
+    leaves = tree_leaves(tree)
+    device = _first_tensor_device(leaves)
+    flags, paths = [], []
+    for path, leaf in zip(tree_paths(tree), leaves, strict=True):
+        flag = _finite_flag(fn, path, leaf, device)
+        if flag is not None:
+            flags.append(flag)
+            paths.append(path)
+    return flags, paths
+
+
+def finite_flags(tree: Any) -> torch.Tensor:
+    """Per-leaf finiteness: a 1-d bool tensor, one entry per leaf that can hold a non-finite value.
+
+    Those leaves, in leaf order (their names: :func:`finite_flag_paths`), are the floating (float8
+    to float64) and complex tensors, dense, sparse or nested, and Python floats and complex numbers.
+    A complex element is finite when both its parts are; a sparse tensor is checked on its stored
+    elements (a COO tensor after coalescing). Integer and bool tensors, Python ints and bools cannot
+    be non-finite: they are accepted and have no entry. No host sync for tensors.
+
+    Args:
+      tree: any tree of tensors and numbers; ``None`` marks an absent leaf.
+    Returns:
+      A 1-d ``torch.bool`` tensor on the device of the first tensor leaf (CPU for a tree with none);
+      shape ``(0,)`` when no leaf can be non-finite.
+    Raises:
+      TypeError: if a leaf is neither a tensor nor a number (a string, an array, any other object).
+      TypeError: if a leaf is a quantized tensor, or a tensor of a layout other than strided, sparse
+        or nested (mkldnn); the message names the leaf.
+    """
+    flags, _ = _flags_with_paths("finite_flags", tree)
+    if not flags:
+        return torch.ones(0, dtype=torch.bool, device=_first_tensor_device(tree_leaves(tree)))
+    return torch.stack(flags)
+
+
+def finite_flag_paths(tree: Any) -> list[str]:
+    """The dotted names of the leaves that :func:`finite_flags` has an entry for, in its order.
+
+    Raises:
+      TypeError: as :func:`finite_flags`, for a leaf it cannot check.
+    """
+    _, paths = _flags_with_paths("finite_flag_paths", tree)
+    return paths
 
 
 def all_finite(tree: Any) -> torch.Tensor:
-    """Whether every element of every floating leaf of ``tree`` is finite.
+    """Whether every element of every leaf of ``tree`` that can be non-finite is finite.
 
+    The leaves checked and those accepted without a check are those of :func:`finite_flags`: floating
+    and complex tensors (a complex element is finite only when both parts are; sparse and nested
+    tensors on their stored elements) and Python floats and complex numbers are checked; integer and
+    bool tensors and Python ints are finite by kind; anything else is refused, never skipped.
+
+    Args:
+      tree: any tree of tensors and numbers; ``None`` marks an absent leaf.
     Returns:
-      A 0-d bool tensor on the device of the first floating leaf (CPU for a tree with none). It is
-      ``False`` if any element is NaN, +inf or -inf; ``True`` for an empty tree. ``None`` leaves and
-      non-floating leaves are ignored. No host sync.
+      A 0-d bool tensor on the device of the first tensor leaf (CPU for a tree with none). It is
+      ``False`` if any checked element is NaN, +inf or -inf; ``True`` for an empty tree. No host sync.
+    Raises:
+      TypeError: if a leaf is neither a tensor nor a number, or is a quantized tensor or a tensor of
+        an unsupported layout; the message names the leaf.
     """
-    return finite_flags(tree).all()
+    flags, _ = _flags_with_paths("all_finite", tree)
+    if not flags:
+        return torch.ones((), dtype=torch.bool, device=_first_tensor_device(tree_leaves(tree)))
+    return torch.stack(flags).all()
 
 
 def select_tree(pred: torch.Tensor, a: T, b: T) -> T:
@@ -189,19 +300,126 @@ def _select_leaf(pred: torch.Tensor, x: Any, y: Any) -> Any:
     return x
 
 
-def global_norm(tree: Any) -> torch.Tensor:
-    """The L2 norm of all floating leaves of ``tree`` taken together, computed in float32.
+# --- norms ------------------------------------------------------------------------------------------
+
+# float32 and float64 bit layouts: (integer view, mantissa bits, largest biased exponent of a finite number)
+_BITS = {torch.float32: (torch.int32, 23, 254), torch.float64: (torch.int64, 52, 2046)}
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """A power of two ``s`` (0-d, dtype of ``amax``) with ``amax * s`` in [1, 4), read from the bits.
+
+    ``amax`` is a 0-d float32 or float64 tensor >= 0. ``s`` is clamped to normal numbers: for a zero
+    or subnormal ``amax`` it is the largest normal power of two below the maximum (``2**126`` in
+    float32), for an infinite or NaN ``amax`` the smallest normal one (which keeps inf and NaN). Only
+    integer arithmetic on the exponent field: exact, traceable, no host sync, and no float64 needed.
+    """
+    int_dtype, mbits, emax = _BITS[amax.dtype]
+    exponent = amax.view(int_dtype) & ((emax + 1) << mbits)  # the biased exponent, in place
+    return ((emax << mbits) - exponent).clamp(1 << mbits, (emax - 1) << mbits).view(amax.dtype)
+
+
+def _needs_scale(dtype: torch.dtype, acc: torch.dtype) -> bool:
+    """Whether a sum of squares of ``dtype`` values in ``acc`` can overflow or underflow.
+
+    Not for float16 and float8 in float32, nor float32 and bfloat16 in float64: their largest square
+    times 2**64 elements and their smallest normal square stay inside ``acc``'s normal range.
+    """
+    info, acc_info = torch.finfo(dtype), torch.finfo(acc)
+    bound = math.sqrt(acc_info.max) * 2.0**-32  # (max * 2**32)**2 == max**2 * 2**64, without overflow
+    return info.max > bound or info.smallest_normal < math.sqrt(acc_info.smallest_normal)
+
+
+def _norm_leaves(fn: str, tree: Any) -> list[torch.Tensor]:
+    """The real dense tensors whose elements make up the norm of ``tree`` (complex ones as real pairs)."""
+    out = []
+    for path, leaf in zip(tree_paths(tree), tree_leaves(tree), strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{fn}: leaf {path!r} is {_describe(leaf)}; a norm is taken over tensors: make it a "
+                "tensor (torch.as_tensor) or leave it out of the tree"
+            )
+        x = _stored_values(fn, path, leaf)
+        if x is None:
+            continue  # integer and bool tensors are not gradients (step counts, masks)
+        if x.is_complex():
+            x = torch.view_as_real(x.resolve_conj())
+        out.append(x.float() if x.dtype.itemsize == 1 else x)  # float8: no reductions of its own
+    return out
+
+
+def scaled_global_norm(tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t, s)`` with the global L2 norm of ``tree`` equal to ``t / s``, ``s`` a power of two.
+
+    The norm of every floating and complex tensor leaf taken together (a complex element counts with
+    its modulus; sparse and nested tensors with their stored elements), computed so that no square
+    overflows or underflows. The squares are summed in the accumulation dtype, float64 if any leaf is
+    float64 (or complex128), else float32. Leaves whose squares can leave its range (bfloat16 and
+    float32 in float32, float64 in float64) are multiplied by the power of two ``s`` that brings the
+    largest magnitude in the tree to [1, 4); the others (float16 and float8 in float32, everything
+    narrower in float64) are summed as they are and their norms multiplied by ``s``. Scaling by a
+    power of two is exact, so wherever the plain sum of squares in the accumulation dtype neither
+    overflows nor underflows, ``t / s`` equals it bit for bit.
+
+    Method: scaling as in LAPACK's ``nrm2`` (Blue 1978, ACM TOMS 4(1)), with one scale for the tree,
+    read from the exponent bits of the largest magnitude, so that it is exact and needs no float64
+    (MPS) and no host sync. Cost: one extra read of each leaf that is scaled (its max-magnitude pass)
+    and about ten 0-d operations; in eager mode also a scaled temporary of each such leaf (a compiled
+    step fuses the scaling into the sum).
 
     Returns:
-      A 0-d float32 tensor on the device of the first floating leaf (CPU and 0.0 for a tree with
-      none). Non-finite elements make it non-finite.
+      ``(t, s)``: 0-d tensors of the accumulation dtype on the device of the first floating leaf (of
+      the first tensor, or CPU, for a tree with none: ``(0.0, 1.0)``). ``t`` is at most ``4 * sqrt(n)``
+      for ``n`` elements, NaN or inf exactly when an element is; ``t / s`` overflows only when the norm
+      itself exceeds the accumulation dtype's largest finite value. Integer and bool tensors are left
+      out.
+    Raises:
+      TypeError: if a leaf is not a tensor, or is a quantized tensor or a tensor of an unsupported
+        layout; the message names the leaf.
     """
-    leaves = _floating_leaves(tree)
+    leaves = _norm_leaves(fn, tree)
+    acc = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
     if not leaves:
-        return torch.zeros((), dtype=torch.float32)
-    # float64 leaves are normed in float64 (vector_norm will not narrow), then every norm is float32.
-    norms = [torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32)).float() for x in leaves]
-    return torch.linalg.vector_norm(torch.stack(norms))
+        device = _first_tensor_device(tree_leaves(tree))
+        return torch.zeros((), dtype=acc, device=device), torch.ones((), dtype=acc, device=device)
+    # Pass 1: the max magnitude of each leaf that needs a scale, the unscaled norm of each other one.
+    first = [
+        torch.linalg.vector_norm(x, ord=math.inf, dtype=acc)
+        if _needs_scale(x.dtype, acc)
+        else torch.linalg.vector_norm(x, dtype=acc)
+        for x in leaves
+    ]
+    scale = _pow2_scale(torch.stack(first).amax())
+    scales = {x.dtype: scale.to(x.dtype) for x in leaves if _needs_scale(x.dtype, acc)}  # exact: same exponent range
+    # Pass 2: the scaled norm of each leaf that needs a scale; the others' norms times the scale.
+    norms = [
+        torch.linalg.vector_norm(x * scales[x.dtype], dtype=acc) if _needs_scale(x.dtype, acc) else n * scale
+        for x, n in zip(leaves, first, strict=True)
+    ]
+    return torch.linalg.vector_norm(torch.stack(norms)), scale
+
+
+def global_norm(tree: Any) -> torch.Tensor:
+    """The L2 norm of all floating and complex tensor leaves of ``tree`` taken together.
+
+    Computed by :func:`scaled_global_norm` (see there for the method and its cost): the leaves are
+    scaled by a power of two so that no finite tree gets an infinite norm from squares that overflow
+    (or a zero norm from squares that underflow); the result equals the plain float32
+    ``sqrt(sum(x**2))`` bit for bit wherever that one neither overflows nor underflows. A complex
+    element counts with its modulus; sparse and nested tensors with their stored elements.
+
+    Returns:
+      A 0-d tensor of dtype float32 (float64 if any leaf is float64 or complex128) on the device of
+      the first floating leaf (CPU and 0.0 for a tree with none). It is NaN or inf exactly when an
+      element is. A finite tree whose norm exceeds the dtype's largest finite value (float32:
+      3.4e38; only when elements are within a factor ``sqrt(numel)`` of it) gets that value. Integer
+      and bool tensors are left out.
+    Raises:
+      TypeError: if a leaf is not a tensor, or is a quantized tensor or a tensor of an unsupported
+        layout; the message names the leaf.
+    """
+    t, s = scaled_global_norm(tree)
+    return torch.where(torch.isfinite(t), (t / s).clamp(max=torch.finfo(t.dtype).max), t)
 
 
 def tree_bytes(tree: Any) -> int:

@@ -27,16 +27,20 @@ def test_all_finite_sees_any_non_finite_element(dtype, bad):
 def test_all_finite_edge_cases():
     assert fa.all_finite({}) and fa.all_finite([]) and fa.all_finite(None)
     assert fa.all_finite({"a": None, "b": (None,)})
-    assert fa.all_finite({"ids": torch.tensor([2**62]), "flag": torch.tensor(True), "s": "x", "n": 3.0})
+    assert fa.all_finite({"ids": torch.tensor([2**62]), "flag": torch.tensor(True), "i": 3, "n": 3.0})
+    assert not fa.all_finite({"n": math.inf}) and not fa.all_finite({"z": complex(0.0, math.nan)})
+    with pytest.raises(TypeError, match="leaf 's' is a str"):  # refused, not skipped (issue 11, kind 5)
+        fa.all_finite({"ids": torch.tensor([1]), "s": "x"})
     result = fa.all_finite({"x": torch.ones(2)})
     assert result.dtype == torch.bool and result.ndim == 0
     assert not fa.all_finite(torch.tensor(float("nan")))
 
 
 def test_finite_flags_per_leaf_in_leaf_order():
-    tree = {"b": torch.tensor([float("inf")]), "a": torch.ones(1), "c": torch.arange(2)}
+    tree = {"b": torch.tensor([float("inf")]), "a": torch.ones(1), "c": torch.arange(2), "d": torch.tensor([1 + 2j])}
     flags = _tree.finite_flags(tree)
-    assert flags.tolist() == [True, False]  # optree order: a, b; the integer leaf c is skipped
+    assert flags.tolist() == [True, False, True]  # optree order: a, b, d; the integer leaf c cannot be non-finite
+    assert _tree.finite_flag_paths(tree) == ["a", "b", "d"]
     assert _tree.finite_flags({}).shape == (0,)
 
 
@@ -94,10 +98,11 @@ def test_select_tree_traces_without_graph_break():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_global_norm_in_float32(dtype):
+def test_global_norm_in_float32_or_float64(dtype):
+    # float64 leaves get a float64 norm: a finite float64 tree can have a norm beyond float32's range.
     tree = {"a": torch.tensor([3.0], dtype=dtype), "b": [torch.tensor([4.0], dtype=dtype)], "i": torch.tensor([7])}
     norm = fa.global_norm(tree)
-    assert norm.dtype == torch.float32 and norm.ndim == 0 and norm.item() == 5.0
+    assert norm.dtype == torch.promote_types(dtype, torch.float32) and norm.ndim == 0 and norm.item() == 5.0
     assert fa.global_norm({}).item() == 0.0
 
 

@@ -6,9 +6,10 @@ to float32 round-off in float32. They differ in two ways, both about precision:
 
 * Arithmetic for float16 and bfloat16 parameters runs in float32 and is rounded once per
   transformation; ``torch.optim`` computes in the parameter dtype.
-* ``moment_dtype`` chooses the dtype of the optimizer state (e.g. bfloat16 moments for float32
-  parameters); ``torch.optim`` always keeps state in the parameter dtype, which is also the default
-  here (``moment_dtype=None``).
+* Moments are kept in at least float32 by default (``moment_dtype=None``): float32 for float16 and
+  bfloat16 parameters, whose squared gradients underflow, overflow or stall in their own dtype;
+  ``torch.optim`` keeps state in the parameter dtype. ``moment_dtype`` chooses another dtype (e.g.
+  ``torch.bfloat16`` moments to halve their memory), and is then used as given.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def sgd(
       momentum: ``mu``, >= 0 (0: no momentum buffer is kept).
       nesterov: use Nesterov momentum (needs ``momentum > 0``).
       weight_decay: ``lambda``, >= 0, added to the gradient (coupled, as in torch).
-      moment_dtype: dtype of the momentum buffer; ``None`` keeps each parameter's dtype.
+      moment_dtype: dtype of the momentum buffer; ``None`` (default): float32 for float16 and bfloat16
+        parameters, else the parameter's dtype (see ``funcamp.optim.transforms``).
     Returns:
       ``chain(add_decayed_weights, trace, scale_by_learning_rate)`` (the ``trace`` only when
       ``momentum > 0``).
@@ -103,7 +105,8 @@ def adam(
       b2: decay of the second moment, in [0, 1).
       eps: added to the denominator, >= 0.
       weight_decay: ``lambda``, >= 0, coupled (L2); use ``adamw`` for decoupled decay.
-      moment_dtype: dtype of both moments; ``None`` keeps each parameter's dtype.
+      moment_dtype: dtype of both moments; ``None`` (default): float32 for float16 and bfloat16
+        parameters, else the parameter's dtype (see ``funcamp.optim.transforms``).
     Returns:
       ``chain(add_decayed_weights, scale_by_adam, scale_by_learning_rate)``.
     Raises:
@@ -160,7 +163,8 @@ def adamw(
       weight_decay: ``lambda``, >= 0.
       mask: which leaves to decay (see ``add_decayed_weights``); e.g. a tree that is ``False`` for
         biases and norm scales.
-      moment_dtype: dtype of both moments; ``None`` keeps each parameter's dtype.
+      moment_dtype: dtype of both moments; ``None`` (default): float32 for float16 and bfloat16
+        parameters, else the parameter's dtype (see ``funcamp.optim.transforms``).
     Returns:
       ``chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)``.
     Raises:
@@ -210,7 +214,8 @@ def lion(
       b2: decay of the momentum, in [0, 1).
       weight_decay: ``lambda``, >= 0, decoupled (scaled by the learning rate).
       mask: which leaves to decay (see ``add_decayed_weights``).
-      moment_dtype: dtype of the momentum; ``None`` keeps each parameter's dtype.
+      moment_dtype: dtype of the momentum; ``None`` (default): float32 for float16 and bfloat16
+        parameters, else the parameter's dtype (see ``funcamp.optim.transforms``).
     Returns:
       ``chain(scale_by_lion, add_decayed_weights, scale_by_learning_rate)``.
     Raises:

@@ -2,8 +2,18 @@
 
 Dtype rule, shared by every transformation here: arithmetic runs in float32 when a gradient (or
 moment) is float16 or bfloat16, in float64 when one is float64; each outgoing update is cast back to
-the dtype of the incoming update (for gradients, the dtype of their parameter). Moments are stored in
-``moment_dtype`` (default ``None``: each parameter's own dtype, as ``torch.optim`` does).
+the dtype of the incoming update (for gradients, the dtype of their parameter).
+
+Moment rule, shared by every state that accumulates gradients (Adam's ``mu`` and ``nu``, Lion's ``mu``,
+the momentum ``trace`` of SGD): moments are stored in ``moment_dtype`` when it is given, and by default
+(``None``) in at least float32: float32 for float16 and bfloat16 parameters, the parameter's own dtype
+for float32 and float64 ones. A half-precision moment is wrong without any error: the square of a
+float16 gradient below 2**-12 flushes to 0 and above 256 overflows, and bfloat16's 8-bit mantissa
+stops a moment from moving once ``(1 - beta) * g`` is below half an ulp of it. So Adam on a float16
+parameter with the constant gradient 2**-10 gives updates 1.0, 1.414, 3.156, 6.984 at steps 1, 2, 10,
+50 with float16 moments, and 0.99999 (the float64 answer) with float32 ones. ``torch.optim`` keeps
+the state in the parameter's dtype; pass ``moment_dtype=torch.float16`` (or ``torch.bfloat16``) to
+get that, e.g. to halve the state's memory, knowing the above.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ class ScaleByAdamState(NamedTuple):
     """State of ``scale_by_adam``."""
 
     count: torch.Tensor  # 0-d int32: number of updates applied so far
-    mu: Updates  # tree like params: first moment (EMA of gradients), in moment_dtype or the param's
+    mu: Updates  # tree like params: first moment (EMA of gradients), in moment_dtype or at least float32
     nu: Updates  # tree like params: second moment (EMA of squared gradients), same dtypes as mu
 
 
@@ -59,13 +69,13 @@ class ScaleByLionState(NamedTuple):
     """State of ``scale_by_lion``."""
 
     count: torch.Tensor  # 0-d int32: number of updates applied so far
-    mu: Updates  # tree like params: momentum (EMA of gradients with rate b2), in moment_dtype or the param's
+    mu: Updates  # tree like params: momentum (EMA of gradients, rate b2), in moment_dtype or at least float32
 
 
 class TraceState(NamedTuple):
     """State of ``trace``."""
 
-    trace: Updates  # tree like params: the momentum buffer, in moment_dtype or the param's dtype
+    trace: Updates  # tree like params: the momentum buffer, in moment_dtype or at least float32
 
 
 class ScaleByLearningRateState(NamedTuple):
@@ -92,7 +102,8 @@ def _map_n(n: int, fn: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any) ->
 
 
 def _zeros(params: Params, dtype: torch.dtype | None) -> Updates:
-    return _tree.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
+    """Zero moments shaped like ``params``: in ``dtype``, or by default in at least float32 (the moment rule)."""
+    return _tree.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or compute_dtype(p.dtype)), params)
 
 
 def _scale_leaf(u: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
@@ -158,7 +169,9 @@ def scale_by_adam(
       eps: added to the denominator outside the square root, >= 0.
       eps_root: added inside the square root, >= 0 (useful when differentiating through the update).
       moment_dtype: dtype of both moments (e.g. ``torch.bfloat16`` to halve their memory); ``None``
-        keeps each parameter's dtype. optax's ``mu_dtype`` only sets the first moment.
+        (default): float32 for float16 and bfloat16 parameters, else the parameter's dtype (see the
+        moment rule in the module docstring: a float16 ``v`` flushes ``g**2`` to 0 for ``|g| < 2**-12``).
+        optax's ``mu_dtype`` only sets the first moment.
     Returns:
       A ``GradientTransformation`` with a ``ScaleByAdamState``; the updates are the ascent direction
       (chain with ``scale_by_learning_rate`` to descend).
@@ -227,7 +240,8 @@ def scale_by_lion(
     Args:
       b1: the interpolation rate used for the update, in [0, 1).
       b2: the decay of the momentum, in [0, 1).
-      moment_dtype: dtype of the momentum; ``None`` keeps each parameter's dtype.
+      moment_dtype: dtype of the momentum; ``None`` (default): float32 for float16 and bfloat16
+        parameters, else the parameter's dtype (the moment rule in the module docstring).
     Returns:
       A ``GradientTransformation`` with a ``ScaleByLionState``.
     Raises:
@@ -276,7 +290,8 @@ def trace(decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | N
     Args:
       decay: the momentum ``mu``, >= 0.
       nesterov: use Nesterov momentum.
-      moment_dtype: dtype of the trace; ``None`` keeps each parameter's dtype.
+      moment_dtype: dtype of the trace; ``None`` (default): float32 for float16 and bfloat16
+        parameters, else the parameter's dtype (the moment rule in the module docstring).
     Returns:
       A ``GradientTransformation`` with a ``TraceState``.
     Raises:
@@ -375,10 +390,20 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     .. math:: u \leftarrow u \cdot \frac{c}{\lVert u \rVert} \ \text{if}\ \lVert u \rVert > c
        \ \text{else}\ u
 
-    The norm is ``_tree.global_norm`` (float32, over all floating leaves). Updates whose norm is at
-    most ``max_norm`` are returned unchanged (bit for bit); a non-finite norm also leaves them as
-    they are, so a skipped step still sees its non-finite gradients. ``torch.nn.utils.clip_grad_norm_``
-    instead always multiplies by ``min(1, c / (norm + 1e-6))``.
+    The norm is that of ``_tree.global_norm``: over all floating and complex leaves, in float32
+    (float64 if a leaf is float64), scaled by a power of two so that finite updates always have a
+    finite norm (finite updates are never multiplied by 0 because their squares overflowed). The factor
+    ``c / norm`` is computed from the scaled norm and rounded once; where it would be subnormal (a norm
+    above ``c * 2**126`` in float32, even one beyond float32's range) it is applied as two factors
+    instead, the exact power of two first, so that the clipped updates keep full precision. The
+    multiplication runs in float32 (float64 if any leaf is float64) and rounds once to each update's
+    dtype. Updates whose norm is at most ``max_norm`` are returned unchanged
+    (bit for bit), and so are updates with a NaN or inf element (a skipped step still sees its
+    non-finite gradients). ``torch.nn.utils.clip_grad_norm_`` instead always multiplies by
+    ``min(1, c / (norm + 1e-6))``, with a norm that overflows to inf for large finite gradients.
+
+    Cost: that of the norm (one extra read of each bfloat16, float32 and float64 leaf, see
+    ``_tree.scaled_global_norm``) and a second multiplication by a 0-d factor, fused when compiled.
 
     Args:
       max_norm: ``c``, > 0.
@@ -386,6 +411,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
       A ``GradientTransformation`` with an ``EmptyState``.
     Raises:
       ValueError: if ``max_norm`` is not a finite number > 0.
+      TypeError: (from ``update``) if an update leaf is not a tensor (the message names it).
 
     Example:
       >>> import torch
@@ -393,14 +419,27 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
       >>> clip = optim.clip_by_global_norm(1.0)
       >>> clip.update({"w": torch.tensor([3.0, 4.0])}, optim.EmptyState())[0]["w"]
       tensor([0.6000, 0.8000])
+      >>> clip.update({"w": torch.tensor([3e30, 4e30])}, optim.EmptyState())[0]["w"]  # squares overflow float32
+      tensor([0.6000, 0.8000])
     """
     max_norm = check_positive("clip_by_global_norm", "max_norm", max_norm)
 
     def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         del params
-        norm = _tree.global_norm(updates)
-        factor = torch.where(norm > max_norm, max_norm / norm, torch.ones_like(norm))
-        return _tree.tree_map(lambda u: _scale_leaf(u, factor), updates), state
+        t, s = _tree.scaled_global_norm(updates, "clip_by_global_norm")  # norm == t / s, s a power of two
+        clip = torch.isfinite(t) & (t / s > max_norm)  # t / s is inf (not NaN) past the dtype's range
+        ratio = max_norm / t  # c / norm == ratio * s, rounded once, wherever that is a normal number
+        factor = ratio * s
+        normal = factor >= torch.finfo(t.dtype).tiny
+        one = torch.ones_like(t)
+        first = torch.where(clip, torch.where(normal, factor, s), one)
+        second = torch.where(clip & ~normal, ratio, one)  # 1 (exact) unless c / norm is subnormal
+
+        def leaf(u: torch.Tensor) -> torch.Tensor:
+            c = torch.promote_types(compute_dtype(u.dtype), t.dtype)
+            return (u.to(c) * first * second).to(u.dtype)
+
+        return _tree.tree_map(leaf, updates), state
 
     return GradientTransformation(empty_init, update)
 
