@@ -90,8 +90,38 @@ def scaled_grad_and_value(
 ) -> Callable[..., tuple[Any, Any]]:
     """Like :func:`grad_and_value`, without the final cast and check: gradients stay unscaled float32.
 
-    Used by the train step to accumulate micro-batches in float32. Returns ``fn(*args, **kwargs) ->
-    (grads32, value)``.
+    Used by the train step to accumulate micro-batches (and reduce them over ranks) in float32.
+    Returns ``fn(*args, **kwargs) -> (grads32, value)``: every floating gradient leaf is float32
+    (float64 stays float64), whatever the parameter's dtype and also with a
+    :class:`funcamp.NoOpLossScale`, so that a sum of many bfloat16 or float16 gradients is not
+    rounded to 8 or 11 bits at every term (``torch.amp`` keeps ``.grad`` in the parameter's dtype;
+    funcamp casts to it once, after the sum).
+    """
+    unscaled = _unscaled_grad_and_value(fun, loss_scale, argnums=argnums, has_aux=has_aux)
+
+    def fn(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        grads, value = unscaled(*args, **kwargs)
+        return _at_least_float32(grads), value
+
+    return fn
+
+
+def _at_least_float32(tree: Any) -> Any:
+    """Floating leaves narrower than float32 cast to float32; float32 and float64 leaves as they are (no copy)."""
+    return _tree.tree_map(lambda g: g.float() if _tree.is_floating(g) and g.dtype.itemsize < 4 else g, tree)
+
+
+def _unscaled_grad_and_value(
+    fun: Callable[..., Any],
+    loss_scale: LossScale,
+    *,
+    argnums: int | tuple[int, ...],
+    has_aux: bool,
+) -> Callable[..., tuple[Any, Any]]:
+    """``fn(*args, **kwargs) -> (grads, value)``: the gradients of the scaled loss, unscaled.
+
+    Unscaled in float32 by a loss scale; as autograd gave them (the parameters' dtypes) with a
+    :class:`funcamp.NoOpLossScale`, so that :func:`grad_and_value` makes no float32 copy there.
     """
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -213,7 +243,7 @@ def grad_and_value(
       >>> out.grads["w"], out.value, out.grads_finite
       (tensor([1., 1.]), tensor(7., dtype=torch.float16), tensor(True))
     """
-    scaled = scaled_grad_and_value(fun, loss_scale, argnums=argnums, has_aux=has_aux)
+    scaled = _unscaled_grad_and_value(fun, loss_scale, argnums=argnums, has_aux=has_aux)
 
     def fn(*args: Any, **kwargs: Any) -> GradAndValue:
         grads32, value = scaled(*args, **kwargs)

@@ -1,8 +1,13 @@
 """Data parallelism on ``torch.distributed``: one pure train step on many processes, launched by ``torchrun``.
 
 Each process (rank) holds a full copy of the parameters and computes gradients on its own shard of
-the batch. Inside the train step, :func:`mean_gradients` averages the unscaled gradients over the
-ranks in the policy's ``reduce_dtype`` and :func:`all_ranks_true` agrees on one ``grads_finite``, so a
+the batch. Inside the train step, :func:`mean_gradients` averages the gradients over the ranks in the
+policy's ``reduce_dtype``; when that dtype is narrower than the gradients' (float16 or bfloat16 on
+the wire, float32 gradients), the gradients travel with the loss scale applied and are unscaled in
+float32 after the sum, as ``DistributedDataParallel`` with ``torch.amp.GradScaler`` reduces scaled
+gradients, so the loss scale protects small gradients on the wire as it does in the backward. An
+overflow on the wire gives a non-finite mean on every rank, so the step is skipped everywhere and
+the dynamic loss scale backs off. :func:`all_ranks_true` agrees on one ``grads_finite``, so a
 non-finite gradient on any rank skips the step on every rank and the ranks stay identical. Both use
 ``torch.distributed._functional_collectives``, which ``torch.compile`` traces into the step's graph:
 the compiled step stays one graph with no host sync. Outside the step, :func:`setup_from_env` starts
@@ -218,28 +223,78 @@ def _sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return y if torch.compiler.is_compiling() else funcol.wait_tensor(y)
 
 
-def mean_gradients(grads: T, group: dist.ProcessGroup, reduce_dtype: torch.dtype | None = None) -> T:
+def mean_gradients(
+    grads: T,
+    group: dist.ProcessGroup,
+    reduce_dtype: torch.dtype | None = None,
+    *,
+    loss_scale: torch.Tensor | None = None,
+) -> T:
     """The mean of ``grads`` over the ranks of ``group``, communicated in ``reduce_dtype``.
 
-    Each floating leaf is divided by the world size in its own dtype (before the reduction, so a
-    float16 sum cannot overflow where the mean would not), cast to ``reduce_dtype``, packed with the
-    other leaves into one flat bucket per dtype, summed over the ranks with one functional
-    ``all_reduce`` per bucket, and cast back to its own dtype. Every rank gets the same result.
-    Non-floating leaves are returned as they are. Traceable by ``torch.compile`` (no graph break, no
-    host sync); every rank must call it with trees of the same structure, shapes and dtypes.
+    For each floating leaf ``g`` (own dtype ``d``, wire dtype ``w = reduce_dtype or d``), every rank
+    sends ``(g * loss_scale) / world_size`` computed in ``d`` and cast to ``w`` if ``w`` is narrower
+    than ``d`` (e.g. float32 gradients on a float16 or bfloat16 wire) and ``loss_scale`` is given,
+    else ``(g / world_size)`` cast to ``w``; the leaves are packed into one flat bucket per wire dtype,
+    summed over the ranks with one functional ``all_reduce`` per bucket, cast back to ``d``, and
+    multiplied in ``d`` by ``1 / loss_scale`` (reciprocal computed in float64 and cast to float32, as
+    ``torch.amp.GradScaler``) where they were scaled. Every rank gets the same result. Non-floating
+    leaves are returned as they are.
+
+    Why this order (the rule; ``tests/test_numerics_parallel.py`` measures it):
+
+    - The loss scale on the wire: ``DistributedDataParallel`` all-reduces the gradients autograd
+      produced, which under ``torch.amp.GradScaler`` are the scaled ones; ``GradScaler.unscale_``
+      runs after the reduction. Casting unscaled gradients to float16 instead flushes every
+      gradient below ``2**-24 * world_size`` to zero and rounds those below ``2**-14`` coarsely (a
+      mean gradient of 3e-8 became 0 and 1e-7 became 1.19e-7 on two ranks when funcamp did so).
+    - The division before the sum, in ``d`` (float32), as DDP divides each bucket by the world size
+      before its all-reduce: a sum of ``world_size`` scaled gradients can overflow float16 where
+      their mean does not; dividing first cannot overflow where every rank's scaled gradient fits
+      the wire (as with float16 compute, where a larger one overflows in the backward already). It costs
+      ``log2(world_size)`` bits at the bottom of the range, which a dynamic loss scale wins back: it
+      backs off only when the wire overflows, so it settles about ``world_size`` times higher.
+      Dividing in float32 rounds once, where ``fp16_compress_hook`` casts to float16 and then divides.
+    - Overflow on the wire (the loss scale is too high for these gradients) gives ``inf`` (or NaN)
+      in the mean on every rank, like an overflow in the backward: the train step's finite check
+      then skips the step on all ranks and a :class:`funcamp.DynamicLossScale` backs off, exactly as
+      ``GradScaler`` finds the ``inf`` in the reduced gradients.
+    - With ``w`` as wide as ``d`` (the default ``reduce_dtype``, the parameters' dtype) nothing is
+      scaled: the result is bitwise what it was without ``loss_scale``.
+
+    Traceable by ``torch.compile`` (no graph break, no host sync; ``loss_scale`` is used as a tensor,
+    so a changing scale does not recompile); every rank must call it with trees of the same
+    structure, shapes and dtypes.
 
     Args:
-      grads: a pytree of gradients (in the train step: the unscaled float32 gradients; also used
-        there for floating buffers such as BatchNorm running statistics, with ``reduce_dtype=None``).
+      grads: a pytree of gradients (in the train step: the unscaled float32 gradients, the mean
+        over micro-batches; also used there for floating buffers such as BatchNorm running
+        statistics, with ``reduce_dtype=None`` and no ``loss_scale``).
       group: the process group (:func:`resolve_group`).
       reduce_dtype: the dtype on the wire (``Policy.reduce_dtype``); None keeps each leaf's dtype.
+      loss_scale: the loss scale the gradients were computed with, a 0-d float32 tensor (the
+        train step passes ``state.loss_scale.loss_scale``); None (or a :class:`funcamp.NoOpLossScale`
+        run) sends the gradients unscaled.
     Returns:
-      A tree like ``grads``: same structure, shapes, dtypes and devices.
+      A tree like ``grads``: same structure, shapes, dtypes and devices; a leaf is ``inf`` or NaN
+      where its scaled share overflowed ``reduce_dtype``.
     Raises:
-      TypeError: if ``group`` is not a ProcessGroup or ``reduce_dtype`` not a floating dtype.
+      TypeError: if ``group`` is not a ProcessGroup, ``reduce_dtype`` not a floating dtype, or
+        ``loss_scale`` not a 0-d float32 tensor.
+    References:
+      ``torch.nn.parallel.DistributedDataParallel`` (gradient division before the all-reduce) and
+      ``torch.amp.GradScaler`` (``unscale_`` after it); Micikevicius et al. 2018, "Mixed Precision
+      Training", arXiv:1710.03740.
     """
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"mean_gradients: reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}")
+    if loss_scale is not None and not (
+        isinstance(loss_scale, torch.Tensor) and loss_scale.dtype == torch.float32 and loss_scale.ndim == 0
+    ):
+        raise TypeError(
+            f"mean_gradients: loss_scale must be None or a 0-d float32 tensor (a LossScale's .loss_scale), "
+            f"got {loss_scale!r}"
+        )
     _check_group(group, "mean_gradients")
     leaves, spec = _tree.tree_flatten(grads)
     world = group.size()
@@ -247,13 +302,22 @@ def mean_gradients(grads: T, group: dist.ProcessGroup, reduce_dtype: torch.dtype
     for i, x in enumerate(leaves):
         if _tree.is_floating(x):
             buckets.setdefault(reduce_dtype or x.dtype, []).append(i)
+    inv = None if loss_scale is None else torch.reciprocal(loss_scale.double()).float()
     out = list(leaves)
     for dtype, idx in buckets.items():
-        flat = torch.cat([(leaves[i] / world).to(dtype).reshape(-1) for i in idx])
+        scaled = [loss_scale is not None and dtype.itemsize < leaves[i].dtype.itemsize for i in idx]
+        flat = torch.cat([_share(leaves[i], loss_scale if s else None, world, dtype) for i, s in zip(idx, scaled)])
         parts = _sum(flat, group).split([leaves[i].numel() for i in idx])
-        for i, part in zip(idx, parts):
-            out[i] = part.view(leaves[i].shape).to(leaves[i].dtype)
+        for i, s, part in zip(idx, scaled, parts):
+            mean = part.view(leaves[i].shape).to(leaves[i].dtype)
+            out[i] = mean * inv if s else mean
     return _tree.tree_unflatten(spec, out)
+
+
+def _share(g: torch.Tensor, scale: torch.Tensor | None, world: int, wire: torch.dtype) -> torch.Tensor:
+    """This rank's flat contribution to the sum: ``g`` (times ``scale``), divided by ``world``, in ``wire``."""
+    x = g if scale is None else g * scale
+    return (x / world).to(wire).reshape(-1)
 
 
 def reduce_bytes(grads: Any, reduce_dtype: torch.dtype | None = None) -> int:

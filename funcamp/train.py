@@ -246,7 +246,10 @@ def make_train_step(
         if k > 1:
             total = _tree.tree_map(lambda g: g / k, total)
         if group is not None:  # the mean over micro-batches, then over ranks (float32 in, float32 out)
-            total = parallel.mean_gradients(total, group, reduce_dtype)
+            # On a narrower wire (r=f16/bf16) the gradients travel scaled and are unscaled after the sum, as
+            # DDP + GradScaler; an overflow there makes them non-finite on every rank (skip, back off).
+            scale = None if isinstance(state.loss_scale, NoOpLossScale) else state.loss_scale.loss_scale
+            total = parallel.mean_gradients(total, group, reduce_dtype, loss_scale=scale)
         grads = _tree.tree_map(lambda g, p: g.to(p.dtype), total, params)
         loss = torch.stack(losses).mean() if k > 1 else losses[0]
         flags = _tree.finite_flags(grads)

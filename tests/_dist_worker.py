@@ -4,6 +4,10 @@ Each rank runs every scenario on its shard of the batches and saves what it saw 
 ``OUT/<scenario>_rank<r>.pt``; the test compares the ranks with each other and with one process run
 on the whole batch (:func:`run`, without ``data_parallel``). Kept small: one compiled scenario, the
 others eager. Importing this module has no side effects (pytest imports it for doctests).
+
+With ``numerics`` after ``OUT`` (``torchrun --nproc_per_node=4 _dist_worker.py OUT numerics``) it runs
+the cases of tests/test_numerics_parallel.py instead (:func:`numerics`): the precision of the gradient
+reduction on 2 and 4 ranks in one launch.
 """
 
 from __future__ import annotations
@@ -210,5 +214,172 @@ def main(out: str) -> None:
     parallel.shutdown()
 
 
+# ---------------------------------------------------------------------------------------------------
+# Numerics of the gradient reduction (tests/test_numerics_parallel.py): one launch of NUM_RANKS ranks.
+# Ranks {0, 1} and {2, 3} form two groups of two that run the world-2 cases side by side (each group on
+# its own data), then all four run the world-4 cases on the default group. Every case is one eager SGD
+# step (lr 1, from zeros, so the new parameters are minus the reduced gradient) unless it says otherwise.
+
+NUM_RANKS = 4
+SWEEP_SCALE = 2.0**16  # the loss scale of every sweep case
+SWEEP_N = 64  # gradient elements per rank and case
+WIRES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+MAGNITUDES = ("tiny", "normal", "near_overflow")
+HANDED_MEAN = (3e-8, 1e-7, 3e-6, 1e-3)  # issue 11, item 2: the true mean gradient over two ranks
+HANDED_POLICIES = ("p=f32,c=f16,o=f32,r=f16", "p=f32,c=f16,o=f32")
+OVERFLOW_POLICY = "p=f32,c=bf16,o=f32,r=f16"
+OVERFLOW_STEPS = 3
+
+
+def sweep_grads(wire: str, magnitude: str, world: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s float32 gradient (``SWEEP_N`` positive values) in one sweep case.
+
+    Each rank sends ``g * SWEEP_SCALE / world`` on a float16 or bfloat16 wire (the loss scale is
+    applied there) and ``g / world`` on a float32 one (nothing is scaled), so the magnitudes are
+    placed by what the wire carries:
+
+    - ``tiny``: what a rank sends is in [1, 4) times the wire's smallest normal number (below it
+      without the loss scale: the scale's job is to keep such gradients);
+    - ``normal``: ``g`` in [2**-12, 2**-4), typical gradients;
+    - ``near_overflow``: ``g * SWEEP_SCALE`` in [0.5, 0.9] times the wire's largest finite number on
+      every rank (the largest scaled gradient it can carry), so the sum over the ranks overflows the
+      wire where their mean does not.
+    """
+    info = torch.finfo(WIRES[wire])
+    seed = 1000 * list(WIRES).index(wire) + 100 * MAGNITUDES.index(magnitude) + 10 * world + rank
+    u = torch.rand(SWEEP_N, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if magnitude == "tiny":
+        g = info.tiny * 4.0**u * world / (1.0 if wire == "f32" else SWEEP_SCALE)
+    elif magnitude == "normal":
+        g = 2.0 ** (-12 + 8 * u)
+    else:
+        g = (0.5 + 0.4 * u) * info.max / SWEEP_SCALE
+    return g.float()
+
+
+def handed_grads(rank: int) -> torch.Tensor:
+    """Rank ``rank`` (0 or 1)'s input ``a`` of :func:`handed_loss_fn`: float16, (0.5 + rank) * mean * 2**15.
+
+    Its gradient is ``a * 2**-15`` exactly, and the mean over the two ranks is ``HANDED_MEAN`` to
+    float16 rounding of ``a`` (2**-11 relative).
+    """
+    return (torch.tensor(HANDED_MEAN, dtype=torch.float64) * 2.0**15 * (0.5 + rank)).half()
+
+
+def handed_loss_fn(policy: fa.Policy):
+    """``sum(w * a) * 2**-15`` with the product and sum in the compute dtype (float16).
+
+    The factor keeps the float16 backward finite under the loss scale 2**16: the gradient that enters
+    the float16 part is 2**-15 * 2**16 = 2, and ``d/dw = 2 * a`` in float16, exactly.
+    """
+
+    def loss_fn(params: Any, batch: Any) -> torch.Tensor:
+        w = policy.cast_to_compute(params)["w"]
+        return policy.cast_to_output((w * batch["a"]).sum()).float() * 2.0**-15
+
+    return loss_fn
+
+
+def linear_loss_fn(params: Any, batch: Any) -> torch.Tensor:
+    """``sum(w * g)`` in float32: its gradient is ``g``, exactly (times the loss scale, a power of 2)."""
+    return (params["w"] * batch["g"]).sum()
+
+
+def overflow_loss_fn(params: Any, batch: Any) -> torch.Tensor:
+    """``sum(w * x)`` computed in bfloat16, as :data:`OVERFLOW_POLICY` says: scaled gradients overflow only float16."""
+    policy = fa.get_policy(OVERFLOW_POLICY)
+    w = policy.cast_to_compute(params)["w"]
+    return policy.cast_to_output((w * batch["x"].to(w.dtype)).sum()).float()
+
+
+def overflow_grads(rank: int) -> torch.Tensor:
+    """Rank 1's gradient 8 times the loss scale 2**15, halved, is 2**17 > 65504: inf on a float16 wire."""
+    return torch.tensor([1.0, 8.0]) if rank == 1 else torch.tensor([1.0, 1.0])
+
+
+def _steps(loss_fn, policy, scale, batch, group, steps=1, compile_backend=None) -> list[dict[str, Any]]:
+    opt = optim.sgd(1.0)
+    state = fa.TrainState.create({"w": torch.zeros(batch[next(iter(batch))].shape)}, opt, loss_scale=scale)
+    step = fa.make_train_step(
+        loss_fn,
+        opt,
+        data_parallel=group,
+        policy=policy,
+        compile=compile_backend is not None,
+        backend=compile_backend,
+    )
+    records = []
+    for _ in range(steps):
+        state, m = step(state, batch)
+        records.append(
+            {
+                "w": state.params["w"].clone(),
+                "grads_finite": m["grads_finite"].clone(),
+                "loss_scale": m["loss_scale"].clone(),
+                "new_loss_scale": state.loss_scale.loss_scale.clone(),
+            }
+        )
+    return records
+
+
+def _sweep(group: Any, world: int, rank: int) -> dict[str, Any]:
+    out = {}
+    for wire in WIRES:
+        for magnitude in MAGNITUDES:
+            batch = {"g": sweep_grads(wire, magnitude, world, rank)}
+            scale = fa.StaticLossScale(SWEEP_SCALE)
+            out[f"{wire}/{magnitude}/{world}"] = _steps(linear_loss_fn, f"p=f32,c=f32,r={wire}", scale, batch, group)[0]
+    return out
+
+
+def _bitwise(group: Any, rank: int) -> dict[str, Any]:
+    """``mean_gradients`` with and without a loss scale where the wire is not narrower: must be equal."""
+    g = torch.Generator().manual_seed(rank)
+    grads = {"a": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g).double(), "n": torch.arange(3)}
+    scale = torch.tensor(1000.0)  # not a power of two: scaling and unscaling would round
+    return {
+        str(dtype): (
+            parallel.mean_gradients(grads, group, dtype),
+            parallel.mean_gradients(grads, group, dtype, loss_scale=scale),
+        )
+        for dtype in (None, torch.float32, torch.float64)
+    }
+
+
+def numerics(out: str) -> None:
+    """Run the cases of tests/test_numerics_parallel.py; save them to ``OUT/numerics_rank<r>.pt``."""
+    torch.set_num_threads(1)
+    rank, world, device = parallel.setup_from_env(timeout_s=300)
+    assert world == NUM_RANKS and device.type == "cpu", (world, device)
+    pairs = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]  # every rank makes both
+    pair, i = pairs[rank // 2], rank % 2
+    results: dict[str, Any] = {"rank": rank}
+    handed = {"a": handed_grads(i)}
+    results["handed"] = {
+        p: _steps(handed_loss_fn(fa.get_policy(p)), p, fa.StaticLossScale(2.0**16), handed, pair)[0]
+        for p in HANDED_POLICIES
+    }
+    results["sweep"] = _sweep(pair, 2, i)
+    results["bitwise"] = _bitwise(pair, i)
+    overflow = {"x": overflow_grads(i)}
+    results["overflow"] = _steps(
+        overflow_loss_fn, OVERFLOW_POLICY, fa.DynamicLossScale(2.0**15), overflow, pair, OVERFLOW_STEPS
+    )
+    results["sweep"].update(_sweep(parallel.resolve_group(True), NUM_RANKS, rank))
+    if rank < 2:  # the overflow case once more, compiled: still one graph, no recompile as the scale changes
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        counter = CompileCounterWithBackend("aot_eager")
+        results["overflow_compiled"] = _steps(
+            overflow_loss_fn, OVERFLOW_POLICY, fa.DynamicLossScale(2.0**15), overflow, pair, OVERFLOW_STEPS, counter
+        )
+        results["compile"] = {"frame_count": counter.frame_count, "code": [g.code for g in counter.graphs]}
+    torch.save(results, f"{out}/numerics_rank{rank}.pt")
+    parallel.shutdown()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["numerics"]:
+        numerics(sys.argv[1])
+    else:
+        main(sys.argv[1])

@@ -160,10 +160,12 @@ def test_reduce_bytes():
 # Two processes under torchrun
 
 
-def run_torchrun(args: list[str], timeout_s: float = TORCHRUN_TIMEOUT_S, cwd: Path | None = None) -> str:
-    """``torchrun --standalone --nproc_per_node=2 *args``; fails (and kills the job) on error or timeout."""
+def run_torchrun(
+    args: list[str], timeout_s: float = TORCHRUN_TIMEOUT_S, cwd: Path | None = None, nproc: int = 2
+) -> str:
+    """``torchrun --standalone --nproc_per_node=<nproc> *args``; fails (and kills the job) on error or timeout."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
