@@ -5,7 +5,7 @@ unscale the gradients; ``grad_and_value`` checks them for overflow without a hos
 step composes these with optax-style optimizers and compiles whole with ``torch.compile``.
 """
 
-from funcamp import checkpoint, hardware, memory, nn, optim, parallel
+from funcamp import checkpoint, hardware, memory, nn, ops, optim, parallel
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
@@ -16,6 +16,7 @@ from funcamp.loss_scale import (
     loss_scale_from_state_dict,
 )
 from funcamp.memory import MemoryReport, memory_footprint, memory_report
+from funcamp.ops import OpPolicies, with_op_policies
 from funcamp.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from funcamp.tensorboard import TensorBoardLogger
 from funcamp.train import SkippedStepsError, TrainState, check_skips, make_train_step, nonfinite_leaf_name
@@ -28,6 +29,7 @@ __all__ = [
     "LossScale",
     "MemoryReport",
     "NoOpLossScale",
+    "OpPolicies",
     "Policy",
     "SkippedStepsError",
     "StaticLossScale",
@@ -51,8 +53,10 @@ __all__ = [
     "memory_report",
     "nn",
     "nonfinite_leaf_name",
+    "ops",
     "optim",
     "parallel",
     "select_tree",
     "tree_bytes",
+    "with_op_policies",
 ]
