@@ -330,6 +330,16 @@ def _needs_scale(dtype: torch.dtype, acc: torch.dtype) -> bool:
     return info.max > bound or info.smallest_normal < math.sqrt(acc_info.smallest_normal)
 
 
+def _max_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """``max(|x|)`` of a non-empty real tensor in one read and no temporary (NaN if any element is NaN).
+
+    ``aminmax`` rather than ``vector_norm(x, inf)``, which is 20x slower on CPU in torch 2.13, or
+    ``x.abs().amax()``, which writes a temporary in eager mode.
+    """
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(hi, -lo)
+
+
 def _norm_leaves(fn: str, tree: Any) -> list[torch.Tensor]:
     """The real dense tensors whose elements make up the norm of ``tree`` (complex ones as real pairs)."""
     out = []
@@ -340,8 +350,8 @@ def _norm_leaves(fn: str, tree: Any) -> list[torch.Tensor]:
                 "tensor (torch.as_tensor) or leave it out of the tree"
             )
         x = _stored_values(fn, path, leaf)
-        if x is None:
-            continue  # integer and bool tensors are not gradients (step counts, masks)
+        if x is None or x.numel() == 0:
+            continue  # integer and bool tensors are not gradients (step counts, masks); empty ones add 0
         if x.is_complex():
             x = torch.view_as_real(x.resolve_conj())
         out.append(x.float() if x.dtype.itemsize == 1 else x)  # float8: no reductions of its own
@@ -363,9 +373,10 @@ def scaled_global_norm(tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor
 
     Method: scaling as in LAPACK's ``nrm2`` (Blue 1978, ACM TOMS 4(1)), with one scale for the tree,
     read from the exponent bits of the largest magnitude, so that it is exact and needs no float64
-    (MPS) and no host sync. Cost: one extra read of each leaf that is scaled (its max-magnitude pass)
-    and about ten 0-d operations; in eager mode also a scaled temporary of each such leaf (a compiled
-    step fuses the scaling into the sum).
+    (MPS) and no host sync. Cost: one extra read of each scaled leaf (its max magnitude, ``aminmax``)
+    and about ten 0-d operations; in eager mode also a scaled temporary of each such leaf (one more
+    write and read), which a compiled step fuses into the sum. Measured on a 2-core CPU, eager, a
+    9.5M-element float32 tree of 72 leaves: 3.5 ms before, 8.7 ms with the scaling.
 
     Returns:
       ``(t, s)``: 0-d tensors of the accumulation dtype on the device of the first floating leaf (of
@@ -384,9 +395,7 @@ def scaled_global_norm(tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor
         return torch.zeros((), dtype=acc, device=device), torch.ones((), dtype=acc, device=device)
     # Pass 1: the max magnitude of each leaf that needs a scale, the unscaled norm of each other one.
     first = [
-        torch.linalg.vector_norm(x, ord=math.inf, dtype=acc)
-        if _needs_scale(x.dtype, acc)
-        else torch.linalg.vector_norm(x, dtype=acc)
+        _max_magnitude(x).to(acc) if _needs_scale(x.dtype, acc) else torch.linalg.vector_norm(x, dtype=acc)
         for x in leaves
     ]
     scale = _pow2_scale(torch.stack(first).amax())
