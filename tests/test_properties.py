@@ -154,8 +154,8 @@ def tensors(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...] = FLOATS + OTHERS) 
     if dtype.is_floating_point:
         values = draw(st.lists(st.sampled_from(_finite_values(dtype)), min_size=n, max_size=n))
         return torch.tensor(values, dtype=torch.float64).to(dtype).reshape(shape)
-    if dtype.is_complex:  # never floating for funcamp: a NaN in it must be ignored
-        return torch.full(shape, complex(math.nan, math.inf), dtype=dtype)
+    if dtype.is_complex:  # never cast by a policy; checked by all_finite (both parts)
+        return torch.full(shape, complex(1.0, -2.0), dtype=dtype)
     if dtype == torch.bool:
         return torch.ones(shape, dtype=dtype)
     return torch.arange(n, dtype=dtype).reshape(shape)
@@ -163,6 +163,10 @@ def tensors(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...] = FLOATS + OTHERS) 
 
 PY_LEAVES = st.sampled_from([None, 0, 3, math.nan, math.inf, -math.inf, 1.5, True, "nan", b"x", 2j]) | st.builds(object)
 LEAVES = tensors() | PY_LEAVES
+# What all_finite can check, all finite: tensors of every dtype, None, Python ints, bools, finite floats and complex.
+CHECKABLE = tensors() | st.sampled_from([None, 0, 3, 1.5, True, 2j])
+# Leaves all_finite must refuse by name rather than skip (issue 11, item 5).
+UNCHECKABLE = st.sampled_from(["nan", b"x"]) | st.builds(object)
 
 
 def trees(leaves: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -179,18 +183,33 @@ def trees(leaves: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 
 
 @SETTINGS
-@given(tree=trees(LEAVES), data=st.data())
+@given(tree=trees(CHECKABLE), data=st.data())
 def test_all_finite_finds_injected_values(tree, data):
-    floating = [x for x in _tree.tree_leaves(tree) if _tree.is_floating(x) and x.numel() > 0]
-    assert fa.all_finite(tree).item() is True  # only finite values in floating leaves; NaN elsewhere
+    floating = [
+        x
+        for x in _tree.tree_leaves(tree)
+        if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and x.numel() > 0
+    ]
+    assert fa.all_finite(tree).item() is True  # only finite values anywhere
     n_bad = data.draw(st.integers(0, min(3, len(floating))), label="n_bad")
     for leaf in data.draw(st.permutations(floating), label="poisoned")[:n_bad]:
         flat = leaf.view(-1)
         where = data.draw(st.integers(0, flat.numel() - 1), label="position")
-        flat[where] = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]), label="value")
+        value = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]), label="value")
+        if leaf.is_complex():  # a non-finite real or imaginary part alone makes the element non-finite
+            value = data.draw(st.sampled_from([complex(value, 0.0), complex(0.0, value)]), label="part")
+        flat[where] = value
     result = fa.all_finite(tree)
     assert result.dtype == torch.bool and result.shape == () and result.device.type == "cpu"
     assert result.item() is (n_bad == 0)
+
+
+@SETTINGS
+@given(tree=trees(CHECKABLE), bad=UNCHECKABLE, value=st.sampled_from([math.nan, math.inf, -math.inf]))
+def test_all_finite_refuses_what_it_cannot_check_and_sees_python_floats(tree, bad, value):
+    with pytest.raises(TypeError, match="all_finite"):
+        fa.all_finite({"tree": tree, "bad": bad})
+    assert fa.all_finite({"tree": tree, "x": value}).item() is False
 
 
 @pytest.mark.parametrize("tree", [{}, [], (), None, {"a": None, "b": [], "c": ()}, [None, {}, ((),)], Pair(None, [])])
