@@ -286,9 +286,14 @@ def test_norm_classes_recognised_by_name_and_custom_policies():
     with Recorder() as rec:
         assert apply_fn(params, torch.randn(2, 4)).dtype == F32
     assert rec.dtypes("addmm") == [[BF16] * 3, [F32] * 3]
-    # A name pattern on parameters: only their dtypes.
-    _, params = functionalize(model, "bf16", module_policies={"*.bias": "float32"})
+    # A name pattern on parameters: only where they are stored; their module computes in its own dtype.
+    apply_fn, params = functionalize(model, "bf16", module_policies={"*.bias": "float32"})
     assert params["0.bias"].dtype == F32 and params["0.weight"].dtype == BF16
+    with Recorder() as rec:
+        assert apply_fn(params, torch.randn(2, 4)).dtype == BF16
+    assert rec.dtypes("addmm") == [[BF16] * 3, [BF16] * 3]
+    grads = torch.func.grad(lambda p: apply_fn(p, torch.randn(2, 4)).float().sum())(params)
+    assert grads["0.bias"].dtype == F32 and grads["0.weight"].dtype == BF16
 
 
 def test_float64_policy_keeps_norms_in_float64():

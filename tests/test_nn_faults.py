@@ -582,3 +582,43 @@ def test_checkpoint_saves_activation_memory_eager():
         saved[ckpt] = total[0]
     # Without: each block keeps its bf16 input, 256-wide hidden (pre- and post-GELU) for the backward.
     assert saved[True] < saved[False] / 2, saved
+
+
+@INACTIVE
+@pytest.mark.parametrize("how", ["eager", "compiled"])
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hf_gradient_checkpointing(use_reentrant, how):
+    """Hugging Face's ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before
+    transformers 5; torch.utils.checkpoint per GPT-2 block):
+    gradients equal the model without it, bitwise; eager recomputes each block (old code: meta-device
+    error eager, saved-tensor-hooks error compiled)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(config).train()
+    ckpt = copy.deepcopy(plain)
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(ckpt, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+        ckpt.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (plain, ckpt):
+        apply_fn, params = functionalize(model, MIXED)
+
+        def loss(p, apply_fn=apply_fn):
+            logits = apply_fn(p, input_ids=ids, use_cache=False).logits
+            return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+        grad_fn = fa.grad_and_value(loss, fa.NoOpLossScale())
+        if how == "compiled":
+            torch._dynamo.reset()
+            grad_fn = torch.compile(grad_fn, fullgraph=True, backend="aot_eager")
+        results.append(grad_fn(params))
+    (expected, value, _), (grads, ckpt_value, _) = results
+    assert torch.equal(value, ckpt_value)
+    for k in expected:
+        assert torch.equal(grads[k], expected[k]), k
