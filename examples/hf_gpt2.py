@@ -10,6 +10,13 @@ embedding), and trains a few steps on random tokens with funcamp's compiled-or-n
     python examples/hf_gpt2.py                     # GPT-2 124M, 3 steps
     python examples/hf_gpt2.py --tiny --steps 2    # a 2-layer GPT-2: seconds on a CPU
     python examples/hf_gpt2.py --compile           # torch.compile(fullgraph=True) of the whole step
+    python examples/hf_gpt2.py --tiny --checkpointing --trainable "transformer.h.1.*" "lm_head"
+                                                   # activation checkpointing; fine-tune chosen tensors
+
+``--checkpointing`` turns on Hugging Face's activation checkpointing (``torch.utils.checkpoint`` per
+block): the eager step recomputes each block in the backward; the compiled step runs the blocks as
+they are (torch.func cannot checkpoint in torch 2.13). ``--trainable`` keeps only the matching
+tensors in the train state; the others are frozen, held by ``apply_fn`` in the compute dtype.
 """
 
 from __future__ import annotations
@@ -65,6 +72,10 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer GPT-2 instead of the 124M one")
     parser.add_argument("--autocast", action="store_true", help="torch.autocast instead of casting up front")
     parser.add_argument("--compile", action="store_true", help="compile the train step (inductor)")
+    parser.add_argument("--checkpointing", action="store_true", help="Hugging Face activation checkpointing")
+    parser.add_argument(
+        "--trainable", nargs="+", default=None, help="name patterns of the tensors to train (default: all)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -79,11 +90,17 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     policy = fa.get_policy(args.policy or f"params=float32,compute={fa.half_dtype(device)},output=float32")
     print(memory_report(model, param_policies(model, policy)))
 
-    apply_fn, params = functionalize(model, policy, autocast=args.autocast)
+    if args.checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
+    apply_fn, params = functionalize(model, policy, autocast=args.autocast, trainable=args.trainable)
+    if apply_fn.frozen:
+        frozen_mib = memory_footprint(dict(apply_fn.frozen)) / MIB
+        print(f"trainable: {len(params)} tensors; frozen: {len(apply_fn.frozen)} tensors, {frozen_mib:.1f} MiB")
     del model  # funcamp holds its own master copy; the module is only a template now
 
     def loss_fn(params: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-        logits = apply_fn(params, input_ids=tokens[:, :-1]).logits  # float32: the policy's output dtype
+        logits = apply_fn(params, input_ids=tokens[:, :-1], use_cache=False).logits  # float32: the output dtype
         return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
     optimizer = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(args.lr, weight_decay=0.1))
@@ -91,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     state = fa.TrainState.create(params, optimizer, loss_scale=loss_scale)
     train_step = fa.make_train_step(loss_fn, optimizer, compile=args.compile)
 
-    vocab = params["transformer.wte.weight"].shape[0]
+    vocab = {**apply_fn.frozen, **params}["transformer.wte.weight"].shape[0]
     tokens = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), device=device)
     metrics: dict[str, torch.Tensor] = {}
     for i in range(args.steps):

@@ -622,3 +622,18 @@ def test_hf_gradient_checkpointing(use_reentrant, how):
     assert torch.equal(value, ckpt_value)
     for k in expected:
         assert torch.equal(grads[k], expected[k]), k
+
+
+def test_hf_gpt2_example_checkpointing_and_trainable():
+    """examples/hf_gpt2.py --tiny --checkpointing --trainable ...: trains the chosen tensors only."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "hf_gpt2.py"
+    spec = importlib.util.spec_from_file_location("hf_gpt2_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    first = example.main(["--tiny", "--steps", "1", "--seq-len", "16"])
+    metrics = example.main(["--tiny", "--steps", "3", "--seq-len", "16", "--checkpointing", "--trainable", "lm_head"])
+    assert bool(metrics["grads_finite"]) and metrics["loss"] < first["loss"]
