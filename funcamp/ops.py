@@ -155,7 +155,9 @@ class OpPolicies(TorchFunctionMode):
         rule is a floating dtype or its name (``"float32"``), or ``fn(*args, **kwargs) -> dtype |
         None`` that sees the call's arguments (shapes and dtypes; not values, so that it traces) and
         returns None to leave that call alone, e.g. matmuls below a size:
-        ``{"matmul": lambda a, b, *r, **k: torch.float32 if b.numel() < 4096 else None}``.
+        ``{"matmul": lambda a, b, *r, **k: torch.float32 if b.numel() < 4096 else None}``. A rule
+        ``None`` removes the rule an earlier key of the mapping set for that op (``{**defaults,
+        "softmax": None}``).
     Raises:
       TypeError: if a key is neither a name nor a named callable, or a rule is not a dtype, a name or
         a callable.
@@ -170,14 +172,19 @@ class OpPolicies(TorchFunctionMode):
       torch.bfloat16
     """
 
-    def __init__(self, rules: Mapping[Any, OpRule]) -> None:
+    def __init__(self, rules: Mapping[Any, OpRule | None]) -> None:
         super().__init__()
         if not isinstance(rules, Mapping):
             raise TypeError(f"OpPolicies: rules must be a mapping {{op: rule}}, got {type(rules).__name__}")
         self.rules: dict[str, OpRule] = {}
         for key, rule in rules.items():
+            names = _names(key)
+            if rule is None:  # no rule: removes one given earlier in the mapping (a default)
+                for name in names:
+                    self.rules.pop(name, None)
+                continue
             checked = _check_rule(key, rule)
-            for name in _names(key):
+            for name in names:
                 self.rules[name] = checked
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

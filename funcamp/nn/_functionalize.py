@@ -27,8 +27,10 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
+from funcamp import ops
 from funcamp.nn import _remat
 from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
+from funcamp.ops import OpRule
 from funcamp.policy import Policy, get_policy
 
 __all__ = ["functionalize"]
@@ -239,6 +241,7 @@ def functionalize(
     training: bool | None = None,
     with_buffers: bool | None = None,
     trainable: Trainable = None,
+    op_policies: Mapping[Any, OpRule | None] | None = None,
 ) -> (
     tuple[Callable[..., Any], dict[str, torch.Tensor]]
     | tuple[Callable[..., Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]
@@ -328,6 +331,12 @@ def functionalize(
         ``trainable(name, tensor) -> bool`` (``tensor`` is your module's). Given patterns or a
         predicate decide alone (``requires_grad`` is then ignored). A tied parameter is trainable
         when any of its names is selected.
+      op_policies: per-op dtypes inside the forward, ``{op name or torch function: dtype | rule |
+        None}`` (see :class:`funcamp.ops.OpPolicies`), added to the default
+        :data:`funcamp.ops.FLOAT32_ACCUMULATION` (ops whose backward accumulates many terms, such as
+        embedding and log_softmax, run in float32 when they see half-precision inputs); ``None`` as a
+        rule removes a default one. In both casting modes; a rule wins over autocast's op lists. The
+        mode is entered only where the model computes in a half dtype somewhere or rules were given.
     Returns:
       ``(apply_fn, params)`` or ``(apply_fn, params, buffers)``, see above. ``apply_fn.frozen`` is a
       read-only dict of the frozen tensors (empty when everything is trainable).
@@ -378,6 +387,11 @@ def functionalize(
     forward_dtypes.update({name: t.dtype for name, t in frozen.items()})
     stored_dtypes = {name: buffers[name].dtype for name in plan.buffers}
 
+    rules = {**ops.FLOAT32_ACCUMULATION, **(op_policies or {})}
+    any_half = policy.compute_dtype in _HALF or any(d in _HALF for d in forward_dtypes.values())
+    op_mode = functools.partial(ops.OpPolicies, rules) if op_policies or any_half else contextlib.nullcontext
+    op_mode()  # check the rules now, not at the first call
+
     def run(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
         _check_keys("params", params, train_names, frozen)
         _check_keys("buffers", state, plan.buffers)
@@ -393,12 +407,14 @@ def functionalize(
                 tensors[alias] = _to_forward(tensors[name] if name in frozen else params[name], forward_dtypes[alias])
         call = None
         if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
-            call = _remat._Call(skeleton, tensors, functools.partial(_fresh_buffers, plan, state, forward_dtypes))
+            call = _remat._Call(
+                skeleton, tensors, functools.partial(_fresh_buffers, plan, state, forward_dtypes), op_mode
+            )
         tensors.update(fresh)
         for alias, name in plan.aliases.items():
             if name in fresh:
                 tensors[alias] = fresh[name]
-        with _remat.inside(call) if call is not None else contextlib.nullcontext():
+        with _remat.inside(call) if call is not None else contextlib.nullcontext(), op_mode():
             if autocast:
                 half = policy.compute_dtype in _HALF
                 with torch.autocast(

@@ -63,17 +63,19 @@ class _Call:
         skeleton: nn.Module,
         tensors: Mapping[str, torch.Tensor],
         make_buffers: Callable[[], Mapping[str, torch.Tensor]],
+        mode: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self.skeleton = skeleton
         self.tensors = dict(tensors)
         self.make_buffers = make_buffers
+        self.mode = mode  # the call's per-op precision (funcamp.ops.OpPolicies), re-entered to recompute
 
     @contextlib.contextmanager
     def bound(self) -> Iterator[None]:
         tensors = {**self.tensors, **self.make_buffers()}
         token = _CALL.set(self)
         try:
-            with _reparametrize_module(self.skeleton, tensors, tie_weights=False, strict=False):
+            with _reparametrize_module(self.skeleton, tensors, tie_weights=False, strict=False), self.mode():
                 yield
         finally:
             _CALL.reset(token)
