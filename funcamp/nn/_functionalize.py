@@ -1,12 +1,4 @@
-"""Bring your own ``torch.nn.Module``: a pure function of parameter pytrees, with a policy per module.
-
-:func:`functionalize` turns a module into ``apply_fn(params, *args, **kwargs)`` built on
-``torch.func.functional_call``, together with detached master parameters in the policy's param dtype.
-Parameters and floating inputs are cast to the compute dtype inside ``apply_fn`` (or the forward runs
-under ``torch.autocast``), and the output is cast to the output dtype. Normalisation layers keep their
-parameters and their arithmetic in float32, as torch.amp, Apex (``keep_batchnorm_fp32``) and Hugging
-Face (``_keep_in_fp32_modules``) do. Buffers that change in training (BatchNorm running statistics)
-come in and go out explicitly: ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``.
+"""``functionalize``: the module copy, the casts and ``apply_fn`` (the package docstring says what it does).
 
 The module you pass is never changed, nor kept alive: ``functionalize`` works on a structural copy of
 it whose parameters are shape-only placeholders (on the ``meta`` device), sets the training flag and
