@@ -145,7 +145,9 @@ def test_vmapped_per_sample_gradients_equal_a_loop(scale, policy, how):
         # bf16/f16 matmuls of one sample may take another kernel path than a vmapped batch: round-off only
         tol = {} if pol.compute_dtype == torch.float32 else {"rtol": 2e-2, "atol": 1e-3}
         torch.testing.assert_close(grads[k], loop_grads[k], **tol)
-    torch.testing.assert_close(losses, loop_losses, **({} if pol.compute_dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}))
+    torch.testing.assert_close(
+        losses, loop_losses, **({} if pol.compute_dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3})
+    )
     # per-sample gradient norms, as differential-privacy users clip them
     norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
     assert norms.shape == (6,) and bool(torch.isfinite(norms).all()) and bool((norms > 0).all())
