@@ -187,6 +187,14 @@ def _first_tensor_device(leaves: list[Any]) -> torch.device:
     return next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
+def _stacked_flags(fn: str, tree: Any) -> torch.Tensor:
+    """:func:`finite_flags` with ``fn`` as the name its errors give."""
+    flags, _ = _flags_with_paths(fn, tree)
+    if not flags:
+        return torch.ones(0, dtype=torch.bool, device=_first_tensor_device(tree_leaves(tree)))
+    return torch.stack(flags)
+
+
 def _flags_with_paths(fn: str, tree: Any) -> tuple[list[torch.Tensor], list[str]]:
     leaves = tree_leaves(tree)
     device = _first_tensor_device(leaves)
@@ -218,10 +226,7 @@ def finite_flags(tree: Any) -> torch.Tensor:
       TypeError: if a leaf is a quantized tensor, or a tensor of a layout other than strided, sparse
         or nested (mkldnn); the message names the leaf.
     """
-    flags, _ = _flags_with_paths("finite_flags", tree)
-    if not flags:
-        return torch.ones(0, dtype=torch.bool, device=_first_tensor_device(tree_leaves(tree)))
-    return torch.stack(flags)
+    return _stacked_flags("finite_flags", tree)
 
 
 def finite_flag_paths(tree: Any) -> list[str]:
@@ -251,10 +256,7 @@ def all_finite(tree: Any) -> torch.Tensor:
       TypeError: if a leaf is neither a tensor nor a number, or is a quantized tensor or a tensor of
         an unsupported layout; the message names the leaf.
     """
-    flags, _ = _flags_with_paths("all_finite", tree)
-    if not flags:
-        return torch.ones((), dtype=torch.bool, device=_first_tensor_device(tree_leaves(tree)))
-    return torch.stack(flags).all()
+    return _stacked_flags("all_finite", tree).all()  # all() of no flags is True
 
 
 def select_tree(pred: torch.Tensor, a: T, b: T) -> T:
