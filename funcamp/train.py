@@ -333,7 +333,7 @@ def nonfinite_leaf_name(params: Any, index: int | torch.Tensor) -> str | None:
     i = int(index)
     if i < 0:
         return None
-    names = [p for p, leaf in zip(_tree.tree_paths(params), _tree.tree_leaves(params)) if _tree.is_floating(leaf)]
+    names = _tree.finite_flag_paths(params)  # the leaves metrics["nonfinite_leaf"] indexes, in its order
     if i >= len(names):
         raise IndexError(f"nonfinite_leaf_name: index {i} out of range for {len(names)} floating parameters")
     return names[i]
