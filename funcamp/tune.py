@@ -1,0 +1,644 @@
+"""A measured precision policy for one model, batch and device: :func:`tune_policy`.
+
+Whether a half dtype pays depends on the op, its shapes and the hardware: a bfloat16 matmul is 20-40x
+slower than float32 on an AVX2-only CPU and several times faster on an AMX CPU or a GPU, and CPU
+attention can be slower in bfloat16 even where matmuls are faster. :func:`tune_policy` measures instead
+of guessing. For each unit of the model (a submodule; identical ones, same type, parameter shapes and
+input shapes, form one group, such as the blocks of a transformer) it
+
+1. captures the unit's real inputs during one float32 forward of the whole model on the example batch
+   (forward pre-hooks, removed afterwards);
+2. runs the unit alone, as :func:`funcamp.nn.functionalize` would run it under each candidate compute
+   dtype (norm layers inside it in float32, the float32-accumulation op rules), forward and backward
+   (gradients of the parameters and the floating inputs, with a fixed random output cotangent);
+3. checks numerics against float32 on the same inputs: the normwise relative error of the output and of
+   every gradient, ``||x - x_32|| / ||x_32||``, must be at most the candidate's bound (default
+   :data:`DEFAULT_RTOL`); a candidate above it, non-finite, or raising is refused;
+4. times forward+backward (median of ``torch.utils.benchmark.Timer.blocked_autorange``);
+5. chooses the fastest candidate that is not refused, float32 when it is within ``margin`` (5%) of it.
+
+The result is a ``module_policies`` map for :func:`funcamp.nn.functionalize` and a table. Results are
+cached as JSON per (model structure and shapes, input shapes and dtypes, device, torch version, CPU
+capability or GPU name, thread count, options), so a second call measures nothing.
+
+No library in the field measures this per module; torch.amp's op lists and jmp's policies are fixed by
+hand, and torchtitan filters small matmuls out of fp8 by shape only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch import nn
+
+from funcamp import hardware
+from funcamp.nn import functionalize
+from funcamp.nn._plan import _is_default_norm
+from funcamp.policy import Policy, get_policy
+
+__all__ = [
+    "DEFAULT_RTOL",
+    "TuneCandidate",
+    "TuneResult",
+    "TuneRow",
+    "default_cache_dir",
+    "median_seconds",
+    "tune_policy",
+]
+
+#: Default error bound per candidate dtype: the largest accepted normwise relative error of the output
+#: and of each gradient against float32 on the same inputs. 16 units of roundoff of the dtype
+#: (``16 * finfo.eps / 2``): bfloat16 0.0625, float16 0.0078. Measured on the CPU, the blocks of the
+#: main job's GPT (``small``: two LayerNorms, attention, MLP; batch 32 x 128) and their attention and MLP
+#: alone stay within 2 units in both dtypes (bfloat16 gradients 0.0066, float16 0.00082); a catastrophic
+#: cancellation (``x + 1000 - 1000``) measures over 100 units, an overflow infinity.
+DEFAULT_RTOL: dict[torch.dtype, float] = {
+    torch.bfloat16: 16 * torch.finfo(torch.bfloat16).eps / 2,
+    torch.float16: 16 * torch.finfo(torch.float16).eps / 2,
+}
+_CANDIDATES = (torch.float32, torch.bfloat16, torch.float16)
+_FORMAT = 1  # version of the cache files' layout
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _label(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneCandidate:
+    """One candidate compute dtype of one group of modules.
+
+    Attributes:
+      dtype: the compute dtype.
+      seconds: median wall seconds of one forward+backward of one module of the group (None if it raised).
+      output_error: normwise relative error of the output against float32 (max over the group's modules).
+      grad_error: the largest normwise relative error of a parameter or input gradient against float32.
+      bound: the largest accepted error (0 for float32, the reference).
+      refused: why the candidate cannot be chosen (``""`` when it can): above the bound, non-finite, or
+        the error it raised.
+    """
+
+    dtype: torch.dtype
+    seconds: float | None
+    output_error: float
+    grad_error: float
+    bound: float
+    refused: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneRow:
+    """One group of identical modules (same type, parameter shapes and input shapes).
+
+    Attributes:
+      modules: the qualified names of the group's modules.
+      kind: the modules' class name.
+      candidates: one :class:`TuneCandidate` per candidate dtype, in the order tried.
+      choice: the chosen compute dtype.
+    """
+
+    modules: tuple[str, ...]
+    kind: str
+    candidates: tuple[TuneCandidate, ...]
+    choice: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    """What :func:`tune_policy` measured and chose.
+
+    Attributes:
+      module_policies: ``{module name: Policy}`` for ``functionalize(model, policy,
+        module_policies=...)``; each tuned module gets ``Policy(param_dtype, chosen, chosen)`` with the
+        base policy's param and reduce dtypes.
+      table: one :class:`TuneRow` per group of modules.
+      policy: the base policy (pass it to ``functionalize`` with the map).
+      device: the device measured on.
+      machine: the device's name (CPU capability or GPU name and compute capability).
+      margin: float32 is chosen when it is at most ``1 + margin`` times the fastest safe candidate.
+      from_cache: whether this result was read from the cache rather than measured.
+      cache_path: the cache file (None when caching is off).
+    """
+
+    module_policies: dict[str, Policy]
+    table: tuple[TuneRow, ...]
+    policy: Policy
+    device: str
+    machine: str
+    margin: float
+    from_cache: bool = False
+    cache_path: Path | None = None
+
+    def __str__(self) -> str:
+        lines = [
+            f"tune_policy on {self.device} ({self.machine}), torch {torch.__version__}; "
+            f"base policy {self.policy}{' (from cache)' if self.from_cache else ''}",
+            "error: normwise relative error of the output / worst gradient against float32 on the same inputs; "
+            f"float32 wins within {self.margin:.0%} of the fastest safe candidate",
+        ]
+        head = ("module", "n", "dtype", "fwd+bwd ms", "out err", "grad err", "bound", "verdict")
+        body = []
+        for row in self.table:
+            for i, c in enumerate(row.candidates):
+                verdict = "CHOSEN" if c.dtype == row.choice else (f"refused: {c.refused}" if c.refused else "slower")
+                body.append(
+                    (
+                        _group_name(row.modules) if i == 0 else "",
+                        str(len(row.modules)) if i == 0 else "",
+                        _label(c.dtype),
+                        "-" if c.seconds is None else f"{1e3 * c.seconds:.3f}",
+                        _num(c.output_error),
+                        _num(c.grad_error),
+                        _num(c.bound) if c.bound else "-",
+                        verdict,
+                    )
+                )
+        widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
+        for r in (head, *body):
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+        return "\n".join(lines)
+
+
+def _num(x: float) -> str:
+    return "inf" if math.isinf(x) else ("nan" if math.isnan(x) else f"{x:.2g}")
+
+
+def _group_name(names: Sequence[str]) -> str:
+    """``["blocks.0", "blocks.1"]`` -> ``"blocks.{0,1}"``; a single name as is."""
+    if len(names) == 1:
+        return names[0]
+    parts = [n.split(".") for n in names]
+    if len({len(p) for p in parts}) == 1:
+        differ = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
+        if len(differ) == 1:
+            i = differ[0]
+            return ".".join([*parts[0][:i], "{" + ",".join(p[i] for p in parts) + "}", *parts[0][i + 1 :]])
+    return ", ".join(names)
+
+
+# --- timing ------------------------------------------------------------------------------------------
+
+
+def median_seconds(fn: Callable[[], Any], *, min_run_time: float = 0.2) -> float:
+    """Median wall seconds of one call of ``fn`` (``torch.utils.benchmark.Timer.blocked_autorange``).
+
+    Runs with the current number of torch threads (``Timer`` alone would use one) and synchronises CUDA
+    around each block, as ``Timer`` does. ``tune_policy``'s default ``timer``.
+
+    Args:
+      fn: a function of no arguments (one forward+backward).
+      min_run_time: seconds of measurement, at least one block (a slow ``fn`` runs once after the warm-up).
+    Returns:
+      Seconds per call (the median over blocks).
+    """
+    from torch.utils.benchmark import Timer
+
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return float(timer.blocked_autorange(min_run_time=min_run_time).median)
+
+
+# --- units and their inputs ----------------------------------------------------------------------------
+
+
+def _units(model: nn.Module, depth: int) -> list[tuple[str, nn.Module]]:
+    """Submodules ``depth`` levels below the root (containers do not count as a level), or leaves above."""
+    out: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, module: nn.Module, level: int) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if isinstance(child, _CONTAINERS):
+                walk(full + ".", child, level)
+            elif level == depth or not any(True for _ in child.children()):
+                out.append((full, child))
+            else:
+                walk(full + ".", child, level + 1)
+
+    walk("", model, 1)
+    return out
+
+
+def _capture(model: nn.Module, units: list[tuple[str, nn.Module]], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The ``(args, kwargs)`` each unit is first called with during one forward of ``model`` (no grad)."""
+    seen: dict[str, Any] = {}
+    handles = []
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(module: nn.Module, a: tuple, k: dict) -> None:
+            if name not in seen:
+                seen[name] = torch_pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (a, k))
+
+        return record
+
+    try:
+        for name, unit in units:
+            handles.append(unit.register_forward_pre_hook(hook(name), with_kwargs=True))
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _signature(tree: Any) -> list:
+    """Shapes and dtypes of the tensors of a tree, and the repr of other leaves (JSON-ready)."""
+    leaves, spec = torch_pytree.tree_flatten(tree)
+    out: list = [str(spec)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append([list(leaf.shape), _label(leaf.dtype), leaf.device.type])
+        else:
+            out.append(repr(leaf)[:200])
+    return out
+
+
+def _module_signature(module: nn.Module) -> list:
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return [type(module).__qualname__, [[n, list(t.shape), _label(t.dtype), t.requires_grad] for n, t in tensors]]
+
+
+# --- one candidate ------------------------------------------------------------------------------------------
+
+
+def _floating(tree: Any) -> list[torch.Tensor]:
+    return [x for x in torch_pytree.tree_leaves(tree) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+def _rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    if not torch.isfinite(x).all():
+        return math.inf
+    den = torch.linalg.vector_norm(ref)
+    num = torch.linalg.vector_norm(x - ref)
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    return float(num / den)
+
+
+class _Runner:
+    """One module under one policy: ``run()`` = forward + backward on its captured inputs."""
+
+    def __init__(
+        self, module: nn.Module, policy: Policy, inputs: Any, device: torch.device, training: bool | None, op_policies
+    ) -> None:
+        apply_fn, params, buffers = functionalize(
+            module, policy, with_buffers=True, training=training, op_policies=op_policies
+        )
+        self.apply_fn = apply_fn
+        self.params = {k: v.to(device) for k, v in params.items()}
+        self.buffers = {k: v.to(device) for k, v in buffers.items()}
+        args, kwargs = torch_pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), inputs)
+        self.args, self.kwargs = args, kwargs
+        self.cotangents: list[torch.Tensor] | None = None
+
+    def run(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(floating outputs, gradients of params and floating inputs), in the order of their trees."""
+        params = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in self.params.items()}
+        args, kwargs = torch_pytree.tree_map_only(
+            torch.Tensor,
+            lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t,
+            (self.args, self.kwargs),
+        )
+        out, _ = self.apply_fn(params, self.buffers, *args, **kwargs)
+        outs = _floating(out)
+        if self.cotangents is None:
+            g = torch.Generator(device=outs[0].device if outs else "cpu").manual_seed(0)
+            self.cotangents = [torch.randn(o.shape, generator=g, device=o.device, dtype=torch.float32) for o in outs]
+        wrt = [p for p in params.values() if p.requires_grad] + _floating((args, kwargs))
+        loss = sum((o.float() * c).sum() for o, c in zip(outs, self.cotangents))
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt and outs else []
+        grads = [torch.zeros_like(w) if g is None else g for w, g in zip(wrt, grads)]
+        return [o.detach() for o in outs], list(grads)
+
+
+def _candidate_policy(base: Policy, dtype: torch.dtype) -> Policy:
+    return Policy(base.param_dtype, dtype, dtype, base.reduce_dtype)
+
+
+# --- the search ------------------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    """``$FUNCAMP_CACHE_DIR/tune`` if that variable is set, else ``~/.cache/funcamp/tune``."""
+    root = os.environ.get("FUNCAMP_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "funcamp") / "tune"
+
+
+def _machine(device: torch.device) -> str:
+    report = hardware.probe(device)
+    if device.type == "cpu":
+        return f"{report.name}, {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    return report.name
+
+
+def _default_candidates(device: torch.device) -> tuple[torch.dtype, ...]:
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return (torch.float32, torch.float16)
+    return _CANDIDATES
+
+
+def _check_candidates(candidates: Any) -> tuple[torch.dtype, ...]:
+    if isinstance(candidates, (str, torch.dtype)) or not isinstance(candidates, Sequence):
+        raise TypeError(f"tune_policy: candidates must be a list of dtypes, got {candidates!r}")
+    out = []
+    for c in candidates:
+        dtype = getattr(torch, c, None) if isinstance(c, str) else c
+        if dtype not in _CANDIDATES:
+            raise ValueError(
+                f"tune_policy: candidate {c!r} is not a compute dtype funcamp tunes; choose from float32, "
+                "bfloat16, float16"
+            )
+        out.append(dtype)
+    if torch.float32 not in out:
+        out.insert(0, torch.float32)  # the reference
+    return tuple(dict.fromkeys(out))
+
+
+def _bounds(rtol: float | Mapping[Any, float] | None, candidates: tuple[torch.dtype, ...]) -> dict[torch.dtype, float]:
+    bounds = dict(DEFAULT_RTOL)
+    if isinstance(rtol, (int, float)) and not isinstance(rtol, bool):
+        bounds = dict.fromkeys(bounds, float(rtol))
+    elif isinstance(rtol, Mapping):
+        for k, v in rtol.items():
+            dtype = getattr(torch, k, None) if isinstance(k, str) else k
+            if dtype not in DEFAULT_RTOL or not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise TypeError(f"tune_policy: rtol must map bfloat16/float16 to a number, got {k!r}: {v!r}")
+            bounds[dtype] = float(v)
+    elif rtol is not None:
+        raise TypeError(f"tune_policy: rtol must be None, a number or {{dtype: number}}, got {rtol!r}")
+    if any(not b >= 0 for b in bounds.values()):
+        raise ValueError(f"tune_policy: rtol must be >= 0, got {rtol!r}")
+    bounds[torch.float32] = 0.0
+    return {c: bounds[c] for c in candidates}
+
+
+def _choose(cands: Sequence[TuneCandidate], margin: float) -> torch.dtype:
+    safe = [c for c in cands if not c.refused and c.seconds is not None]
+    fastest = min(safe, key=lambda c: c.seconds)
+    f32 = next((c for c in safe if c.dtype == torch.float32), None)
+    if f32 is not None and f32.seconds <= (1 + margin) * fastest.seconds:
+        return torch.float32
+    return fastest.dtype
+
+
+def _measure_group(
+    members: list[tuple[str, nn.Module]],
+    inputs: dict[str, Any],
+    candidates: tuple[torch.dtype, ...],
+    bounds: dict[torch.dtype, float],
+    base: Policy,
+    device: torch.device,
+    timer: Callable[[Callable[[], Any]], float],
+    op_policies: Any,
+) -> list[TuneCandidate]:
+    refs: dict[str, tuple[list, list]] = {}
+    out = []
+    for dtype in candidates:
+        policy = _candidate_policy(base, dtype)
+        out_err = grad_err = 0.0
+        refused = ""
+        try:
+            for name, module in members:  # numerics on every member, in eval mode (no dropout)
+                got = _Runner(module, policy, inputs[name], device, False, op_policies).run()
+                if dtype == torch.float32:
+                    refs[name] = got
+                    continue
+                ref = refs[name]
+                out_err = max([out_err, *(_rel_error(a, b) for a, b in zip(got[0], ref[0]))])
+                grad_err = max([grad_err, *(_rel_error(a, b) for a, b in zip(got[1], ref[1]))])
+        except (RuntimeError, NotImplementedError, TypeError) as error:
+            if dtype == torch.float32:
+                raise
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            out.append(TuneCandidate(dtype, None, math.nan, math.nan, bounds[dtype], f"raised: {first[:120]}"))
+            continue
+        worst = max(out_err, grad_err)
+        if math.isinf(worst) or math.isnan(worst):
+            refused = "non-finite"
+        elif worst > bounds[dtype]:
+            refused = f"error {worst:.2g} > bound {bounds[dtype]:.2g}"
+        name, module = members[0]
+        runner = _Runner(module, policy, inputs[name], device, None, op_policies)  # the module's own flags
+
+        def run(runner: _Runner = runner) -> Any:
+            return runner.run()
+
+        run.dtype, run.module = dtype, name  # type: ignore[attr-defined]
+        seconds = float(timer(run))
+        out.append(TuneCandidate(dtype, seconds, out_err, grad_err, bounds[dtype], refused))
+    return out
+
+
+def tune_policy(
+    model: nn.Module,
+    example_args: tuple | list,
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device | None = None,
+    candidates: Sequence[torch.dtype | str] | None = None,
+    policy: Policy | str = "params=float32,compute=float32,output=float32",
+    rtol: float | Mapping[torch.dtype | str, float] | None = None,
+    margin: float = 0.05,
+    depth: int = 2,
+    op_policies: Mapping[Any, Any] | None = None,
+    cache: bool | str | os.PathLike = True,
+    timer: Callable[[Callable[[], Any]], float] | None = None,
+) -> TuneResult:
+    """Measure which compute dtype each module of ``model`` should use on ``device``, and return the map.
+
+    For each *unit* (the submodules ``depth`` levels below the root, where ``ModuleList``,
+    ``ModuleDict`` and ``Sequential`` do not count as a level, or leaves above that depth), grouped
+    when identical (same class, parameter and buffer names and shapes, input shapes and dtypes):
+    capture the inputs each unit receives in one float32 forward of ``model(*example_args,
+    **example_kwargs)``; then for each candidate compute dtype, run the unit alone as
+    :func:`funcamp.nn.functionalize` runs it under ``Policy(param_dtype, candidate, candidate)`` (casting
+    mode; norm layers inside in float32; ``op_policies`` added to the float32-accumulation rules).
+
+    - Numerics, for every module of the group, in eval mode (no dropout): output and gradients of the
+      parameters and floating inputs (``torch.autograd.grad`` of ``sum(out * g)``, ``g`` a fixed
+      standard-normal cotangent) against float32 on the same inputs. Error: the normwise relative error
+      ``||x - x_32||_2 / ||x_32||_2`` in float64; the output's and the worst gradient's are reported,
+      and a candidate whose larger error exceeds its bound (``rtol``, default :data:`DEFAULT_RTOL`:
+      16 units of roundoff), is non-finite, or raises (no kernel for that dtype) is refused.
+    - Time, for the first module of the group, with the module's own training flags: ``timer`` of one
+      forward+backward, seconds (default :func:`median_seconds`). Eager, so a half candidate pays its
+      casts and the op-rule mode's dispatch (about 4% of an eager step); a compiled step pays neither.
+    - Choice: the fastest candidate not refused; float32 if it is within ``margin`` of that one.
+
+    Norm layers that are units themselves (``functionalize``'s default, :func:`funcamp.nn.keep_in_float32`)
+    are not tuned and get no entry; units not called by the forward get none either.
+
+    Args:
+      model: the model; not changed (hooks are removed, its weights are copied by ``functionalize``).
+      example_args: the positional arguments of one forward, a tuple (a batch of the real shape).
+      example_kwargs: keyword arguments of that forward.
+      device: where to measure (parameters and inputs are copied there); default: the model's
+        parameters' device. The capture forward runs where the model is.
+      candidates: compute dtypes to try (float32, the reference, is always added); default float32,
+        bfloat16 and float16 (float16 only on a CUDA device without bfloat16). A dtype the device
+        computes slowly is measured, not skipped: the measurement is what decides.
+      policy: the base policy the map is used with (``param_dtype``/``reduce_dtype`` of each entry).
+      rtol: the error bound: a number for every half dtype, or ``{dtype: number}``.
+      margin: float32 wins when it is at most ``1 + margin`` times the fastest safe candidate's time.
+      depth: unit level (1: the model's children, such as the blocks of a GPT; 2: theirs, such as
+        attention and MLP, so that attention alone can stay in float32).
+      op_policies: per-op rules passed to ``functionalize`` while measuring (use the same in training).
+      cache: True (default, :func:`default_cache_dir`: ``$FUNCAMP_CACHE_DIR/tune`` or
+        ``~/.cache/funcamp/tune``), a directory, or False (always measure, write nothing). The key is a
+        hash of the model's structure (module classes, parameter and buffer names, shapes, dtypes), the
+        example inputs' shapes and dtypes, the device and its name (CPU capability, AMX, cores and
+        torch threads; or the GPU's name), the torch version, and every option above except ``timer``.
+      timer: ``timer(fn) -> seconds`` for one call of ``fn``, which runs one forward+backward (tests,
+        or another measurement); ``fn.dtype`` and ``fn.module`` say which candidate and module it runs.
+    Returns:
+      A :class:`TuneResult`: ``.module_policies`` for ``functionalize(model, result.policy,
+      module_policies=result.module_policies)``, ``.table``, and ``str(result)`` the printed table.
+    Raises:
+      TypeError: if ``model`` is not an ``nn.Module``, ``example_args`` is not a tuple or list,
+        ``candidates`` or ``rtol`` are malformed, or ``cache`` is not a bool or path.
+      ValueError: if a candidate is not float32/bfloat16/float16, ``rtol`` or ``margin`` is negative,
+        ``depth < 1``, the device is ``meta``, or the model has no unit called by its forward.
+      RuntimeError: whatever the float32 forward or backward of a unit raises.
+
+    Example:
+      >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+      >>> result = tune_policy(model, (torch.randn(4, 8),), cache=False, timer=lambda fn: 1.0)
+      >>> sorted(result.module_policies), str(result.module_policies["0"])  # equal times: float32 wins
+      (['0', '1', '2'], 'params=float32,compute=float32,output=float32')
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tune_policy: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(example_args, (tuple, list)):
+        raise TypeError(
+            f"tune_policy: example_args must be a tuple of the forward's positional arguments, got "
+            f"{type(example_args).__name__} (write (x,) for one tensor)"
+        )
+    kwargs = dict(example_kwargs or {})
+    base = get_policy(policy)
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"tune_policy: depth must be an int >= 1, got {depth!r}")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+        raise ValueError(f"tune_policy: margin must be a number >= 0, got {margin!r}")
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("tune_policy: cannot time on the meta device; pass a model and inputs on a real device")
+    cands = _check_candidates(_default_candidates(device) if candidates is None else candidates)
+    bounds = _bounds(rtol, cands)
+    machine = _machine(device)
+
+    units = _units(model, depth)
+    inputs = _capture(model, units, tuple(example_args), kwargs)
+    tuned = [(n, m) for n, m in units if n in inputs and not _is_default_norm(n, m)]
+    if not tuned:
+        raise ValueError(
+            f"tune_policy: no unit of {type(model).__name__} at depth {depth} was called by its forward "
+            "(norm layers are not tuned); try another depth"
+        )
+    groups: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, module in tuned:
+        key = json.dumps([_module_signature(module), _signature(inputs[name])])
+        groups.setdefault(key, []).append((name, module))
+
+    key_doc = {
+        "format": _FORMAT,
+        "model": [[n, *_module_signature(m)] for n, m in model.named_modules()],
+        "inputs": _signature((tuple(example_args), kwargs)),
+        "device": str(device),
+        "machine": machine,
+        "torch": torch.__version__,
+        "candidates": [_label(c) for c in cands],
+        "bounds": {_label(k): v for k, v in bounds.items()},
+        "policy": str(base),
+        "margin": margin,
+        "depth": depth,
+        "op_policies": repr(sorted((repr(k), repr(v)) for k, v in (op_policies or {}).items())),
+    }
+    path = _cache_path(cache, key_doc)
+    if path is not None:
+        cached = _load(path, base, str(device), machine, margin)
+        if cached is not None:
+            return cached
+
+    rows = []
+    for members in groups.values():
+        cand = _measure_group(members, inputs, cands, bounds, base, device, timer or median_seconds, op_policies)
+        rows.append(
+            TuneRow(tuple(n for n, _ in members), type(members[0][1]).__name__, tuple(cand), _choose(cand, margin))
+        )
+    result = TuneResult(_policies(rows, base), tuple(rows), base, str(device), machine, float(margin), False, path)
+    if path is not None:
+        _save(path, result, key_doc)
+    return result
+
+
+def _policies(rows: Sequence[TuneRow], base: Policy) -> dict[str, Policy]:
+    return {name: _candidate_policy(base, row.choice) for row in rows for name in row.modules}
+
+
+# --- the cache -----------------------------------------------------------------------------------------------
+
+
+def _cache_path(cache: Any, key_doc: dict) -> Path | None:
+    if cache is False or cache is None:
+        return None
+    if cache is True:
+        directory = default_cache_dir()
+    elif isinstance(cache, (str, os.PathLike)):
+        directory = Path(cache)
+    else:
+        raise TypeError(f"tune_policy: cache must be True, False or a directory, got {cache!r}")
+    digest = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:32]
+    return directory / f"{digest}.json"
+
+
+def _save(path: Path, result: TuneResult, key_doc: dict) -> None:
+    rows = [
+        {
+            "modules": list(r.modules),
+            "kind": r.kind,
+            "choice": _label(r.choice),
+            "candidates": [{**dataclasses.asdict(c), "dtype": _label(c.dtype)} for c in r.candidates],
+        }
+        for r in result.table
+    ]
+    text = json.dumps({"key": key_doc, "rows": rows}, indent=1, default=str)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            f.write(text)
+        os.replace(f.name, path)  # atomic: a reader sees the old file or the new one
+    except OSError as error:
+        warnings.warn(f"tune_policy: could not write the cache file {path}: {error}", stacklevel=3)
+
+
+def _load(path: Path, base: Policy, device: str, machine: str, margin: float) -> TuneResult | None:
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        rows = []
+        for r in doc["rows"]:
+            cands = tuple(TuneCandidate(**{**c, "dtype": getattr(torch, c["dtype"])}) for c in r["candidates"])
+            rows.append(TuneRow(tuple(r["modules"]), r["kind"], cands, getattr(torch, r["choice"])))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        warnings.warn(
+            f"tune_policy: ignoring the unreadable cache file {path} ({error}); measuring again", stacklevel=3
+        )
+        return None
+    return TuneResult(_policies(rows, base), tuple(rows), base, device, machine, margin, True, path)
