@@ -1,0 +1,177 @@
+"""funcamp.formats: format constants against torch.finfo/iinfo, and quantize_to bitwise against torch's casts.
+
+torch implements the casts (``x.to(torch.float8_e4m3fn)`` saturates, inf included, since torch 2.12;
+``float8_e5m2``, ``float16``, ``bfloat16`` overflow to inf), so every comparison here is bit for bit on
+float32 values, NaN compared as NaN. The non-saturating e4m3fn mode is checked against ml_dtypes (the
+OCP casts JAX uses) where it is installed, and against its definition otherwise.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from funcamp.formats import FORMATS, Format, get_format, quantize_to
+
+FLOATS = ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"]
+# torch's cast from float32: saturating (e4m3fn) or overflowing to inf (the others).
+TORCH_SATURATES = {"float8_e4m3fn": True, "float8_e5m2": False, "float16": False, "bfloat16": False, "float32": False}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    """a and b are float32 with equal bits, any NaN equal to any NaN; report the first differences."""
+    assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+    nan = torch.isnan(a)
+    assert torch.equal(nan, torch.isnan(b)), "NaN positions differ"
+    diff = (a.view(torch.int32) != b.view(torch.int32)) & ~nan
+    if diff.any():
+        i = diff.nonzero()[:5].flatten()
+        n = int(diff.sum())
+        raise AssertionError(f"{n} values differ, e.g. at {i.tolist()}: {a[i].tolist()} vs {b[i].tolist()}")
+
+
+def all_values(fmt: Format) -> torch.Tensor:
+    """Every value of a 8- or 16-bit format, as float32 (NaN patterns included)."""
+    bits = torch.arange(2 ** (8 * fmt.dtype.itemsize), dtype=torch.int32)
+    storage = torch.uint8 if fmt.dtype.itemsize == 1 else torch.int16
+    return bits.to(storage).view(fmt.dtype).float()
+
+
+def sweep(fmt: Format) -> torch.Tensor:
+    """Float32 inputs that probe every rounding decision of ``fmt``.
+
+    The format's values, the midpoints between neighbours and the float32 numbers just either side of
+    each midpoint, the same past the largest value (the overflow threshold), zeros, infinities, NaN,
+    and 200k random float32 bit patterns (every exponent).
+    """
+    gen = torch.Generator().manual_seed(0)
+    randbits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=gen, dtype=torch.int32).view(torch.float32)
+    specials = torch.tensor([0.0, -0.0, torch.inf, -torch.inf, torch.nan, 3.4e38, -3.4e38, 1e-45, -1e-45])
+    if fmt.name == "float32":
+        return torch.cat([randbits, specials])
+    values = all_values(fmt)
+    finite = values[torch.isfinite(values) & (values >= 0)].unique()  # sorted, +0 once
+    beyond = finite[-1] + (finite[-1] - finite[-2])  # the next value the exponent range would hold
+    grid = torch.cat([finite.double(), beyond.double().reshape(1)])
+    mids = ((grid[1:] + grid[:-1]) / 2).float()  # exact in float32 (one more bit than the format)
+    up, down = torch.nextafter(mids, torch.tensor(torch.inf)), torch.nextafter(mids, torch.tensor(-torch.inf))
+    positive = torch.cat([values, mids, up, down, beyond.reshape(1) * torch.tensor([1.0, 1.5, 4.0])])
+    return torch.cat([positive, -positive, specials, randbits])
+
+
+@pytest.mark.parametrize("name", FLOATS)
+def test_constants_match_torch_finfo(name: str) -> None:
+    f, info = FORMATS[name], torch.finfo(FORMATS[name].dtype)
+    assert (f.max, f.min, f.eps, f.smallest_normal) == (info.max, info.min, info.eps, info.tiny)
+    assert f.smallest_subnormal == info.smallest_normal * info.eps  # 2**(emin - mantissa bits)
+    assert f.has_inf == (name != "float8_e4m3fn")
+    # the smallest subnormal is a value of the format and half of it is not (it rounds to zero)
+    assert torch.tensor(f.smallest_subnormal).to(f.dtype).item() == f.smallest_subnormal
+    assert torch.tensor(f.smallest_subnormal / 2).to(f.dtype).item() == 0.0
+
+
+def test_int8_constants() -> None:
+    f, info = FORMATS["int8"], torch.iinfo(torch.int8)
+    assert (f.max, f.min, f.smallest_subnormal, f.is_integer, f.has_nan) == (info.max, info.min, 1.0, True, False)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "bfloat16", "float16"])
+def test_every_value_is_kept(name: str) -> None:
+    values = all_values(FORMATS[name])
+    same_bits(quantize_to(values, name, saturate=False), values)
+
+
+@pytest.mark.parametrize("name", FLOATS)
+def test_bitwise_equal_to_torch_cast(name: str) -> None:
+    f = FORMATS[name]
+    x = sweep(f)
+    same_bits(quantize_to(x, f, saturate=TORCH_SATURATES[name]), x.to(f.dtype).float())
+
+
+@pytest.mark.parametrize("name", ["float8_e5m2", "float16", "bfloat16"])
+def test_saturating_mode_is_torch_cast_clamped(name: str) -> None:
+    """saturate=True: torch's overflowing cast with +-inf replaced by +-max (finite values never become inf)."""
+    f = FORMATS[name]
+    x = sweep(f)
+    same_bits(quantize_to(x, f, saturate=True), x.to(f.dtype).float().clamp(f.min, f.max))
+
+
+def test_e4m3fn_non_saturating() -> None:
+    """Overflow and inf become NaN: 464 (a tie with 448 and 480) rounds to even 448, anything above is NaN."""
+    f = FORMATS["float8_e4m3fn"]
+    x = sweep(f)
+    got = quantize_to(x, f, saturate=False)
+    rounded = x.to(f.dtype).float()  # torch saturates; the finite in-range results are the same
+    overflow = torch.isinf(x) | (x.abs() > 464)
+    expected = torch.where(overflow, torch.nan, rounded)
+    same_bits(got, expected)
+    ties = quantize_to(torch.tensor([464.0, -464.0, 464.0001]), f, saturate=False)
+    same_bits(ties, torch.tensor([448, -448, torch.nan]))
+
+
+def test_against_ml_dtypes() -> None:
+    """The OCP casts of ml_dtypes (non-saturating for both fp8 formats), on the same sweeps."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    np = pytest.importorskip("numpy")
+    for name, ml in (("float8_e4m3fn", ml_dtypes.float8_e4m3fn), ("float8_e5m2", ml_dtypes.float8_e5m2)):
+        x = sweep(FORMATS[name])
+        with np.errstate(invalid="ignore", over="ignore"):  # numpy warns on the NaN results it is asked for
+            expected = torch.from_numpy(x.numpy().astype(ml).astype(np.float32))
+        same_bits(quantize_to(x, name, saturate=False), expected)
+
+
+def test_float64_input_rounds_once() -> None:
+    """1 + 2**-4 + 2**-30 lies just above the e4m3 midpoint between 1 and 1.125: it rounds up. Through
+    float32 first it would become the midpoint 1.0625 and round to even, 1.0 (double rounding)."""
+    x = torch.tensor([1 + 2**-4 + 2**-30], dtype=torch.float64)
+    assert quantize_to(x, "e4m3").item() == 1.125
+    assert quantize_to(x.float(), "e4m3").item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs(dtype: torch.dtype) -> None:
+    x = all_values(FORMATS[str(dtype).removeprefix("torch.")]).to(dtype)
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        same_bits(quantize_to(x, name, saturate=TORCH_SATURATES[name]), x.to(FORMATS[name].dtype).float())
+
+
+def test_int8_against_torch_quantize() -> None:
+    """Round half to even and clamp, as torch.quantize_per_tensor(scale=1, zero_point=0, qint8)."""
+    gen = torch.Generator().manual_seed(1)
+    halves = torch.arange(-260, 261, dtype=torch.float32) / 2
+    x = torch.cat([halves, torch.randn(10_000, generator=gen) * 100, torch.tensor([1e9, -1e9])])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # quantized tensor creation is deprecated in torch 2.13
+        expected = torch.quantize_per_tensor(x, 1.0, 0, torch.qint8).int_repr().float()
+    same_bits(quantize_to(x, "int8"), expected)
+    assert torch.isnan(quantize_to(torch.tensor([torch.nan]), "int8")).all()
+
+
+def test_shape_device_dtype_kept() -> None:
+    x = torch.randn(3, 4, 5, dtype=torch.bfloat16)
+    y = quantize_to(x, torch.float8_e5m2)
+    assert y.shape == x.shape and y.dtype == torch.float32 and y.device == x.device
+
+
+def test_get_format_names() -> None:
+    assert get_format("e4m3") is get_format(torch.float8_e4m3fn) is FORMATS["float8_e4m3fn"]
+    assert get_format(" bf16 ") is get_format("torch.bfloat16") is FORMATS["bfloat16"]
+    assert get_format(FORMATS["int8"]) is FORMATS["int8"]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: get_format("e3m4"), ValueError, "unknown format 'e3m4'; known formats are float32"),
+        (lambda: get_format(torch.float64), ValueError, "unknown format"),
+        (lambda: get_format(8), TypeError, "expected a Format, torch.dtype or name, got int"),
+        (lambda: quantize_to(torch.ones(2, dtype=torch.int32), "e4m3"), TypeError, "floating tensor, got torch.int32"),
+        (lambda: quantize_to([1.0], "e4m3"), TypeError, "got list"),
+        (lambda: quantize_to(torch.ones(2), "int8", saturate=False), ValueError, "only saturate=True"),
+    ],
+)
+def test_bad_input(call, error, match) -> None:
+    with pytest.raises(error, match=match):
+        call()
