@@ -91,7 +91,7 @@ def loss_scaling(scale: float = 2.0**15) -> dict[str, float]:
         "f32 reference gradient": reference["w"][0].item(),
         "f16 gradient, no loss scale": plain.grads["w"][0].item(),
         f"f16 gradient, loss scale 2**{int(torch.log2(torch.tensor(scale)))}": scaled.grads["w"][0].item(),
-        "grads finite with scaling": float(scaled.grads_finite),
+        "grads finite with scaling": bool(scaled.grads_finite),
     }
 
 
@@ -119,8 +119,13 @@ _NAMES = {"float16": F16, "bfloat16": BF16, "float32": F32}
 
 
 def _format(value: Any) -> str:
-    if not isinstance(value, float) or value.is_integer():
-        return f"{value:g}" if isinstance(value, float) else str(value)
+    """A number for the value column: bools as True/False, ints with thousands separators."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if value.is_integer():
+        return f"{value:g}"
     return f"{value:.7f}" if 1e-3 <= abs(value) < 1e4 else f"{value:.6e}"
 
 
@@ -134,9 +139,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         "4. memory footprint of GPT-2 (124M parameters)": gpt2_memory(),
     }
     for title, numbers in sections.items():
-        print(title)
+        notes = [f"{key} {value}" for key, value in numbers.items() if isinstance(value, str)]
+        print(title + (f" ({'; '.join(notes)})" if notes else ""))  # text beside the title, numbers in the column
         for key, value in numbers.items():
-            print(f"  {key:<76} {_format(value)}")
+            if not isinstance(value, str):
+                print(f"  {key:<76} {_format(value)}")
     return sections
 
 

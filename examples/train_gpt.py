@@ -1,7 +1,7 @@
 """Train a small GPT in mixed precision with funcamp, on real text, and log it to TensorBoard.
 
     python examples/train_gpt.py                      # defaults: no download, a few minutes on 2 CPU cores
-    tensorboard --logdir runs                         # then open http://localhost:6006
+    python3 -m tensorboard.main --logdir runs         # then open http://localhost:6006
 
 Byte-level language modelling (vocabulary 256): the default corpus is the English text of the Python
 help topics that every CPython ships (``pydoc_data.topics``, about 460 KB); ``--data PATH`` takes any
@@ -311,8 +311,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     history: dict[str, list[tuple[int, float]]] = {"train_loss": [], "loss_scale": [], "val_loss": [], "tokens_s": []}
     bar = tqdm(total=args.steps, initial=start, disable=not is_main or args.quiet, dynamic_ncols=True, unit="step")
-    other_s, compile_s, t_first, steps_timed = 0.0, None, None, 0
+    other_s, compile_s, t_first, steps_timed, eval0_s = 0.0, None, None, 0, 0.0
     end = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
+    if start == 0 and end > 0:  # the untrained model's validation loss (about ln 256 = 5.55), at step 0
+        t0 = time.perf_counter()
+        val_loss = evaluate(loss_fn, state.params, val, args, device)
+        history["val_loss"].append((0, val_loss))
+        logger.log_scalars({"val/loss": val_loss}, 0)
+        if is_main:
+            bar.write(f"step 0: val loss {val_loss:.4f}")
+        eval0_s = time.perf_counter() - t0
     for step in range(start + 1, end + 1):
         batch = get_batch(
             train,
@@ -328,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if t_first is None:
             sync(device)
             t_first = time.perf_counter()
-            compile_s = t_first - t_start
+            compile_s = t_first - t_start - eval0_s  # setup and the first step (compilation), not step 0's eval
         else:
             steps_timed += 1
         written = logger.log(metrics, step=step)
@@ -391,14 +399,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"done: step {int(state.step)}, val loss {results['val_loss']}, {skipped} skipped steps, "
             f"final loss scale {float(state.loss_scale.loss_scale):g}, {tokens_per_second:,.0f} tokens/s "
-            f"(after compile: {compile_s:.1f} s to the first step), wall {results['wall_seconds']:.1f} s"
+            f"({'after compile: ' if args.compile else 'eager: '}{compile_s:.1f} s to the first step), "
+            f"wall {results['wall_seconds']:.1f} s"
             if compile_s is not None
             else f"done: nothing to do (checkpoint at step {start})",
             flush=True,
         )
         if results["sample"] is not None:
             print(f"--- sample ---\n{results['sample']}\n--------------")
-        print(f"TensorBoard: tensorboard --logdir {args.logdir}")
+        print(f"TensorBoard: python3 -m tensorboard.main --logdir {args.logdir}")
     return results
 
 

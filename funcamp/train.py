@@ -9,7 +9,9 @@ so ``torch.compile(fullgraph=True)`` turns the whole step into one graph.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import logging
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -75,7 +77,8 @@ class TrainState:
           buffers: model buffers (``funcamp.nn.functionalize`` returns them), or None.
         Raises:
           TypeError: if ``optimizer`` is not a GradientTransformation, ``loss_scale`` not a LossScale,
-            ``params`` an ``nn.Module``, or a parameter leaf is not a floating tensor.
+            ``params`` an ``nn.Module`` or an iterator (``model.parameters()``), or a parameter leaf is
+            not a floating tensor.
         """
         if not isinstance(optimizer, GradientTransformation):
             raise TypeError(
@@ -92,6 +95,13 @@ class TrainState:
             raise TypeError(
                 "TrainState.create: params must be a pytree (dict) of tensors, got an nn.Module; "
                 "use `apply_fn, params = funcamp.nn.functionalize(model, policy)` and pass those params"
+            )
+        if isinstance(params, (types.GeneratorType, Iterator)):
+            raise TypeError(
+                f"TrainState.create: params must be a pytree (dict) of tensors, got a {type(params).__name__} "
+                "(model.parameters()?), which has no names and can be read only once; use "
+                "`apply_fn, params = funcamp.nn.functionalize(model, policy)`, or "
+                "`{name: p.detach() for name, p in model.named_parameters()}`"
             )
         bad = _tree.first_non_floating(params)
         if bad is not None:
@@ -294,27 +304,85 @@ def make_train_step(
 
     if compile:
         return _with_eager_errors(step, torch.compile(step, fullgraph=True, backend=backend or "inductor"))
-    return step
+    return _with_checked_args(step)
+
+
+def _check_step_args(state: Any, batch: Any) -> None:
+    """Refuse a call whose first argument is not a TrainState, outside any compiled region."""
+    if isinstance(state, TrainState):
+        return
+    if isinstance(batch, TrainState):
+        raise TypeError(
+            f"train_step: the arguments are swapped: got (batch, state), with a {type(state).__name__} first; "
+            "call train_step(state, batch), the state first (as optax's update(grads, state))"
+        )
+    raise TypeError(
+        f"train_step: the first argument must be a funcamp.TrainState, got {type(state).__name__}; build it with "
+        "funcamp.TrainState.create(params, optimizer) and call train_step(state, batch)"
+    )
+
+
+def _with_checked_args(step: Callable[..., Any]) -> Callable[..., Any]:
+    def checked_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        _check_step_args(state, batch)
+        return step(state, batch)
+
+    return checked_step
+
+
+#: Appended (``add_note``) to an error that the compiled step met while tracing and that the eager re-run
+#: raised again: the error is the user's code's (or funcamp's) own, not the compiler's.
+EAGER_RERUN_NOTE = (
+    "funcamp: raised while torch.compile traced the train step; funcamp re-ran the step eagerly to show this "
+    "error as your code raises it (make_train_step(..., compile=False) runs without compiling)"
+)
+_FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+class _HeldRecords(logging.Filter):
+    """Hold a logger's records back instead of emitting them (released or dropped later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
 
 
 def _with_eager_errors(step: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled``, but a bad input raises funcamp's own error rather than dynamo's.
+    """``compiled``, but an error of the user's code (or a bad input) raises itself rather than dynamo's.
 
-    With ``fullgraph=True`` an exception raised while tracing (a loss that is not 0-d, a batch that
-    does not split into micro-batches) reaches the caller as ``torch._dynamo.exc.Unsupported``
-    ("Observed exception"). The step is pure, so on that error it is run once eagerly: that raises
-    the real ``ValueError``/``TypeError``; if the eager step succeeds, dynamo's error is re-raised.
+    With ``fullgraph=True`` an exception raised while tracing reaches the caller wrapped by dynamo:
+    ``torch._dynamo.exc.Unsupported`` ("Observed exception") for funcamp's own checks (a loss that is
+    not 0-d, a batch that does not split into micro-batches), ``TorchRuntimeError`` (about 45 lines of
+    fake-tensor detail, after a logged traceback) for an error in the user's ``loss_fn`` (float labels
+    to ``cross_entropy``, a wrong feature size). The step is pure, so on any dynamo error it is run once
+    eagerly: what that raises is raised instead, as itself, with :data:`EAGER_RERUN_NOTE` added and
+    the fake-tensor log lines of the failed trace dropped. If the eager step succeeds, dynamo's error
+    is re-raised and the held log lines are emitted. The arguments' types are checked first.
     """
 
     def compiled_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        _check_step_args(state, batch)
+        logger, held = logging.getLogger(_FAKE_TENSOR_LOGGER), _HeldRecords()
+        logger.addFilter(held)
         try:
             return compiled(state, batch)
-        except torch._dynamo.exc.Unsupported as unsupported:
+        except torch._dynamo.exc.TorchDynamoException as dynamo_error:
+            logger.removeFilter(held)
             try:
                 step(state, batch)
             except Exception as error:
+                held.records.clear()  # the fake-tensor traceback of the same error: noise
+                error.add_note(EAGER_RERUN_NOTE)
                 raise error from None
-            raise unsupported
+            raise dynamo_error
+        finally:
+            logger.removeFilter(held)
+            for record in held.records:
+                logger.handle(record)
 
     return compiled_step
 

@@ -46,6 +46,15 @@ def python_loss(p: dict, batch: dict) -> float:
     return 1.0
 
 
+def float_labels_loss(p: dict, batch: dict) -> torch.Tensor:
+    labels = torch.zeros(batch["x"].shape[0])  # float class indices: cross_entropy wants int64
+    return torch.nn.functional.cross_entropy(batch["x"] @ p["w"], labels)
+
+
+def wrong_features_loss(p: dict, batch: dict) -> torch.Tensor:
+    return (batch["x"][:, :3] @ p["w"]).sum()  # 3 features into a (4, 3) weight
+
+
 def _step(loss_fn: Callable, state: fa.TrainState = STATE, batch: Any = BATCH, **kwargs: Any) -> Callable:
     def call() -> Any:
         return fa.make_train_step(loss_fn, OPT, **kwargs)(state, batch)
@@ -227,6 +236,21 @@ CASES = [
     case("step-batch-does-not-split", _compiled(good_loss, accumulation_steps=3), ValueError,
          r"accumulation_steps=3, every batch leaf must be a tensor whose first dimension is divisible by 3; "
          r"leaf 'x' is \(4, 4\)"),
+    # A mistake in the user's loss_fn surfaces from the compiled step as torch raises it eagerly.
+    case("step-float-labels-compiled", _compiled(float_labels_loss), RuntimeError,
+         r"^expected target dtype to be Long or Byte, but got Float\nfuncamp: raised while torch.compile traced"),
+    case("step-wrong-features-compiled", _compiled(wrong_features_loss), RuntimeError,
+         r"^mat1 and mat2 shapes cannot be multiplied \(4x3 and 4x3\)\nfuncamp: raised while torch.compile"),
+    case("step-swapped-arguments", lambda: fa.make_train_step(good_loss, OPT, compile=False)(BATCH, STATE), TypeError,
+         r"the arguments are swapped: got \(batch, state\), with a dict first; call train_step\(state, batch\)"),
+    case("step-swapped-arguments-compiled", lambda: fa.make_train_step(good_loss, OPT)(BATCH, STATE), TypeError,
+         r"the arguments are swapped: got \(batch, state\), with a dict first; call train_step\(state, batch\)"),
+    case("step-params-not-a-state", lambda: fa.make_train_step(good_loss, OPT, compile=False)(PARAMS, BATCH),
+         TypeError, r"the first argument must be a funcamp.TrainState, got dict; build it with "
+         r"funcamp.TrainState.create\(params, optimizer\)"),
+    case("state-from-parameters-iterator", lambda: fa.TrainState.create(torch.nn.Linear(4, 3).parameters(), OPT),
+         TypeError, r"got a generator \(model.parameters\(\)\?\), which has no names .* "
+         r"funcamp.nn.functionalize\(model, policy\)"),
     case("check-skips-without-option", lambda: fa.check_skips({"loss": torch.tensor(1.0)}), KeyError,
          r"metrics has no 'too_many_skips'; build the step with max_consecutive_skips=N"),
     case("nonfinite-leaf-out-of-range", lambda: fa.nonfinite_leaf_name(PARAMS, 5), IndexError,
@@ -327,3 +351,18 @@ def test_shared_objects_still_work():
     state, metrics = fa.make_train_step(good_loss, OPT, compile=False)(STATE, BATCH)
     assert bool(metrics["grads_finite"]) and int(state.step) == 1
     assert float(LS.adjust(TRUE).loss_scale) == 2.0**10
+
+
+@pytest.mark.parametrize("loss_fn", [float_labels_loss, wrong_features_loss], ids=["float-labels", "wrong-features"])
+def test_loss_fn_error_from_compiled_step_is_short_and_says_where(loss_fn, capfd):
+    # Dynamo raises TorchRuntimeError (about 45 lines, fake tensors) after logging a ~20-line traceback; the
+    # user sees torch's own eager error, with one note, and none of the fake-tensor log lines.
+    with pytest.raises(RuntimeError) as info:
+        _compiled(loss_fn)()
+    assert not isinstance(info.value, torch._dynamo.exc.TorchDynamoException)
+    assert info.value.__notes__ == [fa.train.EAGER_RERUN_NOTE]
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert "FakeTensor" not in str(info.value) and "\n" not in str(info.value)
+    assert "fake_tensor" not in capfd.readouterr().err
+    # The traceback ends in the user's function, where eager mode would point.
+    assert info.traceback[-2].name == loss_fn.__name__ or info.traceback[-1].name == loss_fn.__name__

@@ -6,6 +6,8 @@ history); one test runs each script as a user would, from the repository root.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import subprocess
 import sys
@@ -46,7 +48,21 @@ def default_run(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("default")
     argv = [*TINY, "--steps", "6", "--log-every", "2", "--eval-every", "3", "--save-every", "3"]
     argv += ["--backend", "aot_eager", "--logdir", str(logdir), "--sample-bytes", "20"]
-    return train_gpt.main(argv), logdir
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        results = train_gpt.main(argv)
+    return {**results, "stdout": out.getvalue()}, logdir
+
+
+def test_end_of_run_lines_name_the_mode_and_the_readme_command(default_run, tmp_path, capsys):
+    compiled_out = default_run[0]["stdout"]
+    assert "step 0: val loss" in compiled_out and "after compile: " in compiled_out
+    # The README's command, the same in both modes.
+    assert f"TensorBoard: python3 -m tensorboard.main --logdir {default_run[1]}" in compiled_out
+    train_gpt.main([*TINY, "--steps", "1", "--no-compile", "--logdir", str(tmp_path)])
+    eager_out = capsys.readouterr().out
+    assert "after compile" not in eager_out and "(eager: " in eager_out
+    assert "TensorBoard: python3 -m tensorboard.main --logdir" in eager_out
 
 
 def test_default_run_logs_every_tag_once_per_interval(default_run):
@@ -64,7 +80,8 @@ def test_default_run_logs_every_tag_once_per_interval(default_run):
         "perf/tokens_per_second",
     ):
         assert [step for step, _ in scalars[tag]] == [2, 4, 6], tag
-    assert [step for step, _ in scalars["val/loss"]] == [3, 6]
+    assert [step for step, _ in scalars["val/loss"]] == [0, 3, 6]  # step 0: the untrained model, as the README quotes
+    assert scalars["val/loss"][0][1] == pytest.approx(math.log(256), abs=0.3)
     assert [v for _, v in scalars["amp/loss_scale"]] == [1.0, 1.0, 1.0]  # NoOpLossScale with bf16
     assert all(v == 1.0 for _, v in scalars["amp/grads_finite"])
     lrs = [v for _, v in scalars["train/learning_rate"]]
@@ -170,6 +187,7 @@ def test_amp_basics_numbers():
     scaling = out["3. loss scaling rescues small float16 gradients"]
     assert scaling["f16 gradient, no loss scale"] == 0.0
     assert scaling["f16 gradient, loss scale 2**15"] == pytest.approx(1e-8, rel=1e-3)
+    assert scaling["grads finite with scaling"] is True
     memory = out["4. memory footprint of GPT-2 (124M parameters)"]
     assert memory["parameters"] == 124_439_808  # OpenAI GPT-2 small, tied embeddings
     assert memory["float32 MiB"] == pytest.approx(124_439_808 * 4 / 2**20)
@@ -183,3 +201,8 @@ def test_script_runs_from_the_repository_root():
     )
     assert out.returncode == 0, out.stderr
     assert "0.9400020" in out.stdout and "funcamp.memory.memory_footprint" in out.stdout
+    # The value column holds numbers only: True (not 1) for a flag; the text note sits beside its title.
+    rows = [line.rsplit(" ", 1)[-1] for line in out.stdout.splitlines() if line.startswith("  ")]
+    assert "True" in rows and "124,439,808" in rows
+    for value in rows:
+        assert value == "True" or math.isfinite(float(value.replace(",", ""))), value
