@@ -479,7 +479,9 @@ def tune_policy(
       casts and the op-rule mode's dispatch (about 4% of an eager step); a compiled step pays neither.
     - Choice: the fastest candidate not refused; float32 if it is within ``margin`` of that one.
 
-    Norm layers that are units themselves (``functionalize``'s default, :func:`funcamp.nn.keep_in_float32`)
+    Only the units are measured: code in a parent's forward around them (a residual addition) runs in
+    the dtype the units hand it and is not timed or checked; choose ``depth`` so that the work sits in
+    the units. Norm layers that are units themselves (``functionalize``'s default, :func:`funcamp.nn.keep_in_float32`)
     are not tuned and get no entry; units not called by the forward get none either.
 
     Args:

@@ -1,0 +1,384 @@
+"""tune_policy: the measured choice follows the times, refuses inaccurate candidates, caches, and trains.
+
+Machine-independent: no test asserts which dtype a real measurement picks (float32 on an AVX2-only CPU,
+possibly bfloat16 on an AMX CPU or a GPU); they assert that the choice follows the measured times, and
+use a scripted ``timer`` (or a module that sleeps in half precision) where a particular winner is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcamp as fa
+from funcamp import optim
+from funcamp.nn import functionalize
+from funcamp.tune import DEFAULT_RTOL, TuneResult, default_cache_dir, tune_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, config_for  # noqa: E402
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def scripted(times: dict[torch.dtype, float], calls: list | None = None):
+    """A timer that reports ``times[dtype]`` for the candidate it is given (running it once)."""
+
+    def timer(fn) -> float:
+        fn()
+        if calls is not None:
+            calls.append((fn.module, fn.dtype))
+        return times[fn.dtype]
+
+    return timer
+
+
+def tiny_gpt() -> tuple[GPT, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(config_for("tiny"))
+    return model, torch.randint(256, (4, model.config.block_size))
+
+
+@pytest.fixture(scope="module")
+def measured() -> TuneResult:
+    """The tiny GPT tuned with the real timer (``median_seconds``) on this machine."""
+    model, x = tiny_gpt()
+    return tune_policy(model, (x,), cache=False)
+
+
+# --- the choice follows the measured times ------------------------------------------------------------
+
+
+def test_choice_follows_measured_times(measured: TuneResult) -> None:
+    assert measured.table, "no rows"
+    for row in measured.table:
+        safe = [c for c in row.candidates if not c.refused]
+        fastest = min(safe, key=lambda c: c.seconds)
+        f32 = next(c for c in row.candidates if c.dtype == torch.float32)
+        expected = torch.float32 if f32.seconds <= 1.05 * fastest.seconds else fastest.dtype
+        assert row.choice == expected, row
+        for name in row.modules:
+            assert measured.module_policies[name].compute_dtype == row.choice
+            assert measured.module_policies[name].output_dtype == row.choice
+            assert measured.module_policies[name].param_dtype == torch.float32
+
+
+def test_groups_units_and_leaves_norms_to_functionalize(measured: TuneResult) -> None:
+    # depth 2 of the tiny GPT: embeddings, the attention and MLP of both blocks (one group each), lm_head;
+    # LayerNorms keep functionalize's float32 default (no entry).
+    assert [row.modules for row in measured.table] == [
+        ("wte",),
+        ("wpe",),
+        ("blocks.0.attn", "blocks.1.attn"),
+        ("blocks.0.mlp", "blocks.1.mlp"),
+        ("lm_head",),
+    ]
+    assert not any("ln" in name for name in measured.module_policies)
+    assert [row.kind for row in measured.table] == ["Embedding", "Embedding", "CausalSelfAttention", "MLP", "Linear"]
+
+
+def test_healthy_gpt_candidates_are_accurate(measured: TuneResult) -> None:
+    # Rounding alone: every half candidate of a healthy model within 4 units of roundoff (measured on the
+    # AVX2 EPYC: at most 1.2 units), far inside the default bound of 16.
+    for row in measured.table:
+        assert [c.dtype for c in row.candidates] == [torch.float32, torch.bfloat16, torch.float16]
+        for c in row.candidates:
+            if c.dtype == torch.float32:
+                assert c.output_error == 0 and c.grad_error == 0 and c.bound == 0
+                continue
+            unit = torch.finfo(c.dtype).eps / 2
+            assert 0 < c.output_error <= 4 * unit and 0 < c.grad_error <= 4 * unit, (row.modules, c)
+            assert c.bound == DEFAULT_RTOL[c.dtype] == 16 * unit
+            assert c.refused == "" and c.seconds > 0
+
+
+def test_table_prints_every_group_candidate_and_choice(measured: TuneResult) -> None:
+    text = str(measured)
+    assert "blocks.{0,1}.attn" in text and "blocks.{0,1}.mlp" in text and "lm_head" in text
+    assert text.count("CHOSEN") == len(measured.table)
+    assert text.count("bfloat16") >= len(measured.table) and "fwd+bwd ms" in text and "bound" in text
+    assert measured.machine in text
+
+
+class SleepyInHalf(nn.Module):
+    """A linear layer that sleeps 20 ms whenever it computes in a half dtype: half is artificially slow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in HALF:
+            time.sleep(0.02)
+        return self.lin(x)
+
+
+def test_artificially_slow_half_loses_with_the_real_timer() -> None:
+    model = nn.Sequential(SleepyInHalf(), nn.GELU())
+    result = tune_policy(model, (torch.randn(8, 16),), cache=False, depth=1)
+    row = result.table[0]
+    assert row.modules == ("0",) and row.choice == torch.float32
+    times = {c.dtype: c.seconds for c in row.candidates}
+    assert all(times[d] >= 0.02 > times[torch.float32] for d in HALF), times
+    assert result.module_policies["0"].compute_dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("times", "expected"),
+    [
+        ({torch.float32: 1.0, torch.bfloat16: 0.5, torch.float16: 0.7}, torch.bfloat16),  # half faster: chosen
+        ({torch.float32: 1.0, torch.bfloat16: 0.97, torch.float16: 2.0}, torch.float32),  # within 5%: float32
+        ({torch.float32: 1.0, torch.bfloat16: 30.0, torch.float16: 40.0}, torch.float32),  # half slow (AVX2)
+        ({torch.float32: 1.0, torch.bfloat16: 0.9, torch.float16: 0.8}, torch.float16),  # fastest of two
+    ],
+)
+def test_choice_rule_on_scripted_times(times: dict, expected: torch.dtype) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    result = tune_policy(model, (torch.randn(4, 8),), cache=False, timer=scripted(times))
+    assert [row.choice for row in result.table] == [expected, expected]
+    assert {str(p) for p in result.module_policies.values()} == {
+        f"params=float32,compute={str(expected).removeprefix('torch.')},output={str(expected).removeprefix('torch.')}"
+    }
+
+
+def test_margin_is_an_option() -> None:
+    times = {torch.float32: 1.0, torch.bfloat16: 0.8, torch.float16: 2.0}
+    model = nn.Sequential(nn.Linear(8, 8))
+    args = (torch.randn(4, 8),)
+    assert tune_policy(model, args, cache=False, timer=scripted(times)).table[0].choice == torch.bfloat16
+    result = tune_policy(model, args, cache=False, timer=scripted(times), margin=0.3)
+    assert result.table[0].choice == torch.float32
+
+
+# --- refused candidates -------------------------------------------------------------------------------------
+
+
+class Cancels(nn.Module):
+    """``lin(x) + 1000 - 1000``: exact in float32, catastrophic cancellation in a half dtype (bfloat16
+    spacing at 1000 is 4, float16's 0.5: errors of order 1 against values of order 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + 1000.0 - 1000.0
+
+
+class ExpOfLarge(nn.Module):
+    """``exp(x + 12)``: overflows float16 (e^11.1 > 65504), fine in bfloat16 (float32's range)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x + 12.0)
+
+
+class NoHalfKernel(nn.Module):
+    """Raises in half precision, as oneDNN's LSTM does under bfloat16 on an AVX2-only CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in HALF:
+            raise RuntimeError("could not create a primitive descriptor (scripted)")
+        return self.lin(x)
+
+
+HALF_FASTEST = {torch.float32: 1.0, torch.bfloat16: 0.1, torch.float16: 0.05}
+
+
+def test_candidate_above_the_bound_is_refused_even_when_fastest() -> None:
+    model = nn.Sequential(Cancels())
+    result = tune_policy(model, (torch.randn(8, 16),), cache=False, timer=scripted(HALF_FASTEST), depth=1)
+    row = result.table[0]
+    assert row.choice == torch.float32
+    for c in row.candidates[1:]:
+        assert c.refused.startswith("error ") and "> bound" in c.refused, c
+        assert max(c.output_error, c.grad_error) > 100 * torch.finfo(c.dtype).eps / 2  # far past 16 units
+    assert "refused: error" in str(result)
+
+
+def test_overflow_refuses_float16_only() -> None:
+    model = nn.Sequential(ExpOfLarge())
+    result = tune_policy(model, (torch.randn(64),), cache=False, timer=scripted(HALF_FASTEST))
+    row = result.table[0]
+    by = {c.dtype: c for c in row.candidates}
+    assert by[torch.float16].refused == "non-finite" and math.isinf(by[torch.float16].output_error)
+    assert by[torch.bfloat16].refused == "" and by[torch.bfloat16].output_error < DEFAULT_RTOL[torch.bfloat16]
+    assert row.choice == torch.bfloat16  # the fastest candidate that is safe
+
+
+def test_a_tighter_bound_refuses_more() -> None:
+    model = nn.Sequential(nn.Linear(16, 16))
+    args = (torch.randn(8, 16),)
+    loose = tune_policy(model, args, cache=False, timer=scripted(HALF_FASTEST))
+    assert loose.table[0].choice == torch.float16
+    tight = tune_policy(model, args, cache=False, timer=scripted(HALF_FASTEST), rtol={"float16": 1e-9})
+    by = {c.dtype: c for c in tight.table[0].candidates}
+    assert by[torch.float16].refused.startswith("error") and by[torch.float16].bound == 1e-9
+    assert tight.table[0].choice == torch.bfloat16
+
+
+def test_candidate_that_raises_is_refused_and_float32_kept() -> None:
+    model = nn.Sequential(NoHalfKernel())
+    result = tune_policy(model, (torch.randn(8, 16),), cache=False, timer=scripted(HALF_FASTEST), depth=1)
+    row = result.table[0]
+    assert row.choice == torch.float32
+    for c in row.candidates[1:]:
+        assert c.refused.startswith("raised: could not create a primitive descriptor") and c.seconds is None
+
+
+# --- the cache -------------------------------------------------------------------------------------------------
+
+
+def test_second_call_reads_the_cache_and_measures_nothing(tmp_path: Path) -> None:
+    model, x = tiny_gpt()
+    calls: list = []
+    times = {torch.float32: 1.0, torch.bfloat16: 0.5, torch.float16: 2.0}
+    first = tune_policy(model, (x,), cache=tmp_path, timer=scripted(times, calls))
+    assert len(calls) == 3 * len(first.table) and not first.from_cache
+    assert first.cache_path is not None and first.cache_path.parent == tmp_path and first.cache_path.exists()
+    calls.clear()
+    second = tune_policy(model, (x,), cache=tmp_path, timer=scripted(times, calls))
+    assert calls == [] and second.from_cache and second.cache_path == first.cache_path
+    assert second.module_policies == first.module_policies and second.table == first.table
+    # Another input shape is another key: measured again.
+    tune_policy(model, (x[:, :16],), cache=tmp_path, timer=scripted(times, calls))
+    assert len(calls) == 3 * len(first.table)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+def test_cache_key_includes_the_parameter_shapes_and_options(tmp_path: Path) -> None:
+    calls: list = []
+    timer = scripted({torch.float32: 1.0, torch.bfloat16: 1.0, torch.float16: 1.0}, calls)
+    x = torch.randn(4, 8)
+    tune_policy(nn.Sequential(nn.Linear(8, 8)), (x,), cache=tmp_path, timer=timer)
+    tune_policy(nn.Sequential(nn.Linear(8, 4)), (x,), cache=tmp_path, timer=timer)  # other shapes
+    tune_policy(nn.Sequential(nn.Linear(8, 8)), (x,), cache=tmp_path, timer=timer, margin=0.2)  # other option
+    assert len(calls) == 9
+    tune_policy(nn.Sequential(nn.Linear(8, 8)), (x,), cache=tmp_path, timer=timer)  # other weights, same key
+    assert len(calls) == 9
+
+
+def test_cache_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "tune"
+    result = tune_policy(nn.Sequential(nn.Linear(8, 8)), (torch.randn(4, 8),), timer=scripted(HALF_FASTEST))
+    assert result.cache_path is not None and result.cache_path.parent == tmp_path / "tune"
+    doc = json.loads(result.cache_path.read_text())
+    assert doc["key"]["torch"] == torch.__version__ and doc["rows"][0]["choice"] == "float16"
+    monkeypatch.delenv("FUNCAMP_CACHE_DIR")
+    assert default_cache_dir() == Path.home() / ".cache" / "funcamp" / "tune"
+
+
+def test_unreadable_cache_file_warns_and_measures_again(tmp_path: Path) -> None:
+    model, args = nn.Sequential(nn.Linear(8, 8)), (torch.randn(4, 8),)
+    calls: list = []
+    first = tune_policy(model, args, cache=tmp_path, timer=scripted(HALF_FASTEST, calls))
+    first.cache_path.write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable cache file"):
+        again = tune_policy(model, args, cache=tmp_path, timer=scripted(HALF_FASTEST, calls))
+    assert len(calls) == 6 and not again.from_cache
+    assert json.loads(first.cache_path.read_text())["rows"]  # rewritten
+
+
+# --- the map in use --------------------------------------------------------------------------------------------
+
+
+def test_tuned_map_trains_with_functionalize() -> None:
+    model, x = tiny_gpt()
+
+    def timer(fn) -> float:  # scripted: bfloat16 wins for the MLPs only, so the map mixes dtypes
+        fn()
+        if fn.dtype == torch.bfloat16 and fn.module.endswith("mlp"):
+            return 0.5
+        return 1.0 if fn.dtype == torch.float32 else 2.0
+
+    result = tune_policy(model, (x,), cache=False, timer=timer)
+    assert result.module_policies["blocks.0.mlp"].compute_dtype == torch.bfloat16
+    assert result.module_policies["blocks.0.attn"].compute_dtype == torch.float32
+    apply_fn, params = functionalize(model, result.policy, module_policies=result.module_policies)
+    seen: dict[str, torch.dtype] = {}
+
+    def loss_fn(params, batch):
+        logits = apply_fn(params, batch[:, :-1])
+        seen["logits"] = logits.dtype
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    opt = optim.adamw(1e-3)
+    state = fa.TrainState.create(params, opt)
+    step = fa.make_train_step(loss_fn, opt, compile=False)
+    new_state, metrics = step(state, x)
+    assert torch.isfinite(metrics["loss"]) and bool(metrics["grads_finite"])
+    assert seen["logits"] == torch.float32
+    changed = [k for k in params if not torch.equal(params[k], new_state.params[k])]
+    assert sorted(changed) == sorted(params)
+    assert all(new_state.params[k].dtype == torch.float32 for k in params)
+
+
+def test_mlp_runs_in_the_chosen_dtype() -> None:
+    model, x = tiny_gpt()
+    policies = {"blocks.0.mlp": fa.get_policy("params=float32,compute=bfloat16,output=bfloat16")}
+    apply_fn, params = functionalize(model, "params=float32,compute=float32,output=float32", module_policies=policies)
+    dtypes: dict[str, torch.dtype] = {}
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.gelu:
+                dtypes.setdefault("gelu", []).append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        apply_fn(params, x)
+    assert dtypes["gelu"] == [torch.bfloat16, torch.float32]  # block 0's MLP in bf16, block 1's in float32
+
+
+def test_model_is_left_unchanged() -> None:
+    model, x = tiny_gpt()
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tune_policy(model, (x,), cache=False, timer=scripted(HALF_FASTEST))
+    assert not model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"example_args": torch.randn(4, 8)}, TypeError, r"example_args must be a tuple.*\(x,\)"),
+        ({"candidates": ["float8"]}, ValueError, "candidate 'float8'"),
+        ({"candidates": torch.bfloat16}, TypeError, "candidates must be a list"),
+        ({"depth": 0}, ValueError, "depth must be an int >= 1"),
+        ({"margin": -0.1}, ValueError, "margin must be a number >= 0"),
+        ({"rtol": "loose"}, TypeError, "rtol must be None"),
+        ({"rtol": {"float64": 0.1}}, TypeError, "rtol must map bfloat16/float16"),
+        ({"rtol": -1.0}, ValueError, "rtol must be >= 0"),
+        ({"device": "meta"}, ValueError, "meta device"),
+        ({"cache": 3}, TypeError, "cache must be True, False or a directory"),
+        ({"policy": "compute=float33"}, ValueError, "float33"),
+    ],
+)
+def test_bad_input_is_refused_clearly(kwargs: dict, error: type, match: str) -> None:
+    args = {"example_args": (torch.randn(4, 8),), "cache": False, "timer": scripted(HALF_FASTEST)}
+    with pytest.raises(error, match=match):
+        tune_policy(nn.Sequential(nn.Linear(8, 8)), **{**args, **kwargs})
+
+
+def test_not_a_module_and_nothing_to_tune() -> None:
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        tune_policy(lambda x: x, (torch.ones(1),))
+    with pytest.raises(ValueError, match="no unit .* was called"):
+        tune_policy(nn.Sequential(nn.LayerNorm(8)), (torch.randn(4, 8),), cache=False)
