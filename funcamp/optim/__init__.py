@@ -1,13 +1,22 @@
 """optax-style optimizers for funcamp: pure ``init``/``update`` pairs over pytrees of tensors.
 
-An optimizer is a ``GradientTransformation``; ``chain`` composes them; ``apply_updates`` adds the
-result to the parameters, keeping each parameter's dtype. Every state is a NamedTuple of tensors
-(step counts are 0-d int32 tensors), so a whole train step compiles with ``fullgraph=True`` and does
-not recompile as the step count or the learning rate changes.
+An optimizer is a ``GradientTransformation``; ``chain`` composes them; ``masked`` and
+``multi_transform`` give parameter groups their own transformations (``set_to_zero`` freezes one);
+``kahan_summation`` and ``stochastic_rounding`` let bfloat16 master weights keep small updates;
+``apply_updates`` adds the result to the parameters, keeping each parameter's dtype. Every state is
+a NamedTuple of tensors (step counts are 0-d int32 tensors), so a whole train step compiles with
+``fullgraph=True`` and does not recompile as the step count or the learning rate changes.
 """
 
 from funcamp.optim.aliases import adam, adamw, lion, sgd
 from funcamp.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
+from funcamp.optim.groups import MaskedState, MultiTransformState, masked, multi_transform, set_to_zero
+from funcamp.optim.low_precision import (
+    KahanSummationState,
+    StochasticRoundingState,
+    kahan_summation,
+    stochastic_rounding,
+)
 from funcamp.optim.schedules import (
     Schedule,
     constant,
@@ -34,10 +43,14 @@ from funcamp.optim.transforms import (
 __all__ = [
     "EmptyState",
     "GradientTransformation",
-    "Schedule",
+    "KahanSummationState",
+    "MaskedState",
+    "MultiTransformState",
     "ScaleByAdamState",
     "ScaleByLearningRateState",
     "ScaleByLionState",
+    "Schedule",
+    "StochasticRoundingState",
     "TraceState",
     "adam",
     "adamw",
@@ -48,15 +61,20 @@ __all__ = [
     "constant",
     "cosine_decay",
     "identity",
+    "kahan_summation",
     "learning_rate",
-    "lion",
     "linear_schedule",
     "linear_warmup",
+    "lion",
+    "masked",
+    "multi_transform",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "set_to_zero",
     "sgd",
+    "stochastic_rounding",
     "trace",
     "warmup_cosine_decay",
 ]
