@@ -1,0 +1,592 @@
+"""fp8 training: scaling recipes as immutable state, and an fp8 linear layer on ``torch._scaled_mm``.
+
+The three matmuls of a linear layer (the output ``y = x W^T``, ``grad_input = g W`` and
+``grad_weight = g^T x``) run in 8-bit floating point: each operand is scaled into the format's range,
+cast (saturating) to fp8, multiplied by ``torch._scaled_mm`` with float32 accumulation, and the
+product is scaled back by the inverse scales. Master weights stay in their own dtype (float32), the
+rest of the model in the surrounding compute dtype.
+
+Recipes (:class:`Recipe`, :func:`get_recipe`):
+
+- ``"tensorwise"``: one scale per tensor from its current amax (``scale = fp8_max / amax``), e4m3 for
+  inputs and weights, e5m2 for gradients (``HYBRID``); torchao's ``tensorwise`` recipe.
+- ``"rowwise"``: one scale per row of the left operand and per column of the right operand of every
+  matmul (the contraction dimension is reduced), powers of two, e4m3 for gradients too; torchao's
+  ``rowwise`` recipe.
+- ``"delayed"``: input and weight scales from a history of past amaxes,
+  ``scale = fp8_max / (max(amax_history) * 2**margin)`` (TransformerEngine's ``DelayedScaling``); the
+  state is a :class:`DelayedScalingState` per tensor, carried as persistent buffers of the layer and
+  so returned by :func:`funcamp.nn.functionalize`'s ``apply_fn``, carried, checkpointed and restored on
+  skipped steps by :class:`funcamp.TrainState`. Gradients use current (dynamic, tensorwise) scaling:
+  a backward pass cannot hand new state out of ``torch.func.grad`` functionally. TransformerEngine
+  keeps a delayed history for gradients too; this is where funcamp differs.
+
+Use :func:`convert` (as torchao's ``convert_to_float8_training``) to swap the ``nn.Linear`` layers of a
+model for :class:`Float8Linear`, then ``functionalize`` with :data:`MODULE_POLICIES` so that each fp8
+layer receives its float32 master weight and float32 recipe state:
+
+    model = fp8.convert(GPT(cfg), recipe="tensorwise")    # first and last Linear stay as they are
+    apply_fn, params = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32", module_policies=fp8.MODULE_POLICIES)
+
+References:
+  Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433. torchao float8 training
+  (``torchao.float8.Float8Linear``, ``convert_to_float8_training``, recipes ``tensorwise`` and
+  ``rowwise``, 0.18). NVIDIA TransformerEngine ``recipe.DelayedScaling`` (``margin``,
+  ``amax_history_len``, ``amax_compute_algo``, ``Format.HYBRID``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from funcamp.formats import get_format
+from funcamp.nn import keep_in_float32
+
+__all__ = [
+    "MODULE_POLICIES",
+    "DelayedScalingState",
+    "Float8Linear",
+    "Fp8FallbackWarning",
+    "Recipe",
+    "amax_to_scale",
+    "convert",
+    "get_recipe",
+    "init_delayed_state",
+    "update_delayed_state",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_EPS = 1e-12  # torchao's floor on amax, so that an all-zero tensor gets a finite scale
+_HIGH = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Fp8FallbackWarning(UserWarning):
+    """A layer stays in the surrounding dtype: ``torch._scaled_mm`` cannot take its shape."""
+
+
+# --- recipes -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How the operands of the fp8 matmuls are scaled (static configuration, hashable).
+
+    Attributes:
+      scaling: ``"tensorwise"``, ``"rowwise"`` or ``"delayed"`` (see the module docstring).
+      fp8_format: ``"HYBRID"`` (e4m3 forward, e5m2 gradients) or ``"E4M3"`` (e4m3 everywhere).
+      amax_history_len: past amaxes kept per tensor (``"delayed"`` only; TransformerEngine's default is
+        1024, torchao's former delayed recipe used 16, as here).
+      margin: scale down by ``2**margin`` more than the amax asks (``"delayed"`` only).
+      amax_compute_algo: ``"max"`` (the history's maximum) or ``"most_recent"`` (``"delayed"`` only).
+      round_scales_to_power_of_2: round each scale down to a power of two (exact scaling).
+    Raises:
+      ValueError: if a field is outside the values above.
+    """
+
+    scaling: str = "tensorwise"
+    fp8_format: str = "HYBRID"
+    amax_history_len: int = 16
+    margin: int = 0
+    amax_compute_algo: str = "max"
+    round_scales_to_power_of_2: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scaling not in ("tensorwise", "rowwise", "delayed"):
+            raise ValueError(f"Recipe: scaling must be 'tensorwise', 'rowwise' or 'delayed', got {self.scaling!r}")
+        if self.fp8_format not in ("HYBRID", "E4M3"):
+            raise ValueError(f"Recipe: fp8_format must be 'HYBRID' or 'E4M3', got {self.fp8_format!r}")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(f"Recipe: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
+            raise ValueError(f"Recipe: margin must be an int >= 0, got {self.margin!r}")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"Recipe: amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
+            )
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The format of the gradients: e5m2 for ``HYBRID``, e4m3 for ``E4M3``."""
+        return E5M2 if self.fp8_format == "HYBRID" else E4M3
+
+
+_RECIPES = {
+    "tensorwise": Recipe("tensorwise"),
+    "rowwise": Recipe("rowwise", fp8_format="E4M3", round_scales_to_power_of_2=True),
+    "delayed": Recipe("delayed"),
+}
+
+
+def get_recipe(recipe: Recipe | str) -> Recipe:
+    """The :class:`Recipe` for a name: ``"tensorwise"``, ``"rowwise"`` or ``"delayed"``.
+
+    ``"rowwise"`` is torchao's: e4m3 gradients and power-of-two scales.
+
+    Raises:
+      ValueError: if the name is not one of the three.
+      TypeError: if ``recipe`` is neither a Recipe nor a string.
+    """
+    if isinstance(recipe, Recipe):
+        return recipe
+    if not isinstance(recipe, str):
+        raise TypeError(f"fp8: recipe must be a Recipe or one of {', '.join(_RECIPES)}, got {type(recipe).__name__}")
+    if recipe.strip() not in _RECIPES:
+        raise ValueError(f"fp8: unknown recipe {recipe!r}; choose one of {', '.join(_RECIPES)} or pass a Recipe")
+    return _RECIPES[recipe.strip()]
+
+
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, round_scales_to_power_of_2: bool = False) -> torch.Tensor:
+    """``fp8_max / max(amax, 1e-12)``, divided in float64 and returned in float32, as torchao.
+
+    Args:
+      amax: the largest magnitude (any shape, any floating dtype).
+      dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+      round_scales_to_power_of_2: round the scale down to a power of two.
+    Returns:
+      float32 scales of ``amax``'s shape; a non-finite amax gives 0 (inf) or NaN (NaN).
+    """
+    scale = (get_format(dtype).max / amax.to(torch.float64).clamp(min=_EPS)).to(torch.float32)
+    return torch.exp2(torch.floor(torch.log2(scale))) if round_scales_to_power_of_2 else scale
+
+
+class DelayedScalingState(NamedTuple):
+    """The delayed-scaling state of one tensor (an immutable pytree, as optax states).
+
+    Attributes:
+      amax_history: ``(amax_history_len,)`` float32, newest first; zeros before the first step.
+      scale: ``()`` float32, the multiplier of the next cast to fp8 (1 before any amax was seen).
+    """
+
+    amax_history: torch.Tensor
+    scale: torch.Tensor
+
+
+def init_delayed_state(
+    recipe: Recipe | str = "delayed", device: torch.device | str | None = None
+) -> DelayedScalingState:
+    """A fresh state: a zero history and scale 1 (TransformerEngine's start)."""
+    r = get_recipe(recipe)
+    return DelayedScalingState(
+        torch.zeros(r.amax_history_len, dtype=torch.float32, device=device),
+        torch.ones((), dtype=torch.float32, device=device),
+    )
+
+
+def update_delayed_state(
+    state: DelayedScalingState, amax: torch.Tensor, recipe: Recipe | str = "delayed", dtype: torch.dtype = E4M3
+) -> DelayedScalingState:
+    """Record a new amax and compute the next scale (pure; traceable, no host sync).
+
+    The history rolls by one and ``amax`` enters at index 0; the scale becomes
+    ``fp8_max / (a * 2**margin)`` with ``a`` the history's maximum (``amax_compute_algo="max"``) or
+    ``amax`` itself (``"most_recent"``), in float32 (TransformerEngine's ``_default_sf_compute``). Where
+    ``a`` is 0 the scale stays as it was. A non-finite ``amax`` (inf, NaN) changes nothing: the old
+    state is returned, so one overflow cannot poison the history (TransformerEngine lets it in and
+    keeps only the scale).
+
+    Args:
+      state: the current state.
+      amax: 0-d, the largest magnitude of the tensor just cast (any floating dtype).
+      recipe: a delayed :class:`Recipe` (its ``margin`` and ``amax_compute_algo``).
+      dtype: the fp8 format the scale is for.
+    Returns:
+      The new :class:`DelayedScalingState` (new tensors; ``state`` is not changed).
+    """
+    r = get_recipe(recipe)
+    amax = amax.detach().to(torch.float32)
+    finite = torch.isfinite(amax)
+    history = torch.cat([amax.reshape(1), state.amax_history[:-1]])
+    a = history.max() if r.amax_compute_algo == "max" else amax
+    scale = get_format(dtype).max / a / 2.0**r.margin
+    if r.round_scales_to_power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scale = torch.where(a > 0, scale, state.scale)
+    return DelayedScalingState(
+        torch.where(finite, history, state.amax_history), torch.where(finite, scale, state.scale)
+    )
+
+
+# --- the fp8 matmuls -------------------------------------------------------------------------------
+
+
+def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    a = t.detach().abs()
+    return a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
+
+
+def _cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 tensor, inverse scale)``: ``t * scale`` in float32, saturated and cast to ``dtype`` (torchao's
+    ``to_fp8_saturated``); the inverse scale is ``1 / scale`` in float32, what ``torch._scaled_mm`` takes."""
+    top = get_format(dtype).max
+    return (t.detach().to(torch.float32) * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+
+
+def _dynamic(t: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast with the current amax: over the whole tensor (``dim=None``) or reduced along ``dim``.
+
+    Saturation would turn an inf into ``fp8_max``: where the amax is not finite the scale is NaN, so the
+    product (hence the loss or the gradient) is NaN and the step is skipped, never silently wrong.
+    """
+    amax = _amax(t, dim)
+    return _cast(t, _poison(amax_to_scale(amax, dtype, pow2), amax), dtype)
+
+
+def _poison(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(amax), scale, torch.nan)
+
+
+def _scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype, fast: bool
+) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` in ``out_dtype`` by ``torch._scaled_mm``, as torchao calls it.
+
+    ``a`` is made row-major and ``b`` column-major (CUDA's rule); ``scale_*`` are the inverse scales, 0-d,
+    or ``(M, 1)`` and ``(1, N)`` (rowwise). As torchao (``addmm_float8_unwrapped``): a rowwise product
+    without fast accumulation runs the per-tensor kernel with unit scales and multiplies by
+    ``scale_a * scale_b`` after, in the output dtype (CUDA's rowwise kernel is slow without fast
+    accumulation); and a rowwise product for a float32 or float16 output is computed in bfloat16 and
+    cast (CUDA's rowwise ``_scaled_mm`` has no float32 output, pytorch#156771).
+    """
+    rowwise = scale_a.ndim == 2
+    post = None
+    if rowwise and not fast:
+        post, scale_a, scale_b = scale_a * scale_b, scale_a.new_ones(()), scale_b.new_ones(())
+    mm_dtype = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
+    out = torch._scaled_mm(
+        a.contiguous(),
+        b.t().contiguous().t(),
+        scale_a=scale_a.contiguous(),
+        scale_b=scale_b.contiguous(),
+        out_dtype=mm_dtype,
+        use_fast_accum=fast,
+    )
+    if post is not None:
+        out = out.mul_(post)
+    return out.to(out_dtype)
+
+
+def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
+    """Zero rows up to a multiple of 16: ``grad_weight`` contracts the token dimension, and CUDA's
+    ``_scaled_mm`` needs contracted sizes divisible by 16. Zero rows change no amax and no sum."""
+    extra = -t.shape[0] % multiple
+    return F.pad(t, (0, 0, 0, extra)) if extra else t
+
+
+def _forward_casts(
+    x: torch.Tensor, w: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None, recipe: Recipe
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The e4m3 casts of ``x`` (M, K) and ``w`` (N, K) with their inverse scales, tensorwise or per row."""
+    if scales is not None:  # delayed: the given (already poisoned) multipliers
+        return _cast(x, scales[0], E4M3), _cast(w, scales[1], E4M3)
+    dim = -1 if recipe.scaling == "rowwise" else None  # rowwise: per row of x, per output feature of w
+    pow2 = recipe.round_scales_to_power_of_2
+    return _dynamic(x, E4M3, dim, pow2), _dynamic(w, E4M3, dim, pow2)
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """``y = x @ w.T`` with all three matmuls in fp8; ``x`` (M, K), ``w`` (N, K), ``y`` (M, N).
+
+    ``x_scale`` and ``w_scale``: the delayed recipe's float32 multipliers, else None. ``vmap`` comes from
+    ``generate_vmap_rule`` (the forward and backward run per sample, scales included).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor,
+        w: torch.Tensor,
+        x_scale: torch.Tensor | None,
+        w_scale: torch.Tensor | None,
+        recipe: Recipe,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        scales = None if x_scale is None or w_scale is None else (x_scale, w_scale)
+        (x8, sx), (w8, sw) = _forward_casts(x, w, scales, recipe)
+        if recipe.scaling == "rowwise":
+            sw = sw.flatten().unsqueeze(0)  # (N, 1) -> (1, N): one scale per column of w.T, unit strides
+        return _scaled_mm(x8, w8.t(), sx, sw, out_dtype, fast=True)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, w, x_scale, w_scale, recipe, _ = inputs
+        ctx.recipe = recipe
+        ctx.delayed = x_scale is not None
+        ctx.save_for_backward(x, w, *((x_scale, w_scale) if ctx.delayed else ()))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        recipe: Recipe = ctx.recipe
+        x, w, *scales = ctx.saved_tensors
+        gd, pow2, m = recipe.grad_dtype, recipe.round_scales_to_power_of_2, g.shape[0]
+        grad_x = grad_w = None
+        gp, xp = _pad_rows(g), _pad_rows(x)
+        if recipe.scaling == "rowwise":  # each operand scaled along the dimension its matmul contracts
+            if ctx.needs_input_grad[0]:  # g (M, N) per row, w (N, K) per column
+                (g8, sg), (w8, sw) = _dynamic(g, gd, -1, pow2), _dynamic(w, E4M3, 0, pow2)
+                grad_x = _scaled_mm(g8, w8, sg, sw, x.dtype, fast=False)
+            if ctx.needs_input_grad[1]:  # g.T (N, M) per row, x (M, K) per column
+                (g8, sg), (x8, sx) = _dynamic(gp, gd, 0, pow2), _dynamic(xp, E4M3, 0, pow2)
+                grad_w = _scaled_mm(g8.t(), x8, sg.flatten().unsqueeze(1), sx, w.dtype, fast=False)
+            return grad_x, grad_w, None, None, None, None
+        g8, sg = _dynamic(gp, gd, None, pow2)  # gradients: current scaling in every per-tensor recipe
+        (x8, sx), (w8, sw) = _forward_casts(xp, w, tuple(scales) if ctx.delayed else None, recipe)
+        if ctx.needs_input_grad[0]:
+            grad_x = _scaled_mm(g8[:m], w8, sg, sw, x.dtype, fast=False)
+        if ctx.needs_input_grad[1]:
+            grad_w = _scaled_mm(g8.t(), x8, sg, sx, w.dtype, fast=False)
+        return grad_x, grad_w, None, None, None, None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    recipe: Recipe | str = "tensorwise",
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``F.linear`` with its three matmuls in fp8 (``y = x W^T + b``), differentiable.
+
+    Args:
+      x: ``(..., K)`` float32, bfloat16 or float16.
+      weight: ``(N, K)``, any of those dtypes; ``K`` and ``N`` multiples of 16 on CUDA.
+      bias: ``(N,)`` or None; added in the output dtype after the fp8 matmul, as torchao.
+      recipe: a :class:`Recipe` or its name.
+      scales: for the delayed recipe, the float32 0-d multipliers of ``x`` and ``weight``.
+    Returns:
+      ``(..., N)`` in ``x``'s dtype (the autocast dtype under ``torch.autocast``); the gradients of ``x``
+      and ``weight`` come back in their own dtypes.
+    Raises:
+      TypeError: if ``x`` or ``weight`` is not float32, bfloat16 or float16.
+      ValueError: if the last dimension of ``x`` is not ``weight``'s second, or ``scales`` is given for
+        a dynamic recipe or missing for the delayed one.
+    """
+    r = get_recipe(recipe)
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in _HIGH:
+            raise TypeError(
+                f"fp8_linear: {name} must be float32, bfloat16 or float16 (cast to fp8 inside), got {t.dtype}"
+            )
+    if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit x @ weight.T")
+    if (scales is None) != (r.scaling != "delayed"):
+        raise ValueError(f"fp8_linear: scales are required by the delayed recipe and only by it (recipe {r.scaling!r})")
+    out_dtype = x.dtype
+    if torch.is_autocast_enabled(x.device.type):
+        out_dtype = torch.get_autocast_dtype(x.device.type)
+    x2 = x.reshape(-1, x.shape[-1])
+    sx, sw = scales if scales is not None else (None, None)
+    y = _Fp8Matmul.apply(x2, weight, sx, sw, r, out_dtype)
+    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+# --- the module swap ------------------------------------------------------------------------------
+
+
+def _check_fp8_shape(in_features: int, out_features: int) -> str | None:
+    if in_features % 16 or out_features % 16:
+        return (
+            f"in_features={in_features} and out_features={out_features} must both be multiples of 16 "
+            "(torch._scaled_mm's rule on CUDA)"
+        )
+    return None
+
+
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` whose three matmuls run in fp8 (:func:`fp8_linear`), as torchao's ``Float8Linear``.
+
+    Parameters are those of ``nn.Linear`` (``weight`` ``(out_features, in_features)``, ``bias``) in
+    their own dtype; they are cast to fp8 at every call, never stored in fp8. With the delayed recipe
+    the layer has four persistent float32 buffers, the :class:`DelayedScalingState` of its input and
+    of its weight: ``fp8_amax_history_input`` and ``fp8_amax_history_weight``
+    ``(amax_history_len,)``, ``fp8_scale_input`` and ``fp8_scale_weight`` ``()``. Each call casts with
+    the stored scales and then writes the updated state into the buffers in place, as BatchNorm
+    writes its running statistics: :func:`funcamp.nn.functionalize` hands them out as
+    ``new_buffers``, and a skipped step keeps the old ones.
+
+    Unlike torchao, the input is cast from the dtype it arrives in; under
+    ``functionalize(..., module_policies=MODULE_POLICIES)`` that is float32, so the weight is cast
+    from its float32 master once (no bfloat16 step in between).
+
+    Raises:
+      ValueError: at construction, if ``in_features`` or ``out_features`` is not a multiple of 16.
+      ValueError: at call time (delayed), if the buffers are not float32 or not of the recipe's
+        history length (a recipe state from another model or recipe), naming the layer.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: Recipe | str = "tensorwise",
+        name: str = "",
+    ) -> None:
+        problem = _check_fp8_shape(in_features, out_features)
+        if problem:
+            raise ValueError(f"Float8Linear {name or ''}: {problem}; fp8.convert leaves such layers as they are")
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.recipe = get_recipe(recipe)
+        self.name = name
+        if self.recipe.scaling == "delayed":
+            for role in ("input", "weight"):
+                state = init_delayed_state(self.recipe, device)
+                self.register_buffer(f"fp8_amax_history_{role}", state.amax_history)
+                self.register_buffer(f"fp8_scale_{role}", state.scale)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = "tensorwise", name: str = "") -> Float8Linear:
+        """A Float8Linear holding ``linear``'s own parameter objects (shared, so weight tying survives).
+
+        Raises:
+          ValueError: if the shape is not a multiple of 16 (see the class).
+        """
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            device="meta",
+            recipe=recipe,
+            name=name,
+        )
+        new.weight, new.bias = linear.weight, linear.bias
+        new.train(linear.training)
+        if new.recipe.scaling == "delayed":  # real buffers on the weight's device (built on meta above)
+            for role in ("input", "weight"):
+                history, scale = init_delayed_state(new.recipe, linear.weight.device)
+                setattr(new, f"fp8_amax_history_{role}", history)
+                setattr(new, f"fp8_scale_{role}", scale)
+        return new
+
+    def delayed_state(self, role: str) -> DelayedScalingState:
+        """The current :class:`DelayedScalingState` of ``"input"`` or ``"weight"`` (delayed recipe only)."""
+        return DelayedScalingState(getattr(self, f"fp8_amax_history_{role}"), getattr(self, f"fp8_scale_{role}"))
+
+    def _check_state(self) -> None:
+        for role in ("input", "weight"):
+            history, scale = self.delayed_state(role)
+            if history.dtype != torch.float32 or scale.dtype != torch.float32:
+                raise ValueError(
+                    f"Float8Linear {self.name!r}: the delayed-scaling state must be float32, got {history.dtype}; "
+                    "functionalize the model with module_policies=funcamp.fp8.MODULE_POLICIES (a bfloat16 "
+                    "policy would round the amaxes), and do not call .to(bfloat16) on the module"
+                )
+            if history.shape != (self.recipe.amax_history_len,) or scale.shape != ():
+                raise ValueError(
+                    f"Float8Linear {self.name!r}: fp8_amax_history_{role} has shape {tuple(history.shape)} and "
+                    f"fp8_scale_{role} {tuple(scale.shape)}; the recipe needs ({self.recipe.amax_history_len},) "
+                    "and (): the state comes from another model or recipe"
+                )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recipe.scaling != "delayed":
+            return fp8_linear(x, self.weight, self.bias, self.recipe)
+        self._check_state()
+        scales = []
+        for role, t in (("input", x), ("weight", self.weight)):
+            state = self.delayed_state(role)
+            amax = _amax(t, None)
+            scales.append(_poison(state.scale.clone(), amax))  # this call casts with the stored scale
+            new = update_delayed_state(state, amax, self.recipe, E4M3)
+            state.amax_history.copy_(new.amax_history)
+            state.scale.copy_(new.scale)
+        return fp8_linear(x, self.weight, self.bias, self.recipe, scales=(scales[0], scales[1]))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.scaling}"
+
+
+#: ``module_policies`` for :func:`funcamp.nn.functionalize`: fp8 layers receive float32 weights, inputs
+#: and recipe state (cast to fp8 inside), and return the surrounding compute dtype
+#: (:func:`funcamp.nn.keep_in_float32`). Merge with your own: ``{**fp8.MODULE_POLICIES, **yours}``.
+MODULE_POLICIES: Mapping[type, Any] = MappingProxyType({Float8Linear: keep_in_float32})
+
+#: A value of ``filter`` in :func:`convert`.
+Filter = Callable[[nn.Module, str], bool] | str | Iterable[str] | None
+
+
+def _selector(filter: Filter, linears: list[str]) -> Callable[[nn.Module, str], bool]:
+    if filter is None:  # the field's default: first and last layers stay in high precision
+        keep = set(linears[1:-1])
+        return lambda module, name: name in keep
+    if callable(filter):
+        return filter
+    patterns = [filter] if isinstance(filter, str) else filter
+    if isinstance(patterns, Iterable) and not isinstance(patterns, (bytes, Mapping)):
+        patterns = list(patterns)
+        if patterns and all(isinstance(p, str) for p in patterns):
+            return lambda module, name: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    raise TypeError(
+        "fp8.convert: filter must be None (every Linear but the first and the last), a predicate "
+        f"(module, name) -> bool (torchao's module_filter_fn), or fnmatch name patterns; got {filter!r}"
+    )
+
+
+def convert(model: nn.Module, recipe: Recipe | str = "tensorwise", *, filter: Filter = None) -> nn.Module:
+    """A copy of ``model`` with its ``nn.Linear`` layers swapped for :class:`Float8Linear`.
+
+    Only modules whose type is exactly ``nn.Linear`` are candidates (a subclass may have a forward of
+    its own). ``filter`` chooses among them; by default every one but the first and the last in
+    ``named_modules()`` order (the embedding-side and output layers stay in the surrounding dtype, as
+    torchao's and TransformerEngine's guides advise). A chosen layer whose sizes are not multiples of
+    16 stays as it is, with one :class:`Fp8FallbackWarning` naming all such layers. Parameters are
+    copied with the model, and a weight tied between a converted layer and another module stays tied.
+
+    Args:
+      model: any ``nn.Module``; not changed.
+      recipe: a :class:`Recipe` or ``"tensorwise"``, ``"rowwise"``, ``"delayed"``.
+      filter: None (the default above), a predicate ``filter(module, qualified_name) -> bool``, or a
+        name pattern or list of them (fnmatch: ``"blocks.*.mlp.*"``).
+    Returns:
+      The converted copy (train/eval flags kept).
+    Raises:
+      TypeError: if ``model`` is not an ``nn.Module`` or ``filter`` not one of the forms above.
+      ValueError: if the recipe is unknown, or ``filter`` selects no ``nn.Linear``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fp8.convert: expected a torch.nn.Module, got {type(model).__name__}")
+    r = get_recipe(recipe)
+    model = copy.deepcopy(model)
+    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    select = _selector(filter, linears)
+    chosen = [name for name in linears if select(model.get_submodule(name), name)]
+    if not chosen:
+        raise ValueError(
+            f"fp8.convert: the filter selected none of the {len(linears)} nn.Linear layers "
+            f"({', '.join(linears[:6])}{', ...' if len(linears) > 6 else ''}); the default keeps the first and last"
+        )
+    swapped: dict[int, nn.Module] = {}
+    fallback = []
+    for name in chosen:
+        old = model.get_submodule(name)
+        if _check_fp8_shape(old.in_features, old.out_features):
+            fallback.append(f"{name} ({old.in_features}->{old.out_features})")
+            continue
+        swapped.setdefault(id(old), Float8Linear.from_linear(old, r, name))
+    for _, parent in list(model.named_modules(remove_duplicate=False)):
+        for child_name, child in list(parent.named_children()):
+            if id(child) in swapped:
+                setattr(parent, child_name, swapped[id(child)])
+    if fallback:
+        warnings.warn(
+            f"fp8.convert: {len(fallback)} layer(s) stay in the surrounding dtype, their sizes are not multiples "
+            f"of 16: {', '.join(fallback)}",
+            Fp8FallbackWarning,
+            stacklevel=2,
+        )
+    return model
