@@ -3,7 +3,9 @@
 :func:`memory_footprint` counts what Hugging Face's ``model.get_memory_footprint()`` counts (parameters,
 tied ones once, plus buffers) for a module, or the tensor leaves of any pytree. :func:`memory_report`
 splits the bytes by dtype: what the master copy holds between steps, and the compute-dtype copies of
-the parameters that a forward pass under the policy makes.
+the parameters that a forward pass under the policy makes. Both take ``apply_fn=`` (what
+:func:`funcamp.nn.functionalize` returned) to count the frozen tensors ``apply_fn`` holds, int8 weights
+(:class:`funcamp.quant.Int8Weight`) with their float32 scales, and the copies its forward really makes.
 """
 
 from __future__ import annotations
@@ -17,17 +19,29 @@ from torch import nn
 
 from funcamp import _tree
 from funcamp.policy import Policy, get_policy
+from funcamp.quant import Int8Weight
 
 __all__ = ["MemoryReport", "memory_footprint", "memory_report"]
 
 PolicyArg = Policy | str | Mapping[str, Policy | str] | None
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def _nbytes(tensor: torch.Tensor | Int8Weight) -> int:
+    if isinstance(tensor, Int8Weight):
+        return _nbytes(tensor.qdata) + _nbytes(tensor.scale)
     return tensor.numel() * tensor.element_size()
 
 
-def memory_footprint(tree_or_module: Any, *, buffers: bool = True) -> int:
+def _frozen_of(apply_fn: Any) -> Mapping[str, Any]:
+    frozen = getattr(apply_fn, "frozen", None)
+    if not callable(apply_fn) or not isinstance(frozen, Mapping) or not hasattr(apply_fn, "forward_dtypes"):
+        raise TypeError(
+            f"memory: apply_fn must be the function funcamp.nn.functionalize returned, got {type(apply_fn).__name__}"
+        )
+    return frozen
+
+
+def memory_footprint(tree_or_module: Any, *, buffers: bool = True, apply_fn: Any = None) -> int:
     """Bytes held by a module's parameters and buffers, or by the tensor leaves of a pytree.
 
     For a module this is ``model.get_memory_footprint(return_buffers=buffers)`` of Hugging Face
@@ -35,11 +49,19 @@ def memory_footprint(tree_or_module: Any, *, buffers: bool = True) -> int:
     For a pytree (the ``params`` that :func:`funcamp.nn.functionalize` returns, a train state) it is
     :func:`funcamp.tree_bytes`. Views are counted at their own size, not their storage's.
 
+    With ``apply_fn`` (from :func:`funcamp.nn.functionalize`), the frozen tensors it holds
+    (``apply_fn.frozen``) are added: int8 weights as ``qdata`` (1 byte per element) plus their float32
+    scales (4 bytes per output channel). transformers' ``get_memory_footprint`` of a ``load_in_8bit``
+    model counts the int8 weights but not bitsandbytes' scales (``SCB``, an attribute, not a parameter).
+
     Args:
-      tree_or_module: an ``nn.Module`` or a pytree whose tensor leaves are counted.
+      tree_or_module: an ``nn.Module`` or a pytree whose tensor leaves are counted (``params``).
       buffers: for a module, whether to count its buffers too (ignored for a pytree).
+      apply_fn: optional; a function returned by ``functionalize``, whose frozen tensors are added.
     Returns:
       The size in bytes, a Python int.
+    Raises:
+      TypeError: if ``apply_fn`` is not a function ``functionalize`` returned.
 
     Example:
       >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
@@ -48,12 +70,13 @@ def memory_footprint(tree_or_module: Any, *, buffers: bool = True) -> int:
       >>> memory_footprint({"w": torch.zeros(4, 4, dtype=torch.bfloat16), "step": 3})
       32
     """
+    held = 0 if apply_fn is None else _tree.tree_bytes(dict(_frozen_of(apply_fn)))
     if isinstance(tree_or_module, nn.Module):
         total = sum(_nbytes(p) for p in tree_or_module.parameters())
         if buffers:
             total += sum(_nbytes(b) for b in tree_or_module.buffers())
-        return total
-    return _tree.tree_bytes(tree_or_module)
+        return total + held
+    return _tree.tree_bytes(tree_or_module) + held
 
 
 def _format_bytes(n: int) -> str:
@@ -119,11 +142,12 @@ class MemoryReport:
         return "\n".join([title, *lines])
 
 
-def _named_tensors(tree_or_module: Any) -> Iterator[tuple[str | None, torch.Tensor, bool, bool]]:
+def _named_tensors(tree_or_module: Any) -> Iterator[tuple[str | None, torch.Tensor | Int8Weight, bool, bool]]:
     """``(name, tensor, follows_policy, first_use)`` for everything counted.
 
-    Names are None in a nested tree. A tied parameter of a module comes once per name, with
-    ``first_use`` False after the first (it is stored once but cast once per use).
+    Names are None in a nested tree. An :class:`Int8Weight` value of a flat dict comes whole. A tied
+    parameter of a module comes once per name, with ``first_use`` False after the first (it is stored
+    once but cast once per use).
     """
     if isinstance(tree_or_module, nn.Module):
         seen: set[int] = set()
@@ -137,6 +161,9 @@ def _named_tensors(tree_or_module: Any) -> Iterator[tuple[str | None, torch.Tens
         return
     if isinstance(tree_or_module, Mapping) and all(isinstance(k, str) for k in tree_or_module):
         for name, leaf in tree_or_module.items():
+            if isinstance(leaf, Int8Weight):
+                yield name, leaf, True, True
+                continue
             for x in _tree.tree_leaves(leaf):
                 if isinstance(x, torch.Tensor):
                     yield name, x, True, True
@@ -162,7 +189,7 @@ def _policy_for(policy: Any, name: str | None) -> Policy:
     return get_policy(policy[name])
 
 
-def memory_report(tree_or_module: Any, policy: PolicyArg = None) -> MemoryReport:
+def memory_report(tree_or_module: Any, policy: PolicyArg = None, *, apply_fn: Any = None) -> MemoryReport:
     """Bytes by dtype that a model stores, and the compute copies it makes, under a precision policy.
 
     Every floating parameter (and persistent buffer, and floating leaf of a pytree) is counted in its
@@ -171,17 +198,30 @@ def memory_report(tree_or_module: Any, policy: PolicyArg = None) -> MemoryReport
     ``apply_fn`` casts it to. A tied parameter of a module (GPT-2's embedding and LM head) is stored
     once and copied once per use, as ``apply_fn`` does. Integer tensors and non-persistent buffers are
     counted as they are.
-    Without a policy, ``stored`` is what the tensors hold now and ``compute`` is empty.
+    Without a policy, ``stored`` is what the tensors hold now and ``compute`` is empty. An
+    :class:`funcamp.quant.Int8Weight` value of a flat dict is stored as it is (int8 data and float32
+    scales) and, under a policy, copied once in the compute dtype (its dequantized weight).
+
+    With ``apply_fn`` (instead of a policy), ``tree_or_module`` is the ``params`` (and, merged in, the
+    ``buffers``) that :func:`funcamp.nn.functionalize` returned with it: ``stored`` counts them as they
+    are plus the frozen tensors ``apply_fn`` holds (int8 weights with their scales), and ``compute``
+    the copies a call makes, from the dtype each tensor really enters the forward in
+    (``apply_fn.forward_dtypes``): a float32 master used in bfloat16, a dequantized int8 weight, each
+    use of a tied weight that needs a cast of its own.
 
     Args:
       tree_or_module: an ``nn.Module`` or a pytree of tensors.
       policy: a Policy, a policy string, a dict from names (``named_parameters`` names, or the keys of
         a flat dict) to policies such as :func:`funcamp.nn.param_policies` returns, which knows that
         normalisation layers stay in float32; or None.
+      apply_fn: optional; the function ``functionalize`` returned with ``tree_or_module``.
     Returns:
       A :class:`MemoryReport`; ``str()`` of it is a table.
     Raises:
-      TypeError: if per-name policies are given with a nested pytree.
+      TypeError: if per-name policies are given with a nested pytree; if both ``policy`` and
+        ``apply_fn`` are given, or ``apply_fn`` is not a function ``functionalize`` returned.
+      ValueError: with ``apply_fn``, if a name of ``tree_or_module`` is not one of its parameters or
+        buffers.
       ValueError: if a policy string does not parse, or a floating tensor has no per-name policy.
 
     Example:
@@ -196,6 +236,10 @@ def memory_report(tree_or_module: Any, policy: PolicyArg = None) -> MemoryReport
       bfloat16        -         2.0 MiB
       total     4.0 MiB         2.0 MiB
     """
+    if apply_fn is not None:
+        if policy is not None:
+            raise TypeError("memory_report: give either a policy or apply_fn (whose dtypes are the policy's), not both")
+        return _report_of_apply_fn(tree_or_module, apply_fn)
     if isinstance(policy, Mapping):
         policy_name: str | None = None  # set below, from the bytes under each policy
     elif policy is not None:
@@ -207,6 +251,12 @@ def memory_report(tree_or_module: Any, policy: PolicyArg = None) -> MemoryReport
     compute: dict[torch.dtype, int] = {}
     by_policy: dict[str, list[int]] = {}  # policy text -> [bytes, tensors]
     for name, tensor, follows, first_use in _named_tensors(tree_or_module):
+        if isinstance(tensor, Int8Weight):  # stored as it is; under a policy, dequantized to compute dtype
+            _add(stored, torch.int8, _nbytes(tensor.qdata))
+            _add(stored, tensor.scale.dtype, _nbytes(tensor.scale))
+            if policy is not None:
+                _add(compute, _policy_for(policy, name).compute_dtype, tensor.qdata.numel() * _itemsize(policy, name))
+            continue
         if policy is None or not follows or not tensor.is_floating_point():
             if first_use:
                 _add(stored, tensor.dtype, _nbytes(tensor))
@@ -235,3 +285,46 @@ def _describe(by_policy: dict[str, list[int]]) -> str | None:
     main = max(by_policy, key=lambda text: by_policy[text][0])
     others = sum(n for text, (_, n) in by_policy.items() if text != main)
     return main if not others else f"{main}; {others} tensors under other policies"
+
+
+def _itemsize(policy: Any, name: str | None) -> int:
+    return _policy_for(policy, name).compute_dtype.itemsize
+
+
+def _report_of_apply_fn(tree: Any, apply_fn: Any) -> MemoryReport:
+    """:func:`memory_report` with ``apply_fn``: stored as held, copies as ``apply_fn``'s forward makes them."""
+    frozen = _frozen_of(apply_fn)
+    dtypes: Mapping[str, torch.dtype] = apply_fn.forward_dtypes
+    aliases: Mapping[str, str] = getattr(apply_fn, "aliases", {})
+    if not isinstance(tree, Mapping) or not all(isinstance(k, str) for k in tree):
+        raise TypeError(
+            "memory_report: with apply_fn, pass the flat dict of params (and buffers) functionalize returned, "
+            f"got {type(tree).__name__}"
+        )
+    unknown = sorted(set(tree) - set(dtypes))
+    if unknown:
+        raise ValueError(
+            f"memory_report: {unknown[:6]} are not parameters or buffers of this apply_fn; pass the params "
+            "functionalize returned with it"
+        )
+    stored: dict[torch.dtype, int] = {}
+    compute: dict[torch.dtype, int] = {}
+    source: dict[str, torch.dtype] = {}  # name -> the dtype a tied use is cast from
+    for name, t in [*tree.items(), *frozen.items()]:
+        if isinstance(t, Int8Weight):
+            _add(stored, torch.int8, _nbytes(t.qdata))
+            _add(stored, t.scale.dtype, _nbytes(t.scale))
+            _add(compute, dtypes[name], t.qdata.numel() * dtypes[name].itemsize)
+            source[name] = dtypes[name]
+            continue
+        _add(stored, t.dtype, _nbytes(t))
+        if t.is_floating_point() and dtypes[name] != t.dtype:
+            _add(compute, dtypes[name], t.numel() * dtypes[name].itemsize)
+        source[name] = dtypes[name] if name in frozen else t.dtype
+    for alias, name in aliases.items():  # each use of a tied tensor is cast from its first name's
+        t = frozen.get(name, tree.get(name))
+        if t is not None and dtypes[alias] != source[name]:
+            numel = t.qdata.numel() if isinstance(t, Int8Weight) else t.numel()
+            if isinstance(t, Int8Weight) or t.is_floating_point():
+                _add(compute, dtypes[alias], numel * dtypes[alias].itemsize)
+    return MemoryReport(stored, compute, "as functionalize's apply_fn holds and casts them")

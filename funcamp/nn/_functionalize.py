@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
-from funcamp import ops
+from funcamp import ops, quant
 from funcamp.nn import _remat
 from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
 from funcamp.ops import OpRule
@@ -234,6 +234,7 @@ def functionalize(
     with_buffers: bool | None = None,
     trainable: Trainable = None,
     op_policies: Mapping[Any, OpRule | None] | None = None,
+    quantize: quant.Int8WeightOnlyConfig | None = None,
 ) -> (
     tuple[Callable[..., Any], dict[str, torch.Tensor]]
     | tuple[Callable[..., Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]
@@ -329,15 +330,30 @@ def functionalize(
         embedding and log_softmax, run in float32 when they see half-precision inputs); ``None`` as a
         rule removes a default one. In both casting modes; a rule wins over autocast's op lists. The
         mode is entered only where the model computes in a half dtype somewhere or rules were given.
+      quantize: ``None``, or a :class:`funcamp.quant.Int8WeightOnlyConfig` choosing frozen matrices
+        (Linear, Hugging Face ``Conv1D``, optionally embeddings) to store in int8 with per-output-channel
+        float32 absmax scales (``apply_fn.frozen[name]`` is then a :class:`funcamp.quant.Int8Weight`),
+        dequantized at each call into the compute dtype of the module using them (in both casting
+        modes), so gradients reach the trainable tensors through them. The chosen weights must be
+        frozen. Storage only: during a call the dequantized copies exist as any compute-dtype copy does
+        (the forward is the model's own, not an int8 matmul). See :mod:`funcamp.quant` for the error
+        bound and the differences from bitsandbytes (``load_in_8bit``) and torchao.
     Returns:
       ``(apply_fn, params)`` or ``(apply_fn, params, buffers)``, see above. ``apply_fn.frozen`` is a
-      read-only dict of the frozen tensors (empty when everything is trainable).
+      read-only dict of the frozen tensors (empty when everything is trainable);
+      ``apply_fn.forward_dtypes`` the dtype each parameter and buffer enters the forward in, by name
+      (tied uses under each name, listed in ``apply_fn.aliases``), from which
+      :func:`funcamp.memory.memory_report` ``(params, apply_fn=apply_fn)`` counts the compute copies.
     Raises:
       TypeError: if ``module`` is not an ``nn.Module``, ``module_policies`` is malformed, or the module
         cannot be deep-copied.
       TypeError: if ``trainable`` is not one of the forms above, or its predicate returns a non-bool.
       ValueError: if a policy string does not parse; if a ``trainable`` pattern or the predicate
         selects no parameter.
+      ValueError: if a weight chosen by ``quantize`` is trainable (int8 weights are frozen), or
+        ``quantize`` selects nothing (see :meth:`funcamp.quant.Int8WeightOnlyConfig.select`).
+      TypeError: if ``quantize`` is not an ``Int8WeightOnlyConfig``, or one of its name patterns
+        matches only modules that cannot take int8 (norms, convolutions).
       ValueError: at call time, if ``params`` or ``buffers`` do not have the module's names (a frozen
         name in ``params`` is named as such).
       TypeError: at call time, if ``params`` or ``buffers`` is not a dict.
@@ -364,19 +380,25 @@ def functionalize(
     policy = get_policy(policy)
     plan = _Plan(module, policy, module_policies)
     chosen = _trainable_names(module, plan, trainable)
+    int8 = _int8_names(module, quantize, chosen)
     _remat.install()
     skeleton = _skeleton(module, plan, autocast, training)
     named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     train_names = [name for name in plan.params if name in chosen]
     params = {name: _master(named[name], plan.tensors[name]) for name in train_names}
-    frozen = {
-        name: named[name].detach().to(_frozen_dtype(named[name], plan.tensors[name], autocast), copy=True)
+    frozen: dict[str, torch.Tensor | quant.Int8Weight] = {
+        name: quant.quantize_int8(named[name], int8[name])
+        if name in int8
+        else named[name].detach().to(_frozen_dtype(named[name], plan.tensors[name], autocast), copy=True)
         for name in plan.params
         if name not in chosen
     }
     buffers = {name: _master(named[name], plan.tensors[name]) for name in plan.buffers}
     forward_dtypes = {name: plan.forward_dtype(name, autocast) for name in [*plan.tensors, *plan.aliases]}
-    forward_dtypes.update({name: t.dtype for name, t in frozen.items()})
+    forward_dtypes.update({name: t.dtype for name, t in frozen.items() if name not in int8})
+    # An int8 weight is dequantized into its module's compute dtype (a tied use: into its own module's).
+    forward_dtypes.update({name: plan.tensors[name].compute_dtype for name in int8})
+    forward_dtypes.update({a: plan.alias_policies[a].compute_dtype for a, name in plan.aliases.items() if name in int8})
     stored_dtypes = {name: buffers[name].dtype for name in plan.buffers}
 
     rules = {**ops.FLOAT32_ACCUMULATION, **(op_policies or {})}
@@ -384,11 +406,17 @@ def functionalize(
     op_mode = functools.partial(ops.OpPolicies, rules) if op_policies or any_half else contextlib.nullcontext
     op_mode()  # check the rules now, not at the first call
 
+    def frozen_tensors() -> dict[str, torch.Tensor]:
+        """The frozen tensors as the forward uses them: int8 weights dequantized (in the traced graph)."""
+        return {
+            name: quant.dequantize_int8(t, forward_dtypes[name]) if name in int8 else t for name, t in frozen.items()
+        }
+
     def run(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
         _check_keys("params", params, train_names, frozen)
         _check_keys("buffers", state, plan.buffers)
         tensors = {name: _to_forward(p, forward_dtypes[name]) for name, p in params.items()}
-        tensors.update(frozen)
+        tensors.update(frozen_tensors())
         # Fresh tensors: the module's in-place updates (running statistics) must not reach the caller's.
         fresh = {name: _to_forward(b, forward_dtypes[name], copy=True) for name, b in state.items()}
         # Each use of a tied parameter gets its own cast, so that the gradients of the uses are summed in
@@ -428,7 +456,7 @@ def functionalize(
         ) -> tuple[Any, dict[str, torch.Tensor]]:
             return run(params, buffers, args, kwargs)
 
-        apply_fn.frozen = types.MappingProxyType(frozen)  # type: ignore[attr-defined]
+        _describe(apply_fn, frozen, forward_dtypes, plan)
         return apply_fn, params, buffers
 
     constant = buffers
@@ -436,8 +464,37 @@ def functionalize(
     def apply_fn(params: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
         return run(params, constant, args, kwargs)[0]
 
-    apply_fn.frozen = types.MappingProxyType(frozen)  # type: ignore[attr-defined]
+    _describe(apply_fn, frozen, forward_dtypes, plan)
     return apply_fn, params
+
+
+def _describe(apply_fn: Any, frozen: dict[str, Any], forward_dtypes: dict[str, torch.dtype], plan: _Plan) -> None:
+    """``apply_fn.frozen`` and ``apply_fn.forward_dtypes`` (read-only; memory_report counts from them)."""
+    apply_fn.frozen = types.MappingProxyType(frozen)
+    apply_fn.forward_dtypes = types.MappingProxyType(
+        {name: forward_dtypes[name] for name in [*plan.params, *plan.buffers, *plan.aliases]}
+    )
+    apply_fn.aliases = types.MappingProxyType(dict(plan.aliases))
+
+
+def _int8_names(module: nn.Module, quantize: Any, chosen: set[str]) -> dict[str, int]:
+    """``{parameter name: output-channel dim}`` of the weights stored in int8; they must be frozen."""
+    if quantize is None:
+        return {}
+    if not isinstance(quantize, quant.Int8WeightOnlyConfig):
+        raise TypeError(
+            "functionalize: quantize must be None or a funcamp.quant.Int8WeightOnlyConfig, got "
+            f"{type(quantize).__name__}"
+        )
+    int8 = quantize.select(module)
+    trained = sorted(set(int8) & chosen)
+    if trained:
+        raise ValueError(
+            f"functionalize: {_sample(trained)} ({len(trained)} tensors) would be stored in int8 and trained; "
+            "int8 weights are frozen. Freeze them (module.requires_grad_(False) on them, or a trainable= "
+            "pattern or predicate that leaves them out), or leave them out of quantize (exclude=...)"
+        )
+    return int8
 
 
 def _fresh_buffers(
