@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,9 +48,10 @@ import torch.utils._pytree as torch_pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from funcamp import _tree
-from funcamp.loss_scale import LossScale, NoOpLossScale
+from funcamp.loss_scale import LossScale, NoOpLossScale, StaticLossScale
+from funcamp.policy import get_policy
 
-__all__ = ["NonFiniteReport", "find_first_nonfinite", "locate_from_state"]
+__all__ = ["LintFinding", "LintReport", "NonFiniteReport", "find_first_nonfinite", "lint", "locate_from_state"]
 
 _META_KEY = "funcamp.module"
 _OUTSIDE = "loss_fn (outside every module)"
@@ -92,7 +94,7 @@ class _ModuleStack:
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         path = self.stack.pop() if self.stack else _OUTSIDE
-        tag_graph(output, path)
+        _tag_graph(output, path)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[_ModuleStack]:
@@ -113,7 +115,7 @@ class _ModuleStack:
             self.label = None
 
 
-def tag_graph(output: Any, path: str) -> None:
+def _tag_graph(output: Any, path: str) -> None:
     """Give every autograd node ``output`` was computed through that has no module path yet ``path``."""
     todo = [t.grad_fn for t in torch_pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn]
     while todo:
@@ -329,51 +331,74 @@ def _nonfinite_leaf(tree: Any) -> str | None:
     return None
 
 
-def _call(loss_fn: Callable[..., Any], params: Any, buffers: Any, batch: Any, has_aux: bool) -> torch.Tensor:
+def _call(fn: str, loss_fn: Callable[..., Any], params: Any, buffers: Any, batch: Any, has_aux: bool) -> torch.Tensor:
     out = loss_fn(params, batch) if buffers is None else loss_fn(params, buffers, batch)[0]
     loss = out[0] if has_aux else out
     if not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or loss.ndim != 0:
         raise TypeError(
-            "find_first_nonfinite: loss_fn must return a 0-d floating tensor (with has_aux, (loss, aux); with "
+            f"{fn}: loss_fn must return a 0-d floating tensor (with has_aux, (loss, aux); with "
             f"buffers, (loss, new_buffers)); got {type(loss).__name__}"
             + (f" of shape {tuple(loss.shape)}, dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else "")
         )
     return loss
 
 
-def _replay(
-    loss_fn: Callable[..., Any], params: Any, buffers: Any, batch: Any, loss_scale: LossScale, has_aux: bool
-) -> dict[str, Any]:
-    """One eager forward and backward under the locator: what it found, and the loss and gradient checks."""
+@dataclasses.dataclass
+class _Run:
+    loss: torch.Tensor
+    leaves: list[torch.Tensor]  # the parameters, in torch.utils._pytree order
+    names: list[str]
+    grads: list[torch.Tensor | None]  # None: the loss does not depend on that parameter
+
+
+def _forward_backward(
+    fn: str,
+    mode: Callable[[_ModuleStack], TorchDispatchMode],
+    loss_fn: Callable[..., Any],
+    params: Any,
+    buffers: Any,
+    batch: Any,
+    loss_scale: LossScale,
+    has_aux: bool,
+) -> tuple[TorchDispatchMode, _Run]:
+    """One eager forward and backward of ``loss_scale.scale(loss)`` under ``mode(module_stack)``."""
     leaves, spec = torch_pytree.tree_flatten(params)
     bad = [i for i, x in enumerate(leaves) if not (isinstance(x, torch.Tensor) and x.is_floating_point())]
     if bad:
         raise TypeError(
-            f"find_first_nonfinite: every leaf of params must be a floating tensor; leaf {bad[0]} is "
-            f"{type(leaves[bad[0]]).__name__}"
+            f"{fn}: every leaf of params must be a floating tensor; leaf {bad[0]} is {type(leaves[bad[0]]).__name__}"
         )
     leaves = [x.detach().requires_grad_() for x in leaves]
     modules = _ModuleStack()
-    locator = _Locator(modules)
-    with modules.active(), locator, torch.enable_grad():
-        loss = _call(loss_fn, torch_pytree.tree_unflatten(leaves, spec), buffers, batch, has_aux)
+    active = mode(modules)
+    with modules.active(), active, torch.enable_grad():
+        loss = _call(fn, loss_fn, torch_pytree.tree_unflatten(leaves, spec), buffers, batch, has_aux)
         with modules.labelled(_SCALE):
             scaled = loss_scale.scale(loss)
-        tag_graph(scaled, _SCALE)
-        tag_graph(loss, _OUTSIDE)
+        _tag_graph(scaled, _SCALE)
+        _tag_graph(loss, _OUTSIDE)
         grads = torch.autograd.grad(scaled, leaves, allow_unused=True) if scaled.requires_grad else [None] * len(leaves)
-    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
-    unscaled = [g.to(x.dtype) for g, x in zip(loss_scale.unscale(grads), leaves)]
+    return active, _Run(loss.detach(), leaves, _grad_names(params, len(leaves)), list(grads))
+
+
+def _replay(
+    loss_fn: Callable[..., Any], params: Any, buffers: Any, batch: Any, loss_scale: LossScale, has_aux: bool
+) -> dict[str, Any]:
+    """One eager forward and backward under the locator: what it found, and the loss and gradient checks."""
+    locator, run = _forward_backward(
+        "find_first_nonfinite", _Locator, loss_fn, params, buffers, batch, loss_scale, has_aux
+    )
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(run.grads, run.leaves)]
+    unscaled = [g.to(x.dtype) for g, x in zip(loss_scale.unscale(grads), run.leaves)]
     bad_grad = next((i for i, g in enumerate(unscaled) if not bool(torch.isfinite(g).all())), None)
-    names = _grad_names(params, spec, len(leaves))
     return dict(
         found=locator.found,
-        loss_finite=bool(torch.isfinite(loss.detach())),
-        bad_grad=None if bad_grad is None else (names[bad_grad], _dtype_name(unscaled[bad_grad].dtype)),
+        loss_finite=bool(torch.isfinite(run.loss)),
+        bad_grad=None if bad_grad is None else (run.names[bad_grad], _dtype_name(unscaled[bad_grad].dtype)),
     )
 
 
-def _grad_names(params: Any, spec: Any, n: int) -> list[str]:
+def _grad_names(params: Any, n: int) -> list[str]:
     """Names of the parameter leaves in torch.utils._pytree order (dict keys as given, dotted)."""
     paths, _ = torch_pytree.tree_flatten_with_path(params)
     names = [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in paths]
@@ -508,3 +533,387 @@ def _split(batch: Any, k: int) -> list[Any]:
             )
     chunks = [leaf.chunk(k) for leaf in leaves]
     return [_tree.tree_unflatten(spec, [c[i] for c in chunks]) for i in range(k)]
+
+
+# --- the dtype lint -------------------------------------------------------------------------------
+
+_HALF = (torch.float16, torch.bfloat16)
+#: Equal terms after which a running sum in the dtype stops growing (2 ** significand bits): bfloat16 has 8
+#: bits (256 terms), float16 11 (2048). Accumulations of at least this many terms are flagged.
+_TERMS = {torch.bfloat16: 256, torch.float16: 2048}
+#: Matmul reduction lengths flagged in half precision: the kernels accumulate in float32 and round once,
+#: but cuBLAS may reduce split-K partial sums in half (``allow_{fp16,bf16}_reduced_precision_reduction``).
+_MATMUL_TERMS = 16384
+#: Ops whose result leaves float16's range (max 65504, smallest normal 6.1e-5) for ordinary inputs.
+_RANGE_OPS = frozenset(
+    "exp exp2 expm1 log log2 log10 log1p pow _softmax _log_softmax _softmax_backward_data "
+    "_log_softmax_backward_data reciprocal rsqrt".split()
+)
+_REDUCTIONS = frozenset("sum mean nansum var std var_mean std_mean linalg_vector_norm norm prod".split())
+_MATMULS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1, "addbmm": 1}  # op -> position of the left matrix
+#: Op families whose forward or backward adds many contributions into one element in the input dtype.
+_ACCUMULATING = frozenset(
+    "index_add index_put _index_put_impl scatter_add scatter_reduce index_reduce embedding_dense_backward "
+    "_embedding_bag _embedding_bag_backward _embedding_bag_dense_backward cumsum cumprod logcumsumexp".split()
+)
+_CASTS = frozenset("_to_copy to copy".split())
+_ORDER = ("half-accumulation", "float16-range", "half-reduction", "round-trip", "float32-matmul", "zero-gradient")
+_SUGGEST = {
+    "half-accumulation": "run it in float32: op_policies={{{op!r}: torch.float32}} (funcamp.ops; functionalize "
+    "does this by default for funcamp.ops.FLOAT32_ACCUMULATION)",
+    "float16-range": "compute in bfloat16 (float32's range), or op_policies={{{op!r}: torch.float32}}",
+    "half-reduction": "reduce in float32: op_policies={{{op!r}: torch.float32}}, or x.float().{op}()",
+    "round-trip-narrow": "cast once: module_policies={{{module!r}: 'params=float32,compute=float32,output={half}'}}, "
+    "or remove the op override that casts back",
+    "round-trip-wide": "drop the pair of casts: run the op in {half}, or keep the tensor in float32",
+    "float32-matmul": "if float32 is not needed for accuracy here, let {module} compute in {half} "
+    "(remove its module policy or op override)",
+}
+_TORCH_NAMES = {"mm": "matmul", "bmm": "matmul", "addmm": "matmul", "baddbmm": "matmul", "addbmm": "matmul"}
+
+
+def _torch_name(op: str) -> str:
+    """The name funcamp.ops.OpPolicies knows for an ATen op: ``aten._softmax_backward_data`` -> ``softmax``."""
+    name = op.split(" ")[0].removeprefix("aten.").lstrip("_")
+    for suffix in ("_backward_data", "_dense_backward", "_backward", "_impl"):
+        name = name.removesuffix(suffix)
+    return _TORCH_NAMES.get(name, {"linalg_vector_norm": "norm"}.get(name, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class LintFinding:
+    """One kind of risky or slow op at one place (see :func:`lint`).
+
+    Attributes:
+      kind: ``"half-accumulation"``, ``"float16-range"``, ``"half-reduction"``, ``"round-trip"``,
+        ``"float32-matmul"`` or ``"zero-gradient"`` (see :func:`lint`).
+      op: the ATen op (``"aten.index_add"``), or the parameter's name for ``"zero-gradient"``.
+      module: the module path; repeated blocks are folded, ``"blocks.*.attn"`` for every block.
+      dtype: the dtype the op ran in (``"bfloat16"``).
+      detail: what was measured: terms accumulated, FLOPs, bytes, amax.
+      suggestion: one line: a module policy, a loss scale or an op override (``funcamp.ops``).
+      count: how many calls (forward and backward, every folded module) the finding stands for.
+      size: the number behind it, the largest over the calls: terms, FLOPs per call, or bytes moved in
+        all (round trips); 0 for zero gradients.
+    """
+
+    kind: str
+    op: str
+    module: str
+    dtype: str
+    detail: str
+    suggestion: str
+    count: int = 1
+    size: int = 0
+
+    def __str__(self) -> str:
+        times = f" x{self.count}" if self.count > 1 else ""
+        return f"[{self.kind}] {self.module}: {self.op} ({self.dtype}){times}: {self.detail}. {self.suggestion}"
+
+
+class LintReport(list):
+    """The findings of :func:`lint`, a list of :class:`LintFinding`; ``str()`` is a short report.
+
+    The report has one line per finding, accuracy findings first, at most ``max_lines`` (20) lines in
+    all: findings past that are counted on the last line.
+    """
+
+    max_lines = 20
+
+    def __str__(self) -> str:
+        if not self:
+            return "funcamp lint: no findings"
+        head = f"funcamp lint: {len(self)} finding{'s' if len(self) > 1 else ''}"
+        lines = [str(f) for f in self]
+        if len(lines) > self.max_lines - 1:
+            rest = len(lines) - (self.max_lines - 2)
+            lines = [*lines[: self.max_lines - 2], f"... and {rest} more (iterate over the report to see them)"]
+        return "\n".join([head, *lines])
+
+
+def _fold(path: str) -> str:
+    """``"blocks.3.attn"`` -> ``"blocks.*.attn"``: repeated blocks as one place (a first segment is kept).
+
+    The result is an fnmatch pattern that ``functionalize(..., module_policies=...)`` accepts.
+    """
+    first, *rest = path.split(".")
+    return ".".join([first, *("*" if part.isdigit() else part for part in rest)])
+
+
+def _bincount_max(index: Any) -> int:
+    if not isinstance(index, torch.Tensor) or index.numel() == 0 or index.is_floating_point():
+        return 0
+    flat = index.reshape(-1).long()
+    return int(torch.bincount(flat - flat.min()).max())
+
+
+def _accumulated_terms(name: str, args: tuple, kwargs: dict) -> int:
+    """The most contributions one output element receives (an upper bound where it is costly to count)."""
+    if name in ("cumsum", "cumprod", "logcumsumexp"):
+        return int(args[0].shape[args[1]]) if args[0].ndim else 1
+    if name == "embedding_dense_backward":
+        return _bincount_max(args[1])
+    if name in ("_embedding_bag_backward", "_embedding_bag_dense_backward"):
+        return _bincount_max(args[1])
+    if name == "_embedding_bag":  # the largest bag
+        indices, offsets = args[1], args[2]
+        bounds = torch.cat([offsets.reshape(-1).long(), torch.tensor([indices.numel()], device=offsets.device)])
+        return int(bounds.diff().max()) if bounds.numel() > 1 else indices.numel()
+    if name == "index_add":
+        return _bincount_max(args[2])
+    if name in ("index_put", "_index_put_impl"):
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        indices = [i for i in args[1] if isinstance(i, torch.Tensor)]
+        return _bincount_max(indices[0]) if accumulate and len(indices) == 1 else 0
+    if name in ("scatter_add", "scatter_reduce", "index_reduce"):
+        index = args[2]
+        return int(index.shape[args[1]]) if isinstance(index, torch.Tensor) and index.ndim else 0
+    return 0
+
+
+class _Linter(TorchDispatchMode):
+    """Records risky and slow ops; findings keyed by (kind, folded module path, op)."""
+
+    def __init__(self, modules: _ModuleStack, min_terms: int | None, min_flops: int) -> None:
+        super().__init__()
+        self.modules = modules
+        self.min_terms = min_terms
+        self.min_flops = min_flops
+        self.found: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.upcasts: dict[int, tuple[Any, torch.dtype, str]] = {}  # id(out) -> (weakref, source dtype, op)
+        self.float32_matmuls: list[tuple[str, str, int]] = []  # (module, op, flops) decided after the run
+        self.matmul_flops: dict[torch.dtype, int] = {}
+
+    def _where(self) -> tuple[str, str]:
+        backward = _backward_path()
+        return (self.modules.path, "") if backward is None else (backward[0], f" ({backward[1]})")
+
+    def _add(self, kind: str, op: str, module: str, dtype: torch.dtype, detail: str, size: int) -> None:
+        key = (kind, _fold(module), op)
+        entry = self.found.get(key)
+        if entry is None:
+            self.found[key] = dict(dtype=_dtype_name(dtype), detail=detail, count=1, size=size, module=module)
+        else:
+            entry["count"] += 1
+            if kind == "round-trip":
+                entry["size"] += size
+            elif size > entry["size"]:
+                entry.update(size=size, detail=detail)
+
+    def _terms(self, dtype: torch.dtype) -> int:
+        return self.min_terms if self.min_terms is not None else _TERMS[dtype]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(getattr(func, "overloadpacket", func)).removeprefix("aten.").rstrip("_")
+        op = f"aten.{name}"
+        ins = [x for x in torch_pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        floats = [x for x in ins if x.is_floating_point()]
+        outs = _floats(out)
+        for x in ins:  # a consumer other than the cast back ends a round trip candidate
+            if name not in _CASTS:
+                self.upcasts.pop(id(x), None)
+        if not outs:
+            return out
+        dtype = outs[0].dtype
+        module, node = self._where()
+        if name in _CASTS and floats:
+            self._cast(op, floats[0], outs[0], module)
+        elif name in _MATMULS and len(args) > _MATMULS[name] + 1:
+            self._matmul(op + node, args[_MATMULS[name]], outs[0], module)
+        elif dtype in _HALF and name in _ACCUMULATING:
+            terms = _accumulated_terms(name, args, kwargs)
+            if terms >= self._terms(dtype):
+                half = _dtype_name(dtype)
+                detail = (
+                    f"a running sum over {terms} terms, each output rounded to {half} (differences of outputs cancel)"
+                    if name in ("cumsum", "cumprod", "logcumsumexp")
+                    else f"adds up to {terms} terms into one {half} element, accumulating in {half}"
+                )
+                self._add("half-accumulation", op + node, module, dtype, detail, terms)
+        elif dtype == torch.float16 and name in _REDUCTIONS and floats:
+            terms = floats[0].numel() // max(1, outs[0].numel())
+            if terms >= self._terms(dtype):
+                amax = _amax(outs[0])
+                detail = f"reduces {terms} terms per output element to float16 (max 65504; output amax {amax:.3g})"
+                self._add("half-reduction", op + node, module, dtype, detail, terms)
+        if name in _RANGE_OPS and (dtype == torch.float16 or any(x.dtype == torch.float16 for x in floats)):
+            amax = max((_amax(x) for x in outs), default=0.0)
+            detail = f"float16 holds magnitudes 6.1e-05..65504 (output amax {amax:.3g})"
+            self._add("float16-range", op + node, module, torch.float16, detail, 0)
+        return out
+
+    def _cast(self, op: str, src: torch.Tensor, dst: torch.Tensor, module: str) -> None:
+        a, b = src.dtype, dst.dtype
+        previous = self.upcasts.pop(id(src), None)
+        if previous is not None and previous[0]() is src and previous[1] == b and a != b:
+            n = dst.numel()
+            moved = n * (2 * b.itemsize + 2 * a.itemsize)  # read + write of each cast
+            chain = f"{_dtype_name(b)} -> {_dtype_name(a)} -> {_dtype_name(b)}"
+            rounded = f", rounded to {_dtype_name(a)} in between" if a.itemsize < b.itemsize else ""
+            self._add("round-trip", "aten._to_copy", module, a, chain + rounded, moved)
+            return
+        if {a, b} <= {torch.float32, *_HALF} and a != b:
+            self.upcasts[id(dst)] = (weakref.ref(dst), a, op)
+
+    def _matmul(self, op: str, left: torch.Tensor, out: torch.Tensor, module: str) -> None:
+        k = int(left.shape[-1])
+        flops = 2 * out.numel() * k
+        self.matmul_flops[out.dtype] = self.matmul_flops.get(out.dtype, 0) + flops
+        if out.dtype in _HALF and k >= _MATMUL_TERMS:
+            detail = f"reduces K={k} terms per output element; output rounded to {_dtype_name(out.dtype)}"
+            self._add("half-accumulation", op, module, out.dtype, detail, k)
+        if out.dtype == torch.float32 and flops >= self.min_flops:
+            self.float32_matmuls.append((module, op, flops))
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def lint(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    policy: Any = None,
+    *,
+    loss_scale: LossScale | None = None,
+    buffers: Any = None,
+    has_aux: bool = False,
+    min_terms: int | None = None,
+    min_flops: int = 2**22,
+) -> LintReport:
+    """Run one forward and backward eagerly and report ops that are numerically risky or slow for ``policy``.
+
+    Host side, before training: ``loss_fn`` is run once on ``batch`` and differentiated with plain
+    ``torch.autograd`` (``loss_scale.scale(loss)``, as the train step does) under a dispatch mode that
+    sees every ATen op of the forward and the backward. Findings (kinds):
+
+    - ``half-accumulation``: an op that adds many contributions into one element in bfloat16/float16
+      (``index_add``, ``scatter_add``, ``index_put(accumulate=True)``, the backward of ``embedding`` and
+      ``embedding_bag``, ``cumsum``...) with at least ``min_terms`` terms (default: 256 for bfloat16,
+      2048 for float16, the number of equal terms after which such a sum stops growing); matmuls in
+      half precision whose reduced dimension K is at least 16384.
+    - ``float16-range``: ``exp``, ``log``, ``pow``, ``softmax``, ``log_softmax`` (and their backwards),
+      ``reciprocal``, ``rsqrt`` in float16, whose results leave 6.1e-5..65504 for ordinary inputs.
+    - ``half-reduction``: ``sum``, ``mean``, ``var``, ``std``, norms in float16 over at least
+      ``min_terms`` elements per output element (a float16 sum of 4096 terms of 20 is inf). torch's CPU
+      and CUDA reduction kernels accumulate half inputs in float32 and round once, so bfloat16
+      reductions (float32's range) are not flagged: their one rounding is that of any bfloat16 op.
+    - ``round-trip``: a cast half -> float32 cast straight back (or float32 -> half -> float32), with the
+      bytes the two casts move for nothing.
+    - ``float32-matmul``: a float32 matmul of at least ``min_flops`` FLOPs while the policy computes in
+      half precision (slow: it is what the half policy was chosen to avoid). Without ``policy``, the
+      run counts as half precision when any matmul ran in a half dtype.
+    - ``zero-gradient``: a parameter whose gradient is exactly zero everywhere, or that the loss does
+      not use. Such gradients are computed again at loss scale 2**24 (a second forward and backward,
+      without the dispatch mode): non-zero there means they underflow in half precision at this scale.
+
+    Findings are folded by (kind, module path with block indices as ``*``, op) and counted, so the
+    report stays short; accuracy findings come first. torch.amp has no such check; TransformerEngine's
+    debug features measure tensors during training instead (see :mod:`funcamp.debug`).
+
+    Args:
+      loss_fn: as for :func:`funcamp.make_train_step` (``loss_fn(params, batch) -> loss``; with
+        ``buffers``, ``loss_fn(params, buffers, batch) -> (loss, new_buffers)``; ``has_aux``).
+      params: the parameters, a pytree of floating tensors (not changed).
+      batch: a representative batch (shapes matter: reduction lengths and FLOPs come from it).
+      policy: the precision policy (or its string) ``loss_fn`` computes under, for ``float32-matmul``.
+      loss_scale: the loss scale to differentiate with (``zero-gradient`` depends on it).
+      buffers: model buffers, or None.
+      has_aux: whether the loss comes with aux data.
+      min_terms: the accumulation length flagged in half precision (default per dtype, see above).
+      min_flops: the smallest float32 matmul (FLOPs per call) flagged in a half-precision policy.
+    Returns:
+      A :class:`LintReport` (a list of :class:`LintFinding`); ``print`` it.
+    Raises:
+      TypeError: if ``loss_fn`` is not callable, ``loss_scale`` is not a funcamp loss scale, a leaf of
+        ``params`` is not a floating tensor, or ``loss_fn`` does not return a 0-d floating loss.
+      ValueError: if ``policy`` does not parse, or ``min_terms`` / ``min_flops`` is not a positive int.
+
+    Example:
+      >>> x = torch.randn(4096, dtype=torch.bfloat16)
+      >>> report = lint(lambda p, x: (x.cumsum(0).float() * p["w"]).mean(), {"w": torch.ones(())}, x)
+      >>> [(f.kind, f.op, f.dtype) for f in report]
+      [('half-accumulation', 'aten.cumsum', 'bfloat16')]
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"lint: loss_fn must be callable, got {type(loss_fn).__name__}")
+    loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+    if not isinstance(loss_scale, LossScale):
+        raise TypeError(f"lint: loss_scale must be a funcamp loss scale, got {type(loss_scale).__name__}")
+    for arg, value in (("min_terms", min_terms), ("min_flops", min_flops)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"lint: {arg} must be a positive int, got {value!r}")
+    compute = None if policy is None else get_policy(policy).compute_dtype
+    linter, run = _forward_backward(
+        "lint",
+        lambda modules: _Linter(modules, min_terms, min_flops),
+        loss_fn,
+        params,
+        buffers,
+        batch,
+        loss_scale,
+        has_aux,
+    )
+    if compute is None:  # half precision if any matmul ran in a half dtype (the one with the most FLOPs)
+        half = {d: f for d, f in linter.matmul_flops.items() if d in _HALF}
+        compute = max(half, key=half.get) if half else None
+    if compute in _HALF:
+        for module, op, flops in linter.float32_matmuls:
+            detail = f"{flops / 1e6:.3g} MFLOP per call in float32 while the policy computes in {_dtype_name(compute)}"
+            linter._add("float32-matmul", op, module, torch.float32, detail, flops)
+    findings = [_finding(kind, op, path, entry, compute) for (kind, path, op), entry in linter.found.items()]
+    findings += _zero_gradients(run, loss_scale, loss_fn, params, buffers, batch, has_aux)
+    findings.sort(key=lambda f: (_ORDER.index(f.kind), f.module, f.op))
+    return LintReport(findings)
+
+
+def _finding(kind: str, op: str, path: str, entry: dict[str, Any], compute: torch.dtype | None) -> LintFinding:
+    key = kind
+    if kind == "round-trip":
+        key = "round-trip-narrow" if entry["dtype"] in ("float16", "bfloat16") else "round-trip-wide"
+    half = _dtype_name(compute) if compute in _HALF else entry["dtype"] if kind == "round-trip" else "bfloat16"
+    suggestion = _SUGGEST[key].format(op=_torch_name(op), module=path, half=half)
+    if kind == "round-trip":  # the bytes of every call
+        entry = {**entry, "detail": f"{entry['detail']}: {_bytes(entry['size'])} moved for nothing"}
+    return LintFinding(kind, op, path, entry["dtype"], entry["detail"], suggestion, entry["count"], entry["size"])
+
+
+_PROBE_SCALE = 2.0**24
+
+
+def _zero_gradients(
+    run: _Run, loss_scale: LossScale, loss_fn: Callable[..., Any], params: Any, buffers: Any, batch: Any, has_aux: bool
+) -> list[LintFinding]:
+    zero = [i for i, g in enumerate(run.grads) if g is not None and g.numel() and not bool(g.any())]
+    rescued: set[int] = set()
+    scale = 1.0 if isinstance(loss_scale, NoOpLossScale) else float(loss_scale.loss_scale)
+    if zero and scale < _PROBE_SCALE:  # underflow or a dead path? Try again with a large loss scale.
+        probe = StaticLossScale(_PROBE_SCALE).to(run.loss.device)
+        _, again = _forward_backward(
+            "lint", lambda m: contextlib.nullcontext(), loss_fn, params, buffers, batch, probe, has_aux
+        )
+        rescued = {i for i in zero if again.grads[i] is not None and bool(again.grads[i].any())}
+    found = []
+    for i, (name, leaf, grad) in enumerate(zip(run.names, run.leaves, run.grads)):
+        dtype = _dtype_name(leaf.dtype)
+        if grad is None:
+            detail, hint = (
+                "the loss does not use this parameter",
+                "freeze it (functionalize(..., trainable=...)) or check the forward",
+            )
+        elif i in rescued:
+            detail = f"gradient is 0 everywhere at loss scale {scale:g}, non-zero at 2**24: it underflows"
+            hint = "use a loss scale (funcamp.DynamicLossScale(2.0**15)) or compute in bfloat16"
+        elif i in zero:
+            detail, hint = "gradient is 0 everywhere", "a dead path (ReLU, zero init, detach): check the forward"
+        else:
+            continue
+        found.append(LintFinding("zero-gradient", name, name, dtype, detail, hint))
+    return found

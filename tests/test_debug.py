@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import funcamp as fa
 from funcamp import optim
-from funcamp.debug import NonFiniteReport, find_first_nonfinite, locate_from_state
+from funcamp.debug import LintFinding, LintReport, NonFiniteReport, find_first_nonfinite, lint, locate_from_state
 
 F16 = "params=float32,compute=float16,output=float32"
+BF16 = "params=float32,compute=bfloat16,output=float32"
 
 
 class Wide(nn.Module):
@@ -248,3 +252,279 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="TrainState"):
         locate_from_state(lambda p, b: p["w"].sum(), {"w": torch.ones(1)}, None)
     assert isinstance(find_first_nonfinite(lambda p, b: p["w"].sum(), {"w": torch.ones(1)}, None), NonFiniteReport)
+
+
+# --- lint ----------------------------------------------------------------------------------------
+
+
+def _kinds(report):
+    return {(f.kind, f.module, f.op) for f in report}
+
+
+class Scatter(nn.Module):
+    """Sums 4096 rows into 4 with index_add: about 1024 terms per output row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(4, 8, dtype=x.dtype).index_add(0, index, self.fc(x))
+
+
+class Pool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scatter = Scatter()
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.scatter(x, index)
+
+
+def test_lint_half_accumulation_index_add_and_embedding_backward():
+    torch.manual_seed(0)
+    apply_fn, params = fa.nn.functionalize(Pool(), BF16, op_policies={"index_add": None})  # no float32 rule
+    index = torch.arange(4096) % 4
+    report = lint(lambda p, b: apply_fn(p, b[0], b[1]).mean(), params, (torch.randn(4096, 8), index), BF16)
+    (finding,) = [f for f in report if f.kind == "half-accumulation"]
+    assert (finding.module, finding.op, finding.dtype, finding.size) == ("scatter", "aten.index_add", "bfloat16", 1024)
+    assert "op_policies={'index_add': torch.float32}" in finding.suggestion
+    # With the suggested override (funcamp's default) the accumulation runs in float32: no finding.
+    apply32, params = fa.nn.functionalize(Pool(), BF16, op_policies={"index_add": torch.float32})
+    assert not [
+        f
+        for f in lint(lambda p, b: apply32(p, b[0], b[1]).mean(), params, (torch.randn(4096, 8), index))
+        if f.kind == "half-accumulation"
+    ]
+    # Below the bfloat16 threshold (256 terms per row) nothing is flagged: 512 rows into 4 is 128 terms.
+    # (The bias gradient, a bfloat16 sum over 512 rows, is not flagged: torch reduces in float32.)
+    small = (torch.randn(512, 8), torch.arange(512) % 4)
+    assert not [
+        f for f in lint(lambda p, b: apply_fn(p, b[0], b[1]).mean(), params, small) if f.kind.startswith("half")
+    ]
+
+
+def test_lint_embedding_backward_in_bfloat16():
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 1))
+    ids = torch.zeros(4096, dtype=torch.long)  # one row used 4096 times: its gradient sums 4096 terms
+    apply_fn, params = fa.nn.functionalize(model, BF16, op_policies={"embedding": None})
+    report = lint(lambda p, x: apply_fn(p, x).mean(), params, ids, BF16)
+    flagged = [f for f in report if f.kind == "half-accumulation"]
+    assert [(f.module, f.op, f.size) for f in flagged] == [
+        ("0", "aten.embedding_dense_backward (EmbeddingBackward0)", 4096)
+    ]
+    # funcamp's default (FLOAT32_ACCUMULATION) runs it in float32: not flagged.
+    apply_fn, params = fa.nn.functionalize(model, BF16)
+    assert not [f for f in lint(lambda p, x: apply_fn(p, x).mean(), params, ids, BF16) if f.kind == "half-accumulation"]
+
+
+def test_lint_cumsum_and_half_reduction():
+    x = torch.randn(4, 4096, dtype=torch.float16)
+    params = {"w": torch.ones(4096, dtype=torch.float16)}
+    report = lint(lambda p, x: (x * p["w"]).sum(-1).float().mean() + (x * p["w"]).cumsum(-1).float().mean(), params, x)
+    got = {(f.kind, f.op) for f in report}
+    assert ("half-reduction", "aten.sum") in got  # 4096 terms per output element in float16
+    assert ("half-accumulation", "aten.cumsum") in got
+    (red,) = [f for f in report if (f.kind, f.op) == ("half-reduction", "aten.sum")]
+    assert red.size == 4096 and red.dtype == "float16" and red.module.startswith("loss_fn")
+    # In float32 none of this is flagged.
+    report32 = lint(
+        lambda p, x: (x * p["w"]).sum(-1).mean() + (x * p["w"]).cumsum(-1).mean(), {"w": params["w"].float()}, x.float()
+    )
+    assert not [f for f in report32 if f.kind.startswith("half")]
+
+
+class ExpHead(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x) + torch.log_softmax(x, dim=-1)
+
+
+class ExpModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.head = ExpHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(x))
+
+
+def test_lint_float16_range_ops():
+    apply_fn, params = fa.nn.functionalize(ExpModel(), F16, op_policies={"log_softmax": None})
+    report = lint(lambda p, x: apply_fn(p, x).mean(), params, torch.randn(4, 8), F16)
+    ops = {f.op for f in report if f.kind == "float16-range" and f.module == "head"}
+    assert {"aten.exp", "aten._log_softmax", "aten._log_softmax_backward_data (LogSoftmaxBackward0)"} <= ops, ops
+    assert all("bfloat16" in f.suggestion for f in report if f.kind == "float16-range")
+    # bfloat16 has float32's range: nothing to flag.
+    apply_fn, params = fa.nn.functionalize(ExpModel(), BF16, op_policies={"log_softmax": None})
+    assert not [
+        f
+        for f in lint(lambda p, x: apply_fn(p, x).mean(), params, torch.randn(4, 8), BF16)
+        if f.kind == "float16-range"
+    ]
+
+
+class RoundTrip(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float().to(x.dtype) * 2  # a float32 copy, cast straight back
+
+
+class RoundTripModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.trip = RoundTrip()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trip(self.fc(x))
+
+
+def test_lint_half_float32_round_trip_counts_bytes():
+    apply_fn, params = fa.nn.functionalize(RoundTripModel(), BF16)
+    report = lint(lambda p, x: apply_fn(p, x).mean(), params, torch.randn(16, 64), BF16)
+    (trip,) = [f for f in report if f.kind == "round-trip" and f.module == "trip"]
+    # Forward: 16 x 64 elements, read 2 + write 4 bytes up, read 4 + write 2 down = 12 bytes each = 12 KiB.
+    # The backward's gradient takes the same two casts in reverse order: another 12 KiB.
+    assert trip.dtype == "float32" and trip.count == 2 and trip.size == 2 * 16 * 64 * 12
+    assert "bfloat16 -> float32 -> bfloat16: 24.0 KiB moved for nothing" in trip.detail
+
+    # A float32 op in between is not a round trip.
+    class Exp(nn.Module):
+        def forward(self, x):
+            return x.float().exp().to(x.dtype)
+
+    apply_fn, params = fa.nn.functionalize(nn.Sequential(nn.Linear(64, 64), Exp(), nn.Linear(64, 1)), BF16)
+    assert not [f for f in lint(lambda p, x: apply_fn(p, x).mean(), params, torch.randn(16, 64)) if f.module == "1"]
+
+
+class TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.Linear(256, 256)
+        self.big = nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(self.small(x))
+
+
+def test_lint_float32_matmul_inside_a_half_policy():
+    apply_fn, params = fa.nn.functionalize(TwoLinears(), BF16, module_policies={"big": "float32"})
+    report = lint(lambda p, x: apply_fn(p, x).mean(), params, torch.randn(64, 256), BF16)
+    flagged = [f for f in report if f.kind == "float32-matmul"]
+    assert {f.module for f in flagged} == {"big"}
+    # Forward addmm and the two backward mms: 2 * 64 * 256 * 256 FLOPs each.
+    assert max(f.size for f in flagged) == 2 * 64 * 256 * 256 and sum(f.count for f in flagged) == 3
+    assert "8.39 MFLOP per call in float32 while the policy computes in bfloat16" in flagged[0].detail
+    # Without the policy given, the run counts as bfloat16: a matmul ran in bfloat16.
+    assert {
+        f.module
+        for f in lint(lambda p, x: apply_fn(p, x).mean(), params, torch.randn(64, 256))
+        if f.kind == "float32-matmul"
+    } == {"big"}
+    # A float32 policy runs everything in float32: nothing is slow for it.
+    apply_fn, params = fa.nn.functionalize(TwoLinears(), "float32")
+    assert not lint(lambda p, x: apply_fn(p, x).mean(), params, torch.randn(64, 256), "float32")
+
+
+class Unused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.dead = nn.Linear(4, 4)
+        self.spare = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.dead.bias.fill_(-100.0)  # relu(dead(x)) == 0: no gradient reaches dead
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x) + torch.relu(self.dead(x))
+
+
+def test_lint_zero_and_missing_gradients():
+    apply_fn, params = fa.nn.functionalize(Unused(), "float32")
+    report = lint(lambda p, x: apply_fn(p, x).mean(), params, torch.randn(3, 4), "float32")
+    zero = {f.module: f.detail for f in report if f.kind == "zero-gradient"}
+    assert zero == {
+        "dead.weight": "gradient is 0 everywhere",
+        "dead.bias": "gradient is 0 everywhere",
+        "spare.weight": "the loss does not use this parameter",
+        "spare.bias": "the loss does not use this parameter",
+    }
+
+
+def test_lint_zero_gradient_from_float16_underflow_suggests_a_loss_scale():
+    params = {"w": torch.ones(8)}
+    loss_fn = lambda p, x: (p["w"].half() * x).float().mean() * 1e-6  # noqa: E731  d/dw = 1.25e-7 < 6e-8 * 2
+    x = torch.full((8,), 1e-3, dtype=torch.float16)  # 1e-3 * 1e-6 / 8 is below float16's smallest subnormal
+    (finding,) = [f for f in lint(loss_fn, params, x) if f.kind == "zero-gradient"]
+    assert finding.module == "w" and "underflows" in finding.detail and "loss scale" in finding.suggestion
+    # A loss scale of 2**20 keeps it: no finding.
+    assert not [
+        f for f in lint(loss_fn, params, x, loss_scale=fa.StaticLossScale(2.0**20)) if f.kind == "zero-gradient"
+    ]
+
+
+# The main job's model (examples/gpt.py), tiny size, shared by the two policies.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+@pytest.fixture(scope="module")
+def gpt_batch():
+    from gpt import GPT, config_for
+
+    torch.manual_seed(0)
+    model = GPT(config_for("tiny"))
+    return model, torch.randint(0, 256, (4, model.config.block_size + 1))
+
+
+def _gpt_lint(model, batch, policy, **kwargs):
+    apply_fn, params = fa.nn.functionalize(model, policy, **kwargs)
+
+    def loss_fn(p, b):
+        return F.cross_entropy(apply_fn(p, b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
+
+    return lint(loss_fn, params, batch, policy)
+
+
+def test_lint_gpt_float32_has_no_findings(gpt_batch):
+    report = _gpt_lint(*gpt_batch, "float32")
+    assert list(report) == [] and str(report) == "funcamp lint: no findings"
+
+
+def test_lint_gpt_bfloat16_is_short_and_explained(gpt_batch):
+    report = _gpt_lint(*gpt_batch, BF16)
+    assert len(str(report).splitlines()) <= 20
+    # The only findings: the token and position embeddings' weights are cast to bfloat16 (their module's
+    # compute dtype) and back to float32 by funcamp.ops.FLOAT32_ACCUMULATION's embedding rule, forward and
+    # backward. Nothing else in the bfloat16 GPT is risky or slow by these rules.
+    assert {(f.kind, f.module, f.count) for f in report} == {("round-trip", "wte", 2), ("round-trip", "wpe", 2)}
+    # The suggested module policy removes them.
+    fixed = _gpt_lint(
+        *gpt_batch,
+        BF16,
+        module_policies={
+            "wte": "params=float32,compute=float32,output=bfloat16",
+            "wpe": "params=float32,compute=float32,output=bfloat16",
+        },
+    )
+    assert list(fixed) == []
+
+
+def test_lint_report_folds_blocks_and_stays_short():
+    findings = [LintFinding("round-trip", "aten._to_copy", f"m{i}", "float32", "d", "s") for i in range(30)]
+    text = str(LintReport(findings))
+    assert len(text.splitlines()) == 20 and text.splitlines()[-1].startswith("... and 12 more")
+    # Repeated blocks fold into one finding with a count.
+    model = nn.Sequential(*[RoundTrip() for _ in range(5)])
+    apply_fn, params = fa.nn.functionalize(nn.Sequential(nn.Linear(8, 8), model), BF16)
+    report = lint(lambda p, x: apply_fn(p, x).mean(), params, torch.randn(2, 8))
+    (trip,) = [f for f in report if f.kind == "round-trip"]
+    assert trip.module == "1.*" and trip.count == 10
+
+
+def test_lint_bad_arguments():
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        lint(None, {}, None)
+    with pytest.raises(ValueError, match="min_terms must be a positive int"):
+        lint(lambda p, b: p["w"].sum(), {"w": torch.ones(1)}, None, min_terms=0)
+    with pytest.raises(ValueError):
+        lint(lambda p, b: p["w"].sum(), {"w": torch.ones(1)}, None, policy="compute=float17")
