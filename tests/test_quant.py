@@ -386,12 +386,18 @@ def test_finetune_int8_example_runs(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import finetune_int8
 
-    results = finetune_int8.main(
-        ["--steps", "30", "--batch-size", "8", "--block-size", "32", "--no-compile", "--logdir", str(tmp_path)]
-        + ["--log-every", "10", "--no-footprint-124m", "--quiet"]
-    )
+    threads = torch.get_num_threads()
+    try:  # one thread: 2 threads on a loaded 2-core machine spin-wait (10x slower)
+        results = finetune_int8.main(
+            ["--steps", "30", "--batch-size", "8", "--block-size", "32", "--no-compile", "--logdir", str(tmp_path)]
+            + ["--log-every", "10", "--no-footprint-124m", "--quiet", "--threads", "1"]
+        )
+    finally:
+        torch.set_num_threads(threads)
     losses = [v for _, v in results["history"]["train_loss"]]
-    assert losses[0] == pytest.approx(math.log(256), abs=0.3) and losses[-1] < losses[0] - 0.5
+    # uniform over bytes at initialisation is log(256) = 5.55; the first interval's mean is below it
+    assert losses[0] < math.log(256) + 0.3 and losses[-1] < losses[0] - 0.5
+    assert results["val_loss"] < math.log(256) - 1.0
     assert results["int8_tensors"] == 8  # c_attn, c_proj, c_fc, c_proj of 2 layers
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
