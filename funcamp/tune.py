@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -192,7 +193,7 @@ def _group_name(names: Sequence[str]) -> str:
 # --- timing ------------------------------------------------------------------------------------------
 
 
-def median_seconds(fn: Callable[[], Any], *, min_run_time: float = 0.2) -> float:
+def median_seconds(fn: Callable[[], Any], *, min_run_time: float = 0.1) -> float:
     """Median wall seconds of one call of ``fn`` (``torch.utils.benchmark.Timer.blocked_autorange``).
 
     Runs with the current number of torch threads (``Timer`` alone would use one) and synchronises CUDA
@@ -404,9 +405,11 @@ def _measure_group(
     device: torch.device,
     timer: Callable[[Callable[[], Any]], float],
     op_policies: Any,
+    rounds: int,
 ) -> list[TuneCandidate]:
     refs: dict[str, tuple[list, list]] = {}
-    out = []
+    out: list[TuneCandidate] = []
+    timed: dict[torch.dtype, Callable[[], Any]] = {}
     for dtype in candidates:
         policy = _candidate_policy(base, dtype)
         out_err = grad_err = 0.0
@@ -438,9 +441,15 @@ def _measure_group(
             return runner.run()
 
         run.dtype, run.module = dtype, name  # type: ignore[attr-defined]
-        seconds = float(timer(run))
-        out.append(TuneCandidate(dtype, seconds, out_err, grad_err, bounds[dtype], refused))
-    return out
+        timed[dtype] = run
+        out.append(TuneCandidate(dtype, None, out_err, grad_err, bounds[dtype], refused))
+    # Interleaved rounds (A B C, A B C, ...), the median per candidate: a neighbour's load that comes and
+    # goes hits every candidate alike instead of whichever was being timed.
+    samples: dict[torch.dtype, list[float]] = {dtype: [] for dtype in timed}
+    for _ in range(rounds):
+        for dtype, run in timed.items():
+            samples[dtype].append(float(timer(run)))
+    return [dataclasses.replace(c, seconds=statistics.median(samples[c.dtype])) if c.dtype in timed else c for c in out]
 
 
 def tune_policy(
@@ -457,6 +466,7 @@ def tune_policy(
     op_policies: Mapping[Any, Any] | None = None,
     cache: bool | str | os.PathLike = True,
     timer: Callable[[Callable[[], Any]], float] | None = None,
+    rounds: int = 3,
 ) -> TuneResult:
     """Measure which compute dtype each module of ``model`` should use on ``device``, and return the map.
 
@@ -475,7 +485,9 @@ def tune_policy(
       and a candidate whose larger error exceeds its bound (``rtol``, default :data:`DEFAULT_RTOL`:
       16 units of roundoff), is non-finite, or raises (no kernel for that dtype) is refused.
     - Time, for the first module of the group, with the module's own training flags: ``timer`` of one
-      forward+backward, seconds (default :func:`median_seconds`). Eager, so a half candidate pays its
+      forward+backward, seconds (default :func:`median_seconds`), called for each candidate in turn,
+      ``rounds`` times (interleaved, so that a neighbour's passing load hits all candidates alike); the
+      median per candidate. Eager, so a half candidate pays its
       casts and the op-rule mode's dispatch (about 4% of an eager step); a compiled step pays neither.
     - Choice: the fastest candidate not refused; float32 if it is within ``margin`` of that one.
 
@@ -506,6 +518,7 @@ def tune_policy(
         torch threads; or the GPU's name), the torch version, and every option above except ``timer``.
       timer: ``timer(fn) -> seconds`` for one call of ``fn``, which runs one forward+backward (tests,
         or another measurement); ``fn.dtype`` and ``fn.module`` say which candidate and module it runs.
+      rounds: timer calls per candidate (>= 1).
     Returns:
       A :class:`TuneResult`: ``.module_policies`` for ``functionalize(model, result.policy,
       module_policies=result.module_policies)``, ``.table``, and ``str(result)`` the printed table.
@@ -513,7 +526,7 @@ def tune_policy(
       TypeError: if ``model`` is not an ``nn.Module``, ``example_args`` is not a tuple or list,
         ``candidates`` or ``rtol`` are malformed, or ``cache`` is not a bool or path.
       ValueError: if a candidate is not float32/bfloat16/float16, ``rtol`` or ``margin`` is negative,
-        ``depth < 1``, the device is ``meta``, or the model has no unit called by its forward.
+        ``depth < 1`` or ``rounds < 1``, the device is ``meta``, or the model has no unit called by its forward.
       RuntimeError: whatever the float32 forward or backward of a unit raises.
 
     Example:
@@ -533,6 +546,8 @@ def tune_policy(
     base = get_policy(policy)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"tune_policy: depth must be an int >= 1, got {depth!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"tune_policy: rounds must be an int >= 1, got {rounds!r}")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
         raise ValueError(f"tune_policy: margin must be a number >= 0, got {margin!r}")
     if device is None:
@@ -568,6 +583,7 @@ def tune_policy(
         "bounds": {_label(k): v for k, v in bounds.items()},
         "policy": str(base),
         "margin": margin,
+        "rounds": rounds,
         "depth": depth,
         "op_policies": repr(sorted((repr(k), repr(v)) for k, v in (op_policies or {}).items())),
     }
@@ -579,7 +595,9 @@ def tune_policy(
 
     rows = []
     for members in groups.values():
-        cand = _measure_group(members, inputs, cands, bounds, base, device, timer or median_seconds, op_policies)
+        cand = _measure_group(
+            members, inputs, cands, bounds, base, device, timer or median_seconds, op_policies, rounds
+        )
         rows.append(
             TuneRow(tuple(n for n, _ in members), type(members[0][1]).__name__, tuple(cand), _choose(cand, margin))
         )

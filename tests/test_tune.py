@@ -245,7 +245,7 @@ def test_second_call_reads_the_cache_and_measures_nothing(tmp_path: Path) -> Non
     calls: list = []
     times = {torch.float32: 1.0, torch.bfloat16: 0.5, torch.float16: 2.0}
     first = tune_policy(model, (x,), cache=tmp_path, timer=scripted(times, calls))
-    assert len(calls) == 3 * len(first.table) and not first.from_cache
+    assert len(calls) == 3 * 3 * len(first.table) and not first.from_cache  # 3 rounds x 3 dtypes
     assert first.cache_path is not None and first.cache_path.parent == tmp_path and first.cache_path.exists()
     calls.clear()
     second = tune_policy(model, (x,), cache=tmp_path, timer=scripted(times, calls))
@@ -253,7 +253,7 @@ def test_second_call_reads_the_cache_and_measures_nothing(tmp_path: Path) -> Non
     assert second.module_policies == first.module_policies and second.table == first.table
     # Another input shape is another key: measured again.
     tune_policy(model, (x[:, :16],), cache=tmp_path, timer=scripted(times, calls))
-    assert len(calls) == 3 * len(first.table)
+    assert len(calls) == 3 * 3 * len(first.table)
     assert len(list(tmp_path.glob("*.json"))) == 2
 
 
@@ -264,9 +264,9 @@ def test_cache_key_includes_the_parameter_shapes_and_options(tmp_path: Path) -> 
     tune_policy(nn.Sequential(nn.Linear(8, 8)), (x,), cache=tmp_path, timer=timer)
     tune_policy(nn.Sequential(nn.Linear(8, 4)), (x,), cache=tmp_path, timer=timer)  # other shapes
     tune_policy(nn.Sequential(nn.Linear(8, 8)), (x,), cache=tmp_path, timer=timer, margin=0.2)  # other option
-    assert len(calls) == 9
+    assert len(calls) == 27
     tune_policy(nn.Sequential(nn.Linear(8, 8)), (x,), cache=tmp_path, timer=timer)  # other weights, same key
-    assert len(calls) == 9
+    assert len(calls) == 27
 
 
 def test_cache_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,7 +287,7 @@ def test_unreadable_cache_file_warns_and_measures_again(tmp_path: Path) -> None:
     first.cache_path.write_text("{not json")
     with pytest.warns(UserWarning, match="unreadable cache file"):
         again = tune_policy(model, args, cache=tmp_path, timer=scripted(HALF_FASTEST, calls))
-    assert len(calls) == 6 and not again.from_cache
+    assert len(calls) == 18 and not again.from_cache
     assert json.loads(first.cache_path.read_text())["rows"]  # rewritten
 
 
@@ -362,6 +362,7 @@ def test_model_is_left_unchanged() -> None:
         ({"candidates": ["float8"]}, ValueError, "candidate 'float8'"),
         ({"candidates": torch.bfloat16}, TypeError, "candidates must be a list"),
         ({"depth": 0}, ValueError, "depth must be an int >= 1"),
+        ({"rounds": 0}, ValueError, "rounds must be an int >= 1"),
         ({"margin": -0.1}, ValueError, "margin must be a number >= 0"),
         ({"rtol": "loose"}, TypeError, "rtol must be None"),
         ({"rtol": {"float64": 0.1}}, TypeError, "rtol must map bfloat16/float16"),
@@ -382,3 +383,18 @@ def test_not_a_module_and_nothing_to_tune() -> None:
         tune_policy(lambda x: x, (torch.ones(1),))
     with pytest.raises(ValueError, match="no unit .* was called"):
         tune_policy(nn.Sequential(nn.LayerNorm(8)), (torch.randn(4, 8),), cache=False)
+
+
+def test_rounds_are_interleaved_and_the_median_is_kept() -> None:
+    calls: list = []
+    spikes = iter([5.0, 1.0, 1.0, 1.0, 0.5, 5.0, 1.0, 0.5, 0.5])  # a neighbour's load hits one sample each
+
+    def timer(fn) -> float:
+        calls.append(fn.dtype)
+        return next(spikes)
+
+    result = tune_policy(nn.Sequential(nn.Linear(8, 8)), (torch.randn(4, 8),), cache=False, timer=timer)
+    assert calls == [torch.float32, torch.bfloat16, torch.float16] * 3
+    by = {c.dtype: c.seconds for c in result.table[0].candidates}
+    assert by == {torch.float32: 1.0, torch.bfloat16: 0.5, torch.float16: 1.0}  # one spike each, dropped
+    assert result.table[0].choice == torch.bfloat16
