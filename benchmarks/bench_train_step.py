@@ -4,7 +4,7 @@
     python benchmarks/bench_train_step.py --device cuda --config gpt2-124m --dtype bfloat16
     python benchmarks/bench_train_step.py --device cuda --config gpt2-124m --dtype float16
 
-Five variants train the GPT of ``examples/gpt.py`` from the same initial weights (one model, deep-copied)
+Six variants train the GPT of ``examples/gpt.py`` from the same initial weights (one model, deep-copied)
 on the same byte-level batches of Python's bundled ``pydoc_data.topics`` text, with the same AdamW
 hyperparameters and, for the mixed-precision variants, the same dynamic loss scale (``2**16``, period 2000):
 
@@ -14,11 +14,18 @@ hyperparameters and, for the mixed-precision variants, the same dynamic loss sca
 3. ``amp_compile``: variant 2 with ``torch.compile(model)``; optimizer and scaler outside, as users do.
 4. ``funcamp_eager``: ``funcamp.nn.functionalize`` + ``funcamp.make_train_step(compile=False)``.
 5. ``funcamp_compile``: the same step compiled whole (``fullgraph=True``).
+6. ``funcamp_tuned``: variant 5 with the ``module_policies`` map of :func:`funcamp.tune.tune_policy`, measured on
+   this device for this model and batch shape (base policy float32; each attention, MLP, embedding and the LM
+   head in the dtype that was fastest among those accurate enough). The tuning table is printed.
 
 Timing: one process; each variant is warmed up (its first call, compile included, is timed on its own),
 then ``--rounds`` rounds run ``--steps`` steps of every variant in turn, the order rotated each round; a
 round's time over its steps is one sample (device synchronised at both ends). Reported: the median and
 the min-max spread of the samples, tokens/s, and ratios of medians to variants 2 and 3.
+
+Time to first step (``first step s``): wall seconds from building a variant's step (its ``tune_policy`` included)
+to the end of its first step, compile included, each variant in a fresh process, one at a time, with a
+fresh (cold) inductor cache by default (``--first-step warm``: the second of two runs on one cache).
 
 Memory, host syncs and the recompile check run afterwards, in fresh subprocesses (one per variant), so
 that no variant sees another's allocations or compiled code; see docs/benchmark.md for the method.
@@ -59,8 +66,11 @@ from gpt import GPT, SIZES, config_for  # noqa: E402
 import funcamp as fa  # noqa: E402
 from funcamp import optim  # noqa: E402
 from funcamp.nn import functionalize  # noqa: E402
+from funcamp.tune import tune_policy  # noqa: E402
 
-VARIANTS = ("fp32_eager", "amp_eager", "amp_compile", "funcamp_eager", "funcamp_compile")
+VARIANTS = ("fp32_eager", "amp_eager", "amp_compile", "funcamp_eager", "funcamp_compile", "funcamp_tuned")
+#: Variants whose step is compiled (graphs and recompiles are counted for these).
+COMPILED = ("amp_compile", "funcamp_compile", "funcamp_tuned")
 #: Dense bf16 peak of an H100/H200 SXM (TFLOP/s), the default denominator of MFU (``--peak-tflops``).
 H100_BF16_DENSE_TFLOPS = 989.0
 #: Per-config defaults: (batch size, device) -> sequences per step.
@@ -80,6 +90,7 @@ COLUMNS = (
     "peak_vs_2",
     "rss_delta_mb",
     "first_call_s",
+    "first_step_s",
     "graphs",
     "recompiles",
     "host_syncs_per_step",
@@ -97,6 +108,7 @@ HEADERS = (
     "peak vs 2",
     "RSS Δ MB",
     "first call s",
+    "first step s",
     "graphs",
     "recompiles",
     "host syncs/step",
@@ -113,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16"], help="compute dtype (default bf16)")
     p.add_argument("--loss-scale", default="dynamic", choices=["dynamic", "none"], help="GradScaler / funcamp scale")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of variants 3 and 5")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (default: all five)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (default: all six)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant, the first call included")
     p.add_argument("--steps", type=int, default=None, help="steps per variant per timed round (CPU 2, CUDA 10)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds, samples per variant (CPU 30, CUDA 10)")
@@ -131,6 +143,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default="benchmarks/results/bench_train_step.json", help="output JSON file")
     p.add_argument("--markdown", default="benchmarks/results/bench_train_step.md", help="output markdown file")
     p.add_argument("--cache-dir", default=None, help="inductor cache (default: a fresh temporary one: cold compile)")
+    p.add_argument(
+        "--first-step",
+        default="cold",
+        choices=["cold", "warm", "none"],
+        help="time to first step, in a fresh process per variant: cold (a fresh inductor cache), warm (the\n"
+        "second of two runs on one cache) or none (skip)",
+    )
+    p.add_argument("--first-step-variants", default=None, help="variants to time to first step (default: all)")
+    p.add_argument("--tune-cache", default=None, help="tune_policy cache dir of variant 6 (default: none, measure)")
+    p.add_argument("--tune-depth", type=int, default=2, help="tune_policy depth of variant 6 (2: attention, MLP)")
+    p.add_argument("--first-step-run", default=None, help=argparse.SUPPRESS)  # internal: one variant's first step
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # internal: run one variant's probe
     p.add_argument("--recompile-check", action="store_true", help=argparse.SUPPRESS)  # internal
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)  # internal: the subprocess's JSON
@@ -138,7 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     probed = args.variants if args.probe_variants is None else args.probe_variants.split(",")
     args.probe_variants = [v.strip() for v in probed if v.strip()]
-    for v in args.variants + args.probe_variants:
+    timed = args.variants if args.first_step_variants is None else args.first_step_variants.split(",")
+    args.first_step_variants = [v.strip() for v in timed if v.strip()] if args.first_step != "none" else []
+    for v in args.variants + args.probe_variants + args.first_step_variants:
         if v not in VARIANTS:
             p.error(f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
     cuda = args.device == "cuda"
@@ -236,11 +261,35 @@ class TorchStep:
 
 
 class FuncampStep:
-    """Variants 4-5: ``functionalize`` + ``TrainState`` + ``make_train_step``."""
+    """Variants 4-6: ``functionalize`` + ``TrainState`` + ``make_train_step`` (6: with a tuned map)."""
 
-    def __init__(self, model: GPT, args: argparse.Namespace, *, compile: bool) -> None:
-        policy = fa.get_policy(f"params=float32,compute={args.dtype},output=float32")
-        apply_fn, params = functionalize(model, policy)
+    def __init__(self, model: GPT, args: argparse.Namespace, *, compile: bool, tuned: bool = False) -> None:
+        self.tune = None
+        if tuned:
+            policy = fa.get_policy("params=float32,compute=float32,output=float32")
+            example = make_batches(
+                1,
+                batch_size=args.batch_size,
+                block_size=block_size(args),
+                seed=args.seed + 1,
+                device=next(model.parameters()).device,
+            )[0]
+            t0 = time.perf_counter()
+            result = tune_policy(
+                model, (example["inputs"],), policy=policy, depth=args.tune_depth, cache=args.tune_cache or False
+            )
+            self.tune = {
+                "seconds": time.perf_counter() - t0,
+                "from_cache": result.from_cache,
+                "table": str(result),
+                "map": {name: str(p) for name, p in result.module_policies.items()},
+                "depth": args.tune_depth,
+            }
+            print(f"\nfuncamp_tuned: tune_policy took {self.tune['seconds']:.1f} s\n{result}\n", flush=True)
+            apply_fn, params = functionalize(model, policy, module_policies=result.module_policies)
+        else:
+            policy = fa.get_policy(f"params=float32,compute={args.dtype},output=float32")
+            apply_fn, params = functionalize(model, policy)
 
         def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
             logits = apply_fn(params, batch["inputs"])  # float32 out
@@ -268,7 +317,7 @@ def build_variant(name: str, base: GPT, args: argparse.Namespace) -> TorchStep |
         return TorchStep(model, args, amp=True, compile_model=False)
     if name == "amp_compile":
         return TorchStep(model, args, amp=True, compile_model=True)
-    return FuncampStep(model, args, compile=name == "funcamp_compile")
+    return FuncampStep(model, args, compile=name in COMPILED, tuned=name == "funcamp_tuned")
 
 
 def compiled_graphs() -> int:
@@ -463,6 +512,59 @@ def forwarded(args: argparse.Namespace) -> list[str]:
         out += ["--threads", str(args.threads)]
     if args.block_size:
         out += ["--block-size", str(args.block_size)]
+    out += ["--tune-depth", str(args.tune_depth)]
+    if args.tune_cache:
+        out += ["--tune-cache", args.tune_cache]
+    return out
+
+
+# --- time to first step --------------------------------------------------------------------------------------
+
+
+def first_step_run(args: argparse.Namespace) -> dict[str, Any]:
+    """In this fresh process: seconds from building ``args.first_step_run``'s step to the end of its first step.
+
+    The model and the batch exist before the clock starts (as in ``timing_run``); building includes the
+    deep copy of the model, ``functionalize``, ``tune_policy`` (variant 6), ``torch.compile``'s wrapper; the
+    first step includes importing and initialising the compiler and compiling.
+    """
+    device = torch.device(args.device)
+    batch = make_batches(1, batch_size=args.batch_size, block_size=block_size(args), seed=args.seed, device=device)[0]
+    model = make_model(args, device)
+    sync(device)
+    t0 = time.perf_counter()
+    step = build_variant(args.first_step_run, model, args)
+    built = time.perf_counter()
+    loss = step(batch)
+    sync(device)
+    end = time.perf_counter()
+    tune = getattr(step, "tune", None)
+    return {
+        "first_step_s": end - t0,
+        "build_s": built - t0,
+        "tune_s": tune["seconds"] if tune else None,
+        "loss": float(loss),
+        "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+    }
+
+
+def first_steps(args: argparse.Namespace, env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Time to first step of each variant, one fresh subprocess at a time (timings, so never side by side).
+
+    ``cold``: a fresh, empty inductor cache per variant. ``warm``: two runs on one fresh cache; the second
+    is reported (the first fills the cache).
+    """
+    out = {}
+    for name in args.first_step_variants:
+        print(f"time to first step: {name} ({args.first_step} inductor cache) ...", end=" ", flush=True)
+        cache = tempfile.mkdtemp(prefix=f"funcamp-bench-first-{name}-")
+        sub_env = {**env, "TORCHINDUCTOR_CACHE_DIR": cache}
+        runs = 2 if args.first_step == "warm" else 1
+        for _ in range(runs):
+            result = run_subprocess(["--first-step-run", name], args, sub_env)
+        result["cache"] = args.first_step
+        out[name] = result
+        print(f"{result['first_step_s']:.1f} s", flush=True)
     return out
 
 
@@ -573,7 +675,7 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
     del base
     # Inductor's first compile in a process also pays for importing and initialising the compiler; pay it
     # here, so that the first compiled variant is not charged for it.
-    if any(name.endswith("compile") for name in args.variants):
+    if any(name in COMPILED for name in args.variants):
         torch.compile(lambda x: x * 2, backend=args.backend)(torch.ones(2, device=device))
     for r in runners:
         print(f"warm-up {r.name} ...", end=" ", flush=True)
@@ -600,10 +702,11 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_samples_ms": r.cpu_samples_ms,
             "tokens_per_s": tokens / ms * 1e3,
             "first_call_s": r.first_call_s,
-            "graphs": r.graphs if r.name.endswith("compile") else None,
-            "recompiles": r.recompiles if r.name.endswith("compile") else None,
+            "graphs": r.graphs if r.name in COMPILED else None,
+            "recompiles": r.recompiles if r.name in COMPILED else None,
             "final_loss": float(r.loss),
             "optimizer": r.step.optimizer_kind,
+            "tune": getattr(r.step, "tune", None),
         }
         if args.peak_tflops:
             row["mfu"] = 6 * n_params * row["tokens_per_s"] / (args.peak_tflops * 1e12)
@@ -636,6 +739,7 @@ LABELS = {
     "amp_compile": "3 torch.amp + compile(model), AdamW {opt}",
     "funcamp_eager": "4 funcamp eager",
     "funcamp_compile": "5 funcamp compiled step",
+    "funcamp_tuned": "6 funcamp tuned policy, compiled step",
 }
 
 
@@ -643,6 +747,66 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
     return format(x, spec)
+
+
+def _first_step_note(cfg: dict[str, Any], rows: dict[str, dict]) -> list[str]:
+    timed = [r for r in rows.values() if r.get("first_step")]
+    if not timed:
+        return []
+    cache = timed[0]["first_step"]["cache"]
+    how = (
+        "a fresh, empty inductor cache per variant (cold)"
+        if cache == "cold"
+        else "the second of two runs on one inductor cache (warm: FX graph and kernel caches hit)"
+    )
+    tune = [r for r in timed if r["first_step"].get("tune_s") is not None]
+    extra = "".join(
+        f"; {LABELS[r['variant']][0]}'s includes {r['first_step']['tune_s']:.1f} s of tune_policy" for r in tune
+    )
+    return [
+        "",
+        "first call s: the variant's first step in the timing process (compiler already imported and initialised "
+        "by a trivial compile; kernels another variant compiled before it may come from the shared cache). "
+        "first step s: wall seconds from building the step (deep copy of the model, functionalize, tune_policy, "
+        "torch.compile's wrapper) to the end of its first step, compile included, each variant in a fresh "
+        f"process run alone, with {how}{extra}.",
+    ]
+
+
+def _targets(rows: dict[str, dict]) -> list[str]:
+    if "funcamp_tuned" not in rows:
+        return []
+    tuned = rows["funcamp_tuned"]
+    parts = []
+    if tuned.get("ratio_vs_2") is not None:
+        parts.append(f"step time {tuned['ratio_vs_2']:.2f}x torch.amp eager (target <= 0.6x)")
+    if tuned.get("ratio_vs_3") is not None:
+        parts.append(f"{tuned['ratio_vs_3']:.2f}x torch.amp + compile(model) (target <= 0.8x)")
+    ref = rows.get("amp_compile", {}).get("first_step_s")
+    for name in ("funcamp_compile", "funcamp_tuned"):
+        mine = rows.get(name, {}).get("first_step_s")
+        if ref and mine:
+            parts.append(f"{LABELS[name][0]}'s first step {mine / ref:.2f}x torch.compile(model)'s (target <= 1.5x)")
+    return ["", "Targets (issue 12), variant 6: " + "; ".join(parts) + "."] if parts else []
+
+
+def _tuned_note(rows: dict[str, dict]) -> list[str]:
+    tune = rows.get("funcamp_tuned", {}).get("tune")
+    if not tune:
+        return []
+    chosen: dict[str, list[str]] = {}
+    for name, policy in tune["map"].items():
+        chosen.setdefault(policy.split("compute=")[1].split(",")[0], []).append(name)
+    summary = "; ".join(f"{dtype}: {', '.join(names)}" for dtype, names in chosen.items())
+    return [
+        "",
+        f"Variant 6's map (tune_policy, depth {tune['depth']}, {tune['seconds']:.1f} s in the timing process"
+        f"{', from its cache' if tune['from_cache'] else ''}; base policy float32): {summary}.",
+        "",
+        "```",
+        tune["table"],
+        "```",
+    ]
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -682,6 +846,7 @@ def markdown(result: dict[str, Any]) -> str:
             _fmt(r.get("peak_vs_2")),
             _fmt(r.get("rss_delta_mb"), ".0f"),
             _fmt(r["first_call_s"], ".1f"),
+            _fmt(r.get("first_step_s"), ".1f"),
             "-" if r["graphs"] is None else str(r["graphs"]),
             "-" if r["recompiles"] is None else str(r["recompiles"]),
             _fmt(r.get("host_syncs_per_step"), ".1f"),
@@ -691,6 +856,7 @@ def markdown(result: dict[str, Any]) -> str:
             cells.append(_fmt(100 * r["mfu"], ".1f") + "%")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", result["loss_check"]]
+    lines += _first_step_note(cfg, rows) + _targets(rows) + _tuned_note(rows)
     probed = next((r for r in rows.values() if r.get("memory_method")), None)
     if probed:
         lines += [
@@ -717,8 +883,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.probe or args.recompile_check:
-        result = probe(args) if args.probe else recompile_check(args)
+    if args.probe or args.recompile_check or args.first_step_run:
+        if args.first_step_run:
+            result = first_step_run(args)
+        else:
+            result = probe(args) if args.probe else recompile_check(args)
         Path(args.out).write_text(json.dumps(result))
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -729,6 +898,9 @@ def main(argv: list[str] | None = None) -> int:
     timing = timing_run(args)
     rows = timing["rows"]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}  # subprocesses reuse the now warm cache
+    for name, first in first_steps(args, dict(os.environ)).items():
+        rows[name]["first_step_s"] = first["first_step_s"]
+        rows[name]["first_step"] = first
     # Counts and bytes, not times: the subprocesses may run side by side once the timing is done.
     probed = [] if args.no_probe else [name for name in args.variants if name in args.probe_variants]
     jobs = {name: ["--probe", name] for name in probed}
@@ -746,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows.values():
         row["peak_vs_2"] = row["peak_mb"] / ref if ref and row.get("peak_mb") else None
     ok, loss_check = check_losses(rows, args.loss_rtol)
-    cfg = {k: v for k, v in vars(args).items() if k not in ("probe", "recompile_check", "out")}
+    cfg = {k: v for k, v in vars(args).items() if k not in ("probe", "recompile_check", "out", "first_step_run")}
     cfg["block_size"] = block_size(args)
     result = {
         "command": "python " + " ".join([os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])]),

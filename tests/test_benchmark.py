@@ -17,8 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_train_step.py"
-VARIANTS = ["fp32_eager", "amp_eager", "amp_compile", "funcamp_eager", "funcamp_compile"]
+VARIANTS = ["fp32_eager", "amp_eager", "amp_compile", "funcamp_eager", "funcamp_compile", "funcamp_tuned"]
 PROBED = ["amp_eager", "funcamp_eager", "funcamp_compile"]
+FIRST_STEP = ["amp_compile", "funcamp_tuned"]  # the compile path and the tune path; the others add no code path
 COLUMNS = [
     "variant",
     "ms_per_step",
@@ -31,6 +32,7 @@ COLUMNS = [
     "peak_vs_2",
     "rss_delta_mb",
     "first_call_s",
+    "first_step_s",
     "graphs",
     "recompiles",
     "host_syncs_per_step",
@@ -48,6 +50,7 @@ HEADERS = [
     "peak vs 2",
     "RSS Δ MB",
     "first call s",
+    "first step s",
     "graphs",
     "recompiles",
     "host syncs/step",
@@ -60,7 +63,8 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, str(SCRIPT), "--config", "tiny", "--batch-size", "4", "--warmup", "1"]
     cmd += ["--steps", "2", "--rounds", "1", "--probe-steps", "1", "--backend", "eager", "--check-recompiles", "3"]
-    cmd += ["--probe-variants", ",".join(PROBED)]  # the other two probes cost time and add no code path
+    cmd += ["--probe-variants", ",".join(PROBED)]  # the other probes cost time and add no code path
+    cmd += ["--first-step-variants", ",".join(FIRST_STEP), "--tune-cache", str(out / "tune")]
     cmd += ["--json", str(out / "bench.json"), "--markdown", str(out / "bench.md"), "--cache-dir", str(out / "cache")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -82,6 +86,11 @@ def test_every_variant_has_every_column(result: dict) -> None:
             assert row["peak_mb"] > 0 and row["peak_vs_2"] > 0 and row["host_syncs_per_step"] >= 0, row
         else:
             assert row["peak_mb"] is None and row["host_syncs_per_step"] is None
+        if name in FIRST_STEP:
+            first = row["first_step"]
+            assert row["first_step_s"] == first["first_step_s"] >= first["build_s"] > 0 and first["cache"] == "cold"
+        else:
+            assert row["first_step_s"] is None
 
 
 def test_ratios_are_relative_to_variants_2_and_3(result: dict) -> None:
@@ -101,7 +110,7 @@ def test_final_losses_agree(result: dict) -> None:
 
 def test_compiled_variants_one_graph_and_funcamp_no_host_syncs(result: dict) -> None:
     rows = result["rows"]
-    for name in ("amp_compile", "funcamp_compile"):
+    for name in ("amp_compile", "funcamp_compile", "funcamp_tuned"):
         assert rows[name]["graphs"] == 1 and rows[name]["recompiles"] == 0, rows[name]
     for name in ("fp32_eager", "amp_eager", "funcamp_eager"):
         assert rows[name]["graphs"] is None
@@ -127,3 +136,25 @@ def test_markdown_table_has_every_column_and_variant(result: dict) -> None:
     for text in ("Command: `python benchmarks/bench_train_step.py", "torch ", "final losses agree", "Recompile check"):
         assert text in md
     assert md in result["_stdout"]  # the table written is the table printed
+
+
+def test_tuned_variant_reports_its_map_and_table(result: dict) -> None:
+    rows = result["rows"]
+    tune = rows["funcamp_tuned"]["tune"]
+    assert tune["depth"] == 2 and tune["seconds"] > 0 and not tune["from_cache"]
+    assert set(tune["map"]) == {
+        "wte",
+        "wpe",
+        "blocks.0.attn",
+        "blocks.1.attn",
+        "blocks.0.mlp",
+        "blocks.1.mlp",
+        "lm_head",
+    }
+    assert all(p.startswith("params=float32,compute=") for p in tune["map"].values())
+    assert "CHOSEN" in tune["table"] and tune["table"] in result["_stdout"]
+    # The first-step subprocess read the map from the tune cache the timing process wrote.
+    assert rows["funcamp_tuned"]["first_step"]["tune_s"] < tune["seconds"]
+    md = result["_markdown"]
+    assert "Variant 6's map (tune_policy, depth 2" in md and tune["table"] in md
+    assert "Targets (issue 12), variant 6: step time" in md and "first step" in md and "(cold)" in md
