@@ -142,3 +142,59 @@ def test_gpt2_report_under_mixed_bfloat16(gpt2):
     norm_params = sum(p.numel() for m in gpt2.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters())
     lm_head_use = gpt2.lm_head.weight.numel()  # tied to the token embedding: a second bf16 copy
     assert report.compute == {BF16: (gpt2.num_parameters() - norm_params + lm_head_use) * 2}
+
+
+# --- what functionalize's apply_fn holds and casts (frozen tensors, int8 weights) -----------------------------
+
+
+def _tied_lm() -> nn.Module:
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 10, bias=False))
+    model[3].weight = model[0].weight  # tied head
+    return model
+
+
+def test_report_with_apply_fn_counts_frozen_tensors_and_real_copies():
+    model = _tied_lm()
+    policy = "params=float32,compute=bfloat16,output=float32"
+    apply_fn, params = functionalize(model, policy, trainable=["0", "2"])  # embedding (and head), LayerNorm
+    assert sorted(params) == ["0.weight", "2.bias", "2.weight"] and sorted(apply_fn.frozen) == ["1.bias", "1.weight"]
+    report = memory_report(params, apply_fn=apply_fn)
+    # stored: float32 masters (embedding 40, LayerNorm 8), the frozen Linear in bf16 (20)
+    assert report.stored == {F32: (40 + 8) * 4, BF16: 20 * 2}
+    # copies a call makes: the embedding in bf16 for each of its two uses; LayerNorm computes in float32
+    assert report.compute == {BF16: 2 * 40 * 2}
+    assert report.stored_bytes == memory_footprint(params, apply_fn=apply_fn) == memory_footprint(params) + 40
+    assert apply_fn.aliases == {"3.weight": "0.weight"}
+
+
+def test_report_counts_int8_weights_and_their_scales():
+    from funcamp.quant import Int8WeightOnlyConfig, quantize_int8
+
+    model = _tied_lm().requires_grad_(False)
+    apply_fn, params = functionalize(
+        model, "params=float32,compute=bfloat16,output=float32", quantize=Int8WeightOnlyConfig()
+    )
+    assert params == {} and list(apply_fn.frozen) == ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias"]
+    report = memory_report(params, apply_fn=apply_fn)
+    # int8: the Linear's 16 values and 4 float32 scales; bf16: embedding (tied head left alone) and bias
+    assert report.stored == {torch.int8: 16, F32: 4 * 4 + 8 * 4, BF16: (40 + 4) * 2}
+    assert report.compute == {BF16: 16 * 2}  # the dequantized Linear weight
+    assert memory_footprint(params, apply_fn=apply_fn) == report.stored_bytes
+    # A flat dict holding an Int8Weight, under a policy: stored as it is, dequantized into compute.
+    tree = {"w": quantize_int8(torch.randn(8, 3)), "b": torch.zeros(8)}
+    report = memory_report(tree, "params=float32,compute=bfloat16")
+    assert report.stored == {torch.int8: 24, F32: 8 * 4 + 8 * 4} and report.compute == {BF16: (24 + 8) * 2}
+
+
+def test_report_with_apply_fn_errors():
+    apply_fn, params = functionalize(nn.Linear(2, 2), "float32")
+    with pytest.raises(TypeError, match="either a policy or apply_fn"):
+        memory_report(params, "float32", apply_fn=apply_fn)
+    with pytest.raises(TypeError, match="apply_fn must be the function funcamp.nn.functionalize returned"):
+        memory_report(params, apply_fn=lambda p: p)
+    with pytest.raises(TypeError, match="apply_fn must be"):
+        memory_footprint(params, apply_fn=params)
+    with pytest.raises(ValueError, match=r"\['x'\] are not parameters or buffers"):
+        memory_report({**params, "x": torch.ones(1)}, apply_fn=apply_fn)
+    with pytest.raises(TypeError, match="flat dict of params"):
+        memory_report([params], apply_fn=apply_fn)
