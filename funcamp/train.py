@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _tree, parallel
+from funcamp import _tree, numerics, parallel
 from funcamp.grad import scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, apply_updates, learning_rate
@@ -152,6 +152,7 @@ def make_train_step(
     backend: str | None = None,
     data_parallel: Any = None,
     policy: Policy | str | None = None,
+    telemetry: numerics.Telemetry | int | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """Build the pure train step ``step(state, batch) -> (new_state, metrics)``.
 
@@ -172,7 +173,12 @@ def make_train_step(
     have used), ``skipped_steps``, ``consecutive_skips``, ``nonfinite_leaf`` (index of the first
     parameter whose gradient was not finite, -1 if none; see :func:`nonfinite_leaf_name`), and with
     ``max_consecutive_skips`` also ``too_many_skips`` (bool; :func:`check_skips` raises on it). With
-    ``has_aux``, ``metrics["aux"]`` holds the last micro-batch's aux.
+    ``has_aux``, ``metrics["aux"]`` holds the last micro-batch's aux. With ``telemetry``, also the
+    ``numerics/...`` metrics of :mod:`funcamp.numerics` (per module group: gradient and weight amax,
+    the fractions of gradient elements that underflow or overflow in float16/bfloat16/fp8 before and
+    after loss scaling, exact zeros, the loss scale's headroom, a log2|g| histogram), computed every
+    ``every``-th step inside the same graph (``torch.cond``; zeros and ``numerics/active`` False on
+    the other steps).
 
     Unlike ``torch.amp.GradScaler``, nothing is read on the host: pass metrics to a logger at its
     own interval.
@@ -193,13 +199,16 @@ def make_train_step(
         own dtype (DDP instead broadcasts rank 0's).
       policy: the precision policy (or string) whose ``reduce_dtype`` the gradients are averaged in;
         default: each gradient's own dtype. Only used with ``data_parallel``.
+      telemetry: None (default: off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``:
+        module groups of depth 2, float16 and bfloat16, histograms) or a ``Telemetry``.
     Returns:
       The step function.
     Raises:
-      TypeError: if ``loss_fn`` is not callable, ``optimizer`` not a GradientTransformation, or
-        ``data_parallel`` not None, a bool or a ProcessGroup.
+      TypeError: if ``loss_fn`` is not callable, ``optimizer`` not a GradientTransformation,
+        ``data_parallel`` not None, a bool or a ProcessGroup, or ``telemetry`` not None, an int or a
+        Telemetry.
       RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
-      ValueError: if ``accumulation_steps`` < 1 or ``max_consecutive_skips`` < 1; at call time, if a
+      ValueError: if ``accumulation_steps`` < 1, ``max_consecutive_skips`` < 1 or ``telemetry`` < 1; at call time, if a
         batch leaf cannot be split into ``accumulation_steps`` micro-batches.
 
     Example:
@@ -227,6 +236,7 @@ def make_train_step(
             f"make_train_step: max_consecutive_skips must be None or an int >= 1, got {max_consecutive_skips!r}"
         )
     reduce_dtype = None if policy is None else get_policy(policy).reduce_dtype
+    telemetry = numerics.as_telemetry(telemetry)
     group = parallel.resolve_group(data_parallel)  # None: one process
     k = accumulation_steps
 
@@ -300,6 +310,9 @@ def make_train_step(
             metrics["too_many_skips"] = consecutive >= max_consecutive_skips
         if has_aux:
             metrics["aux"] = aux
+        if telemetry is not None:  # every N steps, by torch.cond on the step count: one graph
+            active = (state.step + 1) % telemetry.every == 0
+            metrics.update(numerics.telemetry_metrics(grads, params, metrics["loss_scale"], telemetry, active))
         return new_state, metrics
 
     if compile:

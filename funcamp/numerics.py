@@ -1,0 +1,315 @@
+"""In-graph precision telemetry: what the gradients look like to a low-precision format, every N steps.
+
+:func:`funcamp.make_train_step` with ``telemetry=N`` (or a :class:`Telemetry`) adds to its metrics, for
+each module group of parameters (the parameter name's module prefix, cut at ``group_depth`` parts)
+and for ``all`` of them, computed inside the compiled step with no host sync:
+
+- ``grad_amax``, ``weight_amax``: the largest ``|g|`` and ``|w|`` (float32; NaN if a gradient is NaN);
+- ``grad_zeros``: the fraction of gradient elements that are exactly zero;
+- per number format ``F`` (default ``float16`` and ``bfloat16``; fp8 ``float8_e4m3fn``/``float8_e5m2``
+  on request), the fraction of gradient elements that would flush to zero (``F/underflow``) and that
+  would overflow (``F/overflow``) in ``F``, before loss scaling (the unscaled gradient ``g``) and after
+  it (``F/underflow_scaled``, ``F/overflow_scaled``: ``g * loss_scale``, what a half-precision backward
+  holds), and the loss scale's headroom ``F/headroom_log2 = log2(max_finite / (loss_scale * grad_amax))``
+  (how many doublings the scale may still grow before the largest gradient overflows: jmp's rule of
+  thumb as a number; +inf for an all-zero gradient);
+- ``grad_log2_hist``: a histogram of ``log2|g|`` over :data:`HISTOGRAM_BINS` bins of one binade each,
+  ``[2**k, 2**(k+1))`` for ``k`` from :data:`HISTOGRAM_LOW` (values below go to the first bin, at or above
+  ``2**HISTOGRAM_HIGH`` to the last); zeros and non-finite elements are left out (``grad_zeros`` and
+  ``overflow`` count them).
+
+Keys are ``numerics/<group>/<name>`` (``numerics/blocks.0/float16/underflow_scaled``), plus
+``numerics/active`` (0-d bool): whether this step computed them. They are computed when the new step
+count ``state.step + 1`` is a multiple of ``every`` (so at steps N, 2N, ... of a loop that counts from 1,
+where a logger with ``log_every=N`` writes), decided in the graph by :func:`torch.cond`: no recompile and
+no work on the other steps, where every value is 0 (``numerics/active`` False). The keys, shapes and
+dtypes are the same on every step, so the compiled step is one graph.
+
+Definitions (round to nearest even, as a cast does): an element *underflows* in ``F`` if it is not
+zero and ``|x| <= smallest_subnormal / 2`` (it would round to zero); it *overflows* if
+``|x| >= max_finite + ulp(max_finite) / 2`` (it would round past the largest finite value: to inf in
+float16, bfloat16 and float8_e5m2; float8_e4m3fn has no inf, torch's cast saturates it to 448) or it is
+not finite. Fractions are over all the group's elements, in float32. The gradients seen are the step's
+unscaled gradients in the parameters' dtype, averaged over micro-batches and ranks, before clipping;
+elements a half-precision backward already flushed are zeros here (``grad_zeros``).
+
+The quantities follow TransformerEngine's debug features (``underflows%``, ``overflows%``,
+``dynamic_range``, per-tensor ``amax``); TransformerEngine computes them in separate kernels and
+recommends logging every few steps; here they are a branch of the one compiled step. jmp, optax and
+torch.amp have nothing like it. :class:`funcamp.TensorBoardLogger` writes them as scalars under
+``numerics/...`` and the histograms as TensorBoard histograms.
+
+The format table :data:`FORMATS` gives each format's range; the values are those of ``torch.finfo``
+(IEEE 754 binary16; bfloat16; OCP 8-bit floating point specification v1.0 for the fp8 pair).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from funcamp import _tree
+
+__all__ = [
+    "FORMATS",
+    "HISTOGRAM_BINS",
+    "HISTOGRAM_HIGH",
+    "HISTOGRAM_LOW",
+    "NumberFormat",
+    "Telemetry",
+    "group_names",
+    "histogram_edges",
+    "telemetry_metrics",
+]
+
+
+class NumberFormat(NamedTuple):
+    """A floating-point format's range (Python floats, exact powers of two or sums of them).
+
+    Fields: ``dtype`` (the torch dtype); ``max_finite``; ``smallest_normal``; ``smallest_subnormal``;
+    ``mantissa_bits`` (explicit fraction bits); ``overflow_threshold`` (``max_finite`` plus half an ulp
+    at ``max_finite``: the smallest magnitude that rounds past ``max_finite``).
+    """
+
+    dtype: torch.dtype
+    max_finite: float
+    smallest_normal: float
+    smallest_subnormal: float
+    mantissa_bits: int
+    overflow_threshold: float
+
+
+def _format(dtype: torch.dtype, max_finite: float, emin: int, mantissa_bits: int) -> NumberFormat:
+    ulp_at_max = 2.0 ** (math.frexp(max_finite)[1] - 1 - mantissa_bits)
+    return NumberFormat(
+        dtype=dtype,
+        max_finite=max_finite,
+        smallest_normal=2.0**emin,
+        smallest_subnormal=2.0 ** (emin - mantissa_bits),
+        mantissa_bits=mantissa_bits,
+        overflow_threshold=max_finite + ulp_at_max / 2,
+    )
+
+
+#: The formats telemetry knows, by torch dtype name. float16: max 65504, subnormals down to 2**-24;
+#: bfloat16: max (2 - 2**-7) * 2**127, down to 2**-133; float8_e4m3fn: max 448, down to 2**-9 (no inf);
+#: float8_e5m2: max 57344, down to 2**-16. float32 is there for comparison.
+FORMATS: dict[str, NumberFormat] = {
+    "float32": _format(torch.float32, (2 - 2.0**-23) * 2.0**127, -126, 23),
+    "float16": _format(torch.float16, 65504.0, -14, 10),
+    "bfloat16": _format(torch.bfloat16, (2 - 2.0**-7) * 2.0**127, -126, 7),
+    "float8_e4m3fn": _format(torch.float8_e4m3fn, 448.0, -6, 3),
+    "float8_e5m2": _format(torch.float8_e5m2, 57344.0, -14, 2),
+}
+
+#: The histogram of ``log2|g|``: bin ``i`` counts ``2**(HISTOGRAM_LOW + i) <= |g| < 2**(HISTOGRAM_LOW + i + 1)``;
+#: the first and last bins also take everything below and above the range.
+HISTOGRAM_LOW = -48
+HISTOGRAM_HIGH = 16
+HISTOGRAM_BINS = HISTOGRAM_HIGH - HISTOGRAM_LOW
+
+
+def histogram_edges() -> list[float]:
+    """The ``HISTOGRAM_BINS + 1`` bin edges of ``grad_log2_hist``, in log2 units (``-48.0 ... 16.0``)."""
+    return [float(k) for k in range(HISTOGRAM_LOW, HISTOGRAM_HIGH + 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Telemetry:
+    """What :func:`funcamp.make_train_step` measures with ``telemetry=``; static configuration.
+
+    Args:
+      every: compute the metrics at every ``every``-th step (an int >= 1); 1: every step.
+      group_depth: how many leading parts of a parameter's module path name its group
+        (``blocks.0.attn.qkv.weight`` -> ``blocks.0`` at depth 2, ``blocks`` at 1); ``None``: one
+        group per parameter (its full name). Parameters without a module path go to ``root``.
+      formats: names of :data:`FORMATS` to measure underflow, overflow and headroom in.
+      histogram: whether to add ``grad_log2_hist`` per group.
+    Raises:
+      ValueError: if ``every`` is not an int >= 1, ``group_depth`` not None or an int >= 1, or a
+        format is not in :data:`FORMATS`.
+    """
+
+    every: int = 10
+    group_depth: int | None = 2
+    formats: tuple[str, ...] = ("float16", "bfloat16")
+    histogram: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"Telemetry: every must be an int >= 1, got {self.every!r}")
+        depth = self.group_depth
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+            raise ValueError(f"Telemetry: group_depth must be None or an int >= 1, got {depth!r}")
+        if isinstance(self.formats, str) or not all(f in FORMATS for f in self.formats):
+            raise ValueError(
+                f"Telemetry: formats must be a tuple of names from {sorted(FORMATS)}, got {self.formats!r}"
+            )
+        object.__setattr__(self, "formats", tuple(self.formats))
+
+
+def as_telemetry(telemetry: Telemetry | int | None) -> Telemetry | None:
+    """``make_train_step``'s ``telemetry=`` argument as a :class:`Telemetry` (an int N: every N steps)."""
+    if telemetry is None or telemetry is False:
+        return None
+    if isinstance(telemetry, Telemetry):
+        return telemetry
+    if isinstance(telemetry, int) and not isinstance(telemetry, bool):
+        return Telemetry(every=telemetry)
+    raise TypeError(
+        f"make_train_step: telemetry must be None, an int N (every N steps) or a funcamp.numerics.Telemetry, "
+        f"got {telemetry!r}"
+    )
+
+
+def group_names(params: Any, depth: int | None) -> list[str]:
+    """The group of each floating leaf of ``params``, in leaf order (see :class:`Telemetry`)."""
+    names = [n for n, leaf in zip(_tree.tree_paths(params), _tree.tree_leaves(params)) if _is_float(leaf)]
+    if depth is None:
+        return names
+    return [".".join(n.split(".")[:-1][:depth]) or "root" for n in names]
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+# Per leaf: amaxes (float32) [grad, weight] and counts (int64) [zeros, then 4 per format].
+def _leaf_stats(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, formats: tuple[str, ...]) -> Any:
+    a = _magnitude(g)
+    amax = torch.stack([a.amax().float() if a.numel() else a.new_zeros((), dtype=torch.float32), _amax(w)])
+    counts = [(a == 0).sum()]
+    scaled = a * scale
+    for name in formats:
+        fmt = FORMATS[name]
+        half_sub = fmt.smallest_subnormal / 2
+        for x in (a, scaled):
+            counts.append(((x > 0) & (x <= half_sub)).sum())
+            counts.append((~(x < fmt.overflow_threshold)).sum())
+    return amax, torch.stack(counts)
+
+
+def _magnitude(g: torch.Tensor) -> torch.Tensor:
+    """``|g|`` in float32, or float64 for a float64 gradient (its thresholds stay exact)."""
+    a = g.detach().abs()
+    return a if a.dtype == torch.float64 else a.float()
+
+
+def _amax(w: torch.Tensor) -> torch.Tensor:
+    w = w.detach()
+    return w.abs().amax().float() if w.numel() else torch.zeros((), dtype=torch.float32, device=w.device)
+
+
+def _log2_hist(g: torch.Tensor) -> torch.Tensor:
+    a = g.detach().abs().float()
+    e = torch.floor(torch.log2(a)).clamp(HISTOGRAM_LOW, HISTOGRAM_HIGH - 1) + 0.5
+    e = torch.where((a > 0) & torch.isfinite(a), e, HISTOGRAM_LOW - 8.0)  # out of range: not counted
+    return torch.histc(e.flatten(), bins=HISTOGRAM_BINS, min=HISTOGRAM_LOW, max=HISTOGRAM_HIGH)
+
+
+def _compute(
+    grads: list[torch.Tensor], weights: list[torch.Tensor], scale: torch.Tensor, config: Telemetry, groups: list[str]
+) -> tuple[torch.Tensor, ...]:
+    """Per group (in ``_group_order`` order): a float32 vector of the scalars, and its histogram."""
+    per_leaf = [_leaf_stats(g, w, scale, config.formats) for g, w in zip(grads, weights)]
+    hists = [_log2_hist(g) for g in grads] if config.histogram else []
+    out = []
+    for members in _group_members(groups).values():
+        amax = torch.stack([per_leaf[i][0] for i in members]).amax(0)
+        counts = torch.stack([per_leaf[i][1] for i in members]).sum(0)
+        n = sum(grads[i].numel() for i in members)
+        fractions = counts.float() / max(n, 1)
+        log2_amax = torch.log2(scale) + torch.log2(amax[0])
+        heads = [math.log2(FORMATS[f].max_finite) - log2_amax for f in config.formats]
+        out.append(torch.cat([amax, fractions, torch.stack(heads).reshape(-1)]))
+        if config.histogram:
+            out.append(torch.stack([hists[i] for i in members]).sum(0))
+    return tuple(out)
+
+
+def _group_members(groups: list[str]) -> dict[str, list[int]]:
+    members: dict[str, list[int]] = {"all": list(range(len(groups)))}
+    for i, g in enumerate(groups):
+        members.setdefault(g if g != "all" else "all_", []).append(i)
+    return members
+
+
+def _scalar_names(config: Telemetry) -> list[str]:
+    names = ["grad_amax", "weight_amax", "grad_zeros"]
+    for f in config.formats:
+        names += [f"{f}/underflow", f"{f}/overflow", f"{f}/underflow_scaled", f"{f}/overflow_scaled"]
+    return names + [f"{f}/headroom_log2" for f in config.formats]
+
+
+def _unpack(values: tuple[torch.Tensor, ...], groups: list[str], config: Telemetry) -> dict[str, torch.Tensor]:
+    names, it, out = _scalar_names(config), iter(values), {}
+    for group in _group_members(groups):
+        vector = next(it)
+        out.update({f"numerics/{group}/{name}": vector[j] for j, name in enumerate(names)})
+        if config.histogram:
+            out[f"numerics/{group}/grad_log2_hist"] = next(it)
+    return out
+
+
+def telemetry_metrics(
+    grads: Any,
+    params: Any,
+    loss_scale: torch.Tensor,
+    config: Telemetry,
+    active: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The telemetry metrics of one step's gradients (traceable; no host sync when compiled).
+
+    Args:
+      grads: the unscaled gradients, a pytree with the structure of ``params``.
+      params: the parameters (their names give the groups; ``weight_amax`` reads them).
+      loss_scale: the loss scale the step used, a 0-d float32 tensor (1.0 for none).
+      config: a :class:`Telemetry`.
+      active: a 0-d bool tensor: compute now (True) or return zeros (False), with :func:`torch.cond`
+        when compiling (eagerly: a Python branch, one host read); ``None``: always compute.
+    Returns:
+      ``{"numerics/active": 0-d bool, "numerics/<group>/<name>": 0-d float32 or, for
+      ``grad_log2_hist``, a float32 vector of :data:`HISTOGRAM_BINS` counts}``, on the gradients'
+      device; the names are listed in the module docstring.
+    Raises:
+      ValueError: if ``grads`` and ``params`` have different numbers of floating leaves.
+    """
+    g_leaves = [x for x in _tree.tree_leaves(grads) if _is_float(x)]
+    w_leaves = [x for x in _tree.tree_leaves(params) if _is_float(x)]
+    if len(g_leaves) != len(w_leaves):
+        raise ValueError(
+            f"telemetry_metrics: grads has {len(g_leaves)} floating leaves, params {len(w_leaves)}; "
+            "they must have the same structure"
+        )
+    if not g_leaves:  # nothing to measure: only the flag
+        return {"numerics/active": torch.ones((), dtype=torch.bool) if active is None else active}
+    groups = group_names(params, config.group_depth)
+    scale = loss_scale.detach().float().to(g_leaves[0].device)
+    args = (g_leaves, w_leaves, scale)
+
+    def compute(g: list[torch.Tensor], w: list[torch.Tensor], s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _compute(g, w, s, config, groups)
+
+    def skip(g: list[torch.Tensor], w: list[torch.Tensor], s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _zeros_like_compute(config, groups, s.device)
+
+    if active is None:
+        values, flag = compute(*args), torch.ones((), dtype=torch.bool, device=scale.device)
+    elif torch.compiler.is_compiling():
+        values, flag = torch.cond(active, compute, skip, args), active
+    else:
+        values, flag = (compute(*args) if bool(active) else skip(*args)), active
+    return {"numerics/active": flag, **_unpack(values, groups, config)}
+
+
+def _zeros_like_compute(config: Telemetry, groups: list[str], device: torch.device) -> tuple[torch.Tensor, ...]:
+    n = len(_scalar_names(config))
+    out = []
+    for _ in _group_members(groups):
+        out.append(torch.zeros(n, dtype=torch.float32, device=device))
+        if config.histogram:
+            out.append(torch.zeros(HISTOGRAM_BINS, dtype=torch.float32, device=device))
+    return tuple(out)

@@ -1,0 +1,252 @@
+"""In-graph precision telemetry (funcamp.numerics): the format table against torch's casts, the metrics
+against an eager computation on gradients with planted tiny, huge, zero and non-finite elements, and the
+compiled step: one graph, no recompiles, work only every N steps, training unchanged."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import funcamp as fa
+from funcamp import numerics, optim
+from funcamp.numerics import FORMATS, Telemetry, telemetry_metrics
+
+CASTABLE = ["float16", "bfloat16", "float8_e5m2"]  # formats whose cast overflows to inf (e4m3fn saturates)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_format_table_matches_torch_finfo(name):
+    fmt, info = FORMATS[name], torch.finfo(FORMATS[name].dtype)
+    assert fmt.max_finite == info.max and fmt.smallest_normal == info.smallest_normal
+    assert fmt.smallest_subnormal == info.smallest_normal * info.eps  # the last subnormal: one ulp above 0
+    assert 2.0**-fmt.mantissa_bits == info.eps
+
+
+@pytest.mark.parametrize("name", CASTABLE + ["float8_e4m3fn"])
+def test_thresholds_match_what_a_cast_does(name):
+    fmt = FORMATS[name]
+    half_sub, thr = fmt.smallest_subnormal / 2, fmt.overflow_threshold
+    # float32 inputs (the thresholds are exact there), cast as a float32 gradient would be. Not float64:
+    # torch casts float64 to float16 through float32, rounding twice (the neighbour of 2**-25 becomes 0).
+    t = torch.tensor([half_sub, thr], dtype=torch.float32)
+    x = torch.stack(
+        [t[0], torch.nextafter(t[0], t[1]), torch.tensor(fmt.max_finite), torch.nextafter(t[1], t[0]), t[1]]
+    )
+    assert x[0].item() == half_sub and x[4].item() == thr
+    y = x.to(fmt.dtype).double()
+    assert y[0] == 0 and y[1] > 0  # half the smallest subnormal ties to 0; anything above rounds up
+    assert y[2] == fmt.max_finite and y[3] == fmt.max_finite  # just under the threshold rounds to max
+    if name == "float8_e4m3fn":
+        # No inf in e4m3fn: torch's cast saturates. The threshold is the midpoint between 448 and 480, the
+        # next value an e4m3 with one more exponent would have (OCP FP8 v1.0, table 1).
+        assert fmt.overflow_threshold == 464.0 and y[4] == 448.0
+    else:
+        assert torch.isinf(y[4])
+    # The telemetry counts exactly the first (underflow) and the last (overflow); three ones make it 8.
+    x = torch.cat([x, torch.ones(3)])
+    m = telemetry_metrics({"w": x}, {"w": x}, torch.tensor(1.0), Telemetry(formats=(name,)))
+    assert m[f"numerics/all/{name}/underflow"].item() == m[f"numerics/all/{name}/overflow"].item() == 1 / 8
+
+
+def _planted(n_tiny=5, n_huge=3, n_zero=7, n=64, seed=0):
+    """float32 gradient with planted tiny (2**-30), huge (2**17), zero and one NaN element among N(0, 1)."""
+    g = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    g[:n_tiny] = 2.0**-30
+    g[n_tiny : n_tiny + n_huge] = -(2.0**17)
+    g[n_tiny + n_huge : n_tiny + n_huge + n_zero] = 0.0
+    return g
+
+
+def _cast_reference(g: torch.Tensor, name: str, scale: float) -> tuple[float, float]:
+    """Underflow and overflow fractions by casting (float32 to the format), the definition itself."""
+    x = g.float() * scale  # exact: the scales are powers of two
+    y = x.to(FORMATS[name].dtype).double()
+    under = ((x != 0) & (y == 0)).double().mean().item()
+    if name == "float8_e4m3fn":  # saturating cast: count what rounds past 448 (see the threshold test)
+        over = (~(x.abs() < 464.0)).double().mean().item()
+    else:
+        over = (~torch.isfinite(y)).double().mean().item()
+    return under, over
+
+
+ALL_FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**15, 2.0**-8])
+def test_planted_gradient_fractions_equal_the_cast_reference(scale):
+    g = _planted()
+    g[-1] = math.nan
+    w = torch.linspace(-3, 2, 64)
+    config = Telemetry(group_depth=1, formats=ALL_FORMATS)
+    m = telemetry_metrics({"m.w": g}, {"m.w": w}, torch.tensor(scale), config)
+    assert bool(m["numerics/active"])
+    for name in ALL_FORMATS:
+        for suffix, s in (("", 1.0), ("_scaled", scale)):
+            under, over = _cast_reference(g, name, s)
+            assert m[f"numerics/m/{name}/underflow{suffix}"].item() == pytest.approx(under, abs=1e-7), (name, s)
+            assert m[f"numerics/m/{name}/overflow{suffix}"].item() == pytest.approx(over, abs=1e-7), (name, s)
+    # Known by construction: 5 of 64 tiny (2**-30 flushes in float16 and fp8, not in bfloat16), 3 huge
+    # (2**17 overflows float16 and both fp8 formats), plus the NaN, which counts as an overflow everywhere.
+    if scale == 1.0:
+        assert m["numerics/m/float16/underflow"].item() == 5 / 64
+        assert m["numerics/m/bfloat16/underflow"].item() == 0.0
+        assert m["numerics/m/float16/overflow"].item() == 4 / 64
+        assert m["numerics/m/bfloat16/overflow"].item() == 1 / 64
+    assert m["numerics/m/grad_zeros"].item() == 7 / 64
+    assert math.isnan(m["numerics/m/grad_amax"].item())  # a NaN gradient shows in the amax
+    assert m["numerics/m/weight_amax"].item() == 3.0
+
+
+def test_headroom_is_log2_of_max_over_scale_times_amax():
+    g = torch.tensor([0.5, -4.0, 0.0])  # amax 4 = 2**2
+    m = telemetry_metrics({"w": g}, {"w": torch.ones(3)}, torch.tensor(2.0**10), Telemetry())
+    # float16: log2(65504 / (2**10 * 4)) = log2(65504) - 12
+    assert m["numerics/root/float16/headroom_log2"].item() == pytest.approx(math.log2(65504) - 12, rel=1e-6)
+    assert m["numerics/all/bfloat16/headroom_log2"].item() == pytest.approx(
+        math.log2(FORMATS["bfloat16"].max_finite) - 12
+    )
+    zero = telemetry_metrics({"w": torch.zeros(3)}, {"w": torch.ones(3)}, torch.tensor(1.0), Telemetry())
+    assert zero["numerics/all/float16/headroom_log2"].item() == math.inf  # nothing to overflow
+
+
+def test_histogram_counts_binades_and_leaves_out_zeros_and_non_finite():
+    g = torch.tensor([1.0, 1.5, 2.0, 0.25, 2.0**-60, 2.0**20, 0.0, math.inf, math.nan, -3.0])
+    hist = telemetry_metrics({"w": g}, {"w": g}, torch.tensor(1.0), Telemetry())["numerics/all/grad_log2_hist"]
+    edges = numerics.histogram_edges()
+    assert hist.shape == (numerics.HISTOGRAM_BINS,) and len(edges) == numerics.HISTOGRAM_BINS + 1
+    expected = torch.zeros(numerics.HISTOGRAM_BINS)
+    for value in (1.0, 1.5, 2.0, 0.25, 2.0**-60, 2.0**20, 3.0):  # bin of [2**k, 2**(k+1)), ends clamped
+        k = min(max(math.floor(math.log2(value)), numerics.HISTOGRAM_LOW), numerics.HISTOGRAM_HIGH - 1)
+        expected[k - numerics.HISTOGRAM_LOW] += 1
+    assert torch.equal(hist, expected)
+
+
+def test_groups_by_module_prefix_and_all():
+    names = ["wte.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc.weight", "blocks.1.ln1.weight", "bias"]
+    params = {n: torch.ones(2) for n in names}
+    # optree sorts dict keys: the order is the leaves' order.
+    assert numerics.group_names(params, 2) == ["root", "blocks.0", "blocks.0", "blocks.1", "wte"]
+    assert numerics.group_names(params, 1) == ["root", "blocks", "blocks", "blocks", "wte"]
+    assert numerics.group_names(params, None) == sorted(names)
+    grads = {n: torch.full((2,), float(i + 1)) for i, n in enumerate(sorted(names))}
+    m = telemetry_metrics(grads, params, torch.tensor(1.0), Telemetry(group_depth=2))
+    groups = {k.split("/")[1] for k in m if k != "numerics/active"}
+    assert groups == {"all", "root", "blocks.0", "blocks.1", "wte"}
+    assert m["numerics/blocks.0/grad_amax"].item() == 3.0 and m["numerics/all/grad_amax"].item() == 5.0
+    n_scalars = 3 + 5 * 2  # amaxes and zeros; 4 fractions and a headroom per format; + one histogram
+    assert len(m) == 1 + len(groups) * (n_scalars + 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"every": 0}, "every must be an int >= 1, got 0"),
+        ({"group_depth": 0}, "group_depth must be None or an int >= 1, got 0"),
+        ({"formats": ("float8",)}, r"formats must be a tuple of names from \['bfloat16', 'float16'"),
+        ({"formats": "float16"}, "formats must be a tuple of names"),
+    ],
+)
+def test_bad_configuration_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Telemetry(**kwargs)
+
+
+def test_bad_telemetry_argument_is_refused():
+    with pytest.raises(TypeError, match="telemetry must be None, an int N .* got 'often'"):
+        fa.make_train_step(lambda p, b: p["w"].sum(), optim.sgd(0.1), telemetry="often")
+    with pytest.raises(ValueError, match="every must be an int >= 1, got 0"):
+        fa.make_train_step(lambda p, b: p["w"].sum(), optim.sgd(0.1), telemetry=0)
+
+
+# --- in the train step ----------------------------------------------------------------------------------
+
+EVERY = 3
+
+
+def planted_loss(params, batch):
+    """d loss / d w = batch["g"] exactly (float32): the step's gradient is the planted one."""
+    return (params["layer.w"] * batch["g"]).sum() + (params["head.b"] * batch["h"]).sum()
+
+
+def _batch(i):
+    return {"g": _planted(seed=i) * (i + 1), "h": torch.full((4,), 2.0**-i)}
+
+
+def _state():
+    params = {"layer.w": torch.zeros(64), "head.b": torch.ones(4)}
+    return fa.TrainState.create(params, optim.sgd(1e-3), loss_scale=fa.StaticLossScale(2.0**12))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Eight steps of the compiled step (aot_eager) with telemetry, and of the same step without it."""
+    config = Telemetry(every=EVERY, group_depth=1)
+    with_t = fa.make_train_step(planted_loss, optim.sgd(1e-3), backend="aot_eager", telemetry=config)
+    without = fa.make_train_step(planted_loss, optim.sgd(1e-3), backend="aot_eager")
+    out, graphs = {}, {}
+    for name, step in (("with", with_t), ("without", without)):
+        torch._dynamo.reset()  # the two closures share step's code object: each gets its own cache
+        torch._dynamo.utils.counters.clear()
+        state, history = _state(), []
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for i in range(8):
+                state, metrics = step(state, _batch(i))
+                history.append(metrics)
+        out[name] = (state, history)
+        graphs[name] = dict(torch._dynamo.utils.counters["stats"])
+    return out, graphs
+
+
+def test_compiled_step_is_one_graph_with_and_without_telemetry(runs):
+    _, graphs = runs
+    # One graph each over 8 steps, active or not (and error_on_recompile would have raised on a recompile).
+    assert graphs["with"]["unique_graphs"] == graphs["without"]["unique_graphs"] == 1
+
+
+def test_metrics_only_every_n_steps_and_equal_to_the_reference(runs):
+    (_, history) = runs[0]["with"]
+    keys = set(history[0])
+    for i, m in enumerate(history):
+        assert set(m) == keys  # the same structure on every step
+        active = (i + 1) % EVERY == 0  # steps 3 and 6 of a loop counting from 1
+        assert bool(m["numerics/active"]) is active
+        if not active:
+            assert all(
+                float(v.abs().sum()) == 0 for k, v in m.items() if k.startswith("numerics/") and k != "numerics/active"
+            )
+            continue
+        g, scale = _batch(i)["g"], 2.0**12
+        for name in ("float16", "bfloat16"):
+            for suffix, s in (("", 1.0), ("_scaled", scale)):
+                under, over = _cast_reference(g, name, s)
+                assert m[f"numerics/layer/{name}/underflow{suffix}"].item() == pytest.approx(under, abs=1e-7)
+                assert m[f"numerics/layer/{name}/overflow{suffix}"].item() == pytest.approx(over, abs=1e-7)
+        assert m["numerics/layer/grad_amax"].item() == g.abs().max().item()
+        assert m["numerics/head/grad_amax"].item() == 2.0**-i
+        assert m["numerics/all/grad_zeros"].item() == pytest.approx(7 / 68, rel=1e-7)  # float32 division
+        # The weights this step used: 1 - 1e-3 * (2**0 + ... + 2**-(i-1)) after i SGD steps on 2**-j.
+        assert m["numerics/head/weight_amax"].item() == pytest.approx(1 - 1e-3 * sum(2.0**-j for j in range(i)))
+        expected = math.log2(65504) - 12 - math.log2(g.abs().max().item())
+        assert m["numerics/layer/float16/headroom_log2"].item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_telemetry_does_not_change_training(runs):
+    (a, ha), (b, hb) = runs[0]["with"], runs[0]["without"]
+    for name in a.params:
+        assert torch.equal(a.params[name], b.params[name]), name
+    for ma, mb in zip(ha, hb):
+        assert set(mb) <= set(ma)
+        for k in mb:
+            assert torch.equal(ma[k], mb[k]), k
+
+
+def test_eager_step_gives_the_compiled_metrics(runs):
+    (_, compiled) = runs[0]["with"]
+    step = fa.make_train_step(planted_loss, optim.sgd(1e-3), compile=False, telemetry=Telemetry(EVERY, 1))
+    state = _state()
+    for i in range(EVERY):
+        state, m = step(state, _batch(i))
+    for k, v in m.items():
+        torch.testing.assert_close(v, compiled[EVERY - 1][k], rtol=0, atol=0, equal_nan=True, msg=k)
