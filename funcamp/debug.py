@@ -20,7 +20,8 @@ module's ``named_modules()`` (``"blocks.0.attn.qkv"``; the outermost module itse
 covered. A forward op gets the innermost running module's path. For the backward, when a module
 returns, every autograd node its outputs were computed through that has no path yet is given this
 module's path (``Node.metadata``); a backward op takes the path of the node the autograd engine is
-running (``torch._C._current_autograd_node()``). Ops outside every module are ``"loss_fn"``; the
+running (``torch._C._current_autograd_node()``). Ops outside every module (the loss, the casts of
+``apply_fn``'s inputs and outputs) are ``"outside modules (loss_fn, apply_fn's casts)"``; the
 multiplication by the loss scale is ``"loss scale"``.
 
 Differences from the field's tools: ``jax_debug_nans`` re-runs a jitted function op by op and raises
@@ -54,7 +55,7 @@ from funcamp.policy import get_policy
 __all__ = ["LintFinding", "LintReport", "NonFiniteReport", "find_first_nonfinite", "lint", "locate_from_state"]
 
 _META_KEY = "funcamp.module"
-_OUTSIDE = "loss_fn (outside every module)"
+_OUTSIDE = "outside modules (loss_fn, apply_fn's casts)"
 _SCALE = "loss scale"
 _MAX_FINITE = {
     torch.float16: torch.finfo(torch.float16).max,
@@ -160,6 +161,12 @@ def _state(tensors: list[torch.Tensor], scalars: list[float] = ()) -> tuple[bool
     return nan, inf
 
 
+def _scale_text(scale: float) -> str:
+    """``65536.0`` -> ``"65536 (2**16)"``; other values as ``%g``."""
+    mantissa, exponent = math.frexp(scale) if scale > 0 and math.isfinite(scale) else (0.0, 0)
+    return f"{scale:g} (2**{exponent - 1})" if mantissa == 0.5 and exponent - 1 >= 10 else f"{scale:g}"
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -181,8 +188,8 @@ class NonFiniteReport:
         saw made one, yet a gradient is not finite: computed outside torch's dispatcher), or ``"none"``.
       op: the ATen op (``"aten._softmax_backward_data"``); in the backward followed by the autograd
         node, e.g. ``"aten.mm (MmBackward0)"``.
-      module: the module path the op ran in (``"blocks.0.attn"``), ``"loss_fn"`` outside every module,
-        ``"loss scale"`` for the multiplication by the loss scale.
+      module: the module path the op ran in (``"blocks.0.attn"``), ``"outside modules (...)"`` outside
+        every module, ``"loss scale"`` for the multiplication by the loss scale.
       phase: ``"forward"`` or ``"backward"``.
       leaf: the path of the non-finite batch, parameter or buffer leaf (``"['x']"``, ``"fc.weight"``).
       index: the op's position among the ops run (0-based, forward then backward).
@@ -220,7 +227,7 @@ class NonFiniteReport:
         return self.loss_finite and self.grads_finite
 
     def __str__(self) -> str:
-        scale = "" if self.loss_scale is None else f" at loss scale {self.loss_scale:g}"
+        scale = "" if self.loss_scale is None else f" at loss scale {_scale_text(self.loss_scale)}"
         outcome = "finite" if self.step_finite else "NOT finite"
         lines = [
             f"loss {'finite' if self.loss_finite else 'NOT finite'}, gradients "
@@ -251,9 +258,9 @@ class NonFiniteReport:
         where = self._range()
         if self.phase == "backward" and self.finite_without_scale:
             return (
-                f"the forward, and the same step at loss scale 1, are finite: the loss scale {self.loss_scale:g} "
-                f"pushed the backward past {where}. A DynamicLossScale backs off by itself; lower a "
-                "StaticLossScale (or a DynamicLossScale's initial scale)."
+                "the forward, and the same step at loss scale 1, are finite: the loss scale "
+                f"{_scale_text(self.loss_scale)} pushed the backward past {where}. A DynamicLossScale backs off "
+                "by itself; lower a StaticLossScale (or a DynamicLossScale's initial scale)."
             )
         if self.output_nan:
             return "a NaN from finite inputs: 0/0, inf-inf, 0*inf, log or sqrt of a negative; guard the op (eps, clamp)"
@@ -375,8 +382,8 @@ def _forward_backward(
         loss = _call(fn, loss_fn, torch_pytree.tree_unflatten(leaves, spec), buffers, batch, has_aux)
         with modules.labelled(_SCALE):
             scaled = loss_scale.scale(loss)
+        _tag_graph(loss, _OUTSIDE)  # first: the loss's own ops; then what is left, the scale's multiplication
         _tag_graph(scaled, _SCALE)
-        _tag_graph(loss, _OUTSIDE)
         grads = torch.autograd.grad(scaled, leaves, allow_unused=True) if scaled.requires_grad else [None] * len(leaves)
     return active, _Run(loss.detach(), leaves, _grad_names(params, len(leaves)), list(grads))
 

@@ -136,7 +136,7 @@ def test_scaled_backward_of_float16_attention_overflows():
     assert "float16" in report.output_dtypes and report.output_inf > 0
     assert report.loss_finite and not report.grads_finite
     assert report.loss_scale == 1024.0 and report.finite_without_scale is True
-    assert "the loss scale 1024 pushed the backward past float16's range" in str(report)
+    assert "the loss scale 1024 (2**10) pushed the backward past float16's range" in str(report)
     # At scale 1 the whole step is finite.
     assert find_first_nonfinite(loss_fn, params, x).kind == "none"
 
@@ -196,7 +196,7 @@ def test_fully_masked_row_makes_a_nan_in_softmax():
         return torch.softmax(scores, dim=-1).sum()
 
     report = find_first_nonfinite(loss_fn, {"w": torch.eye(2)}, torch.ones(2, 2))
-    assert report.op == "aten._softmax" and report.module.startswith("loss_fn") and report.output_nan == 2
+    assert report.op == "aten._softmax" and report.module.startswith("outside modules") and report.output_nan == 2
 
 
 def test_locate_from_state_replays_a_skipped_step():
@@ -326,7 +326,7 @@ def test_lint_cumsum_and_half_reduction():
     assert ("half-reduction", "aten.sum") in got  # 4096 terms per output element in float16
     assert ("half-accumulation", "aten.cumsum") in got
     (red,) = [f for f in report if (f.kind, f.op) == ("half-reduction", "aten.sum")]
-    assert red.size == 4096 and red.dtype == "float16" and red.module.startswith("loss_fn")
+    assert red.size == 4096 and red.dtype == "float16" and red.module.startswith("outside modules")
     # In float32 none of this is flagged.
     report32 = lint(
         lambda p, x: (x * p["w"]).sum(-1).mean() + (x * p["w"]).cumsum(-1).mean(), {"w": params["w"].float()}, x.float()
@@ -528,3 +528,34 @@ def test_lint_bad_arguments():
         lint(lambda p, b: p["w"].sum(), {"w": torch.ones(1)}, None, min_terms=0)
     with pytest.raises(ValueError):
         lint(lambda p, b: p["w"].sum(), {"w": torch.ones(1)}, None, policy="compute=float17")
+
+
+def test_locator_with_buffers_and_aux():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), LogHead())
+    apply_fn, params, buffers = fa.nn.functionalize(model, "float32")
+
+    def loss_fn(p, b, x):
+        out, new_b = apply_fn(p, b, x)
+        return (out.mean(), {"out": out.detach()}), new_b
+
+    x = torch.randn(8, 4)
+    report = find_first_nonfinite(loss_fn, params, x, buffers=buffers, has_aux=True)
+    # BatchNorm makes each column zero-mean: about half the entries are <= 0, their log is -inf or NaN.
+    assert (report.op, report.module, report.phase) == ("aten.log", "2", "forward")
+    bad = {**buffers, "1.running_var": torch.full((4,), math.nan)}
+    report = find_first_nonfinite(loss_fn, params, x, buffers=bad, has_aux=True)
+    assert (report.kind, report.leaf) == ("buffer", "1.running_var")
+
+
+def test_gpt_float16_with_a_too_large_loss_scale(gpt_batch):
+    """The main job's model in float16: the forward is finite, loss scale 2**26 overflows the backward."""
+    model, batch = gpt_batch
+    apply_fn, params = fa.nn.functionalize(model, F16)
+
+    def loss_fn(p, b):
+        return F.cross_entropy(apply_fn(p, b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
+
+    report = find_first_nonfinite(loss_fn, params, batch, loss_scale=fa.StaticLossScale(2.0**26))
+    assert report.phase == "backward" and report.loss_finite and not report.grads_finite
+    assert report.finite_without_scale is True and report.output_dtypes == ("float16",)
+    assert "2**26" in str(report)
