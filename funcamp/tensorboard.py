@@ -3,7 +3,12 @@
 :class:`TensorBoardLogger` keeps the 0-d metric tensors a compiled step returns (no host sync), and
 at the end of each interval stacks them into one tensor and reads it with one ``.tolist()``: one
 device-to-host transfer per interval, never inside the step. It writes with TensorBoard's
-``SummaryWriter`` (``torch.utils.tensorboard``); open the curves with ``tensorboard --logdir DIR``.
+``SummaryWriter`` (``torch.utils.tensorboard``); open the curves with
+``python3 -m tensorboard.main --logdir DIR``.
+
+The precision telemetry of ``make_train_step(telemetry=N)`` (:mod:`funcamp.numerics`) is written as
+scalars under its own names (``numerics/<group>/...``) and its ``grad_log2_hist`` vectors as
+TensorBoard histograms of log2|g|, from the interval's last step that computed them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import torch
 __all__ = ["DEFAULT_TAGS", "MEAN_METRICS", "TensorBoardLogger"]
 
 #: Where each metric of :func:`funcamp.make_train_step` goes; ``None``: not written. Other 0-d numeric
-#: metrics are written under ``train/<name>``; non-scalar ones (``aux``) are ignored.
+#: metrics are written under ``train/<name>``, ``numerics/...`` ones under their own name; other
+#: non-scalar ones (``aux``) are ignored.
 DEFAULT_TAGS: dict[str, str | None] = {
     "loss": "train/loss",
     "grad_norm": "train/grad_norm",
@@ -31,7 +37,13 @@ DEFAULT_TAGS: dict[str, str | None] = {
     "consecutive_skips": "amp/consecutive_skips",
     "nonfinite_leaf": None,  # a parameter index: see funcamp.nonfinite_leaf_name
     "too_many_skips": None,
+    "numerics/active": None,  # whether the step computed its numerics/... metrics; decides which are written
 }
+
+#: The prefix of :mod:`funcamp.numerics` metrics: written under their own name, from an active step.
+NUMERICS_PREFIX = "numerics/"
+_ACTIVE = "numerics/active"
+_HIST_SUFFIX = "/grad_log2_hist"
 
 #: Metrics written as their mean over the interval (``grads_finite``: the fraction of finite steps);
 #: every other metric is written as its value at the interval's last step.
@@ -39,6 +51,10 @@ MEAN_METRICS: frozenset[str] = frozenset({"loss", "grad_norm", "grads_finite"})
 
 #: The tag of the throughput, in tokens (or samples) per second of wall time over the interval.
 THROUGHPUT_TAG = "perf/tokens_per_second"
+
+
+def _is_numerics(name: str, x: Any) -> bool:
+    return name.startswith(NUMERICS_PREFIX) and isinstance(x, torch.Tensor) and x.ndim <= 1
 
 
 def _is_scalar(x: Any) -> bool:
@@ -59,6 +75,12 @@ class TensorBoardLogger:
     :data:`DEFAULT_TAGS`. With ``tokens_per_step`` it also writes ``perf/tokens_per_second``: the
     tokens of the interval's timed steps over the wall time between two reads (everything the loop
     did; the first step, which compiles, and work before :meth:`restart_clock` are left out).
+
+    Telemetry (``numerics/...`` metrics of ``make_train_step(telemetry=N)``): from the interval's last
+    step whose ``numerics/active`` is true, each scalar at that step under its own name, and each
+    ``numerics/<group>/grad_log2_hist`` as a TensorBoard histogram of log2|g| (one bin per binade, see
+    :mod:`funcamp.numerics`; the histogram's sum and sum of squares use the bin centres). An interval
+    without an active step writes no telemetry. They travel in the interval's one read.
 
     Intervals: when :meth:`log` gets an ``int`` step, an interval ends at every step divisible by
     ``log_every`` (so a resumed run logs at the same steps); otherwise every ``log_every`` calls.
@@ -128,7 +150,9 @@ class TensorBoardLogger:
             self._writer = SummaryWriter(self.logdir, flush_secs=flush_secs, purge_step=purge_step)
 
     def _tag(self, name: str) -> str | None:
-        return self.tags[name] if name in self.tags else f"train/{name}"
+        if name in self.tags:
+            return self.tags[name]
+        return name if name.startswith(NUMERICS_PREFIX) else f"train/{name}"
 
     def log(self, metrics: Mapping[str, Any], step: int | torch.Tensor | None = None) -> dict[str, float] | None:
         """Keep one step's metrics; at the end of an interval, read and write them all.
@@ -153,7 +177,13 @@ class TensorBoardLogger:
             return None
         self._calls += 1
         step = self._calls if step is None else step
-        kept = {k: v for k, v in metrics.items() if self._tag(k) is not None and _is_scalar(v)}
+        kept = {
+            k: v
+            for k, v in metrics.items()
+            if not k.startswith(NUMERICS_PREFIX) and self._tag(k) is not None and _is_scalar(v)
+        }
+        # numerics/...: scalars and histograms, with the flag that says whether this step computed them.
+        kept.update({k: v for k, v in metrics.items() if _is_numerics(k, v) and (k == _ACTIVE or self._tag(k))})
         self._pending.append((step, kept))
         if self._last_time is None:  # the first step (compilation) is not timed
             self.restart_clock()
@@ -176,7 +206,8 @@ class TensorBoardLogger:
         now = time.perf_counter()
         elapsed, timed = now - (self._last_time or now), len(pending) - self._untimed
         self._last_time, self._untimed = now, 0
-        names = {name for _, kept in pending for name in kept}
+        numerics = _last_active(steps, values)  # (step, {name: value}) of the last step that measured
+        names = {name for _, kept in pending for name in kept if not name.startswith(NUMERICS_PREFIX)}
         written: dict[str, float] = {}
         for name in sorted(names, key=lambda n: list(DEFAULT_TAGS).index(n) if n in DEFAULT_TAGS else 99):
             series = [v[name] for v in values if name in v]
@@ -187,6 +218,23 @@ class TensorBoardLogger:
         step = steps[-1]
         for tag, value in written.items():
             self._writer.add_scalar(tag, value, global_step=step)
+        if numerics is not None:
+            written.update(self._write_numerics(*numerics))
+        return written
+
+    def _write_numerics(self, step: int, values: dict[str, Any]) -> dict[str, float]:
+        """Write one step's telemetry: scalars under their names, ``grad_log2_hist`` as histograms."""
+        written = {}
+        for name, value in sorted(values.items()):
+            tag = self._tag(name)
+            if name == _ACTIVE or tag is None:
+                continue
+            if isinstance(value, list):
+                if name.endswith(_HIST_SUFFIX):
+                    _add_log2_histogram(self._writer, tag, value, step)
+                continue
+            written[tag] = float(value)
+            self._writer.add_scalar(tag, float(value), global_step=step)
         return written
 
     def restart_clock(self) -> None:
@@ -243,8 +291,40 @@ class TensorBoardLogger:
         self.close()
 
 
-def _read(pending: list[tuple[Any, dict[str, Any]]]) -> tuple[list[int], list[dict[str, float]]]:
-    """Every kept value on the host, with one transfer per device (one in practice)."""
+def _last_active(steps: list[int], values: list[dict[str, Any]]) -> tuple[int, dict[str, Any]] | None:
+    """The last step of an interval whose ``numerics/...`` were computed (``numerics/active`` true)."""
+    for step, v in zip(reversed(steps), reversed(values)):
+        numerics = {k: x for k, x in v.items() if k.startswith(NUMERICS_PREFIX)}
+        if numerics and numerics.get(_ACTIVE, 1.0):
+            return step, numerics
+    return None
+
+
+def _add_log2_histogram(writer: Any, tag: str, counts: list[float], step: int) -> None:
+    """A histogram of log2|g| from :mod:`funcamp.numerics`'s fixed binade counts (bin centres for the moments)."""
+    from funcamp.numerics import histogram_edges
+
+    edges = histogram_edges()
+    num = sum(counts)
+    if num <= 0:  # an all-zero (or all non-finite) gradient: nothing to draw
+        return
+    used = [i for i, c in enumerate(counts) if c > 0]
+    centres = [(edges[i] + edges[i + 1]) / 2 for i in range(len(counts))]
+    writer.add_histogram_raw(
+        tag,
+        min=edges[used[0]],
+        max=edges[used[-1] + 1],
+        num=num,
+        sum=sum(c * x for c, x in zip(counts, centres)),
+        sum_squares=sum(c * x * x for c, x in zip(counts, centres)),
+        bucket_limits=edges[1:],
+        bucket_counts=counts,
+        global_step=step,
+    )
+
+
+def _read(pending: list[tuple[Any, dict[str, Any]]]) -> tuple[list[int], list[dict[str, Any]]]:
+    """Every kept value on the host (floats; lists for 1-d tensors), one transfer per device."""
     tensors: list[torch.Tensor] = []
     for step, kept in pending:
         if isinstance(step, torch.Tensor):
@@ -258,17 +338,21 @@ def _read(pending: list[tuple[Any, dict[str, Any]]]) -> tuple[list[int], list[di
     return steps, values
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[float]:
-    """Stack 0-d tensors (per device, in order) and read them with one ``.tolist()`` per device."""
+def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
+    """Concatenate 0-d and 1-d tensors (per device, in order) and read them with one ``.tolist()`` per
+    device; a 0-d tensor comes back as a float, a 1-d one as a list of floats."""
     if not tensors:
         return []
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
-    out: list[float] = [0.0] * len(tensors)
+    out: list[Any] = [0.0] * len(tensors)
     for device, idx in by_device.items():
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        stacked = torch.stack([tensors[i].detach().to(dtype) for i in idx]).tolist()
-        for i, v in zip(idx, stacked):
-            out[i] = v
+        flat = torch.cat([tensors[i].detach().reshape(-1).to(dtype) for i in idx]).tolist()
+        start = 0
+        for i in idx:
+            n = tensors[i].numel()
+            out[i] = flat[start] if tensors[i].ndim == 0 else flat[start : start + n]
+            start += n
     return out

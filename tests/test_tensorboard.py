@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -126,3 +128,55 @@ def test_bad_arguments(tmp_path):
             logger.log_scalars({"val/loss": 1.0}, step=None)
         with pytest.raises(TypeError, match="'val/loss' must be a real scalar"):
             logger.log_scalars({"val/loss": torch.ones(2)}, step=1)
+
+
+def _histograms(logdir) -> dict[str, list]:
+    acc = EventAccumulator(str(logdir), size_guidance={"histograms": 0})
+    acc.Reload()
+    return {tag: acc.Histograms(tag) for tag in acc.Tags()["histograms"]}
+
+
+def test_numerics_from_the_last_active_step_as_scalars_and_log2_histograms(tmp_path, monkeypatch):
+    from funcamp.numerics import HISTOGRAM_LOW, Telemetry, telemetry_metrics
+
+    # A gradient of known binades: 1.0 (bin of 2**0) three times, 2**-20 once, one zero.
+    params = {"block.w": torch.ones(5)}
+    config = Telemetry(group_depth=1, formats=("float16",))
+
+    def step_metrics(i: int) -> dict:
+        g = {"block.w": torch.tensor([1.0, 1.0, 1.0, 2.0**-20, 0.0]) * 2.0**i}
+        numerics = telemetry_metrics(g, params, torch.tensor(2.0**10), config, active=torch.tensor(i % 3 == 0))
+        return {**_metrics(i), **numerics}
+
+    calls = []
+    real = tb._to_host
+    monkeypatch.setattr(tb, "_to_host", lambda tensors: calls.append(len(tensors)) or real(tensors))
+    with TensorBoardLogger(tmp_path, log_every=4) as logger:
+        returned = [logger.log(step_metrics(i), step=i) for i in range(1, 9)]
+    assert len(calls) == 2  # still one read per interval, histograms included
+    s, h = _scalars(tmp_path), _histograms(tmp_path)
+    # Active at steps 3 and 6 (i % 3 == 0): each interval (1-4, 5-8) writes its active step's values there.
+    assert s["numerics/block/grad_amax"] == [(3, 8.0), (6, 64.0)]
+    assert s["numerics/all/grad_zeros"] == [(3, pytest.approx(0.2)), (6, pytest.approx(0.2))]  # float32 1/5
+    assert [v for _, v in s["numerics/block/float16/headroom_log2"]] == pytest.approx(
+        [math.log2(65504) - 10 - 3, math.log2(65504) - 10 - 6], abs=1e-6
+    )  # float32 arithmetic
+    assert "numerics/active" not in s and returned[3]["numerics/block/grad_amax"] == 8.0
+    hist = h["numerics/block/grad_log2_hist"]
+    assert [e.step for e in hist] == [3, 6]
+    first = hist[0].histogram_value
+    assert first.num == 4  # the zero is left out
+    counts = dict(zip(first.bucket_limit, first.bucket))
+    assert counts[3 + 1.0] == 3 and counts[3 - 20 + 1.0] == 1  # right edges: 2**3 in [3, 4), 2**-17 in [-17, -16)
+    assert first.min == -17.0 and first.max == 4.0 and HISTOGRAM_LOW < first.min
+
+
+def test_interval_without_an_active_step_writes_no_numerics(tmp_path):
+    from funcamp.numerics import Telemetry, telemetry_metrics
+
+    w, scale = {"w": torch.ones(2)}, torch.tensor(1.0)
+    off = telemetry_metrics(w, w, scale, Telemetry(), active=torch.tensor(False))
+    with TensorBoardLogger(tmp_path, log_every=2) as logger:
+        for i in (1, 2):
+            logger.log({"loss": torch.tensor(1.0), **off}, step=i)
+    assert set(_scalars(tmp_path)) == {"train/loss"} and not _histograms(tmp_path)
