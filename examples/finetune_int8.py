@@ -79,6 +79,17 @@ def gpt2(**config: Any) -> torch.nn.Module:
     return GPT2LMHeadModel(GPT2Config(**config))
 
 
+def machine() -> str:
+    """The CPU's model name (Linux) and torch's CPU capability, e.g. ``AMD EPYC (AVX2)``."""
+    name = "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 # --- the footprint table of GPT-2 124M -----------------------------------------------------------------
 
 
@@ -227,11 +238,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.footprint_124m:
         table = format_table(footprint_table())
         results["footprint_table"] = table
-        print(f"machine: {torch.backends.cpu.get_cpu_capability()} CPU, torch {torch.__version__}\n{table}\n")
+        print(f"machine: {machine()}, torch {torch.__version__}\n{table}\n")
     data, _ = load_corpus(args.data)
     train, val = split(data, args.block_size)
     policy = fa.get_policy(default_policy(torch.device("cpu")) if args.policy == "auto" else args.policy)
-    print(f"policy {policy} | {args.steps} steps | {'compiled (' + args.backend + ')' if args.compile else 'eager'}")
+    mode = f"compiled ({args.backend})" if args.compile else "eager"
+    print(f"{machine()} | torch {torch.__version__} | policy {policy} | {args.steps} steps | {mode}")
     run = finetune(args, policy, train, val, int8=True, logdir=args.logdir)
     results.update(run)
     print(f"int8 frozen matrices: val loss {run['val_loss']:.4f} after {args.steps} steps ({run['seconds']:.1f} s)")

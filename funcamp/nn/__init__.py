@@ -9,6 +9,8 @@ Face (``_keep_in_fp32_modules``) do. Buffers that change in training (BatchNorm 
 come in and go out explicitly: ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``.
 Frozen parameters (``requires_grad=False``, or not selected by ``trainable=``) are held by ``apply_fn``
 as constants, apart from the trainable ``params``: never differentiated, never in an optimizer state.
+Chosen frozen matrices can be held in int8 (``quantize=funcamp.quant.Int8WeightOnlyConfig()``: per-output-
+channel absmax scales, dequantized into the compute dtype at each call; see :mod:`funcamp.quant`).
 
 The module you pass is never changed, nor kept alive: ``functionalize`` works on a structural copy of
 it whose parameters are shape-only placeholders (on the ``meta`` device), sets the training flag and
