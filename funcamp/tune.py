@@ -6,8 +6,8 @@ attention can be slower in bfloat16 even where matmuls are faster. :func:`tune_p
 of guessing. For each unit of the model (a submodule; identical ones, same type, parameter shapes and
 input shapes, form one group, such as the blocks of a transformer) it
 
-1. captures the unit's real inputs during one float32 forward of the whole model on the example batch
-   (forward pre-hooks, removed afterwards);
+1. captures the unit's real inputs during one forward of the whole model as it is (float32 for a float32
+   model), no grad, on the example batch (forward pre-hooks, removed afterwards);
 2. runs the unit alone, as :func:`funcamp.nn.functionalize` would run it under each candidate compute
    dtype (norm layers inside it in float32, the float32-accumulation op rules), forward and backward
    (gradients of the parameters and the floating inputs, with a fixed random output cotangent);
@@ -473,10 +473,11 @@ def tune_policy(
     For each *unit* (the submodules ``depth`` levels below the root, where ``ModuleList``,
     ``ModuleDict`` and ``Sequential`` do not count as a level, or leaves above that depth), grouped
     when identical (same class, parameter and buffer names and shapes, input shapes and dtypes):
-    capture the inputs each unit receives in one float32 forward of ``model(*example_args,
-    **example_kwargs)``; then for each candidate compute dtype, run the unit alone as
-    :func:`funcamp.nn.functionalize` runs it under ``Policy(param_dtype, candidate, candidate)`` (casting
-    mode; norm layers inside in float32; ``op_policies`` added to the float32-accumulation rules).
+    capture the inputs each unit receives in one forward of ``model(*example_args, **example_kwargs)``
+    as the model is (float32 for a float32 model; no grad); then for each candidate compute dtype, run
+    the unit alone as :func:`funcamp.nn.functionalize` runs it under ``Policy(param_dtype, candidate,
+    candidate)`` (casting mode; norm layers inside in float32; ``op_policies`` added to the
+    float32-accumulation rules).
 
     - Numerics, for every module of the group, in eval mode (no dropout): output and gradients of the
       parameters and floating inputs (``torch.autograd.grad`` of ``sum(out * g)``, ``g`` a fixed
@@ -527,7 +528,7 @@ def tune_policy(
         ``candidates`` or ``rtol`` are malformed, or ``cache`` is not a bool or path.
       ValueError: if a candidate is not float32/bfloat16/float16, ``rtol`` or ``margin`` is negative,
         ``depth < 1`` or ``rounds < 1``, the device is ``meta``, or the model has no unit called by its forward.
-      RuntimeError: whatever the float32 forward or backward of a unit raises.
+      RuntimeError: whatever the model's forward, or a unit's float32 forward or backward, raises.
 
     Example:
       >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
