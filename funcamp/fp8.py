@@ -69,6 +69,7 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _EPS = 1e-12  # torchao's floor on amax, so that an all-zero tensor gets a finite scale
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
+_MAX = {dtype: get_format(dtype).max for dtype in (E4M3, E5M2)}  # a plain dict: torch.compile traces it
 
 
 class Fp8FallbackWarning(UserWarning):
@@ -156,7 +157,7 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, round_scales_to_power_
     Returns:
       float32 scales of ``amax``'s shape; a non-finite amax gives 0 (inf) or NaN (NaN).
     """
-    scale = (get_format(dtype).max / amax.to(torch.float64).clamp(min=_EPS)).to(torch.float32)
+    scale = (_MAX[dtype] / amax.to(torch.float64).clamp(min=_EPS)).to(torch.float32)
     return torch.exp2(torch.floor(torch.log2(scale))) if round_scales_to_power_of_2 else scale
 
 
@@ -208,7 +209,7 @@ def update_delayed_state(
     finite = torch.isfinite(amax)
     history = torch.cat([amax.reshape(1), state.amax_history[:-1]])
     a = history.max() if r.amax_compute_algo == "max" else amax
-    scale = get_format(dtype).max / a / 2.0**r.margin
+    scale = _MAX[dtype] / a / 2.0**r.margin
     if r.round_scales_to_power_of_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scale = torch.where(a > 0, scale, state.scale)
@@ -228,7 +229,7 @@ def _amax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
 def _cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8 tensor, inverse scale)``: ``t * scale`` in float32, saturated and cast to ``dtype`` (torchao's
     ``to_fp8_saturated``); the inverse scale is ``1 / scale`` in float32, what ``torch._scaled_mm`` takes."""
-    top = get_format(dtype).max
+    top = _MAX[dtype]
     return (t.detach().to(torch.float32) * scale).clamp(-top, top).to(dtype), scale.reciprocal()
 
 
@@ -294,6 +295,7 @@ def _forward_casts(
     return _dynamic(x, E4M3, dim, pow2), _dynamic(w, E4M3, dim, pow2)
 
 
+@torch._dynamo.allow_in_graph
 class _Fp8Matmul(torch.autograd.Function):
     """``y = x @ w.T`` with all three matmuls in fp8; ``x`` (M, K), ``w`` (N, K), ``y`` (M, N).
 
