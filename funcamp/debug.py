@@ -150,17 +150,6 @@ def _amax(x: torch.Tensor) -> float:
     return float(torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a).amax())
 
 
-def _state(tensors: list[torch.Tensor], scalars: list[float] = ()) -> tuple[bool, bool]:
-    """``(has_nan, has_inf)`` over the tensors and Python scalars."""
-    nan = any(math.isnan(s) for s in scalars)
-    inf = any(math.isinf(s) for s in scalars)
-    for t in tensors:
-        if not bool(torch.isfinite(t).all()):
-            t_nan = bool(torch.isnan(t).any())
-            nan, inf = nan or t_nan, inf or not t_nan or bool(torch.isinf(t).any())
-    return nan, inf
-
-
 def _scale_text(scale: float) -> str:
     """``65536.0`` -> ``"65536 (2**16)"``; other values as ``%g``."""
     mantissa, exponent = math.frexp(scale) if scale > 0 and math.isfinite(scale) else (0.0, 0)
@@ -284,13 +273,36 @@ class NonFiniteReport:
 
 
 class _Locator(TorchDispatchMode):
-    """Checks each op's inputs and outputs until one makes a NaN or an infinity from inputs without them."""
+    """Checks each op's inputs and outputs until one makes a NaN or an infinity from inputs without them.
+
+    Tensors found finite are remembered (by weak reference) and not checked again as inputs; a view of
+    finite tensors is finite without a check; tensors an op writes in place are checked again.
+    """
 
     def __init__(self, modules: _ModuleStack) -> None:
         super().__init__()
         self.modules = modules
         self.index = 0
         self.found: dict[str, Any] | None = None
+        self.finite: dict[int, Any] = {}  # id(tensor) -> weakref, for tensors known to be finite
+
+    def _known(self, t: torch.Tensor) -> bool:
+        ref = self.finite.get(id(t))
+        return ref is not None and ref() is t
+
+    def _state(self, tensors: list[torch.Tensor], scalars: list[float] = ()) -> tuple[bool, bool]:
+        """``(has_nan, has_inf)`` over the tensors and Python scalars; finite tensors are remembered."""
+        nan = any(math.isnan(s) for s in scalars)
+        inf = any(math.isinf(s) for s in scalars)
+        for t in tensors:
+            if self._known(t):
+                continue
+            if bool(torch.isfinite(t).all()):
+                self.finite[id(t)] = weakref.ref(t)
+                continue
+            t_nan = bool(torch.isnan(t).any())
+            nan, inf = nan or t_nan, inf or not t_nan or bool(torch.isinf(t).any())
+        return nan, inf
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -299,15 +311,21 @@ class _Locator(TorchDispatchMode):
         leaves = torch_pytree.tree_leaves((args, kwargs))
         ins = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
         scalars = [x for x in leaves if isinstance(x, float)]
-        in_nan, in_inf = _state(ins, scalars)
+        in_nan, in_inf = self._state(ins, scalars)
         mutates = getattr(getattr(func, "_schema", None), "is_mutable", True)
         in_amax = tuple(_amax(x) for x in ins) if mutates else None  # before the op writes its inputs
         out = func(*args, **kwargs)
         outs = _floats(out)
         index, self.index = self.index, self.index + 1
+        if mutates:
+            for x in ins:
+                self.finite.pop(id(x), None)
+        elif getattr(func, "is_view", False) and not (in_nan or in_inf):
+            for x in outs:
+                self.finite[id(x)] = weakref.ref(x)
         if not outs or (in_nan and in_inf):
             return out
-        out_nan, out_inf = _state(outs)
+        out_nan, out_inf = self._state(outs)
         if (out_nan and not in_nan) or (out_inf and not in_nan and not in_inf):
             backward = _backward_path()
             op = _op_name(func)

@@ -559,3 +559,17 @@ def test_gpt_float16_with_a_too_large_loss_scale(gpt_batch):
     assert report.phase == "backward" and report.loss_finite and not report.grads_finite
     assert report.finite_without_scale is True and report.output_dtypes == ("float16",)
     assert "2**26" in str(report)
+
+
+def test_in_place_overflow_of_a_tensor_checked_before():
+    """A tensor found finite, then written in place: the write is checked again (the finite cache is dropped)."""
+
+    def loss_fn(p, x):
+        y = p["w"] * x  # finite, remembered as such
+        z = y.view(-1)  # a view of a finite tensor: finite without a check
+        z.mul_(1e30)  # in place: 3e10 * 1e30 = 3e40 overflows float32 (max 3.4e38)
+        return y.sum()
+
+    report = find_first_nonfinite(loss_fn, {"w": torch.full((2, 2), 3e10)}, torch.ones(2, 2))
+    assert (report.op, report.phase, report.output_inf) == ("aten.mul_", "forward", 4)
+    assert report.input_amax[0] == pytest.approx(3e10)  # read before the op wrote it
