@@ -82,6 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step, as if interrupted")
     p.add_argument("--max-consecutive-skips", type=int, default=100, help="fail after this many skipped steps")
+    p.add_argument(
+        "--telemetry-every",
+        type=int,
+        default=0,
+        help="precision telemetry (funcamp.numerics: per-block amax, float16/bfloat16 underflow and overflow,\n"
+        "loss-scale headroom, log2|g| histograms) every N steps, in TensorBoard under numerics/ (default: 0, off)",
+    )
     p.add_argument("--sample-bytes", type=int, default=200, help="bytes of text to generate at the end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -90,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("batch_size", "steps", "log_every", "eval_every", "eval_batches", "save_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.telemetry_every < 0:
+        p.error(f"--telemetry-every must be >= 0 (0: off), got {args.telemetry_every}")
     if args.warmup is None:
         args.warmup = min(50, args.steps // 10)
     if args.warmup < 0 or args.warmup >= args.steps:
@@ -267,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         backend=args.backend,
         data_parallel=world_size > 1,  # gradients averaged over the ranks in policy.reduce_dtype
         policy=policy,
+        telemetry=args.telemetry_every or None,  # numerics/... metrics every N steps, in the same graph
     )
 
     ckpt_path = args.checkpoint or os.path.join(args.logdir, "checkpoint.pt")
@@ -303,6 +313,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         if args.policy == "auto":
             print(f"policy auto: {fa.hardware.probe(device).explain()}", flush=True)
+        if args.telemetry_every:
+            print(f"telemetry: numerics/... every {args.telemetry_every} steps (funcamp.numerics)", flush=True)
 
     def save_checkpoint() -> None:
         if is_main:

@@ -151,6 +151,20 @@ def test_resume_after_interruption_is_bitwise_identical(tmp_path, compiled):
     assert [s for s, _ in _scalars(tmp_path / "cut")["train/loss"]] == [1, 2, 3, 4, 5, 6]
 
 
+def test_telemetry_flag_writes_numerics_every_n_steps(tmp_path):
+    argv = [*TINY, "--steps", "4", "--log-every", "2", "--eval-every", "4", "--no-compile", "--telemetry-every", "2"]
+    train_gpt.main([*argv, "--logdir", str(tmp_path)])
+    scalars = _scalars(tmp_path)
+    assert [step for step, _ in scalars["numerics/all/grad_amax"]] == [2, 4]
+    assert {"numerics/blocks.0/float16/underflow_scaled", "numerics/wte/bfloat16/headroom_log2"} <= set(scalars)
+    assert all(v > 0 for _, v in scalars["numerics/all/weight_amax"])
+    acc = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})
+    acc.Reload()
+    assert "numerics/all/grad_log2_hist" in acc.Tags()["histograms"]
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--telemetry-every", "-1"])
+
+
 def test_custom_data_file_and_errors(tmp_path):
     text = tmp_path / "tiny.txt"
     text.write_text("héllo wörld, mixed precision! " * 200, encoding="utf-8")
