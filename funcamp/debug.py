@@ -24,15 +24,20 @@ running (``torch._C._current_autograd_node()``). Ops outside every module (the l
 ``apply_fn``'s inputs and outputs) are ``"outside modules (loss_fn, apply_fn's casts)"``; the
 multiplication by the loss scale is ``"loss scale"``.
 
-Differences from the field's tools: ``jax_debug_nans`` re-runs a jitted function op by op and raises
-at the first NaN (forward only, NaN only); ``torch.autograd.detect_anomaly`` checks backward outputs
-for NaN only and slows every step. Here both directions are checked, infinities count, and a
-non-finite value whose inputs already were non-finite is not reported again (so a ``-inf`` attention
-mask that a ``masked_fill`` writes on purpose, from a non-finite scalar, is not a finding, and the
-``softmax`` after it is one only if it makes a NaN).
+Differences from the field's tools: ``jax_debug_nans`` / ``jax_debug_infs`` raise at the first
+primitive whose output holds a NaN / an inf (re-running a jitted function op by op), without module
+names; ``torch.autograd.detect_anomaly`` checks backward outputs for NaN only and slows every step.
+Here forward and backward ops are checked for both, the module and the loss scale's part are named,
+and a non-finite value whose inputs already were non-finite is not reported again (so a ``-inf``
+attention mask that a ``masked_fill`` writes on purpose, from a non-finite scalar, is not a finding,
+and the ``softmax`` after it is one only if it makes a NaN).
 
 Random ops (dropout) draw new random numbers in the re-run: seed them as the step did, or expect
-another draw.
+another draw. On CUDA the autograd engine runs the backward on its device threads; it carries the
+dispatch mode there with the rest of its thread-local state (``at::ThreadLocalState``). Tested on the
+CPU only. Cost: a :func:`lint` about one eager step (its checks are per op, on shapes and dtypes);
+a :func:`find_first_nonfinite` replay several, as it reads every op's outputs on the host (figures
+in the README).
 """
 
 from __future__ import annotations
@@ -581,7 +586,7 @@ _ACCUMULATING = frozenset(
     "index_add index_put _index_put_impl scatter_add scatter_reduce index_reduce embedding_dense_backward "
     "_embedding_bag _embedding_bag_backward _embedding_bag_dense_backward cumsum cumprod logcumsumexp".split()
 )
-_CASTS = frozenset("_to_copy to copy".split())
+_CASTS = frozenset(["_to_copy"])  # what .to(dtype), .float(), .half() reach the dispatcher as
 _ORDER = ("half-accumulation", "float16-range", "half-reduction", "round-trip", "float32-matmul", "zero-gradient")
 _SUGGEST = {
     "half-accumulation": "run it in float32: op_policies={{{op!r}: torch.float32}} (funcamp.ops; functionalize "
