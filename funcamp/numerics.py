@@ -276,6 +276,12 @@ def telemetry_metrics(
       device; the names are listed in the module docstring.
     Raises:
       ValueError: if ``grads`` and ``params`` have different numbers of floating leaves.
+
+    Example:
+      >>> g = {"w": torch.tensor([1e-8, 1.0, 7e4, 0.0])}  # below 2**-25, ordinary, above 65520, zero
+      >>> m = telemetry_metrics(g, {"w": torch.ones(4)}, torch.tensor(1.0), Telemetry(formats=("float16",)))
+      >>> [m[f"numerics/all/{k}"].item() for k in ("float16/underflow", "float16/overflow", "grad_zeros")]
+      [0.25, 0.25, 0.25]
     """
     g_leaves = [x for x in _tree.tree_leaves(grads) if _is_float(x)]
     w_leaves = [x for x in _tree.tree_leaves(params) if _is_float(x)]
