@@ -15,6 +15,11 @@ function of float32 master parameters that computes in the policy's half dtype; 
 with a dynamic loss scale on older GPUs, float32 on CPUs without fast half precision, such as AVX2-only
 ones); the header says which and why.
 
+``--telemetry-every N`` adds ``funcamp.numerics``' precision telemetry every N steps (per block: gradient
+and weight amax, the share of gradient elements that would underflow or overflow in float16 and
+bfloat16 before and after loss scaling, the loss scale's headroom, log2|g| histograms), computed inside
+the same compiled graph and shown in TensorBoard under ``numerics/``.
+
 Every step's batch is a function of ``(seed, step)``, so ``--resume`` continues bit-for-bit from the
 last checkpoint (saved every ``--save-every`` steps, atomically, with ``funcamp.checkpoint``).
 Logging and checkpoint writes happen only where ``is_main`` (rank 0 under data parallelism).
