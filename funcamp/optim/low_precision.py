@@ -4,7 +4,7 @@ A bfloat16 parameter near 1 has a spacing of 2**-8 below 1 and 2**-7 above it, s
 than half of that is lost entirely by round-to-nearest: 100 SGD updates of -6e-4 leave a bfloat16
 1.0 at 1.0, where float32 reaches 0.9400020. This is why mixed-precision training keeps float32
 master weights (4 bytes per parameter, on top of Adam's 8). Both wrappers here keep the master
-weights in bfloat16 (or float16) and still let small updates add up:
+weights in bfloat16 and still let small updates add up:
 
 * ``kahan_summation(inner)`` keeps a compensation buffer ``c`` in the parameter's dtype, with the part
   of each update that rounding lost, and adds it back at the next step (Kahan summation as in
@@ -18,16 +18,24 @@ parameters ``p``, so it computes the exact target ``t = p + u`` (plus ``c``) in 
 new parameter ``p'`` in ``p``'s dtype, and returns the float32 update ``u' = p' - p``.
 ``apply_updates`` computes ``float32(p) + u'`` and rounds to ``p``'s dtype, which gives ``p'`` exactly:
 
-* if ``p' - p`` is exact in float32 (always when ``|p'| >= 2**-15 |p|`` for bfloat16 or float16,
-  since both numbers then fit in float32's 24-bit significand together), ``p + u' = p'`` exactly;
+* if ``p' - p`` is exact in float32, ``p + u' = p'`` exactly. It is whenever ``|p'| >= 2**-15 |p|``:
+  the two numbers' exponents then differ by at most 15 = 23 minus bfloat16's 8 significand bits, so
+  their difference fits in float32's 24 bits;
 * if ``|p| << |p'|``, ``p + u'`` is within 2 float32 ulps of ``p'``, which rounds to ``p'``;
-* only when the update cancels the parameter, ``|p'| < 2**-15 |p|``, can the result differ from ``p'``,
-  by at most ``2**-24 |p|`` (float32's rounding of ``p' - p``). ``kahan_summation`` emulates
-  ``apply_updates`` and keeps ``c`` relative to the value actually stored, so it loses nothing even then.
+* only when the update cancels the parameter beyond that (``|p'| < 2**-15 |p|``) can the
+  result differ from ``p'``, by at most ``2**-24 |p|`` (float32's rounding of ``p' - p``).
+  ``kahan_summation`` emulates ``apply_updates`` and keeps ``c`` relative to the value actually
+  stored, so it loses nothing even then.
 
 The wrappers must be the outermost transformation: a transform chained after them would change
-``u'``. Their updates are float32 for bfloat16/float16 parameters (``apply_updates`` takes them);
-float32 and float64 parameters pass through unchanged, with an empty state leaf.
+``u'``. Their updates are float32 for bfloat16 parameters (``apply_updates`` takes them); float32
+and float64 parameters pass through unchanged, with an empty state leaf; float16 parameters are
+refused (bfloat16 takes the same memory with float32's range).
+
+The roundings are integer operations on float32 bit patterns, not ``.to(torch.bfloat16)`` casts that
+are cast back: inductor drops such a down-and-up pair by default, and the Kahan compensation would
+then silently be zero in a compiled step (a test compiles both wrappers with inductor and compares
+with eager bit for bit).
 """
 
 from __future__ import annotations
@@ -41,15 +49,13 @@ from funcamp.optim.base import GradientTransformation, OptState, Params, Updates
 
 __all__ = ["KahanSummationState", "StochasticRoundingState", "kahan_summation", "stochastic_rounding"]
 
-_LOW = (torch.bfloat16, torch.float16)
-
 
 class KahanSummationState(NamedTuple):
     """State of ``kahan_summation``."""
 
     inner_state: OptState  # the wrapped transformation's state
     compensation: Updates  # tree like params: c = exact target - stored param, in the param's dtype for
-    # bfloat16/float16 params; an empty (0,) tensor of the param's dtype for float32/float64 ones
+    # bfloat16 params; an empty (0,) tensor of the param's dtype for float32/float64 ones
 
 
 class StochasticRoundingState(NamedTuple):
@@ -68,13 +74,22 @@ def _check_inner(fn: str, inner: Any) -> None:
         )
 
 
+def _refuse_float16(fn: str, params: Params) -> None:
+    for path, p in zip(_tree.tree_paths(params), _tree.tree_leaves(params)):
+        if isinstance(p, torch.Tensor) and p.dtype == torch.float16:
+            raise TypeError(
+                f"{fn}: parameter {path!r} is float16; only bfloat16 parameters are supported (float32 and "
+                "float64 ones pass through). Store the parameters in bfloat16 (same memory, float32's range)."
+            )
+
+
 def _need_params(fn: str, params: Params) -> None:
     if params is None:
         raise ValueError(f"{fn}: update needs the parameters: call update(updates, state, params)")
 
 
-def _map_pairs(fn: str, leaf_fn: Any, updates: Updates, *trees: Any) -> tuple[Updates, Any]:
-    """Map ``leaf_fn(i, u, *xs) -> (u', s')`` over the leaves; returns the two trees."""
+def _map_leaves(fn: str, n: int, leaf_fn: Any, updates: Updates, *trees: Any) -> tuple[Any, ...]:
+    """Map ``leaf_fn(i, u, *xs) -> n values`` over the leaves (``i`` the leaf's position); ``n`` trees."""
     leaves, spec = _tree.tree_flatten(updates)
     others = []
     for tree in trees:
@@ -86,30 +101,25 @@ def _map_pairs(fn: str, leaf_fn: Any, updates: Updates, *trees: Any) -> tuple[Up
             )
         others.append(other)
     outs = [leaf_fn(i, *xs) for i, xs in enumerate(zip(leaves, *others, strict=True))]
-    return _tree.tree_unflatten(spec, [o[0] for o in outs]), _tree.tree_unflatten(spec, [o[1] for o in outs])
-
-
-def _landed(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """What ``apply_updates(p, u)`` stores for a low-precision ``p`` and a float32 ``u``."""
-    return (p.to(torch.float32) + u).to(p.dtype)
+    return tuple(_tree.tree_unflatten(spec, [o[k] for o in outs]) for k in range(n))
 
 
 def kahan_summation(inner: GradientTransformation) -> GradientTransformation:
-    r"""Wrap ``inner`` so that bfloat16/float16 parameters keep the low-order bits their updates lose.
+    r"""Wrap ``inner`` so that bfloat16 parameters keep the low-order bits their updates lose.
 
-    For each low-precision parameter ``p`` with compensation ``c`` (same dtype, zero at first) and
+    For each bfloat16 parameter ``p`` with compensation ``c`` (same dtype, zero at first) and
     the update ``u`` of ``inner``, in float32:
 
     .. math::
        t = p + (u + c), \qquad p' = \mathrm{round}(t), \qquad c' = \mathrm{round}(t - p')
 
-    with round-to-nearest-even into ``p``'s dtype; the returned update is ``u' = p' - p`` in float32,
+    with round-to-nearest-even into bfloat16; the returned update is ``u' = p' - p`` in float32,
     which ``apply_updates`` turns into ``p'`` (see the module docstring). ``p' + c'`` carries about 16
     significant bits for bfloat16, so an update of 6e-4 on 1.0 is no longer lost: 100 of them reach
     0.94140625 (the bfloat16 nearest 0.9400020; ``p + c`` is 0.9402) instead of staying at 1.0.
     Deterministic. Float32 and float64 parameters are updated by ``inner`` alone.
 
-    Memory: one more tensor per low-precision parameter (2 bytes per bfloat16 element). AdamW on
+    Memory: one more bfloat16 tensor per bfloat16 parameter (2 bytes per element). AdamW on
     bfloat16 parameters with this wrapper and ``moment_dtype=torch.bfloat16`` holds 8 bytes per
     parameter (weight, compensation, two moments) against 12 for float32 masters with float32
     moments; with the default float32 moments, 12.
@@ -123,9 +133,10 @@ def kahan_summation(inner: GradientTransformation) -> GradientTransformation:
         updates shaped like the parameters.
     Returns:
       A ``GradientTransformation`` with a ``KahanSummationState``; its updates are float32 for
-      bfloat16/float16 parameters and ``update`` needs ``params``. Must be the outermost transform.
+      bfloat16 parameters and ``update`` needs ``params``. Must be the outermost transform.
     Raises:
       TypeError: if ``inner`` is not a ``GradientTransformation``.
+      TypeError: (from ``init``) if a parameter is float16.
       ValueError: (from ``update``) if ``params`` is ``None``, or the trees' structures differ.
     References:
       Kahan 1965, "Further remarks on reducing truncation errors", CACM 8(1).
@@ -149,8 +160,9 @@ def kahan_summation(inner: GradientTransformation) -> GradientTransformation:
 
     def init(params: Params) -> KahanSummationState:
         def zeros(p: torch.Tensor) -> torch.Tensor:
-            return torch.zeros_like(p) if p.dtype in _LOW else p.new_zeros((0,))
+            return torch.zeros_like(p) if p.dtype == torch.bfloat16 else p.new_zeros((0,))
 
+        _refuse_float16(fn, params)
         return KahanSummationState(inner_state=inner.init(params), compensation=_tree.tree_map(zeros, params))
 
     def update(
@@ -161,14 +173,14 @@ def kahan_summation(inner: GradientTransformation) -> GradientTransformation:
 
         def leaf(i: int, u: torch.Tensor, p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             del i
-            if p.dtype not in _LOW:
+            if p.dtype != torch.bfloat16:
                 return u, c
             p32 = p.to(torch.float32)
             t = p32 + (u.to(torch.float32) + c.to(torch.float32))
-            new_u = t.to(p.dtype).to(torch.float32) - p32
-            return new_u, (t - _landed(p, new_u).to(torch.float32)).to(c.dtype)
+            new_u = _round_bf16(t) - p32
+            return new_u, (t - _round_bf16(p32 + new_u)).to(c.dtype)  # relative to what apply_updates stores
 
-        new_updates, compensation = _map_pairs(fn, leaf, updates, params, state.compensation)
+        new_updates, compensation = _map_leaves(fn, 2, leaf, updates, params, state.compensation)
         return new_updates, KahanSummationState(inner_state=inner_state, compensation=compensation)
 
     return GradientTransformation(init, update)
@@ -182,7 +194,7 @@ def stochastic_rounding(inner: GradientTransformation, seed: int = 0) -> Gradien
     ``(t - lo) / (hi - lo)``: a random 16-bit integer is added to the low 16 bits of ``t``'s float32
     bit pattern (sign and magnitude apart) and those bits are cut off, as torchao's
     ``_fp32_to_bf16_sr`` and llm.c do. So ``E[p'] = t`` and small updates add up on average: 100
-    updates of -6e-4 on 1.0 give 0.9399 in the mean over elements (``1 - 100 * bf16(6e-4)``).
+    updates of -6e-4 on 1.0 give 0.9401 in the mean over elements (``1 - 100 * bf16(6e-4)``).
     Non-finite targets are rounded to nearest; a finite target above the largest bfloat16 rounds to
     ``inf`` with the probability of rounding up. The returned update is ``u' = p' - p`` in float32,
     which ``apply_updates`` turns into ``p'`` (module docstring).
@@ -207,8 +219,7 @@ def stochastic_rounding(inner: GradientTransformation, seed: int = 0) -> Gradien
     Raises:
       TypeError: if ``inner`` is not a ``GradientTransformation``.
       ValueError: if ``seed`` is not an int in ``[0, 2**63)``.
-      TypeError: (from ``init``) if a parameter is float16: stochastic rounding to float16 is not
-        implemented (use ``kahan_summation``, or bfloat16).
+      TypeError: (from ``init``) if a parameter is float16.
       ValueError: (from ``update``) if ``params`` is ``None``, or the trees' structures differ.
     References:
       Gupta et al. 2015, "Deep Learning with Limited Numerical Precision", arXiv:1502.02551.
@@ -233,12 +244,7 @@ def stochastic_rounding(inner: GradientTransformation, seed: int = 0) -> Gradien
         raise ValueError(f"{fn}: seed must be an int in [0, 2**63), got {seed!r}")
 
     def init(params: Params) -> StochasticRoundingState:
-        for path, p in zip(_tree.tree_paths(params), _tree.tree_leaves(params)):
-            if isinstance(p, torch.Tensor) and p.dtype == torch.float16:
-                raise TypeError(
-                    f"{fn}: parameter {path!r} is float16; stochastic rounding is implemented for bfloat16 "
-                    "parameters (float32/float64 pass through). Use optim.kahan_summation for float16."
-                )
+        _refuse_float16(fn, params)
         device = _tree.tree_device(params)
         return StochasticRoundingState(
             inner_state=inner.init(params),
@@ -253,14 +259,14 @@ def stochastic_rounding(inner: GradientTransformation, seed: int = 0) -> Gradien
         updates, inner_state = inner.update(updates, state.inner_state, params)
         step_key = _step_key(state.seed, state.count)
 
-        def leaf(i: int, u: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, None]:
+        def leaf(i: int, u: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor]:
             if p.dtype != torch.bfloat16:
-                return u, None
+                return (u,)
             p32 = p.to(torch.float32)
             t = p32 + u.to(torch.float32)
-            return _bf16_stochastic_round(t, _leaf_noise(step_key, i, t.shape)).to(torch.float32) - p32, None
+            return (_bf16_stochastic_round(t, _leaf_noise(step_key, i, t.shape)) - p32,)
 
-        new_updates, _ = _map_pairs(fn, leaf, updates, params)
+        (new_updates,) = _map_leaves(fn, 1, leaf, updates, params)
         return new_updates, StochasticRoundingState(inner_state=inner_state, count=state.count + 1, seed=state.seed)
 
     return GradientTransformation(init, update)
@@ -308,15 +314,26 @@ def _leaf_noise(step_key: torch.Tensor, leaf: int, shape: torch.Size) -> torch.T
     return (h >> 16).to(torch.int32).reshape(shape)
 
 
-def _bf16_stochastic_round(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Round float32 ``x`` to bfloat16, up (in magnitude) with probability (low 16 bits of ``x``) / 2**16.
+def _round_bf16(x: torch.Tensor, noise: torch.Tensor | int | None = None) -> torch.Tensor:
+    """Round float32 ``x`` to bfloat16 with integer operations on its bits; the result stays float32.
 
-    ``noise`` holds int32 values uniform in [0, 2**16), one per element: the result is the float32
-    bit pattern of ``|x|`` plus ``noise`` with its low 16 bits cut, the sign kept. Non-finite ``x``
-    rounds to nearest. Same shape as ``x``, dtype bfloat16.
+    ``noise=None``: round to nearest, ties to even (as ``x.to(torch.bfloat16)``). Else ``noise`` holds
+    int32 values in [0, 2**16): the magnitude's bit pattern plus ``noise``, its low 16 bits cut, rounds up
+    (in magnitude) with probability (low 16 bits of ``x``) / 2**16. Non-finite ``x`` is returned as is.
+
+    Integer operations, not ``x.to(torch.bfloat16).to(torch.float32)``: inductor drops such a
+    down-and-up cast pair (``torch._inductor.config.emulate_precision_casts`` is off by default), which
+    would silently skip the rounding these wrappers exist for.
     """
     bits = x.view(torch.int32)
     sign = bits & -0x80000000
     magnitude = bits & 0x7FFFFFFF  # below 0x7F800000 when finite, so + 0xFFFF stays below 2**31
+    if noise is None:
+        noise = 0x7FFF + ((magnitude >> 16) & 1)  # half an ulp, one more when the kept part is odd: ties to even
     rounded = ((magnitude + noise) & -0x10000) | sign
-    return torch.where(torch.isfinite(x), rounded.view(torch.float32), x).to(torch.bfloat16)
+    return torch.where(torch.isfinite(x), rounded.view(torch.float32), x)
+
+
+def _bf16_stochastic_round(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of float32 ``x`` to bfloat16 values (kept in float32): ``_round_bf16`` with noise."""
+    return _round_bf16(x, noise)
