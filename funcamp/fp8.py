@@ -299,8 +299,12 @@ def _forward_casts(
 class _Fp8Matmul(torch.autograd.Function):
     """``y = x @ w.T`` with all three matmuls in fp8; ``x`` (M, K), ``w`` (N, K), ``y`` (M, N).
 
-    ``x_scale`` and ``w_scale``: the delayed recipe's float32 multipliers, else None. ``vmap`` comes from
-    ``generate_vmap_rule`` (the forward and backward run per sample, scales included).
+    ``x_scale`` and ``w_scale``: the delayed recipe's float32 multipliers, else None. The per-tensor
+    recipes keep the fp8 casts of ``x`` and ``w`` for the backward (1 byte per element; torchao keeps
+    the high-precision tensors and casts them again, to the same values); rowwise casts the
+    high-precision ones again along the other dimension. The forward returns those casts as extra,
+    non-differentiable outputs (``setup_context`` sees no intermediate values). ``vmap`` comes from
+    ``generate_vmap_rule``: the forward and backward run per sample, scales included.
     """
 
     generate_vmap_rule = True
@@ -313,41 +317,45 @@ class _Fp8Matmul(torch.autograd.Function):
         w_scale: torch.Tensor | None,
         recipe: Recipe,
         out_dtype: torch.dtype,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, ...]:
         scales = None if x_scale is None or w_scale is None else (x_scale, w_scale)
         (x8, sx), (w8, sw) = _forward_casts(x, w, scales, recipe)
+        if recipe.scaling == "rowwise":  # (N, 1) -> (1, N): one scale per column of w.T, unit strides
+            return (_scaled_mm(x8, w8.t(), sx, sw.flatten().unsqueeze(0), out_dtype, fast=True),)
+        return _scaled_mm(x8, w8.t(), sx, sw, out_dtype, fast=True), x8, w8, sx, sw
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], outputs: tuple[torch.Tensor, ...]) -> None:
+        x, w, _, _, recipe, _ = inputs
+        ctx.recipe, ctx.dtypes = recipe, (x.dtype, w.dtype)
         if recipe.scaling == "rowwise":
-            sw = sw.flatten().unsqueeze(0)  # (N, 1) -> (1, N): one scale per column of w.T, unit strides
-        return _scaled_mm(x8, w8.t(), sx, sw, out_dtype, fast=True)
+            ctx.save_for_backward(x, w)
+        else:
+            ctx.mark_non_differentiable(*outputs[1:])
+            ctx.save_for_backward(*outputs[1:])
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x, w, x_scale, w_scale, recipe, _ = inputs
-        ctx.recipe = recipe
-        ctx.delayed = x_scale is not None
-        ctx.save_for_backward(x, w, *((x_scale, w_scale) if ctx.delayed else ()))
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, g: torch.Tensor, *unused: Any) -> tuple[torch.Tensor | None, ...]:
         recipe: Recipe = ctx.recipe
-        x, w, *scales = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
         gd, pow2, m = recipe.grad_dtype, recipe.round_scales_to_power_of_2, g.shape[0]
         grad_x = grad_w = None
-        gp, xp = _pad_rows(g), _pad_rows(x)
         if recipe.scaling == "rowwise":  # each operand scaled along the dimension its matmul contracts
+            x, w = ctx.saved_tensors
             if ctx.needs_input_grad[0]:  # g (M, N) per row, w (N, K) per column
                 (g8, sg), (w8, sw) = _dynamic(g, gd, -1, pow2), _dynamic(w, E4M3, 0, pow2)
-                grad_x = _scaled_mm(g8, w8, sg, sw, x.dtype, fast=False)
+                grad_x = _scaled_mm(g8, w8, sg, sw, x_dtype, fast=False)
             if ctx.needs_input_grad[1]:  # g.T (N, M) per row, x (M, K) per column
-                (g8, sg), (x8, sx) = _dynamic(gp, gd, 0, pow2), _dynamic(xp, E4M3, 0, pow2)
-                grad_w = _scaled_mm(g8.t(), x8, sg.flatten().unsqueeze(1), sx, w.dtype, fast=False)
+                (g8, sg), (x8, sx) = _dynamic(_pad_rows(g), gd, 0, pow2), _dynamic(_pad_rows(x), E4M3, 0, pow2)
+                grad_w = _scaled_mm(g8.t(), x8, sg.flatten().unsqueeze(1), sx, w_dtype, fast=False)
             return grad_x, grad_w, None, None, None, None
-        g8, sg = _dynamic(gp, gd, None, pow2)  # gradients: current scaling in every per-tensor recipe
-        (x8, sx), (w8, sw) = _forward_casts(xp, w, tuple(scales) if ctx.delayed else None, recipe)
+        x8, w8, sx, sw = ctx.saved_tensors
+        g8, sg = _dynamic(_pad_rows(g), gd, None, pow2)  # gradients: current scaling in every per-tensor recipe
         if ctx.needs_input_grad[0]:
-            grad_x = _scaled_mm(g8[:m], w8, sg, sw, x.dtype, fast=False)
+            grad_x = _scaled_mm(g8[:m], w8, sg, sw, x_dtype, fast=False)
         if ctx.needs_input_grad[1]:
-            grad_w = _scaled_mm(g8.t(), x8, sg, sx, w.dtype, fast=False)
+            x8 = _pad_rows(x8.view(torch.uint8)).view(x8.dtype)  # F.pad has no float8 kernel; zeros are zeros
+            grad_w = _scaled_mm(g8.t(), x8, sg, sx, w_dtype, fast=False)
         return grad_x, grad_w, None, None, None, None
 
 
@@ -389,7 +397,7 @@ def fp8_linear(
         out_dtype = torch.get_autocast_dtype(x.device.type)
     x2 = x.reshape(-1, x.shape[-1])
     sx, sw = scales if scales is not None else (None, None)
-    y = _Fp8Matmul.apply(x2, weight, sx, sw, r, out_dtype)
+    y = _Fp8Matmul.apply(x2, weight, sx, sw, r, out_dtype)[0]
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
 
