@@ -159,12 +159,17 @@ def _loss_fn(params, batch):
     return ((h * params["norm"]) @ params["head"]).square().mean()
 
 
+def _only_b(tree):  # one level down, the other groups' leaves are None and stay None
+    return {k: None if v is None else k == "b" for k, v in tree.items()}
+
+
 @pytest.fixture(scope="module")
 def compiled_step():
     opt = multi_transform(
         {
             "decay": optim.adamw(1e-2, weight_decay=0.1),
-            "no_decay": optim.adamw(1e-2, weight_decay=0.0),
+            # a masked transform with a callable mask inside a group: L2 decay on "b" only
+            "no_decay": optim.chain(masked(optim.add_decayed_weights(0.5), _only_b), optim.adam(1e-2)),
             "head": set_to_zero(),
         },
         _labels,
@@ -193,6 +198,7 @@ def test_compiled_train_step_with_groups_skips_and_freezes(compiled_step):
                 for x, y in zip(_tree.tree_leaves(before.opt_state), _tree.tree_leaves(s_c.opt_state), strict=True):
                     assert torch.equal(x, y)
     assert s_c.skipped_steps.item() == 1
+    assert type(s_c.opt_state.inner_states["no_decay"][0]) is MaskedState
     assert s_c.opt_state.inner_states["decay"][0].count.item() == 3
     assert torch.equal(s_c.params["head"], params["head"])  # frozen group, bitwise
     assert not torch.equal(s_c.params["w"], params["w"])
