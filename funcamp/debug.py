@@ -617,12 +617,14 @@ class LintFinding:
     Attributes:
       kind: ``"half-accumulation"``, ``"float16-range"``, ``"half-reduction"``, ``"round-trip"``,
         ``"float32-matmul"`` or ``"zero-gradient"`` (see :func:`lint`).
-      op: the ATen op (``"aten.index_add"``), or the parameter's name for ``"zero-gradient"``.
-      module: the module path; repeated blocks are folded, ``"blocks.*.attn"`` for every block.
+      op: the ATen op (``"aten.index_add"``); ``"gradient"`` for ``"zero-gradient"``.
+      module: the module path; repeated blocks are folded, ``"blocks.*.attn"`` for every block (an
+        fnmatch pattern ``module_policies`` accepts); for ``"zero-gradient"``, the parameter's name.
       dtype: the dtype the op ran in (``"bfloat16"``).
       detail: what was measured: terms accumulated, FLOPs, bytes, amax.
       suggestion: one line: a module policy, a loss scale or an op override (``funcamp.ops``).
-      count: how many calls (forward and backward, every folded module) the finding stands for.
+      count: how many calls (forward and backward, every folded module) the finding stands for; for
+        ``"zero-gradient"``, how many parameters.
       size: the number behind it, the largest over the calls: terms, FLOPs per call, or bytes moved in
         all (round trips); 0 for zero gradients.
     """
@@ -930,9 +932,8 @@ def _zero_gradients(
             "lint", lambda m: contextlib.nullcontext(), loss_fn, params, buffers, batch, probe, has_aux
         )
         rescued = {i for i in zero if again.grads[i] is not None and bool(again.grads[i].any())}
-    found = []
+    folded: dict[tuple[str, str, str, str], int] = {}  # (name pattern, dtype, detail, hint) -> parameters
     for i, (name, leaf, grad) in enumerate(zip(run.names, run.leaves, run.grads)):
-        dtype = _dtype_name(leaf.dtype)
         if grad is None:
             detail, hint = (
                 "the loss does not use this parameter",
@@ -945,5 +946,6 @@ def _zero_gradients(
             detail, hint = "gradient is 0 everywhere", "a dead path (ReLU, zero init, detach): check the forward"
         else:
             continue
-        found.append(LintFinding("zero-gradient", name, name, dtype, detail, hint))
-    return found
+        key = (_fold(name), _dtype_name(leaf.dtype), detail, hint)
+        folded[key] = folded.get(key, 0) + 1
+    return [LintFinding("zero-gradient", "gradient", *key, count=n) for key, n in folded.items()]

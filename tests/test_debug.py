@@ -442,13 +442,18 @@ class Unused(nn.Module):
 def test_lint_zero_and_missing_gradients():
     apply_fn, params = fa.nn.functionalize(Unused(), "float32")
     report = lint(lambda p, x: apply_fn(p, x).mean(), params, torch.randn(3, 4), "float32")
-    zero = {f.module: f.detail for f in report if f.kind == "zero-gradient"}
+    zero = {f.module: f.detail for f in report if f.kind == "zero-gradient" and f.op == "gradient"}
     assert zero == {
         "dead.weight": "gradient is 0 everywhere",
         "dead.bias": "gradient is 0 everywhere",
         "spare.weight": "the loss does not use this parameter",
         "spare.bias": "the loss does not use this parameter",
     }
+    # Parameters of repeated blocks fold into one finding with a count.
+    blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+    apply_fn, params = fa.nn.functionalize(nn.ModuleDict({"used": nn.Linear(4, 1), "blocks": blocks}), "float32")
+    report = lint(lambda p, x: (x @ p["used.weight"].T).sum(), params, torch.randn(3, 4))
+    assert {(f.module, f.count) for f in report} == {("used.bias", 1), ("blocks.*.weight", 3), ("blocks.*.bias", 3)}
 
 
 def test_lint_zero_gradient_from_float16_underflow_suggests_a_loss_scale():
