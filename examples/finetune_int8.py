@@ -2,6 +2,7 @@
 
     python examples/finetune_int8.py                    # 300 steps, a 2-layer GPT-2: minutes on 2 CPU cores
     python examples/finetune_int8.py --baseline         # the same fine-tune on the float matrices, to compare
+    python examples/finetune_int8.py --torch-amp        # and timed against plain PyTorch (torch.amp, eager)
     tensorboard --logdir runs                           # loss, validation loss, footprint
 
 The model is Hugging Face's ``GPT2LMHeadModel`` built from ``GPT2Config`` (random weights, nothing is
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", default="auto", help="policy string, or auto: float32 params, compute fast on device")
     p.add_argument("--trainable", nargs="+", default=TRAINABLE, help=f"name patterns (default: {TRAINABLE})")
     p.add_argument("--baseline", action="store_true", help="also fine-tune with float (not int8) frozen matrices")
+    p.add_argument(
+        "--torch-amp", action="store_true", help="also time the same fine-tune in plain PyTorch (torch.amp, eager)"
+    )
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the step")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
     p.add_argument("--logdir", default="runs/finetune_int8")
@@ -160,18 +164,7 @@ def finetune(
 ) -> dict[str, Any]:
     """Fine-tune ``--trainable`` of a fresh seeded GPT-2 with its other tensors frozen (matrices in int8 or not)."""
     torch.manual_seed(args.seed)
-    model = gpt2(
-        vocab_size=256,
-        n_positions=args.block_size,
-        n_embd=args.n_embd,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    model = gpt2(**_small_config(args))
     apply_fn, params = functionalize(
         model, policy, trainable=args.trainable, quantize=Int8WeightOnlyConfig() if int8 else None
     )
@@ -206,16 +199,22 @@ def finetune(
             f"{len(params)} tensors; frozen {len(apply_fn.frozen)} tensors ({n_int8} in int8)\n{report}",
             flush=True,
         )
-    history: dict[str, list[tuple[int, float]]] = {"train_loss": []}
+    history: dict[str, list[tuple[int, float]]] = {"train_loss": [], "tokens_s": []}
     t0 = time.perf_counter()
+    first_step_s = None
     for step in range(1, args.steps + 1):
         batch = get_batch(train, step, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed)
         state, metrics = step_fn(state, batch)
+        if first_step_s is None:
+            first_step_s = time.perf_counter() - t0  # compiles
         written = logger.log(metrics, step=step)
         if written is not None:
             history["train_loss"].append((step, written["train/loss"]))
+            if "perf/tokens_per_second" in written:
+                history["tokens_s"].append((step, written["perf/tokens_per_second"]))
             if not args.quiet:
                 print(f"step {step}: loss {written['train/loss']:.4f}", flush=True)
+    train_s = time.perf_counter() - t0
     val_loss = evaluate(loss_fn, state.params, val, args, torch.device("cpu"))
     logger.log_scalars({"val/loss": val_loss}, args.steps)
     logger.close()
@@ -223,10 +222,77 @@ def finetune(
         "state": state,
         "history": history,
         "val_loss": val_loss,
-        "seconds": time.perf_counter() - t0,
+        "seconds": train_s,
+        "first_step_seconds": first_step_s,
+        # steps after the first (which compiles) per second of wall time, over the whole run
+        "steps_per_second": (args.steps - 1) / (train_s - first_step_s) if args.steps > 1 else float("nan"),
+        "final_loss": float(metrics["loss"]) if args.steps else float("nan"),
         "int8_tensors": n_int8,
         "report": report,
     }
+
+
+def torch_amp_finetune(args: argparse.Namespace, policy: fa.Policy, train: torch.Tensor) -> dict[str, Any]:
+    """The reference: the same fine-tune as torch.amp users write it, frozen float matrices, eager.
+
+    ``requires_grad_(False)`` outside ``--trainable`` (fnmatch on parameter and module names, as
+    funcamp's ``trainable=``), ``torch.autocast`` in the policy's compute dtype where it is a half one,
+    ``GradScaler`` for float16, ``clip_grad_norm_`` and ``torch.optim.AdamW`` on the trainable tensors.
+    """
+    import fnmatch
+
+    torch.manual_seed(args.seed)
+    model = gpt2(**_small_config(args))
+    for name, p in model.named_parameters():
+        prefixes = [name.rsplit(".", i)[0] for i in range(name.count(".") + 1)]
+        p.requires_grad_(any(fnmatch.fnmatchcase(x, pat) for x in prefixes for pat in args.trainable))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
+    half = policy.compute_dtype in (torch.float16, torch.bfloat16)
+    scaler = torch.amp.GradScaler("cpu", enabled=policy.compute_dtype == torch.float16)
+    t0, first_step_s = time.perf_counter(), None
+    for step in range(1, args.steps + 1):
+        batch = get_batch(train, step, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed)
+        with torch.autocast("cpu", dtype=policy.compute_dtype if half else None, enabled=half):
+            logits = model(input_ids=batch["inputs"], use_cache=False).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        if first_step_s is None:
+            first_step_s = time.perf_counter() - t0
+    train_s = time.perf_counter() - t0
+    return {
+        "seconds": train_s,
+        "first_step_seconds": first_step_s,
+        "steps_per_second": (args.steps - 1) / (train_s - first_step_s) if args.steps > 1 else float("nan"),
+        "final_loss": float(loss),
+    }
+
+
+def _small_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "vocab_size": 256,
+        "n_positions": args.block_size,
+        "n_embd": args.n_embd,
+        "n_layer": args.n_layer,
+        "n_head": args.n_head,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+
+
+def _speed(run: dict[str, Any]) -> str:
+    return (
+        f"{run['seconds']:.1f} s ({run['first_step_seconds']:.1f} s to the first step, then "
+        f"{run['steps_per_second']:.1f} steps/s)"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -246,11 +312,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{machine()} | torch {torch.__version__} | policy {policy} | {args.steps} steps | {mode}")
     run = finetune(args, policy, train, val, int8=True, logdir=args.logdir)
     results.update(run)
-    print(f"int8 frozen matrices: val loss {run['val_loss']:.4f} after {args.steps} steps ({run['seconds']:.1f} s)")
+    print(f"int8 frozen matrices: val loss {run['val_loss']:.6f} after {args.steps} steps; {_speed(run)}")
     if args.baseline:
         base = finetune(args, policy, train, val, int8=False, logdir=f"{args.logdir}/baseline")
         results["baseline"] = base
-        print(f"float frozen matrices: val loss {base['val_loss']:.4f} ({base['seconds']:.1f} s)")
+        last = f"last loss {base['final_loss']:.4f}"
+        print(f"float frozen matrices: val loss {base['val_loss']:.6f}, {last}; {_speed(base)}")
+        print(
+            f"int8 / float: val loss {run['val_loss'] / base['val_loss']:.4f}x, "
+            f"step time {base['steps_per_second'] / run['steps_per_second']:.2f}x (same run, same machine)"
+        )
+    if args.torch_amp:
+        amp = torch_amp_finetune(args, policy, train)
+        results["torch_amp"] = amp
+        print(
+            f"torch.amp (eager, float frozen matrices): last loss {amp['final_loss']:.4f}; {_speed(amp)}; "
+            f"funcamp int8 steps/s over torch.amp's: {run['steps_per_second'] / amp['steps_per_second']:.2f}x"
+        )
     print(f"TensorBoard: tensorboard --logdir {args.logdir}")
     return results
 
