@@ -402,3 +402,64 @@ def test_dynamic_recipes_train_like_bf16(recipe, baseline) -> None:
     """Eager steps: the validation loss within 3% of the bf16 run without fp8."""
     _, val = train(recipe)
     assert abs(val - baseline) <= 0.03 * baseline, (val, baseline)
+
+
+# --- composition: checkpoints, accumulation, inductor ------------------------------------------------
+
+
+def _mlp_step(accumulation_steps: int = 1):
+    model = fp8.convert(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)), "delayed", filter="*")
+    apply_fn, params, buffers = fa.nn.functionalize(model, POLICY, module_policies=fp8.MODULE_POLICIES)
+
+    def loss_fn(params, buffers, b):
+        out, new = apply_fn(params, buffers, b["x"])
+        return (out - b["y"]).square().mean(), new
+
+    opt = optim.adamw(1e-2)
+    state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15), buffers=buffers)
+    return state, fa.make_train_step(loss_fn, opt, compile=False, accumulation_steps=accumulation_steps)
+
+
+def _mlp_batch(i: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(i)
+    return {"x": torch.randn(32, 32, generator=gen) * (i + 1), "y": torch.randn(32, 32, generator=gen)}
+
+
+def test_checkpoint_resumes_fp8_state_bitwise(tmp_path) -> None:
+    """The delayed state is part of TrainState.buffers: saved, loaded and continued bit for bit."""
+    state, step = _mlp_step()
+    for i in range(3):
+        state, _ = step(state, _mlp_batch(i))
+    fa.checkpoint.save(tmp_path / "ckpt.pt", state)
+    resumed = fa.checkpoint.load(tmp_path / "ckpt.pt", like=state)
+    for i in range(3, 5):
+        state, _ = step(state, _mlp_batch(i))
+        resumed, _ = step(resumed, _mlp_batch(i))
+    for tree in ("params", "buffers"):
+        a, b = getattr(state, tree), getattr(resumed, tree)
+        assert all(torch.equal(a[k], b[k]) for k in a), tree
+    # newest first: the amaxes of the inputs (cast to bf16 by the policy before the layer) of batches 4..0
+    amaxes = [_mlp_batch(i)["x"].bfloat16().abs().max().item() for i in reversed(range(5))]
+    assert state.buffers["0.fp8_amax_history_input"][:6].tolist() == [*amaxes, 0.0]
+
+
+def test_accumulation_records_every_micro_batch() -> None:
+    """With two micro-batches the state passes through both forwards: two amaxes per step."""
+    state, step = _mlp_step(accumulation_steps=2)
+    b = _mlp_batch(0)
+    state, _ = step(state, b)
+    history = state.buffers["0.fp8_amax_history_input"]
+    halves = [b["x"][:16].bfloat16().abs().max().item(), b["x"][16:].bfloat16().abs().max().item()]
+    assert history[:3].tolist() == [halves[1], halves[0], 0.0]
+
+
+@pytest.mark.slow
+def test_inductor_equals_eager() -> None:
+    """The forward and both gradients, compiled by inductor (fullgraph), equal eager bitwise on the CPU."""
+    x, w, g = data()
+
+    def grads(x, w):
+        return torch.func.grad(lambda x, w: (fp8.fp8_linear(x, w) * g).sum(), argnums=(0, 1))(x, w)
+
+    compiled = torch.compile(grads, backend="inductor", fullgraph=True)
+    assert all(torch.equal(a, b) for a, b in zip(compiled(x, w), grads(x, w)))
