@@ -200,6 +200,37 @@ def test_autocast_mode_dequantizes_into_the_compute_dtype(mlp):
     assert out.dtype == F32 and torch.isfinite(out).all()
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, remat: bool) -> None:
+        super().__init__()
+        self.inp, self.block, self.remat = nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 32), nn.GELU()), remat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False) if self.remat else self.block(h)
+
+
+def test_activation_checkpointing_recomputes_with_the_dequantized_weights():
+    torch.manual_seed(5)
+    plain = _Checkpointed(remat=False)
+    remat = copy.deepcopy(plain)
+    remat.remat = True
+    policy, x = "params=float32,compute=bfloat16,output=float32", torch.randn(4, 16)
+    calls = []
+    remat.block.register_forward_pre_hook(lambda module, args: calls.append(1))  # copied by functionalize
+    grads = []
+    for model in (plain, remat):
+        apply_fn, params = functionalize(model, policy, trainable="*.bias", quantize=Int8WeightOnlyConfig())
+        loss_fn = lambda p, batch, f=apply_fn: f(p, batch).square().sum()  # noqa: E731
+        g, _, finite = fa.grad_and_value(loss_fn, fa.NoOpLossScale())(params, x)  # eager: recomputes
+        assert bool(finite)
+        grads.append(g)
+    assert len(calls) == 2  # the checkpointed block ran again in the backward pass
+    assert grads[0].keys() == {"inp.bias", "block.0.bias"}
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+
+
 # --- what gets quantized, and the errors --------------------------------------------------------------------
 
 
