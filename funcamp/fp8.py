@@ -55,11 +55,13 @@ from funcamp.nn import keep_in_float32
 __all__ = [
     "MODULE_POLICIES",
     "DelayedScalingState",
+    "Float8Conv1D",
     "Float8Linear",
     "Fp8FallbackWarning",
     "Recipe",
     "amax_to_scale",
     "convert",
+    "fp8_linear",
     "get_recipe",
     "init_delayed_state",
     "update_delayed_state",
@@ -414,7 +416,59 @@ def _check_fp8_shape(in_features: int, out_features: int) -> str | None:
     return None
 
 
-class Float8Linear(nn.Linear):
+class _Float8Layer(nn.Module):
+    """What the fp8 layers share: the recipe, the delayed state in buffers, the fp8 forward."""
+
+    recipe: Recipe
+    name: str
+
+    def _init_fp8(self, recipe: Recipe | str, name: str, device: Any) -> None:
+        self.recipe = get_recipe(recipe)
+        self.name = name
+        if self.recipe.scaling == "delayed":
+            for role in ("input", "weight"):
+                history, scale = init_delayed_state(self.recipe, device)
+                self.register_buffer(f"fp8_amax_history_{role}", history)
+                self.register_buffer(f"fp8_scale_{role}", scale)
+
+    def delayed_state(self, role: str) -> DelayedScalingState:
+        """The current :class:`DelayedScalingState` of ``"input"`` or ``"weight"`` (delayed recipe only)."""
+        return DelayedScalingState(getattr(self, f"fp8_amax_history_{role}"), getattr(self, f"fp8_scale_{role}"))
+
+    def _check_state(self) -> None:
+        for role in ("input", "weight"):
+            history, scale = self.delayed_state(role)
+            if history.dtype != torch.float32 or scale.dtype != torch.float32:
+                raise ValueError(
+                    f"{type(self).__name__} {self.name!r}: the delayed-scaling state must be float32, got "
+                    f"{history.dtype}; functionalize the model with module_policies=funcamp.fp8.MODULE_POLICIES "
+                    "(a bfloat16 policy would round the amaxes), and do not call .to(bfloat16) on the module"
+                )
+            if history.shape != (self.recipe.amax_history_len,) or scale.shape != ():
+                raise ValueError(
+                    f"{type(self).__name__} {self.name!r}: fp8_amax_history_{role} has shape "
+                    f"{tuple(history.shape)} and fp8_scale_{role} {tuple(scale.shape)}; the recipe needs "
+                    f"({self.recipe.amax_history_len},) and (): the state comes from another model or recipe"
+                )
+
+    def _fp8(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``fp8_linear(x, weight, bias)``, ``weight`` ``(out, in)``; delayed: cast with the stored scales,
+        then write the updated state into the buffers in place."""
+        if self.recipe.scaling != "delayed":
+            return fp8_linear(x, weight, bias, self.recipe)
+        self._check_state()
+        scales = []
+        for role, t in (("input", x), ("weight", weight)):
+            state = self.delayed_state(role)
+            amax = _amax(t, None)
+            scales.append(_poison(state.scale.clone(), amax))  # this call casts with the stored scale
+            new = update_delayed_state(state, amax, self.recipe, E4M3)
+            state.amax_history.copy_(new.amax_history)
+            state.scale.copy_(new.scale)
+        return fp8_linear(x, weight, bias, self.recipe, scales=(scales[0], scales[1]))
+
+
+class Float8Linear(nn.Linear, _Float8Layer):
     """An ``nn.Linear`` whose three matmuls run in fp8 (:func:`fp8_linear`), as torchao's ``Float8Linear``.
 
     Parameters are those of ``nn.Linear`` (``weight`` ``(out_features, in_features)``, ``bias``) in
@@ -449,15 +503,9 @@ class Float8Linear(nn.Linear):
     ) -> None:
         problem = _check_fp8_shape(in_features, out_features)
         if problem:
-            raise ValueError(f"Float8Linear {name or ''}: {problem}; fp8.convert leaves such layers as they are")
+            raise ValueError(f"Float8Linear {name!r}: {problem}; fp8.convert leaves such layers as they are")
         super().__init__(in_features, out_features, bias, device, dtype)
-        self.recipe = get_recipe(recipe)
-        self.name = name
-        if self.recipe.scaling == "delayed":
-            for role in ("input", "weight"):
-                state = init_delayed_state(self.recipe, device)
-                self.register_buffer(f"fp8_amax_history_{role}", state.amax_history)
-                self.register_buffer(f"fp8_scale_{role}", state.scale)
+        self._init_fp8(recipe, name, device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = "tensorwise", name: str = "") -> Float8Linear:
@@ -466,65 +514,57 @@ class Float8Linear(nn.Linear):
         Raises:
           ValueError: if the shape is not a multiple of 16 (see the class).
         """
-        new = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            device="meta",
-            recipe=recipe,
-            name=name,
-        )
+        has_bias = linear.bias is not None
+        new = cls(linear.in_features, linear.out_features, has_bias, device="meta", recipe=recipe, name=name)
         new.weight, new.bias = linear.weight, linear.bias
         new.train(linear.training)
-        if new.recipe.scaling == "delayed":  # real buffers on the weight's device (built on meta above)
-            for role in ("input", "weight"):
-                history, scale = init_delayed_state(new.recipe, linear.weight.device)
-                setattr(new, f"fp8_amax_history_{role}", history)
-                setattr(new, f"fp8_scale_{role}", scale)
+        new._init_fp8(recipe, name, linear.weight.device)  # real state buffers, on the weight's device
         return new
 
-    def delayed_state(self, role: str) -> DelayedScalingState:
-        """The current :class:`DelayedScalingState` of ``"input"`` or ``"weight"`` (delayed recipe only)."""
-        return DelayedScalingState(getattr(self, f"fp8_amax_history_{role}"), getattr(self, f"fp8_scale_{role}"))
-
-    def _check_state(self) -> None:
-        for role in ("input", "weight"):
-            history, scale = self.delayed_state(role)
-            if history.dtype != torch.float32 or scale.dtype != torch.float32:
-                raise ValueError(
-                    f"Float8Linear {self.name!r}: the delayed-scaling state must be float32, got {history.dtype}; "
-                    "functionalize the model with module_policies=funcamp.fp8.MODULE_POLICIES (a bfloat16 "
-                    "policy would round the amaxes), and do not call .to(bfloat16) on the module"
-                )
-            if history.shape != (self.recipe.amax_history_len,) or scale.shape != ():
-                raise ValueError(
-                    f"Float8Linear {self.name!r}: fp8_amax_history_{role} has shape {tuple(history.shape)} and "
-                    f"fp8_scale_{role} {tuple(scale.shape)}; the recipe needs ({self.recipe.amax_history_len},) "
-                    "and (): the state comes from another model or recipe"
-                )
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recipe.scaling != "delayed":
-            return fp8_linear(x, self.weight, self.bias, self.recipe)
-        self._check_state()
-        scales = []
-        for role, t in (("input", x), ("weight", self.weight)):
-            state = self.delayed_state(role)
-            amax = _amax(t, None)
-            scales.append(_poison(state.scale.clone(), amax))  # this call casts with the stored scale
-            new = update_delayed_state(state, amax, self.recipe, E4M3)
-            state.amax_history.copy_(new.amax_history)
-            state.scale.copy_(new.scale)
-        return fp8_linear(x, self.weight, self.bias, self.recipe, scales=(scales[0], scales[1]))
+        return self._fp8(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.scaling}"
 
 
+class Float8Conv1D(_Float8Layer):
+    """Hugging Face's ``Conv1D`` (GPT-2's linear layer, ``y = x @ weight + bias``, ``weight`` ``(nx, nf)``)
+    with its three matmuls in fp8; the same recipes, state buffers and rules as :class:`Float8Linear`.
+
+    Made by :func:`convert` from a ``transformers.pytorch_utils.Conv1D``, sharing its parameters (names
+    and shapes unchanged, so checkpoints and ``functionalize``'s names stay valid).
+
+    Raises:
+      ValueError: if ``nx`` or ``nf`` is not a multiple of 16.
+    """
+
+    def __init__(self, conv: nn.Module, recipe: Recipe | str = "tensorwise", name: str = "") -> None:
+        problem = _check_fp8_shape(conv.nx, conv.nf)
+        if problem:
+            raise ValueError(f"Float8Conv1D {name!r}: {problem}; fp8.convert leaves such layers as they are")
+        super().__init__()
+        self.nf, self.nx = conv.nf, conv.nx
+        self.weight, self.bias = conv.weight, conv.bias
+        self.train(conv.training)
+        self._init_fp8(recipe, name, conv.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fp8(x, self.weight.t(), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}, recipe={self.recipe.scaling}"
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers") and hasattr(module, "nf")
+
+
 #: ``module_policies`` for :func:`funcamp.nn.functionalize`: fp8 layers receive float32 weights, inputs
 #: and recipe state (cast to fp8 inside), and return the surrounding compute dtype
 #: (:func:`funcamp.nn.keep_in_float32`). Merge with your own: ``{**fp8.MODULE_POLICIES, **yours}``.
-MODULE_POLICIES: Mapping[type, Any] = MappingProxyType({Float8Linear: keep_in_float32})
+MODULE_POLICIES: Mapping[type, Any] = MappingProxyType({Float8Linear: keep_in_float32, Float8Conv1D: keep_in_float32})
 
 #: A value of ``filter`` in :func:`convert`.
 Filter = Callable[[nn.Module, str], bool] | str | Iterable[str] | None
@@ -548,10 +588,11 @@ def _selector(filter: Filter, linears: list[str]) -> Callable[[nn.Module, str], 
 
 
 def convert(model: nn.Module, recipe: Recipe | str = "tensorwise", *, filter: Filter = None) -> nn.Module:
-    """A copy of ``model`` with its ``nn.Linear`` layers swapped for :class:`Float8Linear`.
+    """A copy of ``model`` with its linear layers swapped for fp8 ones (torchao's ``convert_to_float8_training``).
 
-    Only modules whose type is exactly ``nn.Linear`` are candidates (a subclass may have a forward of
-    its own). ``filter`` chooses among them; by default every one but the first and the last in
+    Candidates: modules whose type is exactly ``nn.Linear`` (a subclass may have a forward of its own),
+    made :class:`Float8Linear`, and Hugging Face ``Conv1D`` layers (GPT-2), made :class:`Float8Conv1D`.
+    ``filter`` chooses among them; by default every one but the first and the last in
     ``named_modules()`` order (the embedding-side and output layers stay in the surrounding dtype, as
     torchao's and TransformerEngine's guides advise). A chosen layer whose sizes are not multiples of
     16 stays as it is, with one :class:`Fp8FallbackWarning` naming all such layers. Parameters are
@@ -566,28 +607,32 @@ def convert(model: nn.Module, recipe: Recipe | str = "tensorwise", *, filter: Fi
       The converted copy (train/eval flags kept).
     Raises:
       TypeError: if ``model`` is not an ``nn.Module`` or ``filter`` not one of the forms above.
-      ValueError: if the recipe is unknown, or ``filter`` selects no ``nn.Linear``.
+      ValueError: if the recipe is unknown, or ``filter`` selects no candidate.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fp8.convert: expected a torch.nn.Module, got {type(model).__name__}")
     r = get_recipe(recipe)
     model = copy.deepcopy(model)
-    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear or _is_hf_conv1d(m)]
     select = _selector(filter, linears)
     chosen = [name for name in linears if select(model.get_submodule(name), name)]
     if not chosen:
         raise ValueError(
-            f"fp8.convert: the filter selected none of the {len(linears)} nn.Linear layers "
+            f"fp8.convert: the filter selected none of the {len(linears)} nn.Linear/Conv1D layers "
             f"({', '.join(linears[:6])}{', ...' if len(linears) > 6 else ''}); the default keeps the first and last"
         )
     swapped: dict[int, nn.Module] = {}
     fallback = []
     for name in chosen:
         old = model.get_submodule(name)
-        if _check_fp8_shape(old.in_features, old.out_features):
-            fallback.append(f"{name} ({old.in_features}->{old.out_features})")
+        sizes = (old.in_features, old.out_features) if isinstance(old, nn.Linear) else (old.nx, old.nf)
+        if _check_fp8_shape(*sizes):
+            fallback.append(f"{name} ({sizes[0]}->{sizes[1]})")
             continue
-        swapped.setdefault(id(old), Float8Linear.from_linear(old, r, name))
+        if id(old) not in swapped:
+            swapped[id(old)] = (
+                Float8Linear.from_linear(old, r, name) if isinstance(old, nn.Linear) else Float8Conv1D(old, r, name)
+            )
     for _, parent in list(model.named_modules(remove_duplicate=False)):
         for child_name, child in list(parent.named_children()):
             if id(child) in swapped:

@@ -251,7 +251,8 @@ def test_functionalize_returns_new_state_and_keeps_old() -> None:
     out, new = apply_fn(params, buffers, x)
     assert out.dtype == torch.float32
     assert all(torch.equal(buffers[k], before[k]) for k in buffers)  # pure
-    h = model[0](x).to(torch.bfloat16).float()  # the bf16 activation the fp8 layer received
+    first = model[0]  # computes in bf16 under the policy; its bf16 output enters the fp8 layer as float32
+    h = F.linear(x.bfloat16(), first.weight.bfloat16(), first.bias.bfloat16()).float()
     assert new["1.fp8_amax_history_input"][0].item() == h.abs().max().item()
     assert new["1.fp8_scale_input"].item() == pytest.approx(448 / h.abs().max().item())
 
@@ -294,7 +295,7 @@ def test_convert_filters_and_fallback() -> None:
     assert [type(m).__name__ for m in c] == ["Float8Linear", "Linear", "Linear"]
     c = fp8.convert(model, filter=["0"])
     assert isinstance(c[0], fp8.Float8Linear)
-    with pytest.raises(ValueError, match="selected none of the 3 nn.Linear layers"):
+    with pytest.raises(ValueError, match="selected none of the 3 nn.Linear/Conv1D layers"):
         fp8.convert(model, filter="nothing*")
     with pytest.raises(TypeError, match="filter must be None"):
         fp8.convert(model, filter=3)
@@ -463,3 +464,29 @@ def test_inductor_equals_eager() -> None:
 
     compiled = torch.compile(grads, backend="inductor", fullgraph=True)
     assert all(torch.equal(a, b) for a, b in zip(compiled(x, w), grads(x, w)))
+
+
+def test_hugging_face_conv1d() -> None:
+    """GPT-2's Conv1D layers (weight (nx, nf)) become Float8Conv1D: same parameters and names, the
+    product and gradients of fp8_linear with the transposed weight."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    model = transformers.GPT2LMHeadModel(cfg).eval()  # no dropout
+    converted = fp8.convert(model, "tensorwise")
+    kinds = {n: type(m).__name__ for n, m in converted.named_modules() if type(m).__name__ in ("Conv1D", "Linear")}
+    kinds.update({n: "Float8Conv1D" for n, m in converted.named_modules() if isinstance(m, fp8.Float8Conv1D)})
+    assert kinds["transformer.h.0.attn.c_attn"] == "Conv1D" and kinds["lm_head"] == "Linear"  # first and last
+    assert kinds["transformer.h.0.mlp.c_fc"] == kinds["transformer.h.0.attn.c_proj"] == "Float8Conv1D"
+    assert dict(converted.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    layer = converted.transformer.h[0].mlp.c_fc
+    x = torch.randn(2, 8, 32)
+    w = layer.weight.detach().clone().requires_grad_()
+    y = layer(x)
+    (gw,) = torch.autograd.grad(y.square().sum(), layer.weight)
+    ref = fp8.fp8_linear(x, w.t(), layer.bias.detach())
+    (gref,) = torch.autograd.grad(ref.square().sum(), w)
+    assert torch.equal(y.detach(), ref.detach()) and torch.equal(gw, gref) and gw.shape == (32, 128)
+    ids = torch.randint(0, 256, (2, 16))
+    assert torch.allclose(converted(ids).logits, model(ids).logits, rtol=0.1, atol=0.05)
