@@ -408,17 +408,19 @@ def test_dynamic_recipes_train_like_bf16(recipe, baseline) -> None:
 # --- composition: checkpoints, accumulation, inductor ------------------------------------------------
 
 
-def _mlp_step(accumulation_steps: int = 1):
+def _mlp_step(accumulation_steps: int = 1, compile: bool = False, backend=None, poison: bool = False):
     model = fp8.convert(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)), "delayed", filter="*")
     apply_fn, params, buffers = fa.nn.functionalize(model, POLICY, module_policies=fp8.MODULE_POLICIES)
 
     def loss_fn(params, buffers, b):
         out, new = apply_fn(params, buffers, b["x"])
-        return (out - b["y"]).square().mean(), new
+        loss = (out - b["y"]).square().mean()
+        return (loss * b["poison"] if poison else loss), new
 
     opt = optim.adamw(1e-2)
     state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15), buffers=buffers)
-    return state, fa.make_train_step(loss_fn, opt, compile=False, accumulation_steps=accumulation_steps)
+    step = fa.make_train_step(loss_fn, opt, compile=compile, backend=backend, accumulation_steps=accumulation_steps)
+    return state, step
 
 
 def _mlp_batch(i: int) -> dict[str, torch.Tensor]:
@@ -452,6 +454,20 @@ def test_accumulation_records_every_micro_batch() -> None:
     history = state.buffers["0.fp8_amax_history_input"]
     halves = [b["x"][:16].bfloat16().abs().max().item(), b["x"][16:].bfloat16().abs().max().item()]
     assert history[:3].tolist() == [halves[1], halves[0], 0.0]
+
+
+def test_no_recompile_over_200_steps() -> None:
+    """200 compiled steps (aot_eager) of a two-layer fp8 MLP, the delayed state changing every step,
+    every 25th step skipped (loss times inf) and the loss scale backing off then: one graph."""
+    counter = CompileCounterWithBackend("aot_eager")
+    state, step = _mlp_step(compile=True, backend=counter, poison=True)
+    first = state
+    for i in range(200):
+        b = {**_mlp_batch(i % 7), "poison": torch.tensor(torch.inf if i % 25 == 24 else 1.0)}
+        state, metrics = step(state, b)
+    assert counter.frame_count == 1
+    assert int(state.skipped_steps) == 8 and int(state.step) == 200
+    assert not torch.equal(state.buffers["1.fp8_scale_input"], first.buffers["1.fp8_scale_input"])
 
 
 @pytest.mark.slow
