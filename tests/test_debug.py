@@ -120,7 +120,12 @@ def test_activation_overflow_in_float16_linear():
 
 
 def test_scaled_backward_of_float16_attention_overflows():
-    """The common case: the forward is finite, the loss scale makes the attention's backward overflow."""
+    """The common case: the forward is finite, the loss scale makes the attention's backward overflow.
+
+    The first op to overflow is the backward of ``softmax(scores) @ v`` (the gradient of the softmax's
+    output), in float16; softmax's own backward, ``y * (g - sum(y * g))``, is at most max|g| / 2 in
+    magnitude, so it cannot be the first.
+    """
     torch.manual_seed(0)
     model = AttnModel()
     with torch.no_grad():
