@@ -833,7 +833,8 @@ def lint(
       half precision whose reduced dimension K is at least 16384.
     - ``float16-range``: ``exp``, ``log``, ``pow``, ``softmax``, ``log_softmax`` (and their backwards),
       ``reciprocal``, ``rsqrt`` in float16, whose results leave 6.1e-5..65504 for ordinary inputs.
-      ``scaled_dot_product_attention`` is not flagged: its kernels keep the softmax in float32.
+      Fused ``scaled_dot_product_attention`` kernels are not flagged (they keep the softmax in float32);
+      its math fallback reaches the dispatcher as the ops above and is checked like them.
     - ``half-reduction``: ``sum``, ``mean``, ``var``, ``std``, norms in float16 over at least
       ``min_terms`` elements per output element (a float16 sum of 4096 terms of 20 is inf). torch's CPU
       and CUDA reduction kernels accumulate half inputs in float32 and round once, so bfloat16
