@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import tempfile
 import time
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--torch-amp", action="store_true", help="also time the same fine-tune in plain PyTorch (torch.amp, eager)"
     )
+    p.add_argument("--timing-rounds", type=int, default=5, help="interleaved timing rounds after training")
+    p.add_argument("--timing-steps", type=int, default=20, help="steps per timing round")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the step")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
     p.add_argument("--logdir", default="runs/finetune_int8")
@@ -203,8 +206,7 @@ def finetune(
     t0 = time.perf_counter()
     first_step_s = None
     for step in range(1, args.steps + 1):
-        batch = get_batch(train, step, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed)
-        state, metrics = step_fn(state, batch)
+        state, metrics = step_fn(state, _batch(args, train, step))
         if first_step_s is None:
             first_step_s = time.perf_counter() - t0  # compiles
         written = logger.log(metrics, step=step)
@@ -218,6 +220,18 @@ def finetune(
     val_loss = evaluate(loss_fn, state.params, val, args, torch.device("cpu"))
     logger.log_scalars({"val/loss": val_loss}, args.steps)
     logger.close()
+    timing = {"state": state}
+    extra = [_batch(args, train, args.steps + 1 + i) for i in range(4)]
+
+    def time_steps(k: int) -> float:
+        """Seconds for ``k`` more steps, for timing only (the results keep the state of ``--steps``)."""
+        s, t = timing["state"], time.perf_counter()
+        for i in range(k):
+            s, m = step_fn(s, extra[i % len(extra)])
+        float(m["loss"])  # the last step has finished
+        timing["state"] = s
+        return time.perf_counter() - t
+
     return {
         "state": state,
         "history": history,
@@ -229,6 +243,7 @@ def finetune(
         "final_loss": float(metrics["loss"]) if args.steps else float("nan"),
         "int8_tensors": n_int8,
         "report": report,
+        "time_steps": time_steps,
     }
 
 
@@ -250,9 +265,8 @@ def torch_amp_finetune(args: argparse.Namespace, policy: fa.Policy, train: torch
     opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     half = policy.compute_dtype in (torch.float16, torch.bfloat16)
     scaler = torch.amp.GradScaler("cpu", enabled=policy.compute_dtype == torch.float16)
-    t0, first_step_s = time.perf_counter(), None
-    for step in range(1, args.steps + 1):
-        batch = get_batch(train, step, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed)
+
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.autocast("cpu", dtype=policy.compute_dtype if half else None, enabled=half):
             logits = model(input_ids=batch["inputs"], use_cache=False).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
@@ -262,15 +276,45 @@ def torch_amp_finetune(args: argparse.Namespace, policy: fa.Policy, train: torch
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         scaler.step(opt)
         scaler.update()
+        return loss.detach()
+
+    t0, first_step_s = time.perf_counter(), None
+    for i in range(1, args.steps + 1):
+        loss = step(_batch(args, train, i))
         if first_step_s is None:
             first_step_s = time.perf_counter() - t0
     train_s = time.perf_counter() - t0
+    extra = [_batch(args, train, args.steps + 1 + i) for i in range(4)]
+
+    def time_steps(k: int) -> float:
+        t = time.perf_counter()
+        for i in range(k):
+            step(extra[i % len(extra)])
+        return time.perf_counter() - t
+
     return {
         "seconds": train_s,
         "first_step_seconds": first_step_s,
         "steps_per_second": (args.steps - 1) / (train_s - first_step_s) if args.steps > 1 else float("nan"),
         "final_loss": float(loss),
+        "time_steps": time_steps,
     }
+
+
+def _batch(args: argparse.Namespace, train: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
+    return get_batch(train, index, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed)
+
+
+def interleaved_steps_per_second(timers: dict[str, Any], rounds: int, steps: int) -> dict[str, float]:
+    """Median steps/s of each runner over ``rounds`` rounds of ``steps`` steps, the runners taking turns.
+
+    Taking turns spreads the load of other processes over all runners alike; the median drops outliers.
+    """
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, run in timers.items():
+            times[name].append(run(steps))
+    return {name: steps / statistics.median(ts) for name, ts in times.items()}
 
 
 def _small_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -329,6 +373,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"torch.amp (eager, float frozen matrices): last loss {amp['final_loss']:.4f}; {_speed(amp)}; "
             f"funcamp int8 steps/s over torch.amp's: {run['steps_per_second'] / amp['steps_per_second']:.2f}x"
         )
+    timers = {"funcamp, int8 frozen matrices": run["time_steps"]}
+    if args.baseline:
+        timers["funcamp, float frozen matrices"] = results["baseline"]["time_steps"]
+    if args.torch_amp:
+        timers["torch.amp (eager), float frozen matrices"] = results["torch_amp"]["time_steps"]
+    if len(timers) > 1 and args.timing_rounds > 0:
+        speed = interleaved_steps_per_second(timers, args.timing_rounds, args.timing_steps)
+        results["steps_per_second"] = speed
+        ref = next(reversed(speed))
+        rounds = f"median of {args.timing_rounds} interleaved rounds of {args.timing_steps} steps"
+        print(f"speed ({rounds}, {machine()}); ratio to {ref}:")
+        for name, value in speed.items():
+            print(f"  {name:<42} {value:6.2f} steps/s  {value / speed[ref]:.2f}x")
     print(f"TensorBoard: tensorboard --logdir {args.logdir}")
     return results
 
