@@ -153,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--first-step-variants", default=None, help="variants to time to first step (default: all)")
     p.add_argument("--tune-cache", default=None, help="tune_policy cache dir of variant 6 (default: none, measure)")
     p.add_argument("--tune-depth", type=int, default=2, help="tune_policy depth of variant 6 (2: attention, MLP)")
+    p.add_argument("--tune-rounds", type=int, default=3, help="tune_policy timing rounds of variant 6")
     p.add_argument("--first-step-run", default=None, help=argparse.SUPPRESS)  # internal: one variant's first step
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # internal: run one variant's probe
     p.add_argument("--recompile-check", action="store_true", help=argparse.SUPPRESS)  # internal
@@ -169,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = args.device == "cuda"
     args.steps = args.steps or (10 if cuda else 2)  # short rounds on a shared CPU: neighbours hit all alike
     args.rounds = args.rounds or (10 if cuda else 30)
-    for name in ("warmup", "steps", "rounds", "probe_steps"):
+    for name in ("warmup", "steps", "rounds", "probe_steps", "tune_rounds", "tune_depth"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     args.dtype = args.dtype or "bfloat16"
@@ -276,7 +277,12 @@ class FuncampStep:
             )[0]
             t0 = time.perf_counter()
             result = tune_policy(
-                model, (example["inputs"],), policy=policy, depth=args.tune_depth, cache=args.tune_cache or False
+                model,
+                (example["inputs"],),
+                policy=policy,
+                depth=args.tune_depth,
+                rounds=args.tune_rounds,
+                cache=args.tune_cache or False,
             )
             self.tune = {
                 "seconds": time.perf_counter() - t0,
@@ -512,7 +518,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
         out += ["--threads", str(args.threads)]
     if args.block_size:
         out += ["--block-size", str(args.block_size)]
-    out += ["--tune-depth", str(args.tune_depth)]
+    out += ["--tune-depth", str(args.tune_depth), "--tune-rounds", str(args.tune_rounds)]
     if args.tune_cache:
         out += ["--tune-cache", args.tune_cache]
     return out
@@ -545,7 +551,28 @@ def first_step_run(args: argparse.Namespace) -> dict[str, Any]:
         "tune_s": tune["seconds"] if tune else None,
         "loss": float(loss),
         "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "compile_phases_s": compile_phases(),
     }
+
+
+#: Phases of ``torch._dynamo.utils.compile_times()`` reported for the first step (seconds, summed over calls).
+COMPILE_PHASES = {
+    "_compile.compile_inner": "all of torch.compile",
+    "bytecode_tracing": "Dynamo tracing",
+    "create_aot_dispatcher_function": "AOTAutograd (incl. inductor)",
+    "compile_fx_inner": "inductor",
+    "compile_file": "C++ compiler",
+    "async_compile.wait": "waiting for compile workers",
+}
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds per compile phase in this process (those of :data:`COMPILE_PHASES` that ran)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    found = dict(zip(names, values))
+    return {key: float(found[key]) for key in COMPILE_PHASES if key in found}
 
 
 def first_steps(args: argparse.Namespace, env: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -763,6 +790,21 @@ def _first_step_note(cfg: dict[str, Any], rows: dict[str, dict]) -> list[str]:
     extra = "".join(
         f"; {LABELS[r['variant']][0]}'s includes {r['first_step']['tune_s']:.1f} s of tune_policy" for r in tune
     )
+    phases = [
+        f"{LABELS[r['variant']][0]}: "
+        + ", ".join(f"{COMPILE_PHASES[k]} {v:.1f}" for k, v in r["first_step"].get("compile_phases_s", {}).items())
+        for r in timed
+        if r["first_step"].get("compile_phases_s")
+    ]
+    profile = (
+        [
+            "",
+            "Compile phases of the first step (s, `torch._dynamo.utils.compile_times()`; nested, and summed over "
+            "compile threads, so they do not add up): " + "; ".join(phases) + ".",
+        ]
+        if phases
+        else []
+    )
     return [
         "",
         "first call s: the variant's first step in the timing process (compiler already imported and initialised "
@@ -770,6 +812,7 @@ def _first_step_note(cfg: dict[str, Any], rows: dict[str, dict]) -> list[str]:
         "first step s: wall seconds from building the step (deep copy of the model, functionalize, tune_policy, "
         "torch.compile's wrapper) to the end of its first step, compile included, each variant in a fresh "
         f"process run alone, with {how}{extra}.",
+        *profile,
     ]
 
 

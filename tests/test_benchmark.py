@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_train_step.py"
 VARIANTS = ["fp32_eager", "amp_eager", "amp_compile", "funcamp_eager", "funcamp_compile", "funcamp_tuned"]
 PROBED = ["amp_eager", "funcamp_eager", "funcamp_compile"]
-FIRST_STEP = ["amp_compile", "funcamp_tuned"]  # the compile path and the tune path; the others add no code path
+FIRST_STEP = ["funcamp_tuned"]  # compiles and tunes (from the cache); the others add no code path
 COLUMNS = [
     "variant",
     "ms_per_step",
@@ -64,7 +64,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cmd = [sys.executable, str(SCRIPT), "--config", "tiny", "--batch-size", "4", "--warmup", "1"]
     cmd += ["--steps", "2", "--rounds", "1", "--probe-steps", "1", "--backend", "eager", "--check-recompiles", "3"]
     cmd += ["--probe-variants", ",".join(PROBED)]  # the other probes cost time and add no code path
-    cmd += ["--first-step-variants", ",".join(FIRST_STEP), "--tune-cache", str(out / "tune")]
+    cmd += ["--first-step-variants", ",".join(FIRST_STEP), "--tune-cache", str(out / "tune"), "--tune-rounds", "1"]
     cmd += ["--json", str(out / "bench.json"), "--markdown", str(out / "bench.md"), "--cache-dir", str(out / "cache")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -89,6 +89,7 @@ def test_every_variant_has_every_column(result: dict) -> None:
         if name in FIRST_STEP:
             first = row["first_step"]
             assert row["first_step_s"] == first["first_step_s"] >= first["build_s"] > 0 and first["cache"] == "cold"
+            assert first["compile_phases_s"]["bytecode_tracing"] > 0
         else:
             assert row["first_step_s"] is None
 
@@ -158,3 +159,4 @@ def test_tuned_variant_reports_its_map_and_table(result: dict) -> None:
     md = result["_markdown"]
     assert "Variant 6's map (tune_policy, depth 2" in md and tune["table"] in md
     assert "Targets (issue 12), variant 6: step time" in md and "first step" in md and "(cold)" in md
+    assert "Compile phases of the first step" in md and "Dynamo tracing" in md
