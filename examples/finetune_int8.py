@@ -143,6 +143,13 @@ def footprint_table(bnb: bool = True) -> list[tuple[str, int, int, int | None]]:
         )
     )
     rows.append(("int8 + bfloat16 compute, LayerNorms float32", *ours("p=f32,c=bf16,o=f32", quantize=int8), None))
+    rows.append(
+        (
+            "int8, float32 trainable biases/LayerNorms/embeddings (this example's split)",
+            *ours("p=f32,c=bf16,o=f32", trainable=TRAINABLE, quantize=int8),
+            None,
+        )
+    )
     model.requires_grad_(True)
     rows.append(("mixed: float32 masters, bfloat16 compute", *ours("p=f32,c=bf16,o=f32"), None))
     return rows

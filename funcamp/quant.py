@@ -16,12 +16,15 @@ follows that ``|y[..., i] - y_deq[..., i]| <= scale[i] / 2 * sum_j |x[..., j]|``
 its half-step times the input's l1 norm. Layers compose: after a 1-Lipschitz activation the next
 layer's error is ``|W2_deq| @ e1 + scale2 / 2 * ||h||_1``.
 
-funcamp differs from bitsandbytes in three ways: the forward is the model's own (``F.linear`` on the
-dequantized weight, in the policy's compute dtype), not an int8 matmul with outlier decomposition
-(``llm_int8_threshold``; funcamp has none); the scale stored is ``absmax / 127`` (bitsandbytes stores
-``absmax`` and divides at each use); and funcamp counts the scales in its footprints (transformers'
-``get_memory_footprint`` does not see ``SCB``, 4 bytes per output channel). From torchao it differs in
-storing the scale in float32 whatever the weight's dtype (torchao keeps it in the weight's dtype).
+funcamp differs from bitsandbytes in four ways: it quantizes the weight as it is (bitsandbytes first
+rounds a float32 weight to float16; for a float16 weight both give the same int8 values, bit for bit);
+the forward is the model's own (``F.linear`` on the dequantized weight, in the policy's compute dtype),
+not an int8 matmul with outlier decomposition (``llm_int8_threshold``; funcamp has none), so during a
+call the dequantized copy exists as any compute-dtype copy does; the scale stored is ``absmax / 127``
+(bitsandbytes stores ``absmax`` and divides at each use); and funcamp counts the scales in its
+footprints (transformers' ``get_memory_footprint`` does not see ``SCB``, 4 bytes per output channel).
+From torchao it differs in storing the scale in float32 whatever the weight's dtype (torchao keeps it
+in the weight's dtype).
 """
 
 from __future__ import annotations
