@@ -21,6 +21,16 @@ Recipes (:class:`Recipe`, :func:`get_recipe`):
   a backward pass cannot hand new state out of ``torch.func.grad`` functionally. TransformerEngine
   keeps a delayed history for gradients too; this is where funcamp differs.
 
+Composition. ``torch.func.grad`` and ``torch.compile(fullgraph=True)`` (aot_eager and inductor) trace
+the layer; gradient accumulation passes the delayed state through every micro-batch. Under
+``torch.func.vmap`` the dynamic recipes work (torch has no batching rule for ``_scaled_mm`` and loops
+over the samples, with a performance warning), each sample with its own scales; the delayed recipe
+does not (its in-place state update raises torch's "vmap: inplace arithmetic" error). Data parallel:
+the dynamic recipes need nothing (weights are equal on every rank, activations are scaled per rank,
+as torchao without ``reduce_amax``); the delayed state, a floating buffer, is averaged over the ranks
+by ``make_train_step``, so ranks agree, but on the mean of their amaxes, where TransformerEngine
+reduces the amax with a maximum: a rank with larger activations than the mean saturates more.
+
 Use :func:`convert` (as torchao's ``convert_to_float8_training``) to swap the ``nn.Linear`` layers of a
 model for :class:`Float8Linear`, then ``functionalize`` with :data:`MODULE_POLICIES` so that each fp8
 layer receives its float32 master weight and float32 recipe state:
