@@ -215,6 +215,14 @@ def update_delayed_state(
       dtype: the fp8 format the scale is for.
     Returns:
       The new :class:`DelayedScalingState` (new tensors; ``state`` is not changed).
+
+    Example:
+      >>> recipe = Recipe("delayed", amax_history_len=2)
+      >>> state = update_delayed_state(init_delayed_state(recipe), torch.tensor(2.0), recipe)
+      >>> state.amax_history, state.scale
+      (tensor([2., 0.]), tensor(224.))
+      >>> update_delayed_state(state, torch.tensor(float("inf")), recipe).scale  # kept
+      tensor(224.)
     """
     r = get_recipe(recipe)
     amax = amax.detach().to(torch.float32)
