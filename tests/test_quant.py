@@ -270,6 +270,24 @@ def test_tied_int8_embedding_and_head_run(mlp):
     assert torch.equal(apply_fn(params, idx), reference(idx))
 
 
+def test_each_tied_use_is_dequantized_into_its_own_compute_dtype():
+    model = _Tied().requires_grad_(False)
+    model.ln.requires_grad_(True)
+    seen = {}
+    model.head.register_forward_hook(lambda module, args, out: seen.update(head=module.weight))  # copied along
+    model.wte.register_forward_hook(lambda module, args, out: seen.update(wte=module.weight))
+    policy = "params=float32,compute=bfloat16,output=float32"
+    config = Int8WeightOnlyConfig(targets=[nn.Embedding, nn.Linear])
+    apply_fn, params = functionalize(model, policy, module_policies={"head": "float32"}, quantize=config)
+    apply_fn(params, torch.tensor([[1, 2, 3]]))
+    q = apply_fn.frozen["wte.weight"]
+    assert torch.equal(seen["wte"], q.dequantize(BF16))
+    assert torch.equal(seen["head"], q.dequantize(F32))  # from int8 directly, not through bfloat16
+    assert apply_fn.forward_dtypes["head.weight"] == F32
+    report = memory_report(params, apply_fn=apply_fn)
+    assert report.compute == {BF16: (80 + 64) * 2, F32: 80 * 4}  # wte and proj in bf16; the head's use in f32
+
+
 def test_targets_by_pattern_and_predicate(mlp):
     assert Int8WeightOnlyConfig(targets="2").select(mlp) == {"2.weight": 0}
     assert Int8WeightOnlyConfig(targets=lambda name, m: m.out_features > 8).select(mlp) == {"0.weight": 0}

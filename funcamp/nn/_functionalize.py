@@ -423,7 +423,9 @@ def functionalize(
         # the parameter's dtype (and a use in a module with another policy gets that policy's dtype).
         # A tied buffer is the same fresh tensor under every name.
         for alias, name in plan.aliases.items():
-            if name not in fresh:
+            if name in int8 and forward_dtypes[alias] != forward_dtypes[name]:  # from int8, rounded once
+                tensors[alias] = quant.dequantize_int8(frozen[name], forward_dtypes[alias])
+            elif name not in fresh:
                 tensors[alias] = _to_forward(tensors[name] if name in frozen else params[name], forward_dtypes[alias])
         call = None
         if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
