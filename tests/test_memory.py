@@ -198,3 +198,11 @@ def test_report_with_apply_fn_errors():
         memory_report({**params, "x": torch.ones(1)}, apply_fn=apply_fn)
     with pytest.raises(TypeError, match="flat dict of params"):
         memory_report([params], apply_fn=apply_fn)
+
+
+def test_report_with_apply_fn_takes_buffers_too():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    apply_fn, params, buffers = functionalize(model, "params=float32,compute=bfloat16,output=float32")
+    report = memory_report({**params, **buffers}, apply_fn=apply_fn)
+    assert report.stored == {F32: (20 + 8 + 8) * 4, torch.int64: 8}  # masters, running stats, counter
+    assert report.compute == {BF16: 20 * 2}  # the Linear in bf16; BatchNorm keeps float32
