@@ -21,6 +21,16 @@ Recipes (:class:`Recipe`, :func:`get_recipe`):
   a backward pass cannot hand new state out of ``torch.func.grad`` functionally. TransformerEngine
   keeps a delayed history for gradients too; this is where funcamp differs.
 
+Non-finite values. A saturating cast would turn an inf into ``fp8_max`` and hide an overflow; instead,
+where an amax is inf or NaN the scale is NaN, so that layer's output (or gradient) is NaN and the train
+step skips. An inf or NaN amax never enters a delayed history (:func:`update_delayed_state`).
+
+Against torchao 0.18 on the CPU, outputs and gradients of the tensorwise and rowwise recipes are equal
+bit for bit (the same scale arithmetic, saturating casts and ``_scaled_mm`` calls, including its
+bfloat16 products for rowwise). Differences: the per-tensor recipes keep the fp8 casts of ``x`` and
+``W`` for the backward (torchao keeps the high-precision tensors and casts them again, to the same
+values), and under :data:`MODULE_POLICIES` the weight is cast to fp8 from its float32 master.
+
 Composition. ``torch.func.grad`` and ``torch.compile(fullgraph=True)`` (aot_eager and inductor) trace
 the layer; gradient accumulation passes the delayed state through every micro-batch. Under
 ``torch.func.vmap`` the dynamic recipes work (torch has no batching rule for ``_scaled_mm`` and loops
@@ -32,8 +42,9 @@ by ``make_train_step``, so ranks agree, but on the mean of their amaxes, where T
 reduces the amax with a maximum: a rank with larger activations than the mean saturates more.
 
 Use :func:`convert` (as torchao's ``convert_to_float8_training``) to swap the ``nn.Linear`` layers of a
-model for :class:`Float8Linear`, then ``functionalize`` with :data:`MODULE_POLICIES` so that each fp8
-layer receives its float32 master weight and float32 recipe state:
+model for :class:`Float8Linear` (Hugging Face ``Conv1D`` for :class:`Float8Conv1D`; layers whose sizes
+are not multiples of 16 stay as they are, reported once), then ``functionalize`` with
+:data:`MODULE_POLICIES` so that each fp8 layer receives its float32 master weight and float32 recipe state:
 
     model = fp8.convert(GPT(cfg), recipe="tensorwise")    # first and last Linear stay as they are
     apply_fn, params = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32", module_policies=fp8.MODULE_POLICIES)
