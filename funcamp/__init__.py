@@ -5,7 +5,7 @@ unscale the gradients; ``grad_and_value`` checks them for overflow without a hos
 step composes these with optax-style optimizers and compiles whole with ``torch.compile``.
 """
 
-from funcamp import checkpoint, hardware, memory, nn, ops, optim, parallel
+from funcamp import checkpoint, debug, formats, fp8, hardware, memory, nn, ops, optim, parallel, quant
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
@@ -39,8 +39,11 @@ __all__ = [
     "all_finite",
     "cast_to_full",
     "cast_to_half",
-    "checkpoint",
     "check_skips",
+    "checkpoint",
+    "debug",
+    "formats",
+    "fp8",
     "get_policy",
     "global_norm",
     "grad_and_value",
@@ -56,6 +59,7 @@ __all__ = [
     "ops",
     "optim",
     "parallel",
+    "quant",
     "select_tree",
     "tree_bytes",
     "with_op_policies",
