@@ -296,8 +296,10 @@ class _Runner:
     def __init__(
         self, module: nn.Module, policy: Policy, inputs: Any, device: torch.device, training: bool | None, op_policies
     ) -> None:
+        # {"": policy}: the unit itself follows the candidate even where functionalize has a default for its
+        # type, as the map's entry (a user entry, which wins over the defaults) makes it in the whole model.
         apply_fn, params, buffers = functionalize(
-            module, policy, with_buffers=True, training=training, op_policies=op_policies
+            module, policy, module_policies={"": policy}, with_buffers=True, training=training, op_policies=op_policies
         )
         self.apply_fn = apply_fn
         self.params = {k: v.to(device) for k, v in params.items()}
