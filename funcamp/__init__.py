@@ -5,7 +5,7 @@ unscale the gradients; ``grad_and_value`` checks them for overflow without a hos
 step composes these with optax-style optimizers and compiles whole with ``torch.compile``.
 """
 
-from funcamp import checkpoint, debug, formats, fp8, hardware, memory, nn, ops, optim, parallel, quant
+from funcamp import checkpoint, debug, formats, fp8, hardware, memory, nn, ops, optim, parallel, quant, tune
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
@@ -19,6 +19,7 @@ from funcamp.memory import MemoryReport, memory_footprint, memory_report
 from funcamp.ops import OpPolicies, with_op_policies
 from funcamp.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from funcamp.tensorboard import TensorBoardLogger
+from funcamp.tune import TuneResult, tune_policy
 from funcamp.train import SkippedStepsError, TrainState, check_skips, make_train_step, nonfinite_leaf_name
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "StaticLossScale",
     "TensorBoardLogger",
     "TrainState",
+    "TuneResult",
     "__version__",
     "all_finite",
     "cast_to_full",
@@ -62,5 +64,7 @@ __all__ = [
     "quant",
     "select_tree",
     "tree_bytes",
+    "tune",
+    "tune_policy",
     "with_op_policies",
 ]
