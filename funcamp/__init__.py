@@ -19,8 +19,8 @@ from funcamp.memory import MemoryReport, memory_footprint, memory_report
 from funcamp.ops import OpPolicies, with_op_policies
 from funcamp.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from funcamp.tensorboard import TensorBoardLogger
-from funcamp.tune import TuneResult, tune_policy
 from funcamp.train import SkippedStepsError, TrainState, check_skips, make_train_step, nonfinite_leaf_name
+from funcamp.tune import TuneResult, tune_policy
 
 __version__ = "0.1.0"
 
