@@ -309,7 +309,7 @@ def _report_of_apply_fn(tree: Any, apply_fn: Any) -> MemoryReport:
         )
     stored: dict[torch.dtype, int] = {}
     compute: dict[torch.dtype, int] = {}
-    source: dict[str, torch.dtype] = {}  # name -> the dtype a tied use is cast from
+    source: dict[str, torch.dtype] = {}  # name -> the dtype a tied use is cast from (stored, or dequantized)
     for name, t in [*tree.items(), *frozen.items()]:
         if isinstance(t, Int8Weight):
             _add(stored, torch.int8, _nbytes(t.qdata))
@@ -320,7 +320,7 @@ def _report_of_apply_fn(tree: Any, apply_fn: Any) -> MemoryReport:
         _add(stored, t.dtype, _nbytes(t))
         if t.is_floating_point() and dtypes[name] != t.dtype:
             _add(compute, dtypes[name], t.numel() * dtypes[name].itemsize)
-        source[name] = dtypes[name] if name in frozen else t.dtype
+        source[name] = t.dtype
     for alias, name in aliases.items():  # each use of a tied tensor is cast from its first name's
         t = frozen.get(name, tree.get(name))
         if t is not None and dtypes[alias] != source[name]:

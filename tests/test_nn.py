@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcamp as fa
 from funcamp import hardware
-from funcamp.nn import NORM_TYPES, functionalize, keep_in_float32, param_policies
+from funcamp.nn import EMBEDDING_TYPES, NORM_TYPES, functionalize, keep_in_float32, param_policies
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 MIXED = {BF16: "params=float32,compute=bfloat16,output=float32", F16: "params=float32,compute=float16,output=float32"}
@@ -110,12 +110,15 @@ def cast_reference(model: nn.Module, compute: torch.dtype) -> tuple[nn.Module, d
     """The same model run under funcamp's casts by hand: a copy whose non-norm parameters are cast to
     ``compute`` at each use (a parametrization: float32 leaves, so the uses of a tied weight add their
     gradients in float32), and whose norm layers get hooks casting their inputs to float32 and their
-    outputs back to ``compute``. Also returns the float32 leaf parameters by their original names."""
+    outputs back to ``compute``, and whose embeddings look up in float32 and round their output to
+    ``compute``. Also returns the float32 leaf parameters by their original names."""
     ref = copy.deepcopy(model)
     leaves = dict(ref.named_parameters())
     for module in list(ref.modules()):
         if isinstance(module, NORM_TYPES):
             module.register_forward_pre_hook(lambda m, args: tuple(a.float() for a in args))
+            module.register_forward_hook(lambda m, args, out: out.to(compute))
+        elif isinstance(module, EMBEDDING_TYPES):  # float32 lookup (integer ids), rows rounded once
             module.register_forward_hook(lambda m, args, out: out.to(compute))
         elif compute != F32:
             for name, _ in list(module.named_parameters(recurse=False)):

@@ -5,8 +5,10 @@
 Parameters and floating inputs are cast to the compute dtype inside ``apply_fn`` (or the forward runs
 under ``torch.autocast``), and the output is cast to the output dtype. Normalisation layers keep their
 parameters and their arithmetic in float32, as torch.amp, Apex (``keep_batchnorm_fp32``) and Hugging
-Face (``_keep_in_fp32_modules``) do. Buffers that change in training (BatchNorm running statistics)
-come in and go out explicitly: ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``.
+Face (``_keep_in_fp32_modules``) do; embeddings look up in float32 from a table kept in the param
+dtype (:func:`float32_lookup`; torch.amp leaves them in float32 too). Buffers that change in training
+(BatchNorm running statistics) come in and go out explicitly:
+``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``.
 Frozen parameters (``requires_grad=False``, or not selected by ``trainable=``) are held by ``apply_fn``
 as constants, apart from the trainable ``params``: never differentiated, never in an optimizer state.
 Chosen frozen matrices can be held in int8 (``quantize=funcamp.quant.Int8WeightOnlyConfig()``: per-output-
@@ -22,7 +24,15 @@ function, the trainable/frozen split), ``_remat`` (activation checkpointing insi
 """
 
 from funcamp.nn._functionalize import functionalize
-from funcamp.nn._plan import NORM_TYPES, keep_in_float32, param_policies
+from funcamp.nn._plan import EMBEDDING_TYPES, NORM_TYPES, float32_lookup, keep_in_float32, param_policies
 from funcamp.nn._remat import RematInactiveWarning
 
-__all__ = ["NORM_TYPES", "RematInactiveWarning", "functionalize", "keep_in_float32", "param_policies"]
+__all__ = [
+    "EMBEDDING_TYPES",
+    "NORM_TYPES",
+    "RematInactiveWarning",
+    "float32_lookup",
+    "functionalize",
+    "keep_in_float32",
+    "param_policies",
+]

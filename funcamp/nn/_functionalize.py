@@ -211,13 +211,17 @@ def _sample(names: list[str], n: int = 6) -> str:
 def _frozen_dtype(tensor: torch.Tensor, policy: Policy, autocast: bool) -> torch.dtype:
     """The dtype a frozen tensor is stored in: the one it enters the forward in, never a needless upcast.
 
-    Casting mode: its module's compute dtype. Under autocast, for a module computing in half precision
+    Casting mode: its module's compute dtype, or its param dtype where that one is narrower (a float16
+    embedding table looked up in float32 by :func:`funcamp.nn.float32_lookup` stays float16 and is cast
+    at each call, as a trainable one is). Under autocast, for a module computing in half precision
     (autocast casts per op): its own dtype if that is a half one, else its param dtype.
     """
     if not tensor.is_floating_point():
         return tensor.dtype
     if autocast and policy.compute_dtype in _HALF:
         return tensor.dtype if tensor.dtype in _HALF else policy.param_dtype
+    if policy.param_dtype.itemsize < policy.compute_dtype.itemsize:
+        return policy.param_dtype
     return policy.compute_dtype
 
 
@@ -258,8 +262,10 @@ def functionalize(
       name), so they are never differentiated, never in an optimizer state, a :class:`funcamp.TrainState`
       or a checkpoint, and never written. They are stored in the dtype they enter the forward in, with
       no float32 master: their module's compute dtype (bf16 under a bf16 policy; float32 in norm
-      layers); under ``autocast=True``, in modules computing in half precision, their own dtype if it
-      is a half one, else the param dtype (autocast casts them per op, as torch.amp does). They are
+      layers and, with float32 params, embeddings), but never wider than their param dtype (a float16
+      table under ``params=float16`` stays float16 and is cast to float32 at each call); under
+      ``autocast=True``, in modules computing in half precision, their own dtype if it is a half one,
+      else the param dtype (autocast casts them per op, as torch.amp does). They are
       copies: later changes to your module do not reach ``apply_fn`` (``del model`` frees its weights).
       torch.amp differs: there a frozen weight stays in your module, in its dtype, and autocast casts
       it at every use.
@@ -277,7 +283,12 @@ def functionalize(
     By default normalisation layers (:data:`NORM_TYPES`, and classes named ``*LayerNorm``,
     ``*RMSNorm``, ``*GroupNorm``, ``*BatchNorm{1,2,3}d``, ``*InstanceNorm{1,2,3}d``, such as Hugging
     Face's ``LlamaRMSNorm``) follow :func:`keep_in_float32`: float32 parameters, statistics and
-    arithmetic, output in the surrounding compute dtype.
+    arithmetic, output in the surrounding compute dtype. Embeddings (:data:`EMBEDDING_TYPES`) follow
+    :func:`float32_lookup`: the table stays in the param dtype, is looked up in float32 and the rows
+    are cast to the surrounding compute dtype, so its gradient (a sum over every use of a row) is added
+    in float32. With float32 params the table is not copied at all; with half params it is cast to
+    float32 at each call (the cast the ``"embedding"`` op rule made before). ``{nn.Embedding: None}``
+    turns this off (the table is then cast to the compute dtype, and the op rule casts it back).
 
     With ``autocast=True`` the forward runs under ``torch.autocast(device, compute_dtype)`` instead
     (the parameters' device type), with parameters in their param dtype and inputs not cast, so that
@@ -302,13 +313,14 @@ def functionalize(
       module: the model; left unchanged (same parameters, dtypes, training flag, no hooks).
       policy: a :class:`funcamp.Policy` or a policy string for the whole model.
       module_policies: ``{module type or name pattern: policy}``; first match wins, before the norm
-        default. A type matches its instances; a string (fnmatch syntax) matches qualified module names
+        and embedding defaults. A type matches its instances; a string (fnmatch syntax) matches qualified module names
         (the module and everything under it follows the policy) and parameter names. A parameter name
         pattern changes where that tensor is stored (``param_dtype``, ``reduce_dtype``): its module
         still computes with it in the module's compute dtype (``{"*.bias": "float32"}`` keeps float32
         master biases that enter a bf16 Linear in bf16). Values: a Policy, a policy string, a function
         of the surrounding policy (such as :func:`keep_in_float32`), or ``None`` to follow the
-        surrounding module (``{nn.LayerNorm: None}`` turns the norm default off for LayerNorm).
+        surrounding module (``{nn.LayerNorm: None}`` turns the norm default off for LayerNorm,
+        ``{nn.Embedding: None}`` the embedding default).
       autocast: run under ``torch.autocast`` instead of casting parameters up front.
       training: the training flag ``apply_fn`` runs with (dropout, BatchNorm statistics), set on the
         internal copy; ``None`` keeps each submodule's flag as it is now. ``functionalize(model.eval(),
@@ -395,7 +407,11 @@ def functionalize(
     }
     buffers = {name: _master(named[name], plan.tensors[name]) for name in plan.buffers}
     forward_dtypes = {name: plan.forward_dtype(name, autocast) for name in [*plan.tensors, *plan.aliases]}
-    forward_dtypes.update({name: t.dtype for name, t in frozen.items() if name not in int8})
+    # A frozen tensor enters the forward in its module's compute dtype (stored so, or narrower: see
+    # _frozen_dtype), except under autocast in a half module, where it enters as stored.
+    for name, t in frozen.items():
+        if name not in int8 and (not t.is_floating_point() or autocast and plan.tensors[name].compute_dtype in _HALF):
+            forward_dtypes[name] = t.dtype
     # An int8 weight is dequantized into its module's compute dtype (a tied use: into its own module's).
     forward_dtypes.update({name: plan.tensors[name].compute_dtype for name in int8})
     forward_dtypes.update({a: plan.alias_policies[a].compute_dtype for a, name in plan.aliases.items() if name in int8})
@@ -407,9 +423,12 @@ def functionalize(
     op_mode()  # check the rules now, not at the first call
 
     def frozen_tensors() -> dict[str, torch.Tensor]:
-        """The frozen tensors as the forward uses them: int8 weights dequantized (in the traced graph)."""
+        """The frozen tensors as the forward uses them: int8 weights dequantized (in the traced graph), a
+        tensor stored narrower than its compute dtype cast to it."""
+        dequantize = quant.dequantize_int8
         return {
-            name: quant.dequantize_int8(t, forward_dtypes[name]) if name in int8 else t for name, t in frozen.items()
+            name: dequantize(t, forward_dtypes[name]) if name in int8 else _to_forward(t, forward_dtypes[name])
+            for name, t in frozen.items()
         }
 
     def run(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
@@ -425,8 +444,9 @@ def functionalize(
         for alias, name in plan.aliases.items():
             if name in int8 and forward_dtypes[alias] != forward_dtypes[name]:  # from int8, rounded once
                 tensors[alias] = quant.dequantize_int8(frozen[name], forward_dtypes[alias])
-            elif name not in fresh:
-                tensors[alias] = _to_forward(tensors[name] if name in frozen else params[name], forward_dtypes[alias])
+            elif name not in fresh:  # from the stored tensor (the dequantized one for int8), rounded once
+                source = tensors[name] if name in int8 else frozen[name] if name in frozen else params[name]
+                tensors[alias] = _to_forward(source, forward_dtypes[alias])
         call = None
         if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
             call = _remat._Call(

@@ -12,7 +12,7 @@ from torch import nn
 
 from funcamp.policy import Policy, get_policy
 
-__all__ = ["NORM_TYPES", "keep_in_float32", "param_policies"]
+__all__ = ["EMBEDDING_TYPES", "NORM_TYPES", "float32_lookup", "keep_in_float32", "param_policies"]
 
 PolicyLike = Policy | str
 #: A value of ``module_policies``: a policy, a policy string, ``None`` (no policy of its own: follow the
@@ -30,6 +30,9 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.RMSNorm,
     nn.LocalResponseNorm,
 )
+#: Lookup tables that follow :func:`float32_lookup` by default: the table is stored in the param dtype,
+#: the lookup runs in float32 and the looked-up rows are rounded once to the surrounding compute dtype.
+EMBEDDING_TYPES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
 # Normalisation layers of other libraries, recognised by their class name: LlamaRMSNorm, T5LayerNorm,
 # FusedLayerNorm, torchvision's FrozenBatchNorm2d, ...
 _NORM_NAME = re.compile(r"(Layer|RMS|Group|Batch|Instance)Norm(\dd)?$")
@@ -45,7 +48,8 @@ def keep_in_float32(surrounding: Policy) -> Policy:
 
     Parameters are stored and the layer computes in float32 (float64 stays float64: never lower than
     the surrounding dtypes); its output is cast to the surrounding compute dtype, so the next layer
-    sees what it would have seen without the norm's policy (haiku's recipe for BatchNorm).
+    sees what it would have seen without the norm's policy (haiku's recipe for BatchNorm). Embeddings
+    have a default of their own, :func:`float32_lookup`, which keeps the param dtype.
 
     Args:
       surrounding: the policy of the enclosing module (the top-level policy for most layers).
@@ -64,8 +68,53 @@ def keep_in_float32(surrounding: Policy) -> Policy:
     )
 
 
+def float32_lookup(surrounding: Policy) -> Policy:
+    """The default policy of embeddings (:data:`EMBEDDING_TYPES`), given the policy of the module around them.
+
+    The table is stored in the surrounding param dtype, looked up in float32 (float64 stays float64)
+    and the looked-up rows are cast to the surrounding compute dtype, which the next layer receives.
+    A lookup is a gather with no arithmetic to speed up in a half dtype (``EmbeddingBag``'s sum or
+    mean over a bag is added in float32), and its backward adds the gradient of every use of a row
+    (a scatter-add), which in float32 is not rounded to a half dtype on its way to the master.
+
+    What it costs: with float32 params (``params=float32,compute=bfloat16``) the table enters the
+    lookup as it is stored, so no copy at all, where the surrounding compute dtype would make a half
+    copy of the whole table at every call. With half params (``params=float16``, the footprint of
+    ``model.half()``) the table stays stored in half precision and is cast to float32 at each call:
+    exactly the cast :data:`funcamp.ops.FLOAT32_ACCUMULATION`'s ``"embedding"`` rule makes for a half
+    table, so no new cost. Forward values equal a half lookup's (casting a row after the lookup rounds
+    the same elements as casting the table before it).
+
+    Where it differs: torch.amp leaves embeddings out of autocast's lists (float32 table, float32
+    output); here the output is the surrounding compute dtype. jmp with haiku and flax's
+    ``nn.Embed(dtype=...)`` cast the table to the compute dtype and look up there. Unlike
+    :func:`keep_in_float32`, the param dtype is not raised: half params store a half table.
+
+    Args:
+      surrounding: the policy of the enclosing module (the top-level policy for most embeddings).
+    Returns:
+      ``Policy(param=param, compute=max(compute, float32), output=surrounding compute, reduce=reduce)``.
+
+    Example:
+      >>> str(float32_lookup(get_policy("params=float32,compute=bfloat16,output=float32")))
+      'params=float32,compute=float32,output=bfloat16'
+      >>> str(float32_lookup(get_policy("params=float16,compute=float16,output=float32")))
+      'params=float16,compute=float32,output=float16'
+    """
+    return Policy(
+        surrounding.param_dtype,
+        _full(surrounding.compute_dtype),
+        surrounding.compute_dtype,
+        surrounding.reduce_dtype,
+    )
+
+
 def _is_default_norm(name: str, module: nn.Module) -> bool:
     return isinstance(module, NORM_TYPES) or bool(_NORM_NAME.search(type(module).__name__))
+
+
+def _is_default_embedding(name: str, module: nn.Module) -> bool:
+    return isinstance(module, EMBEDDING_TYPES)
 
 
 _Matcher = Callable[[str, nn.Module], bool]
@@ -94,13 +143,13 @@ def _check_value(key: Any, value: Any) -> ModulePolicy:
 
 
 def _entries(module_policies: ModulePolicies | None) -> list[tuple[_Matcher, ModulePolicy, bool]]:
-    """``(matcher, value, from_user_string)``: the user's entries in order, then the norm default."""
+    """``(matcher, value, from_user_string)``: the user's entries in order, then the norm and embedding defaults."""
     if module_policies is not None and not isinstance(module_policies, Mapping):
         raise TypeError(
             f"functionalize: module_policies must be a mapping (dict) or None, got {type(module_policies).__name__}"
         )
     user = [(_matcher(k), _check_value(k, v), isinstance(k, str)) for k, v in (module_policies or {}).items()]
-    return [*user, (_is_default_norm, keep_in_float32, False)]
+    return [*user, (_is_default_norm, keep_in_float32, False), (_is_default_embedding, float32_lookup, False)]
 
 
 def _apply(value: ModulePolicy, surrounding: Policy) -> Policy:
