@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if r == 0:
                     active[name].append(is_active)
             times[name].append(round_times)
+        means = {n: f"{statistics.fmean(times[n][-1]) * 1e3:.1f}" for n in args.variants}
+        print(f"round {r + 1}/{args.rounds}: mean step ms {means}", flush=True)
 
     def round_means(name: str) -> list[float]:
         return [statistics.fmean(ts) for ts in times[name]]
