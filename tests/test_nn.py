@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcamp as fa
 from funcamp import hardware
-from funcamp.nn import EMBEDDING_TYPES, NORM_TYPES, functionalize, keep_in_float32, param_policies
+from funcamp.nn import EMBEDDING_TYPES, NORM_TYPES, float32_lookup, functionalize, keep_in_float32, param_policies
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 MIXED = {BF16: "params=float32,compute=bfloat16,output=float32", F16: "params=float32,compute=float16,output=float32"}
@@ -301,6 +301,137 @@ def test_norm_classes_recognised_by_name_and_custom_policies():
 
 def test_float64_policy_keeps_norms_in_float64():
     assert keep_in_float32(fa.get_policy("f64")) == fa.get_policy("params=f64,compute=f64,output=f64")
+
+
+# --- embeddings: float32 lookup from a table in the param dtype ------------------------------------
+
+HALF_PARAMS = {
+    F16: "params=float16,compute=float16,output=float32",
+    BF16: "params=bfloat16,compute=bfloat16,output=float32",
+}
+
+
+class TableCopies(TorchDispatchMode):
+    """Records the dtype casts (``_to_copy``) of tensors of one shape: the embedding table's."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.casts = torch.Size(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "_to_copy" and args[0].shape == self.shape:
+            self.casts.append((args[0].dtype, out.dtype))
+        return out
+
+
+def emb_linear() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 4))
+
+
+def _ids() -> torch.Tensor:  # 512 lookups of 8 rows: each row's gradient is a sum of about 64 terms
+    return torch.randint(0, 8, (512,), generator=torch.Generator().manual_seed(1))
+
+
+def test_float32_lookup_keeps_the_param_dtype():
+    cases = {
+        MIXED[BF16]: "params=float32,compute=float32,output=bfloat16",
+        HALF_PARAMS[F16]: "params=float16,compute=float32,output=float16",
+        "float32": "float32",
+        "float64": "float64",
+    }
+    for surrounding, expected in cases.items():
+        assert float32_lookup(fa.get_policy(surrounding)) == fa.get_policy(expected), surrounding
+    # keep_in_float32 would raise a float16 table to float32: the embedding default does not.
+    assert keep_in_float32(fa.get_policy(HALF_PARAMS[F16])).param_dtype == F32
+    model = nn.Sequential(nn.Embedding(4, 2), nn.EmbeddingBag(4, 2), nn.Linear(2, 2))
+    pols = param_policies(model, HALF_PARAMS[F16])
+    assert pols["0.weight"] == pols["1.weight"] == float32_lookup(fa.get_policy(HALF_PARAMS[F16]))
+    assert pols["2.weight"] == fa.get_policy(HALF_PARAMS[F16])
+
+
+@pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
+def test_embedding_with_float32_params_is_not_copied_and_its_gradient_not_rounded(compute):
+    model, ids = emb_linear(), _ids()
+    apply_fn, params = functionalize(model, MIXED[compute])
+    assert params["0.weight"].dtype == F32 and apply_fn.forward_dtypes["0.weight"] == F32
+    with Recorder() as rec, TableCopies((64, 16)) as copies:
+        out = apply_fn(params, ids)
+    assert rec.dtypes("embedding") == [[F32, torch.int64]]
+    assert copies.casts == []  # the float32 master enters the lookup as it is
+    assert rec.dtypes("addmm") == [[compute] * 3]  # the rows reach the Linear in the compute dtype
+
+    def loss(p):
+        return apply_fn(p, ids).square().mean()
+
+    grads = torch.func.grad(loss)(params)
+    g = grads["0.weight"]
+    ref, leaves = cast_reference(model, compute)
+    with fa.OpPolicies(fa.ops.FLOAT32_ACCUMULATION):
+        ref(ids).float().square().mean().backward()
+    torch.testing.assert_close(out, ref(ids).float(), rtol=0, atol=0)
+    for k in grads:
+        torch.testing.assert_close(grads[k], leaves[k].grad, rtol=0, atol=0, msg=k)
+    # The sum over ~64 uses of a row keeps float32 bits that the compute dtype cannot hold...
+    assert not torch.equal(g, g.to(compute).float())
+    # ...which the old setup (the table cast to the compute dtype, the op rule casting it back) lost.
+    old_fn, old_params = functionalize(model, MIXED[compute], module_policies={nn.Embedding: None})
+    with TableCopies((64, 16)) as copies:
+        old_g = torch.func.grad(lambda p: old_fn(p, ids).square().mean())(old_params)["0.weight"]
+    # the round trip of the whole table, forward (the values) and backward (the gradient, rounded there)
+    assert copies.casts == [(F32, compute), (compute, F32)] * 2
+    assert torch.equal(old_g, old_g.to(compute).float())
+    torch.testing.assert_close(old_g, g, rtol=2 * torch.finfo(compute).eps, atol=0)  # one rounding apart
+
+
+@pytest.mark.parametrize("half", [F16, BF16], ids=["f16", "bf16"])
+def test_embedding_with_half_params_stays_half_and_costs_what_the_op_rule_did(half):
+    # params=float16 stores the table in float16 (model.half()'s footprint); the lookup runs in float32
+    # from one cast per call, the cast FLOAT32_ACCUMULATION's "embedding" rule made before: same numbers.
+    model, ids = emb_linear(), _ids()
+    apply_fn, params = functionalize(model, HALF_PARAMS[half])
+    old_fn, old_params = functionalize(model, HALF_PARAMS[half], module_policies={nn.Embedding: None})
+    assert params["0.weight"].dtype == old_params["0.weight"].dtype == half
+    assert apply_fn.forward_dtypes["0.weight"] == F32 and old_fn.forward_dtypes["0.weight"] == half
+    with Recorder() as rec, TableCopies((64, 16)) as copies:
+        out = apply_fn(params, ids)
+    with Recorder() as old_rec, TableCopies((64, 16)) as old_copies:
+        old_out = old_fn(old_params, ids)
+    assert rec.dtypes("embedding") == old_rec.dtypes("embedding") == [[F32, torch.int64]]
+    assert copies.casts == old_copies.casts == [(half, F32)]
+    torch.testing.assert_close(out, old_out, rtol=0, atol=0)
+    grads = torch.func.grad(lambda p: apply_fn(p, ids).square().mean())(params)
+    old_grads = torch.func.grad(lambda p: old_fn(p, ids).square().mean())(old_params)
+    for k in grads:
+        assert grads[k].dtype == half
+        torch.testing.assert_close(grads[k], old_grads[k], rtol=0, atol=0, msg=k)
+
+
+def test_frozen_embeddings_are_stored_in_the_param_dtype_at_most():
+    model = emb_linear()
+    model[0].requires_grad_(False)
+    ids = _ids()
+    apply_fn, params = functionalize(model, HALF_PARAMS[F16])
+    assert apply_fn.frozen["0.weight"].dtype == F16 and apply_fn.forward_dtypes["0.weight"] == F32
+    with Recorder() as rec, TableCopies((64, 16)) as copies:
+        out = apply_fn(params, ids)
+    assert rec.dtypes("embedding") == [[F32, torch.int64]] and copies.casts == [(F16, F32)]
+    expected = model[1].half()(model[0].weight.half()[ids])  # a float16 lookup: the same values
+    torch.testing.assert_close(out, expected.float(), rtol=0, atol=0)
+    apply_fn, params = functionalize(model, MIXED[BF16])  # float32 params: no copy at all
+    assert apply_fn.frozen["0.weight"].dtype == F32 and apply_fn.forward_dtypes["0.weight"] == F32
+    with TableCopies((64, 16)) as copies:
+        apply_fn(params, ids)
+    assert copies.casts == []
+
+
+def test_embedding_default_can_be_turned_off_or_replaced():
+    model = emb_linear()
+    apply_fn, params = functionalize(model, MIXED[BF16], module_policies={nn.Embedding: None})
+    assert apply_fn.forward_dtypes["0.weight"] == BF16
+    apply_fn, params = functionalize(model, HALF_PARAMS[F16], module_policies={nn.Embedding: keep_in_float32})
+    assert params["0.weight"].dtype == F32  # the norm rule raises the storage too
 
 
 def test_autocast_leaves_op_lists_to_torch():
