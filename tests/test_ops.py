@@ -236,8 +236,10 @@ def test_bad_rules_are_refused(rules, error, match):
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["cast", "autocast"])
 def test_functionalize_applies_the_accumulation_rules_by_default(autocast):
-    """An embedding row used ~1000 times under a bf16 policy: its gradient within 4u of float64, and
-    0.5 off when the default rule is removed (``op_policies={"embedding": None}``) in casting mode."""
+    """An embedding row used ~1000 times under a bf16 policy: its gradient within 4u of float64 with
+    either default (functionalize's float32 lookup for embeddings, the "embedding" op rule) or both, and
+    0.5 off when both are removed (``module_policies={nn.Embedding: None}``, ``op_policies={"embedding":
+    None}``) in casting mode."""
     torch.manual_seed(0)
     model = torch.nn.Embedding(4, 8)
     ids = torch.randint(0, 4, (4096,))
@@ -250,9 +252,12 @@ def test_functionalize_applies_the_accumulation_rules_by_default(autocast):
         grads = torch.func.grad(lambda p: (apply_fn(p, ids).to(F64) * weight).sum())(params)
         return ((grads["weight"].to(F64) - ref).norm() / ref.norm()).item()
 
+    no_module_default = {torch.nn.Embedding: None}
     assert error() <= 4 * UNIT[torch.bfloat16]
+    assert error(op_policies={"embedding": None}) <= 4 * UNIT[torch.bfloat16]  # the float32 lookup alone
+    assert error(module_policies=no_module_default) <= 4 * UNIT[torch.bfloat16]  # the op rule alone
     if not autocast:  # autocast leaves embedding in float32 on its own
-        assert error(op_policies={"embedding": None}) > 0.1
+        assert error(op_policies={"embedding": None}, module_policies=no_module_default) > 0.1
 
 
 def test_functionalize_takes_user_rules():
