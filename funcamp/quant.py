@@ -6,7 +6,8 @@ in float32, one ``absmax = max |W|`` per output channel (a Linear's row, a ``Con
 embedding's row): symmetric quantization, as bitsandbytes' ``Linear8bitLt`` (``load_in_8bit=True``:
 ``CB`` int8 and ``SCB`` float32 absmax) and torchao's ``Int8WeightOnlyConfig`` store it. Inside
 ``apply_fn`` it is dequantized, ``qdata`` times ``scale`` in float32 and rounded once to the compute
-dtype, so the forward computes with ``W`` up to the quantization error and gradients flow to the
+dtype of the module using it (float32 for an embedding, which looks up in float32 by default:
+:func:`funcamp.nn.float32_lookup`), so the forward computes with ``W`` up to the quantization error and gradients flow to the
 trainable tensors through the dequantized weight. The int8 weights themselves are never trained.
 
 Error bound (per element, dequantized in float32): ``|W - deq(W)| <= scale / 2``, up to float32 round-off
@@ -154,13 +155,14 @@ class Int8WeightOnlyConfig:
 
     Named after torchao's ``Int8WeightOnlyConfig``; the same storage as transformers'
     ``load_in_8bit=True`` (bitsandbytes). Chosen weights must be frozen (``functionalize`` raises if
-    one is trainable); the rest of the model follows the policy (frozen embeddings and biases in the
-    compute dtype, norms in float32, trainable tensors as float32 or ``param_dtype`` masters).
+    one is trainable); the rest of the model follows the policy (frozen biases in the compute dtype,
+    frozen embedding tables in the param dtype at most, norms in float32, trainable tensors as float32
+    or ``param_dtype`` masters).
 
     Args:
       targets: the modules whose ``weight`` is stored in int8. ``None`` (default): every ``nn.Linear``
         and Hugging Face ``Conv1D``, leaving out a weight tied to a module that is not a target
-        (GPT-2's LM head shares the token embedding: both stay in the compute dtype, as transformers'
+        (GPT-2's LM head shares the token embedding: both stay in floating point, as transformers'
         default ``llm_int8_skip_modules`` keeps the output head). Otherwise a module type, an fnmatch
         pattern of qualified module names (``"transformer.h.*"``, ``"*.mlp.*"``), a list of these, or a
         predicate ``(name, module) -> bool`` called on every module that can take int8. A pattern

@@ -278,11 +278,24 @@ def test_each_tied_use_is_dequantized_into_its_own_compute_dtype():
     model.wte.register_forward_hook(lambda module, args, out: seen.update(wte=module.weight))
     policy = "params=float32,compute=bfloat16,output=float32"
     config = Int8WeightOnlyConfig(targets=[nn.Embedding, nn.Linear])
-    apply_fn, params = functionalize(model, policy, module_policies={"head": "float32"}, quantize=config)
+    # By default the embedding looks up in float32 (funcamp.nn.float32_lookup), the head computes in bf16.
+    apply_fn, params = functionalize(model, policy, quantize=config)
+    apply_fn(params, torch.tensor([[1, 2, 3]]))
+    q = apply_fn.frozen["wte.weight"]
+    assert torch.equal(seen["wte"], q.dequantize(F32)) and torch.equal(seen["head"], q.dequantize(BF16))
+    assert apply_fn.forward_dtypes["wte.weight"] == F32 and apply_fn.forward_dtypes["head.weight"] == BF16
+    report = memory_report(params, apply_fn=apply_fn)
+    assert report.compute == {F32: 80 * 4, BF16: (64 + 80) * 2}  # the wte use in f32; proj and the head in bf16
+    # The other way round (the embedding in bf16, the head in f32): the head's float32 copy comes from
+    # int8 directly, not through the bfloat16 one.
+    apply_fn, params = functionalize(
+        model, policy, module_policies={nn.Embedding: None, "head": "float32"}, quantize=config
+    )
     apply_fn(params, torch.tensor([[1, 2, 3]]))
     q = apply_fn.frozen["wte.weight"]
     assert torch.equal(seen["wte"], q.dequantize(BF16))
-    assert torch.equal(seen["head"], q.dequantize(F32))  # from int8 directly, not through bfloat16
+    assert torch.equal(seen["head"], q.dequantize(F32))
+    assert not torch.equal(seen["head"], q.dequantize(BF16).float())
     assert apply_fn.forward_dtypes["head.weight"] == F32
     report = memory_report(params, apply_fn=apply_fn)
     assert report.compute == {BF16: (80 + 64) * 2, F32: 80 * 4}  # wte and proj in bf16; the head's use in f32
@@ -401,7 +414,12 @@ def test_gpt2_int8_footprint_by_hand(gpt2):
     report = memory_report(params, apply_fn=apply_fn)
     assert report.stored_bytes == expected
     assert report.stored[torch.int8] == 12 * 7_077_888 and report.stored[F32] == 12 * (6912 + 3072) * 4 + 1536 * 4
-    assert report.compute == {F16: 12 * 7_077_888 * 2}  # the dequantized matrices, during a call
+    # During a call: the dequantized matrices in float16, and the float16 tables wte and wpe cast to
+    # float32 for their lookups (funcamp.nn.float32_lookup; the "embedding" op rule made the same cast
+    # before, uncounted), (38,597,376 + 786,432) * 4 = 157,535,232 bytes. The LM head uses wte in
+    # float16, as stored: no copy.
+    assert report.compute == {F16: 12 * 7_077_888 * 2, F32: (50257 * 768 + 1024 * 768) * 4}
+    assert report.compute[F32] == 157_535_232
 
 
 def test_gpt2_int8_footprint_against_transformers(gpt2):
