@@ -7,8 +7,9 @@ embedding's row): symmetric quantization, as bitsandbytes' ``Linear8bitLt`` (``l
 ``CB`` int8 and ``SCB`` float32 absmax) and torchao's ``Int8WeightOnlyConfig`` store it. Inside
 ``apply_fn`` it is dequantized, ``qdata`` times ``scale`` in float32 and rounded once to the compute
 dtype of the module using it (float32 for an embedding, which looks up in float32 by default:
-:func:`funcamp.nn.float32_lookup`), so the forward computes with ``W`` up to the quantization error and gradients flow to the
-trainable tensors through the dequantized weight. The int8 weights themselves are never trained.
+:func:`funcamp.nn.float32_lookup`), so the forward computes with ``W`` up to the quantization error
+and gradients flow to the trainable tensors through the dequantized weight. The int8 weights
+themselves are never trained.
 
 Error bound (per element, dequantized in float32): ``|W - deq(W)| <= scale / 2``, up to float32 round-off
 (``scale * (1/2 + 2**-16)`` covers it: the reciprocal, the product and the rounding tie are each within
