@@ -62,8 +62,17 @@ def test_tied_parameters_are_stored_once_and_cast_per_use():
     model[1].weight = model[0].weight
     report = memory_report(model, "params=float32,compute=bfloat16")
     assert report.stored == {F32: 40 * 4} and report.compute == {BF16: 2 * 40 * 2}
-    # An LM head in float32 by name: its use of the tied weight is not copied.
+    # functionalize's per-module policies: the embedding looks up in float32 (funcamp.nn.float32_lookup),
+    # so only the head's use is copied to bf16.
+    pols = param_policies(model, "params=float32,compute=bfloat16")
+    assert memory_report(model, pols).compute == {BF16: 40 * 2}
+    # An LM head in float32 by name too: neither use of the tied weight is copied.
     pols = param_policies(model, "params=float32,compute=bfloat16", module_policies={"1": "float32"})
+    assert memory_report(model, pols).compute == {}
+    # With the embedding default off, the embedding's use is the bf16 copy.
+    pols = param_policies(
+        model, "params=float32,compute=bfloat16", module_policies={"1": "float32", nn.Embedding: None}
+    )
     assert memory_report(model, pols).compute == {BF16: 40 * 2}
 
 
@@ -140,8 +149,13 @@ def test_gpt2_report_under_mixed_bfloat16(gpt2):
     report = memory_report(gpt2, param_policies(gpt2, policy))
     assert report.stored_bytes == gpt2.get_memory_footprint()
     norm_params = sum(p.numel() for m in gpt2.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters())
-    lm_head_use = gpt2.lm_head.weight.numel()  # tied to the token embedding: a second bf16 copy
-    assert report.compute == {BF16: (gpt2.num_parameters() - norm_params + lm_head_use) * 2}
+    # The embeddings (wte, wpe) look up in float32 from their float32 masters (funcamp.nn.float32_lookup):
+    # not copied. The LM head, tied to wte, uses it in bf16: one copy.
+    embeddings = gpt2.transformer.wte.weight.numel() + gpt2.transformer.wpe.weight.numel()
+    lm_head_use = gpt2.lm_head.weight.numel()
+    assert (norm_params, embeddings, lm_head_use) == (38_400, 39_383_808, 38_597_376)
+    assert report.compute == {BF16: (gpt2.num_parameters() - norm_params - embeddings + lm_head_use) * 2}
+    assert report.compute[BF16] == 247_229_952  # 235.8 MiB (325,997,568 = 310.9 MiB with bf16 embedding copies)
 
 
 # --- what functionalize's apply_fn holds and casts (frozen tensors, int8 weights) -----------------------------
@@ -161,10 +175,27 @@ def test_report_with_apply_fn_counts_frozen_tensors_and_real_copies():
     report = memory_report(params, apply_fn=apply_fn)
     # stored: float32 masters (embedding 40, LayerNorm 8), the frozen Linear in bf16 (20)
     assert report.stored == {F32: (40 + 8) * 4, BF16: 20 * 2}
-    # copies a call makes: the embedding in bf16 for each of its two uses; LayerNorm computes in float32
-    assert report.compute == {BF16: 2 * 40 * 2}
+    # copies a call makes: the tied weight in bf16 for the head's use only (the embedding looks up in
+    # float32 from its float32 master); LayerNorm computes in float32
+    assert report.compute == {BF16: 40 * 2}
     assert report.stored_bytes == memory_footprint(params, apply_fn=apply_fn) == memory_footprint(params) + 40
     assert apply_fn.aliases == {"3.weight": "0.weight"}
+
+
+def test_report_with_apply_fn_under_half_params_counts_the_float32_lookup_copy():
+    # params=float16 (model.half()'s footprint): the table stays float16, cast to float32 for its lookup
+    # at each call (the cast the "embedding" op rule made before); the tied head uses it as stored.
+    model = _tied_lm()
+    apply_fn, params = functionalize(model, "params=float16,compute=float16,output=float32")
+    assert params["0.weight"].dtype == F16 and params["2.weight"].dtype == F32
+    report = memory_report(params, apply_fn=apply_fn)
+    assert report.stored == {F16: (40 + 20) * 2, F32: 8 * 4}  # table, Linear; LayerNorm in float32
+    assert report.compute == {F32: 40 * 4}  # the table's float32 copy; nothing else is cast
+    model[1].requires_grad_(False)
+    model[0].requires_grad_(False)  # frozen: stored in float16 all the same, the same copy per call
+    apply_fn, params = functionalize(model, "params=float16,compute=float16,output=float32")
+    assert apply_fn.frozen["0.weight"].dtype == F16
+    assert memory_report(params, apply_fn=apply_fn).compute == {F32: 40 * 4}
 
 
 def test_report_counts_int8_weights_and_their_scales():
@@ -176,9 +207,10 @@ def test_report_counts_int8_weights_and_their_scales():
     )
     assert params == {} and list(apply_fn.frozen) == ["0.weight", "1.weight", "1.bias", "2.weight", "2.bias"]
     report = memory_report(params, apply_fn=apply_fn)
-    # int8: the Linear's 16 values and 4 float32 scales; bf16: embedding (tied head left alone) and bias
-    assert report.stored == {torch.int8: 16, F32: 4 * 4 + 8 * 4, BF16: (40 + 4) * 2}
-    assert report.compute == {BF16: 16 * 2}  # the dequantized Linear weight
+    # int8: the Linear's 16 values and 4 float32 scales; float32: the scales, the LayerNorm and the
+    # embedding (tied head left alone: frozen, stored in float32, the dtype of its lookup); bf16: the bias
+    assert report.stored == {torch.int8: 16, F32: 4 * 4 + 8 * 4 + 40 * 4, BF16: 4 * 2}
+    assert report.compute == {BF16: 16 * 2 + 40 * 2}  # the dequantized Linear weight; the head's use of wte
     assert memory_footprint(params, apply_fn=apply_fn) == report.stored_bytes
     # A flat dict holding an Int8Weight, under a policy: stored as it is, dequantized into compute.
     tree = {"w": quantize_int8(torch.randn(8, 3)), "b": torch.zeros(8)}
