@@ -840,7 +840,9 @@ def lint(
       and CUDA reduction kernels accumulate half inputs in float32 and round once, so bfloat16
       reductions (float32's range) are not flagged: their one rounding is that of any bfloat16 op.
     - ``round-trip``: a cast half -> float32 cast straight back (or float32 -> half -> float32), with the
-      bytes the two casts move for nothing.
+      bytes the two casts move for nothing (an embedding table under ``module_policies={nn.Embedding:
+      None}``: cast to bfloat16 by its module's policy, back to float32 by the ``"embedding"`` op rule;
+      functionalize's default, :func:`funcamp.nn.float32_lookup`, makes neither cast).
     - ``float32-matmul``: a float32 matmul of at least ``min_flops`` FLOPs while the policy computes in
       half precision (slow: it is what the half policy was chosen to avoid). Without ``policy``, the
       run counts as half precision when any matmul ran in a half dtype.

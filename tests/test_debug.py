@@ -312,15 +312,21 @@ def test_lint_half_accumulation_index_add_and_embedding_backward():
 def test_lint_embedding_backward_in_bfloat16():
     model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 1))
     ids = torch.zeros(4096, dtype=torch.long)  # one row used 4096 times: its gradient sums 4096 terms
-    apply_fn, params = fa.nn.functionalize(model, BF16, op_policies={"embedding": None})
+    # Both defaults off: the table in bfloat16 (its module's compute dtype) and no float32 op rule.
+    apply_fn, params = fa.nn.functionalize(
+        model, BF16, module_policies={nn.Embedding: None}, op_policies={"embedding": None}
+    )
     report = lint(lambda p, x: apply_fn(p, x).mean(), params, ids, BF16)
     flagged = [f for f in report if f.kind == "half-accumulation"]
     assert [(f.module, f.op, f.size) for f in flagged] == [
         ("0", "aten.embedding_dense_backward (EmbeddingBackward0)", 4096)
     ]
-    # funcamp's default (FLOAT32_ACCUMULATION) runs it in float32: not flagged.
-    apply_fn, params = fa.nn.functionalize(model, BF16)
-    assert not [f for f in lint(lambda p, x: apply_fn(p, x).mean(), params, ids, BF16) if f.kind == "half-accumulation"]
+    # Either of funcamp's defaults runs it in float32 (the embedding's float32 lookup,
+    # funcamp.nn.float32_lookup; the op rule of FLOAT32_ACCUMULATION): not flagged.
+    for options in ({}, {"op_policies": {"embedding": None}}, {"module_policies": {nn.Embedding: None}}):
+        apply_fn, params = fa.nn.functionalize(model, BF16, **options)
+        report = lint(lambda p, x, fn=apply_fn: fn(p, x).mean(), params, ids, BF16)
+        assert not [f for f in report if f.kind == "half-accumulation"], options
 
 
 def test_lint_cumsum_and_half_reduction():
@@ -501,19 +507,26 @@ def test_lint_gpt_float32_has_no_findings(gpt_batch):
 
 
 def test_lint_gpt_bfloat16_is_short_and_explained(gpt_batch):
+    # Nothing in the bfloat16 GPT is risky or slow by these rules: the embeddings look up in float32 from
+    # their float32 masters (funcamp.nn.float32_lookup), so their tables are not cast at all.
     report = _gpt_lint(*gpt_batch, BF16)
-    assert len(str(report).splitlines()) <= 20
-    # The only findings: the token and position embeddings' weights are cast to bfloat16 (their module's
-    # compute dtype) and back to float32 by funcamp.ops.FLOAT32_ACCUMULATION's embedding rule, forward and
-    # backward. Nothing else in the bfloat16 GPT is risky or slow by these rules.
-    assert {(f.kind, f.module, f.count) for f in report} == {("round-trip", "wte", 2), ("round-trip", "wpe", 2)}
-    # The suggested module policy removes them.
+    assert list(report) == [] and str(report) == "funcamp lint: no findings"
+    # With the embedding default off, the token and position embeddings' weights are cast to bfloat16
+    # (their module's compute dtype) and back to float32 by funcamp.ops.FLOAT32_ACCUMULATION's embedding
+    # rule, forward and backward: the round trips the lint reports, and nothing else.
+    old = _gpt_lint(*gpt_batch, BF16, module_policies={nn.Embedding: None})
+    assert len(str(old).splitlines()) <= 20
+    assert {(f.kind, f.module, f.count) for f in old} == {("round-trip", "wte", 2), ("round-trip", "wpe", 2)}
+    (wte,) = [f for f in old if f.module == "wte"]
+    assert "module_policies={'wte': 'params=float32,compute=float32,output=bfloat16'}" in wte.suggestion
+    # The suggested module policy removes them (a name entry wins over the type entry: first match).
     fixed = _gpt_lint(
         *gpt_batch,
         BF16,
         module_policies={
             "wte": "params=float32,compute=float32,output=bfloat16",
             "wpe": "params=float32,compute=float32,output=bfloat16",
+            nn.Embedding: None,
         },
     )
     assert list(fixed) == []
