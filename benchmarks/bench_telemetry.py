@@ -60,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=15, help="timed rounds")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--isolated",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: time funcamp.numerics.telemetry_metrics alone, compiled, N calls on the GPT's parameter shapes",
+    )
     p.add_argument("--json", default="benchmarks/results/bench_telemetry.json", help="output JSON file")
     p.add_argument("--markdown", default="benchmarks/results/bench_telemetry.md", help="output markdown file")
     args = p.parse_args(argv)
@@ -161,6 +168,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_isolated(model: GPT, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Median time of the telemetry alone (active), compiled, on gradients shaped like the GPT's parameters."""
+    from funcamp.numerics import Telemetry, telemetry_metrics
+
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: torch.randn_like(p) * 1e-3 for n, p in params.items()}
+    scale, config = torch.tensor(1.0, device=device), Telemetry(every=1)
+    fn = torch.compile(lambda g, p, s: telemetry_metrics(g, p, s, config), fullgraph=True, backend=args.backend)
+    for _ in range(3):
+        fn(grads, params, scale)
+    times = []
+    for _ in range(args.isolated):
+        sync(device)
+        t0 = time.perf_counter()
+        fn(grads, params, scale)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    out = {"telemetry_alone_median_ms": statistics.median(times) * 1e3, "calls": args.isolated}
+    print(f"telemetry alone ({sum(p.numel() for p in params.values())} gradient elements): {out}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
@@ -170,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     cfg = config_for(args.config, vocab_size=256)
     model = GPT(cfg).to(device)
+    if args.isolated:
+        return time_isolated(model, args, device)
     n_batches = args.warmup + args.steps
     batches = make_batches(n_batches, batch_size=args.batch_size, block_size=cfg.block_size, seed=1, device=device)
     machine = {
