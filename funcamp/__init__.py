@@ -5,7 +5,7 @@ unscale the gradients; ``grad_and_value`` checks them for overflow without a hos
 step composes these with optax-style optimizers and compiles whole with ``torch.compile``.
 """
 
-from funcamp import checkpoint, debug, formats, fp8, hardware, memory, nn, ops, optim, parallel, quant, tune
+from funcamp import checkpoint, debug, formats, fp8, hardware, memory, nn, numerics, ops, optim, parallel, quant, tune
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
@@ -16,6 +16,7 @@ from funcamp.loss_scale import (
     loss_scale_from_state_dict,
 )
 from funcamp.memory import MemoryReport, memory_footprint, memory_report
+from funcamp.numerics import Telemetry
 from funcamp.ops import OpPolicies, with_op_policies
 from funcamp.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from funcamp.tensorboard import TensorBoardLogger
@@ -35,6 +36,7 @@ __all__ = [
     "SkippedStepsError",
     "StaticLossScale",
     "TensorBoardLogger",
+    "Telemetry",
     "TrainState",
     "TuneResult",
     "__version__",
@@ -58,6 +60,7 @@ __all__ = [
     "memory_report",
     "nn",
     "nonfinite_leaf_name",
+    "numerics",
     "ops",
     "optim",
     "parallel",
