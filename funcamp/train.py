@@ -424,19 +424,35 @@ class SkippedStepsError(RuntimeError):
     """Raised by :func:`check_skips` when too many consecutive steps were skipped."""
 
 
-def check_skips(metrics: dict[str, Any], params: Any = None) -> None:
+def check_skips(metrics: dict[str, Any], params: Any = None, *, replay: Callable[[], Any] | None = None) -> None:
     """Raise if the step reported ``too_many_skips`` (host side: reads device tensors).
 
     Call it outside the compiled step, at your logging interval.
 
+    ``replay`` says *why* the steps were skipped: a callable of no arguments, called only when
+    raising, whose result's ``str`` ends the error message. The usual one replays the last step
+    eagerly and names the first op that made a NaN or inf,
+    ``functools.partial(funcamp.debug.locate_from_state, loss_fn, prev_state, batch)`` with the state
+    *before* that step (``make_train_step`` never mutates it, so keeping a reference costs nothing).
+    This module does not import :mod:`funcamp.debug`; anything that describes the failure will do.
+    If ``replay`` itself raises, the message says so and ``SkippedStepsError`` is raised all the same,
+    from that exception.
+
     Args:
       metrics: the metrics of a step built with ``max_consecutive_skips``.
       params: optional, to name the first parameter whose gradient was not finite.
+      replay: optional, ``replay() -> report``; see above. Not called when nothing is raised.
     Raises:
+      TypeError: if ``replay`` is neither None nor callable.
       KeyError: if ``metrics`` has no ``too_many_skips`` (the step was built without
         ``max_consecutive_skips``).
       SkippedStepsError: if ``too_many_skips`` is true.
     """
+    if replay is not None and not callable(replay):
+        raise TypeError(
+            f"check_skips: replay must be a callable of no arguments or None, got {type(replay).__name__}; "
+            "e.g. functools.partial(funcamp.debug.locate_from_state, loss_fn, prev_state, batch)"
+        )
     if "too_many_skips" not in metrics:
         raise KeyError("check_skips: metrics has no 'too_many_skips'; build the step with max_consecutive_skips=N")
     if bool(metrics["too_many_skips"]):
@@ -444,8 +460,16 @@ def check_skips(metrics: dict[str, Any], params: Any = None) -> None:
         if params is not None:
             name = nonfinite_leaf_name(params, metrics["nonfinite_leaf"])
             where = f"; first non-finite gradient: {name}" if name else "; the loss itself was not finite"
-        raise SkippedStepsError(
+        message = (
             f"{int(metrics['consecutive_skips'])} consecutive steps skipped for non-finite gradients at loss "
             f"scale {float(metrics['loss_scale']):g}{where}. Lower the learning rate, check the data, or "
             "compute in bfloat16/float32."
         )
+        cause = None
+        if replay is not None:
+            try:
+                report = str(replay())
+            except Exception as e:  # a failing diagnosis must not hide the failure it diagnoses
+                cause, report = e, f"(the replay failed: {type(e).__name__}: {e})"
+            message = f"{message}\n{report}"
+        raise SkippedStepsError(message) from cause

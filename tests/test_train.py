@@ -1,5 +1,6 @@
 """The train step: skipping, accumulation, clipping on unscaled grads, metrics, one graph."""
 
+import functools
 import math
 
 import pytest
@@ -331,3 +332,40 @@ def test_inductor_compiled_step_matches_eager_for_twenty_steps(eager_step):
 def test_create_points_a_module_to_functionalize():
     with pytest.raises(TypeError, match="funcamp.nn.functionalize"):
         fa.TrainState.create(torch.nn.Linear(2, 2), optim.sgd(0.1))
+
+
+def test_check_skips_replay_ends_the_message_and_runs_only_when_raising(eager_step):
+    calls = []
+
+    def replay():
+        calls.append(1)
+        return "REPLAY REPORT: the culprit op"
+
+    state = _state()
+    state, metrics = eager_step(state, _batch(0))
+    fa.check_skips(metrics, state.params, replay=replay)  # finite: nothing raised, replay not called
+    assert calls == []
+    prev = state
+    for i in range(3):
+        prev = state
+        state, metrics = eager_step(state, _batch(i + 1, math.inf))
+    with pytest.raises(fa.SkippedStepsError, match="3 consecutive steps skipped") as info:
+        fa.check_skips(metrics, state.params, replay=replay)
+    assert calls == [1] and str(info.value).endswith("\nREPLAY REPORT: the culprit op")
+
+    # The replay the main job passes: funcamp.debug's locator on the state before the last step and its batch.
+    from funcamp.debug import locate_from_state
+
+    with pytest.raises(fa.SkippedStepsError) as info:
+        fa.check_skips(metrics, replay=functools.partial(locate_from_state, loss_fn, prev, _batch(3, math.inf)))
+    report = str(locate_from_state(loss_fn, prev, _batch(3, math.inf)))
+    assert "poison" in report and str(info.value).endswith(report)
+
+    def broken():
+        raise RuntimeError("replay exploded")
+
+    with pytest.raises(fa.SkippedStepsError, match=r"the replay failed: RuntimeError: replay exploded") as info:
+        fa.check_skips(metrics, replay=broken)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(TypeError, match="replay must be a callable"):
+        fa.check_skips(metrics, replay="locate")
