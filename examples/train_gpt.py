@@ -33,6 +33,7 @@ More than one device: the same script under ``torchrun`` trains data-parallel, o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -48,11 +49,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python examples/tra
 from gpt import GPT, SIZES, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
-from funcamp import optim, parallel  # noqa: E402
+from funcamp import fp8, optim, parallel  # noqa: E402
+from funcamp.debug import lint, locate_from_state  # noqa: E402
 
 SAMPLE_PROMPT = "The "
 # Settings whose change between a run and its --resume breaks bit-for-bit continuation.
-_RESUME_KEYS = ("model", "block_size", "batch_size", "steps", "lr", "warmup", "weight_decay", "clip", "seed", "data")
+_RESUME_KEYS = (
+    "model",
+    "block_size",
+    "batch_size",
+    "steps",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "clip",
+    "seed",
+    "data",
+    "fp8",
+    "master_weights",
+    "moment_dtype",
+)
+MASTER_WEIGHTS = ("float32", "bfloat16", "bfloat16-kahan", "bfloat16-sr")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +84,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices (default: 0.1)")
     p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (default: 1.0)")
     p.add_argument("--policy", default="auto", help="precision policy string, or auto (default: per device)")
+    p.add_argument(
+        "--master-weights",
+        default="float32",
+        choices=MASTER_WEIGHTS,
+        help="dtype the parameters are stored and updated in; bfloat16*: the policy's params=bfloat16 and\n"
+        "bfloat16: plain rounding (loses small updates), bfloat16-kahan: optim.kahan_summation (a bfloat16\n"
+        "compensation buffer), bfloat16-sr: optim.stochastic_rounding(seed=--seed) (default: float32)",
+    )
+    p.add_argument(
+        "--moment-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of AdamW's two moments (optim.adamw(moment_dtype=...); default: float32)",
+    )
+    p.add_argument(
+        "--fp8",
+        default=None,
+        choices=["tensorwise", "rowwise", "delayed"],
+        help="run every Linear but the first and the last in fp8 with this scaling recipe (funcamp.fp8)",
+    )
     p.add_argument(
         "--loss-scale",
         default="auto",
@@ -93,6 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="precision telemetry (funcamp.numerics: per-block amax, float16/bfloat16 underflow and overflow,\n"
         "loss-scale headroom, log2|g| histograms) every N steps, in TensorBoard under numerics/ (default: 0, off)",
+    )
+    p.add_argument(
+        "--lint",
+        action="store_true",
+        help="before training, print funcamp.debug.lint's report of the policy on the first batch",
     )
     p.add_argument("--sample-bytes", type=int, default=200, help="bytes of text to generate at the end")
     p.add_argument("--seed", type=int, default=0)
@@ -193,33 +235,96 @@ def make_loss_scale(kind: str, policy: fa.Policy, init_scale: float, period: int
     return fa.DynamicLossScale(init_scale, period=period)
 
 
-def make_loss_fn(apply_fn: Any) -> Any:
-    def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = apply_fn(params, batch["inputs"])  # output dtype of the policy (float32)
-        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+def make_policy(policy: fa.Policy, master_weights: str) -> fa.Policy:
+    """``policy`` with the parameter dtype of ``--master-weights`` (compute, output, reduce dtypes kept).
+
+    Raises SystemExit if ``--policy`` names a parameter dtype other than float32 (a policy string's
+    default) or the one ``--master-weights`` gives: the two flags would disagree.
+    """
+    dtype = torch.float32 if master_weights == "float32" else torch.bfloat16
+    if policy.param_dtype not in (torch.float32, dtype):
+        raise SystemExit(
+            f"--policy stores parameters in {str(policy.param_dtype).removeprefix('torch.')} but --master-weights "
+            f"is {master_weights}: leave params=float32 in --policy and choose the master weights with "
+            f"--master-weights ({', '.join(MASTER_WEIGHTS)})"
+        )
+    return fa.Policy(dtype, policy.compute_dtype, policy.output_dtype, policy.reduce_dtype)
+
+
+def make_optimizer(args: argparse.Namespace, decay_mask: dict[str, bool]) -> optim.GradientTransformation:
+    """Clipping and AdamW on a warmup-cosine schedule, wrapped for ``--master-weights bfloat16-kahan|-sr``."""
+    schedule = optim.warmup_cosine_decay(args.lr, warmup=args.warmup, total=args.steps, end_value=args.lr / 10)
+    moment_dtype = getattr(torch, args.moment_dtype)
+    optimizer = optim.chain(
+        optim.clip_by_global_norm(args.clip),
+        optim.adamw(
+            schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask, moment_dtype=moment_dtype
+        ),
+    )
+    if args.master_weights == "bfloat16-kahan":  # the wrappers must be outermost
+        return optim.kahan_summation(optimizer)
+    if args.master_weights == "bfloat16-sr":
+        return optim.stochastic_rounding(optimizer, seed=args.seed)
+    return optimizer
+
+
+def make_loss_fn(apply_fn: Any, stateful: bool = False) -> Any:
+    """``loss_fn(params, batch) -> loss``; ``stateful`` (``--fp8 delayed``, whose amax histories are
+    buffers): ``loss_fn(params, buffers, batch) -> (loss, new_buffers)``. A bool, not the buffers: a
+    loss_fn that held the initial buffers would make torch.compile guard on them and recompile every step."""
+
+    def loss_fn(params: dict[str, torch.Tensor], *rest: Any) -> Any:
+        batch = rest[-1]
+        out = apply_fn(params, *rest[:-1], batch["inputs"])  # output dtype of the policy (float32)
+        logits, new_buffers = out if stateful else (out, None)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+        return (loss, new_buffers) if stateful else loss
 
     return loss_fn
 
 
 @torch.no_grad()
-def evaluate(loss_fn: Any, params: Any, val: torch.Tensor, args: argparse.Namespace, device: torch.device) -> float:
-    """Mean loss over ``--eval-batches`` fixed validation batches (one host read)."""
+def evaluate(
+    loss_fn: Any,
+    params: Any,
+    val: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+    buffers: Any = None,
+) -> float:
+    """Mean loss over ``--eval-batches`` fixed validation batches (one host read).
+
+    With ``buffers`` (``--fp8 delayed``: a stateful ``loss_fn``) the state is read, not advanced: the
+    updated buffers are dropped, so evaluating does not change training."""
     total = torch.zeros((), device=device)
     for i in range(args.eval_batches):
         batch = get_batch(
             val, i, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed, stream=1, device=device
         )
-        total += loss_fn(params, batch)
+        total += loss_fn(params, batch) if buffers is None else loss_fn(params, buffers, batch)[0]
     return total.item() / args.eval_batches
 
 
 @torch.no_grad()
-def generate(apply_fn: Any, params: Any, prompt: str, n: int, block_size: int, seed: int, device: torch.device) -> str:
-    """Sample ``n`` bytes after ``prompt`` (temperature 0.8), decoded as UTF-8 with replacement."""
+def generate(
+    apply_fn: Any,
+    params: Any,
+    prompt: str,
+    n: int,
+    block_size: int,
+    seed: int,
+    device: torch.device,
+    buffers: Any = None,
+) -> str:
+    """Sample ``n`` bytes after ``prompt`` (temperature 0.8), decoded as UTF-8 with replacement.
+
+    With ``buffers`` (``--fp8 delayed``) ``apply_fn`` is stateful; its updated buffers are dropped."""
     g = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([list(prompt.encode("utf-8"))], device=device)
     for _ in range(n):
-        logits = apply_fn(params, idx[:, -block_size:])[:, -1].float()
+        context = idx[:, -block_size:]
+        logits = apply_fn(params, context) if buffers is None else apply_fn(params, buffers, context)[0]
+        logits = logits[:, -1].float()
         probs = torch.softmax(logits / 0.8, dim=-1)
         idx = torch.cat([idx, torch.multinomial(probs, 1, generator=g)], dim=1)
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
@@ -259,20 +364,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         policy = fa.get_policy(default_policy(device) if args.policy == "auto" else args.policy)
     except ValueError as e:
         raise SystemExit(f"--policy: {e}") from None
+    policy = make_policy(policy, args.master_weights)  # params=bfloat16 for --master-weights bfloat16*
 
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
-    apply_fn, params = fa.nn.functionalize(model, policy)  # float32 masters, LayerNorms in float32
+    if args.fp8:  # every Linear but blocks.0.attn.qkv and the tied lm_head (fp8 layers: float32 in, bf16 out)
+        model = fp8.convert(model, args.fp8)
+    functional = fa.nn.functionalize(model, policy, module_policies=fp8.MODULE_POLICIES if args.fp8 else None)
+    apply_fn, params = functional[:2]  # float32 masters (or --master-weights), LayerNorms in float32
+    buffers = functional[2] if len(functional) == 3 else None  # --fp8 delayed: amax histories and scales
     params = parallel.broadcast_params(params)  # every rank starts from rank 0's parameters
-    loss_fn = make_loss_fn(apply_fn)
+    loss_fn = make_loss_fn(apply_fn, stateful=buffers is not None)
     decay_mask = {name: p.ndim >= 2 for name, p in params.items()}  # no decay of norms and biases
-    schedule = optim.warmup_cosine_decay(args.lr, warmup=args.warmup, total=args.steps, end_value=args.lr / 10)
-    optimizer = optim.chain(
-        optim.clip_by_global_norm(args.clip),
-        optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask),
-    )
+    optimizer = make_optimizer(args, decay_mask)
     loss_scale = make_loss_scale(args.loss_scale, policy, args.init_scale, args.scale_period)
-    state = fa.TrainState.create(params, optimizer, loss_scale=loss_scale)
+    state = fa.TrainState.create(params, optimizer, loss_scale=loss_scale, buffers=buffers)
     train_step = fa.make_train_step(
         loss_fn,
         optimizer,
@@ -310,7 +416,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if is_main:
         n_params = sum(p.numel() for p in params.values())
         print(
-            f"funcamp {fa.__version__} | {device} | policy {policy} | {type(state.loss_scale).__name__} | "
+            f"funcamp {fa.__version__} | {device} | policy {policy} | master weights {args.master_weights}, "
+            f"moments {args.moment_dtype}{' | fp8 ' + args.fp8 if args.fp8 else ''} | "
+            f"{type(state.loss_scale).__name__} | "
             f"model {args.model} ({n_params / 1e6:.2f}M params, context {cfg.block_size}) | "
             f"data {os.path.basename(data_name)}: {len(train)} train / {len(val)} val bytes | "
             f"{'compiled (' + args.backend + ')' if args.compile else 'eager'} | steps {start}->{args.steps}",
@@ -328,18 +436,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     history: dict[str, list[tuple[int, float]]] = {"train_loss": [], "loss_scale": [], "val_loss": [], "tokens_s": []}
     bar = tqdm(total=args.steps, initial=start, disable=not is_main or args.quiet, dynamic_ncols=True, unit="step")
-    other_s, compile_s, t_first, steps_timed, eval0_s = 0.0, None, None, 0, 0.0
+    other_s, compile_s, t_first, steps_timed, eval0_s, lint_s = 0.0, None, None, 0, 0.0, 0.0
     end = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
-    if start == 0 and end > 0:  # the untrained model's validation loss (about ln 256 = 5.55), at step 0
-        t0 = time.perf_counter()
-        val_loss = evaluate(loss_fn, state.params, val, args, device)
-        history["val_loss"].append((0, val_loss))
-        logger.log_scalars({"val/loss": val_loss}, 0)
-        if is_main:
-            bar.write(f"step 0: val loss {val_loss:.4f}")
-        eval0_s = time.perf_counter() - t0
-    for step in range(start + 1, end + 1):
-        batch = get_batch(
+
+    def train_batch(step: int) -> dict[str, torch.Tensor]:
+        return get_batch(
             train,
             step,
             batch_size=args.batch_size,
@@ -349,18 +450,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             world_size=world_size,
             device=device,
         )
+
+    if args.lint and is_main and end > start:  # one eager forward and backward of the first batch, host side
+        t0 = time.perf_counter()
+        report = lint(
+            loss_fn, state.params, train_batch(start + 1), policy, loss_scale=state.loss_scale, buffers=state.buffers
+        )
+        lint_s = time.perf_counter() - t0
+        bar.write(f"{report}\n(funcamp.debug.lint of the first batch, eager, {lint_s:.1f} s)")
+    if start == 0 and end > 0:  # the untrained model's validation loss (about ln 256 = 5.55), at step 0
+        t0 = time.perf_counter()
+        val_loss = evaluate(loss_fn, state.params, val, args, device, state.buffers)
+        history["val_loss"].append((0, val_loss))
+        logger.log_scalars({"val/loss": val_loss}, 0)
+        if is_main:
+            bar.write(f"step 0: val loss {val_loss:.4f}")
+        eval0_s = time.perf_counter() - t0
+    for step in range(start + 1, end + 1):
+        batch = train_batch(step)
+        prev_state = state  # a reference (steps never mutate a state): replayed if the run fails on skips
         state, metrics = train_step(state, batch)
         if t_first is None:
             sync(device)
             t_first = time.perf_counter()
-            compile_s = t_first - t_start - eval0_s  # setup and the first step (compilation), not step 0's eval
+            compile_s = t_first - t_start - eval0_s - lint_s  # setup and the first step (compilation)
         else:
             steps_timed += 1
         written = logger.log(metrics, step=step)
         bar.update(1)
         if written is not None:
             if written["amp/consecutive_skips"] >= args.max_consecutive_skips:  # no extra device read otherwise
-                fa.check_skips(metrics, state.params)  # raises SkippedStepsError naming the first bad parameter
+                # raises SkippedStepsError naming the first bad parameter and, from an eager replay of
+                # this step, the first op that made a NaN or inf (funcamp.debug)
+                replay = functools.partial(locate_from_state, loss_fn, prev_state, batch)
+                fa.check_skips(metrics, state.params, replay=replay)
             history["train_loss"].append((step, written["train/loss"]))
             history["loss_scale"].append((step, written["amp/loss_scale"]))
             tok_s = written.get("perf/tokens_per_second")
@@ -376,7 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if evaluate_now or save_now:  # not training: its time counts neither in tokens/s nor in the logger's
             t0 = time.perf_counter()
             if evaluate_now:
-                val_loss = evaluate(loss_fn, state.params, val, args, device)
+                val_loss = evaluate(loss_fn, state.params, val, args, device, state.buffers)
                 history["val_loss"].append((step, val_loss))
                 logger.log_scalars({"val/loss": val_loss}, step)
                 if is_main:
@@ -405,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if end == args.steps and args.sample_bytes > 0 and is_main:
         results["sample"] = generate(
-            apply_fn, state.params, SAMPLE_PROMPT, args.sample_bytes, cfg.block_size, args.seed, device
+            apply_fn, state.params, SAMPLE_PROMPT, args.sample_bytes, cfg.block_size, args.seed, device, state.buffers
         )
         logger.log_text("sample", results["sample"], end)
     logger.close()

@@ -18,7 +18,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import funcamp as fa
-from funcamp import checkpoint
+from funcamp import checkpoint, optim
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -126,8 +126,14 @@ def test_float16_with_dynamic_loss_scale_backs_off_then_grows(tmp_path):
 def test_too_many_consecutive_skips_stops_the_run(tmp_path):
     argv = [*TINY, "--steps", "6", "--log-every", "1", "--no-compile", "--policy", F16, "--loss-scale", "dynamic"]
     argv += ["--init-scale", str(2.0**24), "--max-consecutive-skips", "2", "--logdir", str(tmp_path)]
-    with pytest.raises(fa.SkippedStepsError, match="2 consecutive steps skipped .* first non-finite gradient"):
+    with pytest.raises(fa.SkippedStepsError, match="2 consecutive steps skipped .* first non-finite gradient") as info:
         train_gpt.main(argv)
+    # The message ends with funcamp.debug's replay of the last step (from the state before it, scale 2**23
+    # after one backoff from 2**24): the first op whose output overflowed, and the verdict at scale 1.
+    report = str(info.value).split("\n", 1)[1]
+    assert report.startswith("step NOT finite: loss finite, gradients NOT finite at loss scale 8.38861e+06 (2**23)")
+    assert "\nfirst non-finite: backward op aten." in report and "float16 amax inf" in report
+    assert "the same step at loss scale 1, are finite" in report
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
@@ -149,6 +155,89 @@ def test_resume_after_interruption_is_bitwise_identical(tmp_path, compiled):
     )
     # TensorBoard shows one value per step: the resumed run hid step 5 of the interrupted one.
     assert [s for s, _ in _scalars(tmp_path / "cut")["train/loss"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_lint_flag_prints_the_report_before_step_0(tmp_path, capsys):
+    results = train_gpt.main([*TINY, "--steps", "1", "--no-compile", "--lint", "--logdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    # float32 compute on this CPU (AVX2), or bfloat16 on AMX: test_debug.py shows the tiny GPT lints clean under both
+    assert "funcamp lint: no findings" in out and "(funcamp.debug.lint of the first batch, eager" in out
+    assert out.index("funcamp lint") < out.index("step 0: val loss")
+    assert int(results["state"].step) == 1
+    train_gpt.main([*TINY, "--steps", "1", "--no-compile", "--logdir", str(tmp_path / "off")])
+    assert "funcamp lint" not in capsys.readouterr().out  # off by default
+
+
+def _fp8_history(state: fa.TrainState, name: str = "blocks.0.attn.proj.fp8_amax_history_input") -> torch.Tensor:
+    return state.buffers[name]
+
+
+def test_fp8_delayed_one_graph_and_only_training_steps_advance_the_amax_history(tmp_path, capsys):
+    """Compiled with dynamo's eager backend (guards and graph breaks as with inductor, cheaper): one graph
+    over the steps, though the step takes and returns the delayed-scaling buffers (the loss_fn does not
+    close over them); lint, validation and sampling read the buffers without advancing them."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    argv = [*TINY, "--steps", "3", "--log-every", "1", "--backend", "eager", "--fp8", "delayed", "--lint"]
+    results = train_gpt.main([*argv, "--sample-bytes", "5", "--logdir", str(tmp_path)])
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    out = capsys.readouterr().out
+    assert "| fp8 delayed |" in out and "funcamp lint:" in out  # the lint ran the stateful loss_fn
+    state = results["state"]
+    assert all(math.isfinite(v) for _, v in results["history"]["train_loss"]) and math.isfinite(results["val_loss"])
+    _assert_params_finite(state)
+    history = _fp8_history(state)
+    # One amax per training step (3), none from the lint, the two validations or the sampled bytes.
+    assert history.shape == (16,) and int((history != 0).sum()) == 3 and bool((history[:3] > 0).all())
+
+
+def test_fp8_delayed_resume_is_bitwise_identical_buffers_included(tmp_path):
+    common = [*TINY, "--steps", "4", "--log-every", "1", "--eval-every", "4", "--save-every", "2", "--no-compile"]
+    common += ["--fp8", "delayed"]
+    full = train_gpt.main([*common, "--logdir", str(tmp_path / "full")])
+    run = [*common, "--logdir", str(tmp_path / "cut")]
+    train_gpt.main([*run, "--stop-after", "3"])  # the checkpoint is step 2's
+    resumed = train_gpt.main([*run, "--resume"])
+    assert resumed["history"]["train_loss"] == full["history"]["train_loss"][2:]
+    for tree in ("params", "buffers"):
+        for name, t in getattr(full["state"], tree).items():
+            assert torch.equal(getattr(resumed["state"], tree)[name], t), (tree, name)
+    assert checkpoint.load(full["checkpoint"])["config"]["fp8"] == "delayed"
+
+
+def test_bfloat16_kahan_master_weights(tmp_path, capsys):
+    argv = [*TINY, "--steps", "3", "--log-every", "1", "--no-compile", "--master-weights", "bfloat16-kahan"]
+    results = train_gpt.main([*argv, "--logdir", str(tmp_path)])
+    compute = str(fa.half_dtype("cpu")).removeprefix("torch.")  # --policy auto: float32 on AVX2, bfloat16 on AMX
+    header = f"policy params=bfloat16,compute={compute},output=float32,reduce=float32 | master weights bfloat16-kahan"
+    assert f"{header}, moments float32 |" in capsys.readouterr().out
+    state = results["state"]
+    assert all(math.isfinite(v) for _, v in results["history"]["train_loss"]) and math.isfinite(results["val_loss"])
+    _assert_params_finite(state)
+    assert state.params["wte.weight"].dtype == torch.bfloat16 and state.params["ln_f.weight"].dtype == torch.float32
+    assert isinstance(state.opt_state, optim.KahanSummationState)
+    comp = state.opt_state.compensation["blocks.0.mlp.fc.weight"]
+    assert comp.dtype == torch.bfloat16 and bool((comp != 0).any())  # rounding residue carried to the next step
+    adam = state.opt_state.inner_state[1][0]
+    assert adam.nu["wte.weight"].dtype == torch.float32  # --moment-dtype float32 (the default)
+    saved = checkpoint.load(results["checkpoint"])["config"]
+    assert (saved["master_weights"], saved["moment_dtype"]) == ("bfloat16-kahan", "float32")
+
+
+def test_bfloat16_stochastic_rounding_moments_and_flag_errors(tmp_path):
+    argv = [*TINY, "--steps", "2", "--no-compile", "--master-weights", "bfloat16-sr", "--moment-dtype", "bfloat16"]
+    state = train_gpt.main([*argv, "--seed", "7", "--logdir", str(tmp_path)])["state"]
+    assert isinstance(state.opt_state, optim.StochasticRoundingState) and int(state.opt_state.seed) == 7
+    assert int(state.opt_state.count) == 2
+    assert state.opt_state.inner_state[1][0].mu["wte.weight"].dtype == torch.bfloat16
+    _assert_params_finite(state)
+    # --policy with params=bfloat16 and the default --master-weights float32 disagree: refused, not overridden.
+    with pytest.raises(SystemExit, match="--policy stores parameters in bfloat16 but --master-weights is float32"):
+        train_gpt.main([*TINY, "--steps", "1", "--no-compile", "--policy", "p=bf16,c=f32,o=f32"])
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--master-weights", "float16"])
 
 
 def test_telemetry_flag_writes_numerics_every_n_steps(tmp_path):
