@@ -20,6 +20,15 @@ and weight amax, the share of gradient elements that would underflow or overflow
 bfloat16 before and after loss scaling, the loss scale's headroom, log2|g| histograms), computed inside
 the same compiled graph and shown in TensorBoard under ``numerics/``.
 
+``--fp8 tensorwise|rowwise|delayed`` runs every Linear but the first and the last in fp8
+(``funcamp.fp8.convert``; the delayed recipe's amax histories are buffers that the train state carries
+and checkpoints). ``--master-weights bfloat16|bfloat16-kahan|bfloat16-sr`` stores the parameters in
+bfloat16 (LayerNorms stay float32) and wraps the optimizer in ``optim.kahan_summation`` or
+``optim.stochastic_rounding``; ``--moment-dtype bfloat16`` halves AdamW's state. ``--lint`` prints
+``funcamp.debug.lint``'s report of the policy on the first batch before training. When
+``--max-consecutive-skips`` steps in a row are skipped, the error ends with ``funcamp.debug``'s replay
+of the last one: the first op whose output was not finite.
+
 Every step's batch is a function of ``(seed, step)``, so ``--resume`` continues bit-for-bit from the
 last checkpoint (saved every ``--save-every`` steps, atomically, with ``funcamp.checkpoint``).
 Logging and checkpoint writes happen only where ``is_main`` (rank 0 under data parallelism).
@@ -146,6 +155,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.telemetry_every < 0:
         p.error(f"--telemetry-every must be >= 0 (0: off), got {args.telemetry_every}")
+    if args.fp8 and args.master_weights != "float32":
+        p.error(
+            f"--fp8 with --master-weights {args.master_weights}: the fp8 layers keep float32 master weights "
+            "(funcamp.fp8.MODULE_POLICIES), so bfloat16 ones would apply to the other layers only; use one of the two"
+        )
     if args.warmup is None:
         args.warmup = min(50, args.steps // 10)
     if args.warmup < 0 or args.warmup >= args.steps:
@@ -368,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
-    if args.fp8:  # every Linear but blocks.0.attn.qkv and the tied lm_head (fp8 layers: float32 in, bf16 out)
+    if args.fp8:  # every Linear but blocks.0.attn.qkv and the tied lm_head (fp8 layers: float32 weights and
+        # inputs, cast to fp8 inside, output in the compute dtype: fp8.MODULE_POLICIES)
         model = fp8.convert(model, args.fp8)
     functional = fa.nn.functionalize(model, policy, module_policies=fp8.MODULE_POLICIES if args.fp8 else None)
     apply_fn, params = functional[:2]  # float32 masters (or --master-weights), LayerNorms in float32

@@ -238,6 +238,8 @@ def test_bfloat16_stochastic_rounding_moments_and_flag_errors(tmp_path):
         train_gpt.main([*TINY, "--steps", "1", "--no-compile", "--policy", "p=bf16,c=f32,o=f32"])
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--master-weights", "float16"])
+    with pytest.raises(SystemExit):  # fp8 layers keep float32 masters: the two flags would half apply
+        train_gpt.parse_args(["--master-weights", "bfloat16-kahan", "--fp8", "tensorwise"])
 
 
 def test_telemetry_flag_writes_numerics_every_n_steps(tmp_path):
