@@ -12,7 +12,7 @@ import copy
 import fnmatch
 import functools
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -77,8 +77,10 @@ def _wrap_forward(module: nn.Module, policy: Policy, autocast: bool) -> None:
     module.forward = wrapped
 
 
-def _skeleton(module: nn.Module, plan: _Plan, autocast: bool, training: bool | None) -> nn.Module:
-    """A copy of ``module``'s structure with the casting wrappers installed.
+def _skeleton(
+    module: nn.Module, plan: _Plan, autocast: bool, training: bool | None, remat: Sequence[str] = ()
+) -> nn.Module:
+    """A copy of ``module``'s structure with the casting wrappers installed (and the checkpointing ones).
 
     ``apply_fn`` passes every parameter and persistent buffer in, so the copy holds shape-only ``meta``
     placeholders for them (it does not keep your module's weights alive); non-persistent buffers,
@@ -103,6 +105,11 @@ def _skeleton(module: nn.Module, plan: _Plan, autocast: bool, training: bool | N
         if id(modules[name]) not in wrapped:
             wrapped.add(id(modules[name]))
             _wrap_forward(modules[name], policy, autocast)
+    checkpointed: set[int] = set()
+    for name in remat:  # over the casting wrapper: the region starts at the module's own inputs
+        if id(modules[name]) not in checkpointed:
+            checkpointed.add(id(modules[name]))
+            _remat.wrap_forward(modules[name])
     return skeleton
 
 
@@ -239,6 +246,7 @@ def functionalize(
     trainable: Trainable = None,
     op_policies: Mapping[Any, OpRule | None] | None = None,
     quantize: quant.Int8WeightOnlyConfig | None = None,
+    remat: _remat.Remat = None,
 ) -> (
     tuple[Callable[..., Any], dict[str, torch.Tensor]]
     | tuple[Callable[..., Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]
@@ -350,12 +358,29 @@ def functionalize(
         frozen. Storage only: during a call the dequantized copies exist as any compute-dtype copy does
         (the forward is the model's own, not an int8 matmul). See :mod:`funcamp.quant` for the error
         bound and the differences from bitsandbytes (``load_in_8bit``) and torchao.
+      remat: activation checkpointing of chosen submodules without editing the model: ``None``
+        (default); an ``nn.Module`` subclass (its instances, e.g. ``GPT2Block``); an fnmatch pattern of
+        qualified module names (``"transformer.h.*"``); a list mixing the two; or a predicate
+        ``remat(name, module) -> bool`` (``module`` is yours), as FSDP's
+        ``apply_activation_checkpointing(check_fn=...)``, ``jax.checkpoint`` and flax's ``nn.remat``.
+        Each chosen module's forward (on the internal copy, casts included) runs through
+        ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: its activations are dropped
+        after the forward and recomputed in the backward (RNG replayed, buffers as at the call's start).
+        Only the outermost chosen modules are wrapped (a module inside a chosen one is recomputed with
+        it); the root module is never a candidate. Gradients equal those without ``remat``, bitwise, in
+        both casting modes. Memory is saved only where torch can checkpoint: eager plain autograd
+        (:func:`funcamp.grad_and_value` called eagerly, ``make_train_step(compile=False)``). Under
+        ``torch.func`` transforms and in the compiled step torch 2.13 cannot (see above): the modules
+        run as is, keeping their activations, with a :class:`RematInactiveWarning`. With gradients
+        off (``torch.no_grad``) the forward runs as is. Unlike Hugging Face's
+        ``gradient_checkpointing_enable()`` this does not touch your module.
     Returns:
       ``(apply_fn, params)`` or ``(apply_fn, params, buffers)``, see above. ``apply_fn.frozen`` is a
       read-only dict of the frozen tensors (empty when everything is trainable);
       ``apply_fn.forward_dtypes`` the dtype each parameter and buffer enters the forward in, by name
       (tied uses under each name, listed in ``apply_fn.aliases``), from which
-      :func:`funcamp.memory.memory_report` ``(params, apply_fn=apply_fn)`` counts the compute copies.
+      :func:`funcamp.memory.memory_report` ``(params, apply_fn=apply_fn)`` counts the compute copies;
+      ``apply_fn.remat`` the qualified names of the checkpointed modules (a tuple, empty without ``remat``).
     Raises:
       TypeError: if ``module`` is not an ``nn.Module``, ``module_policies`` is malformed, or the module
         cannot be deep-copied.
@@ -366,6 +391,9 @@ def functionalize(
         ``quantize`` selects nothing (see :meth:`funcamp.quant.Int8WeightOnlyConfig.select`).
       TypeError: if ``quantize`` is not an ``Int8WeightOnlyConfig``, or one of its name patterns
         matches only modules that cannot take int8 (norms, convolutions).
+      TypeError: if ``remat`` (or an entry of its list) is not one of the forms above, or its predicate
+        returns a non-bool.
+      ValueError: if a ``remat`` type or pattern matches no submodule, or its predicate chooses none.
       ValueError: at call time, if ``params`` or ``buffers`` do not have the module's names (a frozen
         name in ``params`` is named as such).
       TypeError: at call time, if ``params`` or ``buffers`` is not a dict.
@@ -393,8 +421,9 @@ def functionalize(
     plan = _Plan(module, policy, module_policies)
     chosen = _trainable_names(module, plan, trainable)
     int8 = _int8_names(module, quantize, chosen)
+    remat_names = _remat.select(module, remat)
     _remat.install()
-    skeleton = _skeleton(module, plan, autocast, training)
+    skeleton = _skeleton(module, plan, autocast, training, remat_names)
     named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     train_names = [name for name in plan.params if name in chosen]
     params = {name: _master(named[name], plan.tensors[name]) for name in train_names}
@@ -478,7 +507,7 @@ def functionalize(
         ) -> tuple[Any, dict[str, torch.Tensor]]:
             return run(params, buffers, args, kwargs)
 
-        _describe(apply_fn, frozen, forward_dtypes, plan)
+        _describe(apply_fn, frozen, forward_dtypes, plan, remat_names)
         return apply_fn, params, buffers
 
     constant = buffers
@@ -486,17 +515,20 @@ def functionalize(
     def apply_fn(params: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
         return run(params, constant, args, kwargs)[0]
 
-    _describe(apply_fn, frozen, forward_dtypes, plan)
+    _describe(apply_fn, frozen, forward_dtypes, plan, remat_names)
     return apply_fn, params
 
 
-def _describe(apply_fn: Any, frozen: dict[str, Any], forward_dtypes: dict[str, torch.dtype], plan: _Plan) -> None:
-    """``apply_fn.frozen`` and ``apply_fn.forward_dtypes`` (read-only; memory_report counts from them)."""
+def _describe(
+    apply_fn: Any, frozen: dict[str, Any], forward_dtypes: dict[str, torch.dtype], plan: _Plan, remat: list[str]
+) -> None:
+    """``apply_fn.frozen``, ``.forward_dtypes``, ``.aliases`` (read-only) and ``.remat``."""
     apply_fn.frozen = types.MappingProxyType(frozen)
     apply_fn.forward_dtypes = types.MappingProxyType(
         {name: forward_dtypes[name] for name in [*plan.params, *plan.buffers, *plan.aliases]}
     )
     apply_fn.aliases = types.MappingProxyType(dict(plan.aliases))
+    apply_fn.remat = tuple(remat)
 
 
 def _int8_names(module: nn.Module, quantize: Any, chosen: set[str]) -> dict[str, int]:

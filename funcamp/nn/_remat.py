@@ -27,16 +27,22 @@ How: the first ``functionalize`` call wraps two private entry points of ``torch.
 time, so ``from torch.utils.checkpoint import checkpoint`` in your model is covered). Outside
 ``apply_fn`` they behave as torch's own, except where torch would raise the saved-tensor-hooks error
 above.
+
+``functionalize(..., remat=...)`` checkpoints chosen modules without editing the model
+(:func:`select` chooses them, :func:`wrap_forward` routes each one's forward, on the internal copy,
+through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``), as FSDP's
+``apply_activation_checkpointing(model, check_fn=...)`` and flax's ``nn.remat`` do.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import fnmatch
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -45,6 +51,10 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 __all__ = ["RematInactiveWarning"]
+
+#: A value of ``functionalize(..., remat=...)``: ``None``; an ``nn.Module`` subclass; an fnmatch pattern of
+#: qualified module names; a list mixing the two; or a predicate ``(name, module) -> bool``.
+Remat = type | str | Iterable[type | str] | Callable[[str, nn.Module], bool] | None
 
 
 class RematInactiveWarning(UserWarning):
@@ -167,3 +177,112 @@ def install() -> None:
         fn = torch_checkpoint.CheckpointFunction
         if not hasattr(fn, "_funcamp_original"):
             torch_checkpoint.CheckpointFunction = _wrap_function(fn)
+
+
+# --- remat=: checkpoint chosen modules -----------------------------------------------------------------
+
+_ACCEPTED = (
+    "remat must be None, an nn.Module subclass (e.g. GPT2Block), an fnmatch pattern of module names (e.g. "
+    "'transformer.h.*'), a list of those, or a predicate (name, module) -> bool"
+)
+
+
+def _entry_matcher(entry: Any) -> Callable[[str, nn.Module], bool]:
+    if isinstance(entry, str):
+        return lambda name, module: fnmatch.fnmatchcase(name, entry)
+    if isinstance(entry, type) and issubclass(entry, nn.Module):
+        return lambda name, module: isinstance(module, entry)
+    raise TypeError(f"functionalize: {_ACCEPTED}; got the entry {entry!r} ({type(entry).__name__})")
+
+
+def _sample(names: list[str], n: int = 6) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return f"[{shown}{', ...' if len(names) > n else ''}]"
+
+
+def select(module: nn.Module, remat: Remat) -> list[str]:
+    """The qualified names of the submodules ``remat`` chooses, outermost only, in module order.
+
+    Candidates are the submodules (every name, shared modules under each of theirs), never the root.
+    A module inside a chosen one is not chosen again: it is recomputed with its parent.
+
+    Raises:
+      TypeError: if ``remat`` or one of its entries is not one of the accepted forms, or the predicate
+        returns a non-bool.
+      ValueError: if a type or pattern matches no submodule, or the predicate chooses none.
+    """
+    if remat is None:
+        return []
+    named = [(name, sub) for name, sub in module.named_modules(remove_duplicate=False) if name]
+    if isinstance(remat, nn.Module):  # callable, but not a predicate
+        raise TypeError(
+            f"functionalize: {_ACCEPTED}; got a module instance ({type(remat).__name__}): pass its type, or "
+            "its name pattern"
+        )
+    if isinstance(remat, (str, type)):
+        entries: list[Any] = [remat]
+    elif callable(remat):
+        entries = []
+    elif isinstance(remat, Iterable) and not isinstance(remat, (bytes, Mapping)):
+        entries = list(remat)
+        if not entries:
+            raise TypeError(f"functionalize: {_ACCEPTED}; got an empty {type(remat).__name__}")
+    else:
+        raise TypeError(f"functionalize: {_ACCEPTED}; got {type(remat).__name__}")
+    names = [name for name, _ in named]
+    if entries:
+        hits: set[str] = set()
+        for entry in entries:
+            match = _entry_matcher(entry)
+            found = {name for name, sub in named if match(name, sub)}
+            if not found:
+                what = f"type {entry.__name__}" if isinstance(entry, type) else f"pattern {entry!r}"
+                raise ValueError(
+                    f"functionalize: remat {what} matches no submodule of {type(module).__name__}; {_ACCEPTED} "
+                    f"(patterns match qualified module names such as {_sample(names)}; the root is not a candidate)"
+                )
+            hits |= found
+    else:
+        hits = set()
+        for name, sub in named:
+            keep = remat(name, sub)  # type: ignore[operator]
+            if not isinstance(keep, bool):
+                raise TypeError(f"functionalize: remat({name!r}, module) must return a bool, got {type(keep).__name__}")
+            if keep:
+                hits.add(name)
+        if not hits:
+            raise ValueError(
+                f"functionalize: the remat predicate chose no submodule of {type(module).__name__} (names: "
+                f"{_sample(names)}); {_ACCEPTED}"
+            )
+    chosen: list[str] = []
+    for name in names:
+        if name in hits and not any(name.startswith(outer + ".") for outer in chosen):
+            chosen.append(name)
+    return chosen
+
+
+#: Keywords of torch.utils.checkpoint.checkpoint itself: a forward taking one gets its kwargs bound first.
+_CHECKPOINT_KEYWORDS = frozenset(
+    {"preserve_rng_state", "use_reentrant", "context_fn", "determinism_check", "debug", "early_stop"}
+)
+
+
+def wrap_forward(module: nn.Module) -> None:
+    """Run ``module``'s forward through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+    Set on the internal copy, over the casting wrapper if any (the input cast is recomputed too). With
+    gradients off (inference, ``torch.no_grad``) the forward runs as is. RNG state is preserved
+    (dropout masks are replayed), as torch's default.
+    """
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if _CHECKPOINT_KEYWORDS.isdisjoint(kwargs):
+            return torch_checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return torch_checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)
+
+    module.forward = checkpointed

@@ -1,0 +1,253 @@
+"""functionalize(..., remat=...): checkpoint chosen modules by type, name pattern or predicate.
+
+Reference: the same model functionalized without ``remat`` (plain autograd keeps every activation); the
+gradients must be equal bitwise, and an eager backward must call the chosen modules' forward again.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcamp as fa
+from funcamp import optim
+from funcamp.nn import RematInactiveWarning, functionalize
+
+MIXED = "params=float32,compute=bfloat16,output=float32"
+INACTIVE = pytest.mark.filterwarnings("ignore::funcamp.nn.RematInactiveWarning")
+CALLS = {"Block": 0, "Inner": 0}
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            CALLS["Inner"] += 1
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block with dropout (the recompute must replay the dropout mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.inner = Inner()
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            CALLS["Block"] += 1
+        return x + self.drop(self.inner(self.ln(x))) * scale
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h, scale=0.5)
+        return self.head(h)
+
+
+X = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _grads(remat, autocast=False, how="eager"):
+    """(grads, loss, Block forward calls, Inner forward calls) of one backward, dropout seeded."""
+    apply_fn, params = functionalize(Net().train(), MIXED, autocast=autocast, remat=remat)
+
+    def loss(p):
+        return apply_fn(p, X).square().mean()
+
+    CALLS.update(Block=0, Inner=0)
+    torch.manual_seed(3)
+    if how == "eager":
+        grads, value, finite = fa.grad_and_value(loss, fa.StaticLossScale(2.0**4))(params)
+        assert bool(finite)
+    elif how == "torch.func":
+        grads, value = torch.func.grad_and_value(loss)(params)
+    else:
+        torch._dynamo.reset()
+        fn = torch.compile(fa.grad_and_value(loss, fa.StaticLossScale(2.0**4)), fullgraph=True, backend="aot_eager")
+        grads, value, _ = fn(params)
+    return grads, value, CALLS["Block"], CALLS["Inner"]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["cast", "autocast"])
+@pytest.mark.parametrize(
+    "remat",
+    [Block, "blocks.*", ["blocks.0", "blocks.1"], lambda name, m: isinstance(m, Block), [Inner, "blocks.1"]],
+    ids=["type", "pattern", "names", "predicate", "mixed"],
+)
+def test_gradients_bitwise_and_recomputed_eager(remat, autocast):
+    """Every form chooses both blocks (or both Inners + block 1): gradients and loss equal the plain
+    model's bitwise (dropout on, mask replayed), and each chosen forward runs twice (once recomputed)."""
+    expected, value, blocks, inners = _grads(None, autocast)
+    assert (blocks, inners) == (2, 2)
+    grads, ckpt_value, blocks, inners = _grads(remat, autocast)
+    assert torch.equal(value, ckpt_value)
+    assert grads.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(grads[k], expected[k]), k
+    if isinstance(remat, list) and Inner in remat:  # Inner of block 0 alone, then block 1 (Inner in it)
+        assert (blocks, inners) == (3, 4)
+    else:
+        assert (blocks, inners) == (4, 4)
+
+
+def test_outermost_only_and_names():
+    """``"*"`` matches every submodule: only the outermost ones are wrapped; the root never is."""
+    apply_fn, _ = functionalize(Net(), MIXED, remat="*")
+    assert apply_fn.remat == ("inp", "blocks", "head")
+    apply_fn, _ = functionalize(Net(), MIXED, remat=[Inner, Block])
+    assert apply_fn.remat == ("blocks.0", "blocks.1")
+    apply_fn, _ = functionalize(Net(), MIXED)
+    assert apply_fn.remat == ()
+
+
+def test_module_left_unchanged_and_no_grad_runs_once():
+    net = Net()
+    apply_fn, params = functionalize(net, MIXED, remat=Block)
+    assert all("forward" not in vars(m) for m in net.modules())  # no wrapper on the user's module
+    CALLS.update(Block=0)
+    with torch.no_grad():
+        apply_fn(params, X)
+    assert CALLS["Block"] == 2
+
+
+@INACTIVE
+@pytest.mark.parametrize("how", ["torch.func", "compiled"])
+def test_gradients_bitwise_under_torch_func_and_compiled(how):
+    """Under torch.func and in a compiled (aot_eager, fullgraph) step the regions run as is: the same
+    gradients bitwise (no memory saved: see RematInactiveWarning)."""
+    expected, value, _, _ = _grads(None, how=how)
+    grads, ckpt_value, _, _ = _grads(Block, how=how)
+    assert torch.equal(value, ckpt_value)
+    for k in expected:
+        assert torch.equal(grads[k], expected[k]), k
+
+
+def test_torch_func_warns():
+    from funcamp.nn import _remat
+
+    _remat._warned = False
+    with pytest.warns(RematInactiveWarning, match="without recomputation"):
+        _grads(Block, how="torch.func")
+
+
+def test_train_step_eager_bitwise():
+    """make_train_step(compile=False), 2 AdamW steps: the same parameters bitwise with and without remat."""
+    states = []
+    for remat in (None, "blocks.*"):
+        apply_fn, params = functionalize(Net().train(), MIXED, remat=remat)
+        opt = optim.adamw(1e-2)
+        step = fa.make_train_step(lambda p, x, f=apply_fn: f(p, x).square().mean(), opt, compile=False)
+        state = fa.TrainState.create(params, opt)
+        torch.manual_seed(5)
+        for _ in range(2):
+            state, _ = step(state, X)
+        states.append(state.params)
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_saves_activation_memory_eager():
+    """What the recompute buys: bytes packed for the backward outside the checkpointed regions."""
+    saved = {}
+    for remat in (None, Block):
+        apply_fn, params = functionalize(Net().eval(), MIXED, remat=remat)
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        total = [0]
+
+        def pack(t, total=total):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        x = torch.randn(512, 4)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = apply_fn(leaves, x).square().mean()
+        torch.autograd.grad(loss, list(leaves.values()))
+        saved[remat] = total[0]
+    # Without: each block keeps its LayerNorm input and statistics, bf16 copies, the 16-wide hidden.
+    assert saved[Block] < saved[None] / 2, saved
+
+
+def test_forward_kwarg_named_like_a_checkpoint_keyword():
+    """A forward taking ``debug=`` (a keyword of torch.utils.checkpoint) still gets it."""
+
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, debug=1.0):
+            return self.fc(x) * debug
+
+    class Top(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.odd = Odd()
+
+        def forward(self, x):
+            return self.odd(x, debug=3.0)
+
+    results = []
+    for remat in (None, Odd):
+        torch.manual_seed(0)
+        apply_fn, params = functionalize(Top(), "float32", remat=remat)
+        results.append(fa.grad_and_value(lambda p, f=apply_fn: f(p, X).sum(), fa.NoOpLossScale())(params))
+    (g0, v0, _), (g1, v1, _) = results
+    assert torch.equal(v0, v1) and all(torch.equal(g0[k], g1[k]) for k in g0)
+
+
+@pytest.mark.parametrize(
+    "remat, match",
+    [
+        ("decoder.*", r"remat pattern 'decoder\.\*' matches no submodule of Net.*'blocks\.0'"),
+        (nn.Conv2d, "remat type Conv2d matches no submodule"),
+        ([Block, "nothing"], "remat pattern 'nothing' matches no submodule"),
+        (lambda name, m: False, "remat predicate chose no submodule"),
+        (Net, "remat type Net matches no submodule.*the root is not a candidate"),
+    ],
+)
+def test_matches_nothing_raises_value_error(remat, match):
+    with pytest.raises(ValueError, match=match):
+        functionalize(Net(), MIXED, remat=remat)
+
+
+@pytest.mark.parametrize(
+    "remat, match",
+    [
+        (3, "remat must be None, an nn.Module subclass.*got int"),
+        (Block(), r"got a module instance \(Block\): pass its type"),
+        (int, "got the entry <class 'int'>"),
+        ([Block, 1], "got the entry 1"),
+        ([], "got an empty list"),
+        ({"blocks.*": True}, "got dict"),
+        (lambda name, m: 1, r"remat\('inp', module\) must return a bool, got int"),
+    ],
+)
+def test_wrong_types_raise_type_error(remat, match):
+    with pytest.raises(TypeError, match=match):
+        functionalize(Net(), MIXED, remat=remat)
+
+
+def test_no_warning_eager():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _grads(Block)
