@@ -1,0 +1,277 @@
+"""Benchmark: activation checkpointing (remat) of every transformer block, eager, float32: memory and time.
+
+    python benchmarks/bench_remat.py                                  # both models, defaults below
+    python benchmarks/bench_remat.py --model gpt --rounds 5
+    python benchmarks/bench_remat.py --model gpt2 --batch-size 2 --seq-len 256 --json out.json
+
+Models: the main job's GPT (``examples/gpt.py``, size ``small``, batch 32 x 128 bytes of Python's bundled
+``pydoc_data.topics`` text) and GPT-2 124M (``transformers.GPT2Config()``, random weights, SDPA attention,
+dropout 0.1 as configured, batch 2 x 256 random token ids). Four variants train each from the same
+initial weights with AdamW (lr 1e-3), float32 throughout (this benchmark is about activations):
+
+1. ``torch``: plain eager PyTorch, ``loss.backward()`` and ``torch.optim.AdamW(foreach=True)``.
+2. ``torch_ckpt``: variant 1 with every block wrapped by FSDP's
+   ``apply_activation_checkpointing(check_fn=...)`` (``torch.utils.checkpoint``, non-reentrant): torch's
+   own recipe, the reference for the cost of recomputation.
+3. ``funcamp``: ``functionalize`` + ``make_train_step(compile=False)`` (plain autograd: where torch can
+   checkpoint; under ``torch.func`` and in the compiled step it cannot, see ``funcamp.nn``).
+4. ``funcamp_remat``: variant 3 with ``functionalize(..., remat=<block type>)``.
+
+Time: each variant is warmed up (one step), then ``--rounds`` rounds run ``--steps`` steps of every variant
+in turn, the order rotated each round; the median of the rounds' ms/step is reported, with ratios to
+variant 1 and (remat) to the same stack without it. Memory, after the timing: ``step peak MB`` is the
+highest number of bytes PyTorch's CPU allocator held during one step above what was live when the step
+began (the profiler's running total, ``bench_train_step.profiled_step``; activations, gradients and
+temporaries; the parameters and optimizer state held between steps are not in it), the max over
+``--probe-steps`` steps; on CUDA, ``torch.cuda.max_memory_allocated`` over the step minus the bytes allocated
+before it. The first step of every variant, from the same RNG seed, must give the same loss (variants 1-4
+compute the same function): it is printed and checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_train_step import load_corpus, machine, profiled_step  # noqa: E402  (also puts examples/ on the path)
+from gpt import GPT, Block, config_for  # noqa: E402
+
+import funcamp as fa  # noqa: E402
+from funcamp import optim  # noqa: E402
+from funcamp.nn import functionalize  # noqa: E402
+
+VARIANTS = ("torch", "torch_ckpt", "funcamp", "funcamp_remat")
+LR = 1e-3
+POLICY = "params=float32,compute=float32,output=float32"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=("gpt", "gpt2", "both"), default="both")
+    p.add_argument("--gpt-size", default="small", help="examples/gpt.py size (default small)")
+    p.add_argument("--gpt-batch", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=2, help="GPT-2 124M sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="GPT-2 124M tokens per sequence")
+    p.add_argument("--steps", type=int, default=2, help="steps per variant per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--probe-steps", type=int, default=1, help="profiled steps per variant for memory")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here")
+    return p.parse_args(argv)
+
+
+# --- models and batches ------------------------------------------------------------------------------
+
+
+def gpt_job(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, type, Any, Callable]:
+    cfg = config_for(args.gpt_size)
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).to(device)
+    data = load_corpus()
+    g = torch.Generator().manual_seed(args.seed)
+    starts = torch.randint(len(data) - cfg.block_size - 1, (args.gpt_batch,), generator=g)
+    windows = data[starts[:, None] + torch.arange(cfg.block_size + 1)].long().to(device)
+
+    def logits(forward: Callable, inputs: torch.Tensor) -> torch.Tensor:
+        return forward(inputs)
+
+    label = f"GPT {args.gpt_size} ({model.num_params():,} params), batch {args.gpt_batch} x {cfg.block_size}"
+    return model, Block, (label, windows), logits
+
+
+def gpt2_job(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, type, Any, Callable]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    torch.manual_seed(args.seed)
+    config = GPT2Config()
+    config._attn_implementation = "sdpa"
+    model = GPT2LMHeadModel(config).to(device).train()
+    g = torch.Generator().manual_seed(args.seed)
+    windows = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), generator=g).to(device)
+
+    def logits(forward: Callable, inputs: torch.Tensor) -> torch.Tensor:
+        return forward(input_ids=inputs, use_cache=False).logits
+
+    label = f"GPT-2 124M ({model.num_parameters():,} params), batch {args.batch_size} x {args.seq_len}"
+    return model, GPT2Block, (label, windows), logits
+
+
+# --- the variants ------------------------------------------------------------------------------------
+
+
+def loss_of(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
+
+
+class TorchStep:
+    """Variants 1-2: eager PyTorch; ``ckpt``: FSDP's apply_activation_checkpointing on every block."""
+
+    def __init__(self, model: torch.nn.Module, block: type, logits: Callable, ckpt: bool) -> None:
+        if ckpt:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                CheckpointImpl,
+                apply_activation_checkpointing,
+                checkpoint_wrapper,
+            )
+
+            wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            apply_activation_checkpointing(
+                model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, block)
+            )
+        self.model, self.logits = model, logits
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+
+    def __call__(self, windows: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(self.logits(self.model, windows[:, :-1]), windows)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)  # at the end: the same peak, no gradients held between steps
+        return loss.detach()
+
+
+class FuncampStep:
+    """Variants 3-4: functionalize + make_train_step(compile=False); ``remat``: the block type."""
+
+    def __init__(self, model: torch.nn.Module, block: type, logits: Callable, remat: bool) -> None:
+        apply_fn, params = functionalize(model, POLICY, remat=block if remat else None)
+        self.remat = apply_fn.remat
+
+        def loss_fn(params: dict[str, torch.Tensor], windows: torch.Tensor) -> torch.Tensor:
+            return loss_of(logits(functools.partial(apply_fn, params), windows[:, :-1]), windows)
+
+        opt = optim.adamw(LR)
+        self.state = fa.TrainState.create(params, opt)
+        self.step = fa.make_train_step(loss_fn, opt, compile=False)
+
+    def __call__(self, windows: torch.Tensor) -> torch.Tensor:
+        self.state, metrics = self.step(self.state, windows)
+        return metrics["loss"]
+
+
+def build(name: str, base: torch.nn.Module, block: type, logits: Callable) -> TorchStep | FuncampStep:
+    model = copy.deepcopy(base)
+    if name.startswith("torch"):
+        return TorchStep(model, block, logits, ckpt=name == "torch_ckpt")
+    return FuncampStep(model, block, logits, remat=name == "funcamp_remat")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_peak(step: Callable[[], Any], device: torch.device) -> int:
+    """Bytes allocated during one step above those live when it began (see the module docstring)."""
+    gc.collect()
+    if device.type == "cuda":
+        sync(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        sync(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    return profiled_step(step)[0]
+
+
+def run_job(job: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    base, block, (label, windows), logits = (gpt_job if job == "gpt" else gpt2_job)(args, device)
+    print(
+        f"\n{label}: {len(args.variants)} variants, every {block.__name__} checkpointed in *_ckpt/*_remat", flush=True
+    )
+    steps, first_loss = {}, {}
+    for name in args.variants:
+        steps[name] = build(name, base, block, logits)
+        torch.manual_seed(args.seed + 1)  # the same dropout masks in every variant's first step
+        first_loss[name] = steps[name](windows).item()
+        print(f"  {name}: first step loss {first_loss[name]:.6f}", flush=True)
+    del base
+    samples: dict[str, list[float]] = {name: [] for name in args.variants}
+    order = list(args.variants)
+    for r in range(args.rounds):
+        for name in order:
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                steps[name](windows)
+            sync(device)
+            samples[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+        print(f"  round {r}: " + ", ".join(f"{n} {samples[n][-1]:.0f} ms" for n in args.variants), flush=True)
+        order = order[1:] + order[:1]
+    peaks = {
+        name: max(step_peak(lambda s=steps[name]: s(windows), device) for _ in range(args.probe_steps))
+        for name in args.variants
+    }
+    rows = {}
+    for name in args.variants:
+        ms = statistics.median(samples[name])
+        plain = "torch" if name.startswith("torch") else "funcamp"
+        rows[name] = {
+            "ms_per_step": ms,
+            "spread_ms": [min(samples[name]), max(samples[name])],
+            "vs_torch": ms / statistics.median(samples["torch"]) if "torch" in samples else None,
+            "vs_no_ckpt": ms / statistics.median(samples[plain]) if plain in samples else None,
+            "step_peak_mb": peaks[name] / 2**20,
+            "peak_vs_no_ckpt": peaks[name] / peaks[plain] if plain in peaks else None,
+            "first_loss": first_loss[name],
+        }
+    same = len(set(first_loss.values())) == 1
+    return {"model": label, "block": block.__name__, "rows": rows, "first_losses_equal": same}
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = []
+    for job in result["jobs"]:
+        lines += [
+            f"\n{job['model']}, every {job['block']} checkpointed "
+            f"(first-step losses equal: {job['first_losses_equal']})\n",
+            "| variant | ms/step | spread | vs torch | vs no ckpt | step peak MB | peak vs no ckpt |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, r in job["rows"].items():
+            lo, hi = r["spread_ms"]
+            lines.append(
+                f"| {name} | {r['ms_per_step']:.0f} | {lo:.0f}-{hi:.0f} | {_fmt(r['vs_torch'], '.2f')} | "
+                f"{_fmt(r['vs_no_ckpt'], '.2f')} | {r['step_peak_mb']:.1f} | {_fmt(r['peak_vs_no_ckpt'], '.2f')} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    info = machine()
+    print(f"machine: {info}", flush=True)
+    jobs = ["gpt", "gpt2"] if args.model == "both" else [args.model]
+    result = {"command": " ".join(["python", *sys.argv]), "machine": info, "jobs": []}
+    for job in jobs:
+        result["jobs"].append(run_job(job, args, device))
+        gc.collect()
+    print(markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0 if all(j["first_losses_equal"] for j in result["jobs"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
