@@ -17,10 +17,12 @@ channel absmax scales, dequantized into the compute dtype at each call; see :mod
 The module you pass is never changed, nor kept alive: ``functionalize`` works on a structural copy of
 it whose parameters are shape-only placeholders (on the ``meta`` device), sets the training flag and
 the per-module casting wrappers on that copy, and runs it with the tensors passed to ``apply_fn``.
-``torch.utils.checkpoint`` inside the module's forward works (see :mod:`funcamp.nn._remat`).
+``torch.utils.checkpoint`` inside the module's forward works (see :mod:`funcamp.nn._remat`), and
+``functionalize(..., remat=...)`` checkpoints chosen submodules (by type, name pattern or predicate)
+without editing the model; memory is saved where torch can recompute (eager plain autograd).
 
 Layout: ``_plan`` (which policy each module and tensor follows), ``_functionalize`` (the pure
-function, the trainable/frozen split), ``_remat`` (activation checkpointing inside ``apply_fn``).
+function, the trainable/frozen split), ``_remat`` (activation checkpointing inside ``apply_fn``, and ``remat=``).
 """
 
 from funcamp.nn._functionalize import functionalize
