@@ -320,7 +320,7 @@ def test_train_gpt_under_torchrun(tmp_path):
     common += ["--policy", "p=f32,c=bf16,o=f32,r=bf16"]
     script = str(root / "examples" / "train_gpt.py")
     out = run_torchrun([script, *common, "--batch-size", "4", "--logdir", str(tmp_path / "dp")])
-    assert out.count("done: step 4") == 1 and out.count("val loss") == 2  # rank 0 only: the val line, the done line
+    assert out.count("done: step 4") == 1 and out.count("val loss") == 3  # rank 0 only: step 0, step 4, the done line
     assert "reduce=bfloat16" in out
     files = sorted(p.name for p in (tmp_path / "dp").iterdir())
     assert len(files) == 2 and files[0] == "checkpoint.pt" and files[1].startswith("events.out.tfevents."), files
