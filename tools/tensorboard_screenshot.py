@@ -12,8 +12,8 @@ scale overflows, backs off and grows again::
 The dashboard is chosen with TensorBoard's own URL parameters: ``tagFilter`` (a regular expression over
 tags), ``smoothing=0`` (raw values: a smoothed loss scale would draw values the scale never had) and
 ``forceSVG=true`` (SVG charts: Chromium without a GPU draws no WebGL lines). Plain
-``chromium --headless --screenshot --virtual-time-budget`` renders the charts only some of the time
-(TensorBoard draws a card once it is seen on screen), hence Playwright's wait for the drawn lines.
+``chromium --headless --screenshot --virtual-time-budget=N`` left the cards empty in about half of the
+tries on this project's machine, whatever N, hence Playwright and its wait for the drawn lines.
 
 Needs ``tensorboard`` and ``playwright`` (Python) and a Chromium binary (Debian: ``apt-get install
 chromium``; Playwright's own download works too, with ``--chromium`` pointing at it).
@@ -37,7 +37,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The main job at a size that trains in one to two minutes on a 2-core CPU: float16 compute with a
+# The main job at a size that trains in one to three minutes on a 2-core CPU: float16 compute with a
 # loss scale of 2**20 growing every 13 finite steps, so that it overflows, backs off and grows again
 # several times in 200 steps. Compiled with aot_eager: inductor's compile alone would take longer than
 # the training here.
