@@ -234,7 +234,10 @@ class TensorBoardLogger:
                     _add_log2_histogram(self._writer, tag, value, step)
                 continue
             written[tag] = float(value)
-            self._writer.add_scalar(tag, float(value), global_step=step)
+            # TensorBoard draws no line at all for a chart holding one +-inf point (a NaN is a gap): an
+            # overflowed step's grad_amax (inf) and headroom_log2 (-inf) are written as NaN. The returned
+            # dict keeps the real values.
+            self._writer.add_scalar(tag, float(value) if math.isfinite(value) else math.nan, global_step=step)
         return written
 
     def restart_clock(self) -> None:

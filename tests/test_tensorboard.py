@@ -180,3 +180,20 @@ def test_interval_without_an_active_step_writes_no_numerics(tmp_path):
         for i in (1, 2):
             logger.log({"loss": torch.tensor(1.0), **off}, step=i)
     assert set(_scalars(tmp_path)) == {"train/loss"} and not _histograms(tmp_path)
+
+
+def test_non_finite_telemetry_is_written_as_a_gap(tmp_path):
+    """TensorBoard draws no line for a chart holding one +-inf point: such telemetry is written as NaN (a gap),
+    while the returned values keep the infinities."""
+    from funcamp.numerics import Telemetry, telemetry_metrics
+
+    w, scale = {"w": torch.ones(2)}, torch.tensor(1.0)
+    on = telemetry_metrics({"w": torch.tensor([math.inf, 1.0])}, w, scale, Telemetry(), active=torch.tensor(True))
+    with TensorBoardLogger(tmp_path, log_every=1) as logger:
+        returned = logger.log({"loss": torch.tensor(1.0), **on}, step=1)
+    amax = [k for k in returned if k.endswith("grad_amax")][0]
+    headroom = [k for k in returned if k.endswith("float16/headroom_log2")][0]
+    assert returned[amax] == math.inf and returned[headroom] == -math.inf
+    s = _scalars(tmp_path)
+    assert math.isnan(s[amax][0][1]) and math.isnan(s[headroom][0][1])
+    assert all(math.isfinite(v) or math.isnan(v) for series in s.values() for _, v in series)
