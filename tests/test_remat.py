@@ -111,9 +111,10 @@ def test_gradients_bitwise_and_recomputed_eager(remat, autocast):
 
 
 def test_outermost_only_and_names():
-    """``"*"`` matches every submodule: only the outermost ones are wrapped; the root never is."""
+    """``"*"`` matches every submodule: only the outermost ones are wrapped; the root never is, nor the
+    ModuleList (it has no forward: choosing it would leave its blocks unwrapped)."""
     apply_fn, _ = functionalize(Net(), MIXED, remat="*")
-    assert apply_fn.remat == ("inp", "blocks", "head")
+    assert apply_fn.remat == ("inp", "blocks.0", "blocks.1", "head")
     apply_fn, _ = functionalize(Net(), MIXED, remat=[Inner, Block])
     assert apply_fn.remat == ("blocks.0", "blocks.1")
     apply_fn, _ = functionalize(Net(), MIXED)
@@ -223,6 +224,7 @@ def test_forward_kwarg_named_like_a_checkpoint_keyword():
         ([Block, "nothing"], "remat pattern 'nothing' matches no submodule"),
         (lambda name, m: False, "remat predicate chose no submodule"),
         (Net, "remat type Net matches no submodule.*the root is not a candidate"),
+        ("blocks", r"pattern 'blocks' matches no submodule.*nor ModuleList/ModuleDict: use 'name\.\*'"),
     ],
 )
 def test_matches_nothing_raises_value_error(remat, match):

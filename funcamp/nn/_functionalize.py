@@ -367,7 +367,8 @@ def functionalize(
         ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: its activations are dropped
         after the forward and recomputed in the backward (RNG replayed, buffers as at the call's start).
         Only the outermost chosen modules are wrapped (a module inside a chosen one is recomputed with
-        it); the root module is never a candidate. Gradients equal those without ``remat``, bitwise, in
+        it); the root module and containers without a forward (``ModuleList``, ``ModuleDict``)
+        are never candidates. Gradients equal those without ``remat``, bitwise, in
         both casting modes. Memory is saved only where torch can checkpoint: eager plain autograd
         (:func:`funcamp.grad_and_value` called eagerly, ``make_train_step(compile=False)``). Under
         ``torch.func`` transforms and in the compiled step torch 2.13 cannot (see above): the modules

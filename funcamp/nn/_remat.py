@@ -200,11 +200,16 @@ def _sample(names: list[str], n: int = 6) -> str:
     return f"[{shown}{', ...' if len(names) > n else ''}]"
 
 
+#: Containers without a forward of their own: never candidates (choosing one would skip its children).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def select(module: nn.Module, remat: Remat) -> list[str]:
     """The qualified names of the submodules ``remat`` chooses, outermost only, in module order.
 
-    Candidates are the submodules (every name, shared modules under each of theirs), never the root.
-    A module inside a chosen one is not chosen again: it is recomputed with its parent.
+    Candidates are the submodules (every name, shared modules under each of theirs), never the root
+    nor containers without a forward (``ModuleList``, ``ModuleDict``). A module inside a chosen one is
+    not chosen again: it is recomputed with its parent.
 
     Raises:
       TypeError: if ``remat`` or one of its entries is not one of the accepted forms, or the predicate
@@ -213,7 +218,11 @@ def select(module: nn.Module, remat: Remat) -> list[str]:
     """
     if remat is None:
         return []
-    named = [(name, sub) for name, sub in module.named_modules(remove_duplicate=False) if name]
+    named = [
+        (name, sub)
+        for name, sub in module.named_modules(remove_duplicate=False)
+        if name and not isinstance(sub, _CONTAINERS)
+    ]
     if isinstance(remat, nn.Module):  # callable, but not a predicate
         raise TypeError(
             f"functionalize: {_ACCEPTED}; got a module instance ({type(remat).__name__}): pass its type, or "
@@ -239,7 +248,8 @@ def select(module: nn.Module, remat: Remat) -> list[str]:
                 what = f"type {entry.__name__}" if isinstance(entry, type) else f"pattern {entry!r}"
                 raise ValueError(
                     f"functionalize: remat {what} matches no submodule of {type(module).__name__}; {_ACCEPTED} "
-                    f"(patterns match qualified module names such as {_sample(names)}; the root is not a candidate)"
+                    f"(patterns match qualified module names such as {_sample(names)}; the root is not a "
+                    "candidate, nor ModuleList/ModuleDict: use 'name.*' for their children)"
                 )
             hits |= found
     else:
