@@ -46,6 +46,7 @@ import torch
 
 from funcamp import _tree
 from funcamp.optim.base import GradientTransformation, OptState, Params, Updates
+from funcamp.optim.transforms import _map_n
 
 __all__ = ["KahanSummationState", "StochasticRoundingState", "kahan_summation", "stochastic_rounding"]
 
@@ -90,18 +91,7 @@ def _need_params(fn: str, params: Params) -> None:
 
 def _map_leaves(fn: str, n: int, leaf_fn: Any, updates: Updates, *trees: Any) -> tuple[Any, ...]:
     """Map ``leaf_fn(i, u, *xs) -> n values`` over the leaves (``i`` the leaf's position); ``n`` trees."""
-    leaves, spec = _tree.tree_flatten(updates)
-    others = []
-    for tree in trees:
-        other, other_spec = _tree.tree_flatten(tree)
-        if other_spec != spec:
-            raise ValueError(
-                f"{fn}: updates, params and state must have the same structure, got {spec} and {other_spec}; "
-                "build the state with init(params) on parameters shaped like the gradients"
-            )
-        others.append(other)
-    outs = [leaf_fn(i, *xs) for i, xs in enumerate(zip(leaves, *others, strict=True))]
-    return tuple(_tree.tree_unflatten(spec, [o[k] for o in outs]) for k in range(n))
+    return _map_n(n, leaf_fn, updates, *trees, name=fn, indexed=True)
 
 
 def kahan_summation(inner: GradientTransformation) -> GradientTransformation:

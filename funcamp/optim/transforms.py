@@ -85,19 +85,26 @@ class ScaleByLearningRateState(NamedTuple):
     learning_rate: torch.Tensor  # 0-d float32: the rate of the latest update; schedule(0) after init
 
 
-def _map_n(n: int, fn: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any) -> tuple[Any, ...]:
-    """Like ``tree_map`` for a ``fn`` returning ``n`` values: returns ``n`` trees of ``tree``'s structure."""
+def _map_n(
+    n: int, fn: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any, name: str | None = None, indexed: bool = False
+) -> tuple[Any, ...]:
+    """Like ``tree_map`` for a ``fn`` returning ``n`` values: returns ``n`` trees of ``tree``'s structure.
+
+    ``indexed``: ``fn(i, *leaves)`` with ``i`` the leaf's position. ``name`` prefixes the structure error.
+    """
     leaves, spec = _tree.tree_flatten(tree)
     rest_leaves = []
     for other in rest:
         other_leaves, other_spec = _tree.tree_flatten(other)
         if other_spec != spec:
+            what = f"{name}: updates, params and state" if name else "updates and optimizer state"
             raise ValueError(
-                f"updates and optimizer state must have the same structure, got {spec} and {other_spec}; "
+                f"{what} must have the same structure, got {spec} and {other_spec}; "
                 "build the state with init(params) on parameters shaped like the gradients"
             )
         rest_leaves.append(other_leaves)
-    outs = [fn(*xs) for xs in zip(leaves, *rest_leaves, strict=True)]
+    rows = zip(leaves, *rest_leaves, strict=True)
+    outs = [fn(i, *xs) for i, xs in enumerate(rows)] if indexed else [fn(*xs) for xs in rows]
     return tuple(_tree.tree_unflatten(spec, [o[i] for o in outs]) for i in range(n))
 
 
