@@ -401,3 +401,33 @@ def test_bad_input():
     for opt in (kahan_summation(optim.sgd(0.1)), stochastic_rounding(optim.sgd(0.1))):
         with pytest.raises(ValueError, match=r"update needs the parameters"):
             opt.update({"w": torch.ones(1, dtype=BF16)}, opt.init(params))
+
+
+def test_a_wrapper_followed_by_another_transformation_is_refused():
+    """Found by trying the README: chain(kahan_summation(sgd), scale(0.5)) ran and lost every update of a
+    bfloat16 weight (100 updates of -3e-4 from 1.0 stayed 1.0, where the outermost wrapper gives 0.96875), with
+    no error. The wrappers' exact landings must be the last word: anything after them is refused, also
+    through nested chains and parameter groups."""
+    from funcamp import optim
+
+    for wrap in (optim.kahan_summation, lambda t: optim.stochastic_rounding(t, seed=0)):
+        inner = wrap(optim.sgd(1.0))
+        name = "kahan_summation" if wrap is optim.kahan_summation else "stochastic_rounding"
+        with pytest.raises(ValueError, match=f"{name} must be the outermost"):
+            optim.chain(inner, optim.scale(0.5))
+        with pytest.raises(ValueError, match=f"{name} must be the outermost"):
+            optim.chain(optim.chain(optim.clip_by_global_norm(1.0), inner), optim.scale(0.5))
+        with pytest.raises(ValueError, match=f"{name} must be the outermost"):
+            optim.chain(optim.multi_transform({"a": inner}, lambda p: {k: "a" for k in p}), optim.scale(0.5))
+        with pytest.raises(ValueError, match=f"{name} must be the outermost"):
+            optim.chain(optim.masked(inner, lambda p: {k: True for k in p}), optim.scale(0.5))
+        optim.chain(optim.clip_by_global_norm(1.0), inner)  # last in a chain: allowed
+
+    # Outermost, the note's demo at half the step still lands: 100 x (-6e-4 * 0.5) from 1.0.
+    opt = optim.kahan_summation(optim.chain(optim.sgd(1.0), optim.scale(0.5)))
+    params = {"w": torch.ones((), dtype=torch.bfloat16)}
+    state = opt.init(params)
+    for _ in range(100):
+        updates, state = opt.update({"w": torch.full((), 6e-4, dtype=torch.bfloat16)}, state, params)
+        params = optim.apply_updates(params, updates)
+    assert abs(float(params["w"]) - 0.97) < 0.002

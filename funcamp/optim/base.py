@@ -90,6 +90,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
             raise TypeError(f"chain: argument {i} must be a GradientTransformation, got {type(t).__name__}")
+    for t in transforms[:-1]:
+        name = outermost_name(t)
+        if name is not None:
+            raise ValueError(
+                f"chain: {name} must be the outermost transformation: its updates land each parameter exactly "
+                f"on its new bfloat16 value, and a transformation after it would change them and lose the small "
+                f"updates; write {name}(chain(...)), not chain(..., {name}(...), ...)"
+            )
 
     def init(params: Params) -> tuple[OptState, ...]:
         return tuple(t.init(params) for t in transforms)
@@ -108,7 +116,28 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    result = GradientTransformation(init, update)
+    last = outermost_name(transforms[-1]) if transforms else None
+    return mark_outermost(result, last) if last is not None else result
+
+
+_OUTERMOST = "_funcamp_outermost"
+
+
+def mark_outermost(transform: GradientTransformation, name: str) -> GradientTransformation:
+    """Mark ``transform`` as one that must come last (outermost): :func:`chain` refuses anything after it.
+
+    Used by the bfloat16 master-weight wrappers, whose updates are exact landings that a later scaling or
+    clipping would spoil; a transformation containing a marked one (a group of ``multi_transform``) is
+    marked too. Returns ``transform`` (its ``update`` function carries the mark).
+    """
+    setattr(transform.update, _OUTERMOST, name)
+    return transform
+
+
+def outermost_name(transform: GradientTransformation) -> str | None:
+    """The name of the must-be-outermost wrapper inside ``transform`` (see :func:`mark_outermost`), or None."""
+    return getattr(transform.update, _OUTERMOST, None)
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:

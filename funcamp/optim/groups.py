@@ -25,7 +25,16 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _tree
-from funcamp.optim.base import EmptyState, GradientTransformation, OptState, Params, Updates, empty_init
+from funcamp.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    OptState,
+    Params,
+    Updates,
+    empty_init,
+    mark_outermost,
+    outermost_name,
+)
 
 __all__ = ["MaskedState", "MultiTransformState", "masked", "multi_transform", "set_to_zero"]
 
@@ -108,7 +117,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
         out, inner_state = _update_group("masked", inner, updates, state.inner_state, params, keep)
         return _merge(updates, [(out, keep)]), MaskedState(inner_state=inner_state)
 
-    return GradientTransformation(init, update)
+    return _outermost_if_inside(GradientTransformation(init, update), [inner])
 
 
 def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param_labels: Any) -> GradientTransformation:
@@ -193,7 +202,7 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param
             parts.append((out, by_label[k]))
         return _merge(updates, parts), MultiTransformState(inner_states=new_states)
 
-    return GradientTransformation(init, update)
+    return _outermost_if_inside(GradientTransformation(init, update), list(transforms.values()))
 
 
 # --- private helpers ---------------------------------------------------------------------------------
@@ -271,3 +280,9 @@ def _merge(updates: Updates, parts: list[tuple[Any, list[bool]]]) -> Updates:
             if k:
                 merged[i] = next(it)
     return _tree.tree_unflatten(spec, merged)
+
+
+def _outermost_if_inside(result: GradientTransformation, inner: list[GradientTransformation]) -> GradientTransformation:
+    """Carry the must-be-outermost mark of a group's transformation (a bfloat16 master-weight wrapper) up."""
+    name = next((n for t in inner if (n := outermost_name(t)) is not None), None)
+    return mark_outermost(result, name) if name is not None else result

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _tree
-from funcamp.optim.base import GradientTransformation, OptState, Params, Updates
+from funcamp.optim.base import GradientTransformation, OptState, Params, Updates, mark_outermost
 from funcamp.optim.transforms import _map_n
 
 __all__ = ["KahanSummationState", "StochasticRoundingState", "kahan_summation", "stochastic_rounding"]
@@ -173,7 +173,7 @@ def kahan_summation(inner: GradientTransformation) -> GradientTransformation:
         new_updates, compensation = _map_leaves(fn, 2, leaf, updates, params, state.compensation)
         return new_updates, KahanSummationState(inner_state=inner_state, compensation=compensation)
 
-    return GradientTransformation(init, update)
+    return mark_outermost(GradientTransformation(init, update), "kahan_summation")
 
 
 def stochastic_rounding(inner: GradientTransformation, seed: int = 0) -> GradientTransformation:
@@ -259,7 +259,7 @@ def stochastic_rounding(inner: GradientTransformation, seed: int = 0) -> Gradien
         (new_updates,) = _map_leaves(fn, 1, leaf, updates, params)
         return new_updates, StochasticRoundingState(inner_state=inner_state, count=state.count + 1, seed=state.seed)
 
-    return GradientTransformation(init, update)
+    return mark_outermost(GradientTransformation(init, update), "stochastic_rounding")
 
 
 # --- stochastic rounding and its counter-based noise ------------------------------------------------
