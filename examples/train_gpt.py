@@ -249,6 +249,11 @@ def make_loss_scale(kind: str, policy: fa.Policy, init_scale: float, period: int
     return fa.DynamicLossScale(init_scale, period=period)
 
 
+def _fmt(loss: float | None) -> str:
+    """A validation loss as the progress lines print it (4 decimals), or "none" if none was measured."""
+    return "none" if loss is None else f"{loss:.4f}"
+
+
 def make_policy(policy: fa.Policy, master_weights: str) -> fa.Policy:
     """``policy`` with the parameter dtype of ``--master-weights`` (compute, output, reduce dtypes kept).
 
@@ -552,7 +557,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if is_main:
         skipped = int(state.skipped_steps)
         print(
-            f"done: step {int(state.step)}, val loss {results['val_loss']}, {skipped} skipped steps, "
+            f"done: step {int(state.step)}, val loss {_fmt(results['val_loss'])}, {skipped} skipped steps, "
             f"final loss scale {float(state.loss_scale.loss_scale):g}, {tokens_per_second:,.0f} tokens/s "
             f"({'after compile: ' if args.compile else 'eager: '}{compile_s:.1f} s to the first step), "
             f"wall {results['wall_seconds']:.1f} s"

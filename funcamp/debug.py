@@ -395,8 +395,11 @@ def _forward_backward(
     leaves, spec = torch_pytree.tree_flatten(params)
     bad = [i for i, x in enumerate(leaves) if not (isinstance(x, torch.Tensor) and x.is_floating_point())]
     if bad:
+        x = leaves[bad[0]]
+        what = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(
-            f"{fn}: every leaf of params must be a floating tensor; leaf {bad[0]} is {type(leaves[bad[0]]).__name__}"
+            f"{fn}: every leaf of params must be a floating tensor; leaf {bad[0]} is {what}. The call is "
+            f"{fn}(loss_fn, params, batch, ...): are params and batch swapped?"
         )
     leaves = [x.detach().requires_grad_() for x in leaves]
     modules = _ModuleStack()
