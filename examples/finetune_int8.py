@@ -3,7 +3,7 @@
     python examples/finetune_int8.py                    # 300 steps, a 2-layer GPT-2: minutes on 2 CPU cores
     python examples/finetune_int8.py --baseline         # the same fine-tune on the float matrices, to compare
     python examples/finetune_int8.py --torch-amp        # and timed against plain PyTorch (torch.amp, eager)
-    tensorboard --logdir runs                           # loss, validation loss, footprint
+    python3 -m tensorboard.main --logdir runs           # loss, validation loss, footprint
 
 The model is Hugging Face's ``GPT2LMHeadModel`` built from ``GPT2Config`` (random weights, nothing is
 downloaded; byte-level vocabulary 256, ``--n-layer 2 --n-embd 128`` by default). ``funcamp.nn.functionalize``
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"speed ({rounds}, {machine()}); ratio to {ref}:")
         for name, value in speed.items():
             print(f"  {name:<42} {value:6.2f} steps/s  {value / speed[ref]:.2f}x")
-    print(f"TensorBoard: tensorboard --logdir {args.logdir}")
+    print(f"TensorBoard: python3 -m tensorboard.main --logdir {args.logdir}")
     return results
 
 
