@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcamp import _tree
+from funcamp import _tree, formats
 
 __all__ = [
     "FORMATS",
@@ -94,15 +94,14 @@ def _format(dtype: torch.dtype, max_finite: float, emin: int, mantissa_bits: int
     )
 
 
-#: The formats telemetry knows, by torch dtype name. float16: max 65504, subnormals down to 2**-24;
-#: bfloat16: max (2 - 2**-7) * 2**127, down to 2**-133; float8_e4m3fn: max 448, down to 2**-9 (no inf);
-#: float8_e5m2: max 57344, down to 2**-16. float32 is there for comparison.
+#: The formats telemetry knows, by torch dtype name: the floating formats of :data:`funcamp.formats.FORMATS`
+#: (float16: max 65504, subnormals down to 2**-24; bfloat16: max (2 - 2**-7) * 2**127, down to 2**-133;
+#: float8_e4m3fn: max 448, down to 2**-9, no inf; float8_e5m2: max 57344, down to 2**-16; float32 for
+#: comparison), with the overflow threshold telemetry counts against.
 FORMATS: dict[str, NumberFormat] = {
-    "float32": _format(torch.float32, (2 - 2.0**-23) * 2.0**127, -126, 23),
-    "float16": _format(torch.float16, 65504.0, -14, 10),
-    "bfloat16": _format(torch.bfloat16, (2 - 2.0**-7) * 2.0**127, -126, 7),
-    "float8_e4m3fn": _format(torch.float8_e4m3fn, 448.0, -6, 3),
-    "float8_e5m2": _format(torch.float8_e5m2, 57344.0, -14, 2),
+    name: _format(f.dtype, f.max, f.min_exponent, f.mantissa_bits)
+    for name, f in formats.FORMATS.items()
+    if not f.is_integer
 }
 
 #: The histogram of ``log2|g|``: bin ``i`` counts ``2**(HISTOGRAM_LOW + i) <= |g| < 2**(HISTOGRAM_LOW + i + 1)``;
