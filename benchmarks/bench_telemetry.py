@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from bench_train_step import make_batches  # noqa: E402  (the same batches as the step benchmark)
 from gpt import GPT, SIZES, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
@@ -79,21 +80,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
     return args
-
-
-def make_batches(n: int, *, batch_size: int, block_size: int, seed: int, device: torch.device) -> list[dict]:
-    """``n`` batches of random byte windows of Python's bundled help text (as examples/train_gpt.py)."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=g)
-        w = data[starts[:, None] + torch.arange(block_size + 1)].long()
-        out.append({"inputs": w[:, :-1].to(device), "targets": w[:, 1:].to(device)})
-    return out
 
 
 class AmpStep:
