@@ -37,9 +37,12 @@ the layer; gradient accumulation passes the delayed state through every micro-ba
 over the samples, with a performance warning), each sample with its own scales; the delayed recipe
 does not (its in-place state update raises torch's "vmap: inplace arithmetic" error). Data parallel:
 the dynamic recipes need nothing (weights are equal on every rank, activations are scaled per rank,
-as torchao without ``reduce_amax``); the delayed state, a floating buffer, is averaged over the ranks
-by ``make_train_step``, so ranks agree, but on the mean of their amaxes, where TransformerEngine
-reduces the amax with a maximum: a rank with larger activations than the mean saturates more.
+as torchao without ``reduce_amax``); for the delayed state this module registers its buffers with
+:func:`funcamp.parallel.register_buffer_reduction`, so that :func:`funcamp.parallel.reduce_buffers`
+(the data-parallel train step's reduction of the new buffers) takes the maximum of the amax histories
+and the minimum of the scales over the ranks: every rank casts with the scale of the largest amax, as
+TransformerEngine's amax reduction gives (an average would let a rank whose activations are larger
+than the mean saturate).
 
 Use :func:`convert` (as torchao's ``convert_to_float8_training``) to swap the ``nn.Linear`` layers of a
 model for :class:`Float8Linear` (Hugging Face ``Conv1D`` for :class:`Float8Conv1D`; layers whose sizes
@@ -70,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from funcamp import parallel
 from funcamp.formats import get_format
 from funcamp.nn import keep_in_float32
 
@@ -93,6 +97,12 @@ E5M2 = torch.float8_e5m2
 _EPS = 1e-12  # torchao's floor on amax, so that an all-zero tensor gets a finite scale
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 _MAX = {dtype: get_format(dtype).max for dtype in (E4M3, E5M2)}  # a plain dict: torch.compile traces it
+
+
+_ROLES = ("input", "weight")  # the delayed-scaling state of a layer: one per role, buffers named below
+for _role in _ROLES:  # under data parallelism every rank casts with the scale of the largest amax (TE)
+    parallel.register_buffer_reduction(f"fp8_amax_history_{_role}", "max")
+    parallel.register_buffer_reduction(f"fp8_scale_{_role}", "min")
 
 
 class Fp8FallbackWarning(UserWarning):
@@ -455,7 +465,7 @@ class _Float8Layer(nn.Module):
         self.recipe = get_recipe(recipe)
         self.name = name
         if self.recipe.scaling == "delayed":
-            for role in ("input", "weight"):
+            for role in _ROLES:
                 history, scale = init_delayed_state(self.recipe, device)
                 self.register_buffer(f"fp8_amax_history_{role}", history)
                 self.register_buffer(f"fp8_scale_{role}", scale)
@@ -465,7 +475,7 @@ class _Float8Layer(nn.Module):
         return DelayedScalingState(getattr(self, f"fp8_amax_history_{role}"), getattr(self, f"fp8_scale_{role}"))
 
     def _check_state(self) -> None:
-        for role in ("input", "weight"):
+        for role in _ROLES:
             history, scale = self.delayed_state(role)
             if history.dtype != torch.float32 or scale.dtype != torch.float32:
                 raise ValueError(

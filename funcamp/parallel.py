@@ -41,7 +41,9 @@ __all__ = [
     "is_main_process",
     "mean_gradients",
     "mean_over_ranks",
+    "reduce_buffers",
     "reduce_bytes",
+    "register_buffer_reduction",
     "resolve_group",
     "setup_from_env",
     "shutdown",
@@ -311,6 +313,107 @@ def mean_gradients(
         for i, s, part in zip(idx, scaled, parts):
             mean = part.view(leaves[i].shape).to(leaves[i].dtype)
             out[i] = mean * inv if s else mean
+    return _tree.tree_unflatten(spec, out)
+
+
+#: buffer name (the last part of its dotted path) -> "max" or "min"; every other floating buffer is averaged.
+#: funcamp.fp8 registers its delayed-scaling state here.
+_BUFFER_REDUCTIONS: dict[str, str] = {}
+
+
+def register_buffer_reduction(name: str, reduction: str) -> None:
+    """Make :func:`reduce_buffers` take the maximum or the minimum over ranks of every buffer called ``name``.
+
+    ``name`` is a buffer's attribute name, the last part of its dotted path in the buffers tree
+    (``"fp8_amax_history_input"`` matches ``"blocks.0.mlp.fc.fp8_amax_history_input"``).
+    :mod:`funcamp.fp8` registers its delayed-scaling buffers when it is imported: the amax histories
+    with ``"max"`` and the scales with ``"min"``. Registering a name again with the same reduction does
+    nothing.
+
+    Args:
+      name: the buffer's attribute name, without dots.
+      reduction: ``"max"`` or ``"min"``.
+    Raises:
+      TypeError: if ``name`` is not a string.
+      ValueError: if ``name`` is empty or has a dot, ``reduction`` is not ``"max"`` or ``"min"``, or
+        ``name`` is registered already with the other reduction.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"register_buffer_reduction: name must be a buffer's attribute name (str), got {name!r}")
+    if not name or "." in name:
+        raise ValueError(f"register_buffer_reduction: name must be an attribute name without dots, got {name!r}")
+    if reduction not in ("max", "min"):
+        raise ValueError(f"register_buffer_reduction: reduction must be 'max' or 'min', got {reduction!r}")
+    old = _BUFFER_REDUCTIONS.setdefault(name, reduction)
+    if old != reduction:
+        raise ValueError(f"register_buffer_reduction: {name!r} is registered with {old!r} already, not {reduction!r}")
+
+
+def _max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    from torch.distributed import _functional_collectives as funcol
+
+    y = funcol.all_reduce(x, "max", group)
+    return y if torch.compiler.is_compiling() else funcol.wait_tensor(y)
+
+
+def reduce_buffers(buffers: T, group: dist.ProcessGroup) -> T:
+    """Model buffers after a data-parallel step, the same on every rank: fp8 amaxes max-reduced, the rest averaged.
+
+    Floating buffers whose name was registered with :func:`register_buffer_reduction` take the
+    elementwise maximum (``"max"``) or minimum (``"min"``) over the ranks of ``group``; every other
+    floating buffer (BatchNorm running statistics) takes the mean, as :func:`mean_gradients` with no
+    ``reduce_dtype``; non-floating leaves (``num_batches_tracked``) are returned as they are. A
+    buffer's name is the last part of its dotted path in ``buffers`` (:func:`funcamp.nn.functionalize`'s
+    names). The max and min buffers travel in one ``all_reduce(max)`` per dtype (a minimum is the
+    maximum of the negated values, exact), the mean ones in one ``all_reduce(sum)`` per dtype.
+
+    fp8 delayed scaling (:mod:`funcamp.fp8` registers its buffers): the amax histories take the
+    maximum over ranks, as TransformerEngine reduces its amaxes (``reduce_amax``), so every rank casts
+    with the same scale and none saturates because another rank's activations were smaller; the scales
+    take the minimum, which is the scale of the largest amax (the scale ``fp8_max / (a * 2**margin)``
+    falls as ``a`` grows, power-of-two rounding included), so the state equals what one update from the
+    max-reduced amaxes gives. One exception: a rank whose tensor had amax 0 (all zeros) keeps its old
+    scale, as the recipe does, and if that old scale is below the one the other ranks' amax gives, the
+    minimum keeps it (a smaller scale: no overflow, coarser values) until the next step's update from
+    the reduced history. The reduction runs once per step, after all micro-batches: within a step
+    each rank casts with its own state, as gradient accumulation leaves it.
+
+    Traceable by ``torch.compile`` (functional collectives, no host sync); every rank must call it
+    with trees of the same structure, shapes and dtypes. The train step calls it on the new buffers
+    before it keeps or drops them, so a skipped step still keeps the old buffers on every rank.
+
+    Args:
+      buffers: a pytree of buffers (the flat dict ``functionalize`` returns), or ``()``.
+      group: the process group (:func:`resolve_group`).
+    Returns:
+      A tree like ``buffers``: same structure, shapes, dtypes and devices, new tensors.
+    Raises:
+      TypeError: if ``group`` is not a ProcessGroup.
+    References:
+      NVIDIA TransformerEngine ``recipe.DelayedScaling`` (``reduce_amax``, amax reduction over the
+      data-parallel group before the scale update).
+    """
+    _check_group(group, "reduce_buffers")
+    leaves, spec = _tree.tree_flatten(buffers)
+    names = [path.rpartition(".")[2] for path in _tree.tree_paths(buffers)]
+    out = list(leaves)
+    mean_idx, extreme = [], {}  # extreme: dtype -> [(index, sign)], sign -1 for a minimum
+    for i, (name, x) in enumerate(zip(names, leaves)):
+        if not _tree.is_floating(x):
+            continue
+        reduction = _BUFFER_REDUCTIONS.get(name)
+        if reduction is None:
+            mean_idx.append(i)
+        else:
+            extreme.setdefault(x.dtype, []).append((i, 1.0 if reduction == "max" else -1.0))
+    if mean_idx:
+        for i, mean in zip(mean_idx, mean_gradients([leaves[i] for i in mean_idx], group)):
+            out[i] = mean
+    for idx in extreme.values():
+        flat = torch.cat([(leaves[i] * sign).reshape(-1) for i, sign in idx])
+        parts = _max(flat, group).split([leaves[i].numel() for i, _ in idx])
+        for (i, sign), part in zip(idx, parts):
+            out[i] = part.view(leaves[i].shape) * sign
     return _tree.tree_unflatten(spec, out)
 
 

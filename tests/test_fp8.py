@@ -509,3 +509,67 @@ def test_hugging_face_conv1d() -> None:
     assert torch.equal(y.detach(), ref.detach()) and torch.equal(gw, gref) and gw.shape == (32, 128)
     ids = torch.randint(0, 256, (2, 16))
     assert torch.allclose(converted(ids).logits, model(ids).logits, rtol=0.1, atol=0.05)
+
+
+# --- data parallelism: the delayed state max-reduced over ranks -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dp_ranks(tmp_path_factory):
+    from test_parallel import run_torchrun
+
+    out = tmp_path_factory.mktemp("fp8_dist")
+    run_torchrun([str(Path(__file__).resolve().parent / "_fp8_dist_worker.py"), str(out)])
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_data_parallel_delayed_state_takes_the_largest_amax(dp_ranks) -> None:
+    """2 gloo ranks, a compiled step with parallel.reduce_buffers (one graph): the amax histories are the
+    elementwise max of the ranks' own, and each scale is TransformerEngine's update from the larger
+    amax (update_delayed_state from the step's start state), not the mean the ranks' histories would
+    give; BatchNorm statistics are averaged; a step skipped on one rank keeps the old state on both."""
+    import _fp8_dist_worker as W
+
+    r0, r1 = dp_ranks
+    assert r0["frames"] == r1["frames"] == 1
+    differs_from_mean = False
+    for s in range(W.STEPS):
+        a, b = r0["steps"][s], r1["steps"][s]
+        for key in ("start", "kept"):
+            assert all(torch.equal(a[key][k], b[key][k]) for k in a[key]), (s, key)
+        start, kept, l0, l1 = a["start"], a["kept"], a["local"], b["local"]
+        if s == W.SKIP_STEP:
+            assert all(torch.equal(kept[k], start[k]) for k in kept)
+            continue
+        for layer in ("0", "2"):
+            for role in ("input", "weight"):
+                h, sc = f"{layer}.fp8_amax_history_{role}", f"{layer}.fp8_scale_{role}"
+                assert torch.equal(kept[h], torch.maximum(l0[h], l1[h])), (s, h)
+                amax = torch.maximum(l0[h][0], l1[h][0])
+                expected = fp8.update_delayed_state(fp8.DelayedScalingState(start[h], start[sc]), amax, W.RECIPE)
+                assert torch.equal(kept[h], expected.amax_history) and torch.equal(kept[sc], expected.scale), (s, sc)
+                differs_from_mean |= not torch.equal(kept[h], (l0[h] + l1[h]) / 2)
+        for k in ("1.running_mean", "1.running_var"):
+            assert torch.equal(kept[k], l0[k] / 2 + l1[k] / 2) and not torch.equal(l0[k], l1[k]), k
+        assert torch.equal(kept["1.num_batches_tracked"], l0["1.num_batches_tracked"])
+    assert differs_from_mean  # the mean (what make_train_step did before) would fail the checks above
+    zero = r0["steps"][W.ZERO_STEP]
+    assert zero["local"]["0.fp8_amax_history_input"][0] == 0  # rank 0's all-zero input: its own scale stayed,
+    assert not torch.equal(zero["local"]["0.fp8_scale_input"], zero["kept"]["0.fp8_scale_input"])  # rank 1's won
+    assert all(torch.equal(r0["eager"][k], r0["steps"][0]["kept"][k]) for k in r0["eager"])  # eager == compiled
+
+
+def test_reduce_buffers_registry_and_errors() -> None:
+    from funcamp import parallel
+
+    assert parallel._BUFFER_REDUCTIONS["fp8_amax_history_input"] == "max"  # registered by funcamp.fp8
+    assert parallel._BUFFER_REDUCTIONS["fp8_scale_weight"] == "min"
+    parallel.register_buffer_reduction("fp8_scale_weight", "min")  # again, the same: nothing happens
+    with pytest.raises(ValueError, match="'fp8_scale_weight' is registered with 'min' already, not 'max'"):
+        parallel.register_buffer_reduction("fp8_scale_weight", "max")
+    with pytest.raises(ValueError, match="reduction must be 'max' or 'min', got 'mean'"):
+        parallel.register_buffer_reduction("x", "mean")
+    with pytest.raises(ValueError, match="without dots"):
+        parallel.register_buffer_reduction("a.b", "max")
+    with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
+        parallel.reduce_buffers({"fp8_scale_input": torch.ones(())}, None)
