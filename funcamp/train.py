@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _tree, numerics, parallel
+from funcamp import _tree, numerics, parallel, sharding
 from funcamp.grad import scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, apply_updates, learning_rate
@@ -67,18 +67,28 @@ class TrainState:
         *,
         loss_scale: LossScale | None = None,
         buffers: Any = None,
+        shard: sharding.ShardLayout | None = None,
     ) -> TrainState:
         """A fresh state: ``optimizer.init(params)``, counters at 0, the loss scale on the params' device.
+
+        With ``shard`` (a :class:`funcamp.sharding.ShardLayout`, from
+        ``funcamp.sharding.shard_layout(params, group)``), ``params`` are the whole parameters, the same
+        on every rank (:func:`funcamp.parallel.broadcast_params`), and the state holds this rank's
+        shards of them (rows ``[r*c, (r+1)*c)`` along dim 0, zero-padded) and the optimizer state
+        built from those shards: about ``1 / N`` of the unsharded state. Train it with
+        ``make_train_step(..., data_parallel=group, shard=layout)``.
 
         Args:
           params: the master parameters, a pytree (usually a dict) of floating tensors.
           optimizer: a :class:`funcamp.optim.GradientTransformation`.
           loss_scale: default :class:`funcamp.NoOpLossScale`.
           buffers: model buffers (``funcamp.nn.functionalize`` returns them), or None.
+          shard: None (every rank holds everything), or the layout to shard the parameters with.
         Raises:
           TypeError: if ``optimizer`` is not a GradientTransformation, ``loss_scale`` not a LossScale,
             ``params`` an ``nn.Module`` or an iterator (``model.parameters()``), or a parameter leaf is
-            not a floating tensor.
+            not a floating tensor, or ``shard`` is not None or a ShardLayout.
+          ValueError: if ``params``' names or shapes differ from ``shard``'s.
         """
         if not isinstance(optimizer, GradientTransformation):
             raise TypeError(
@@ -109,6 +119,13 @@ class TrainState:
                 f"TrainState.create: every parameter must be a floating tensor; {bad[0]!r} is {bad[1]}. "
                 "Keep integer state in buffers."
             )
+        if shard is not None:
+            if not isinstance(shard, sharding.ShardLayout):
+                raise TypeError(
+                    f"TrainState.create: shard must be None or a funcamp.sharding.ShardLayout "
+                    f"(funcamp.sharding.shard_layout(params, group)), got {type(shard).__name__}"
+                )
+            params = sharding.shard_params(params, shard)
         device = _tree.tree_device(params)
         return cls(
             step=_zero_int(device),
@@ -153,6 +170,7 @@ def make_train_step(
     data_parallel: Any = None,
     policy: Policy | str | None = None,
     telemetry: numerics.Telemetry | int | None = None,
+    shard: sharding.ShardLayout | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """Build the pure train step ``step(state, batch) -> (new_state, metrics)``.
 
@@ -201,6 +219,16 @@ def make_train_step(
         default: each gradient's own dtype. Only used with ``data_parallel``.
       telemetry: None (default: off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``:
         module groups of depth 2, float16 and bfloat16, histograms) or a ``Telemetry``.
+      shard: None, or the :class:`funcamp.sharding.ShardLayout` of a state made with
+        ``TrainState.create(..., shard=layout)`` (ZeRO-3 / FSDP2-style sharded data parallelism over
+        the ``data_parallel`` group, see :mod:`funcamp.sharding`): the step all-gathers the parameters
+        (in ``layout.gather_dtype``, default their own), computes the gradients as above,
+        reduce-scatters their mean in ``policy.reduce_dtype`` (loss scale on a narrower wire), agrees
+        one ``grads_finite`` and takes ``grad_norm`` over all shards, and updates only this rank's
+        shards. The metrics are the unsharded step's (``grad_norm`` to float32 round-off). The
+        optimizer must not contain ``funcamp.optim.clip_by_global_norm`` (use
+        ``funcamp.sharding.clip_by_global_norm``). Building the step checks (one
+        ``all_gather_object``) that every rank has the same layout and policy.
     Returns:
       The step function.
     Raises:
@@ -209,7 +237,10 @@ def make_train_step(
         Telemetry.
       RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
       ValueError: if ``accumulation_steps`` < 1, ``max_consecutive_skips`` < 1 or ``telemetry`` < 1; at call time, if a
-        batch leaf cannot be split into ``accumulation_steps`` micro-batches.
+        batch leaf cannot be split into ``accumulation_steps`` micro-batches. With ``shard``: if
+        ``data_parallel`` is missing (and the layout is for more than one rank), the layout's world
+        size or rank is not the group's, ranks differ in layout or policy (the message names the rank),
+        ``telemetry`` is set, or the optimizer clips by a per-shard global norm.
 
     Example:
       >>> import funcamp as fa
@@ -239,6 +270,8 @@ def make_train_step(
     telemetry = numerics.as_telemetry(telemetry)
     group = parallel.resolve_group(data_parallel)  # None: one process
     k = accumulation_steps
+    if shard is not None:
+        _check_shard(shard, group, optimizer, policy, telemetry)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         with_buffers = state.buffers is not None
@@ -256,32 +289,42 @@ def make_train_step(
                 return loss, ((), aux)
 
         grad_fn = scaled_grad_and_value(fun, state.loss_scale, has_aux=True)
+        # Sharded: differentiate the whole parameters, all-gathered once (the collective is not differentiated).
+        whole = state.params if shard is None else sharding.all_gather_params(state.params, shard, group)
         # torch.func wants tensors (or empty containers) in aux: () stands for "no buffers".
         buffers, total, losses, aux = (state.buffers if with_buffers else ()), None, [], ()
         for mb in _micro_batches(batch, k):
-            grads32, (loss, (buffers, aux)) = grad_fn(state.params, buffers, mb)
+            grads32, (loss, (buffers, aux)) = grad_fn(whole, buffers, mb)
             total = grads32 if total is None else _tree.tree_map(torch.add, total, grads32)
             losses.append(loss.float())
         params = state.params
         if k > 1:
             total = _tree.tree_map(lambda g: g / k, total)
-        if group is not None:  # the mean over micro-batches, then over ranks (float32 in, float32 out)
+        scale = None if isinstance(state.loss_scale, NoOpLossScale) else state.loss_scale.loss_scale
+        if shard is not None:  # this rank's rows of the mean over ranks, same rule as mean_gradients
+            total = sharding.reduce_scatter_gradients(total, shard, group, reduce_dtype, loss_scale=scale)
+        elif group is not None:  # the mean over micro-batches, then over ranks (float32 in, float32 out)
             # On a narrower wire (r=f16/bf16) the gradients travel scaled and are unscaled after the sum, as
             # DDP + GradScaler; an overflow there makes them non-finite on every rank (skip, back off).
-            scale = None if isinstance(state.loss_scale, NoOpLossScale) else state.loss_scale.loss_scale
             total = parallel.mean_gradients(total, group, reduce_dtype, loss_scale=scale)
         grads = _tree.tree_map(lambda g, p: g.to(p.dtype), total, params)
         loss = torch.stack(losses).mean() if k > 1 else losses[0]
-        flags = _tree.finite_flags(grads)
-        finite = flags.all() & torch.isfinite(loss)
+        if shard is not None:  # over all shards (padding rows excluded), the loss of every rank: one all_reduce
+            finite, flags, grad_norm = sharding.global_stats(grads, shard, group, loss)
+        else:
+            flags = _tree.finite_flags(grads)
+            finite, grad_norm = flags.all() & torch.isfinite(loss), _tree.global_norm(grads)
         if group is not None:
-            finite = parallel.all_ranks_true(finite, group)
+            if shard is None:
+                finite = parallel.all_ranks_true(finite, group)
             loss = parallel.mean_over_ranks(loss, group)
             if with_buffers:  # running statistics: the mean over ranks, so that ranks stay identical
                 buffers = parallel.mean_gradients(buffers, group)
 
         updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
         new_params = apply_updates(params, updates)
+        if shard is not None:  # padding stays exactly zero, whatever the optimizer does there
+            new_params = sharding.zero_padding(new_params, shard)
         skipped = state.skipped_steps + (~finite).to(torch.int32)
         consecutive = torch.where(finite, torch.zeros_like(state.consecutive_skips), state.consecutive_skips + 1)
         new_state = state.replace(
@@ -300,7 +343,7 @@ def make_train_step(
             # device, and a stateless optimizer's learning_rate is a NaN made on the CPU.
             "loss_scale": state.loss_scale.loss_scale.to(state.step.device),
             "grads_finite": finite,
-            "grad_norm": _tree.global_norm(grads),
+            "grad_norm": grad_norm,
             "learning_rate": learning_rate(new_opt_state).to(state.step.device),
             "skipped_steps": skipped,
             "consecutive_skips": consecutive,
@@ -318,6 +361,25 @@ def make_train_step(
     if compile:
         return _with_eager_errors(step, torch.compile(step, fullgraph=True, backend=backend or "inductor"))
     return _with_checked_args(step)
+
+
+def _check_shard(shard: Any, group: Any, optimizer: GradientTransformation, policy: Any, telemetry: Any) -> None:
+    """The argument checks of ``make_train_step(shard=...)`` (build time, host side)."""
+    if not isinstance(shard, sharding.ShardLayout):
+        raise TypeError(
+            f"make_train_step: shard must be None or a funcamp.sharding.ShardLayout "
+            f"(funcamp.sharding.shard_layout(params, group)), got {type(shard).__name__}"
+        )
+    if group is None and shard.world_size != 1:
+        raise ValueError(
+            f"make_train_step: shard= is a layout over {shard.world_size} ranks; pass data_parallel=True (or the "
+            "group it was made for)"
+        )
+    if telemetry is not None:
+        raise ValueError("make_train_step: telemetry= is not supported with shard= (it reads whole gradients)")
+    sharding.check_optimizer(optimizer)
+    if group is not None:
+        sharding.check_consistent(shard, group, policy=None if policy is None else get_policy(policy))
 
 
 def _check_step_args(state: Any, batch: Any) -> None:

@@ -1,0 +1,612 @@
+"""Sharded data parallelism (ZeRO-3 / FSDP2 layout): parameters, gradients and optimizer state split over ranks.
+
+Every floating master parameter of shape ``(d0, *rest)`` (a 0-d one counts as ``(1,)``) is split along
+dim 0 as FSDP2's ``fully_shard`` splits it: with ``N`` ranks and ``c = ceil(d0 / N)`` rows per rank,
+rank ``r`` holds rows ``[r * c, (r + 1) * c)`` of the tensor zero-padded to ``N * c`` rows. The
+optimizer state is built from these shards (``optimizer.init(shards)``), so it is split the same way,
+and each rank stores about ``1 / N`` of the parameters and of the optimizer state.
+
+Inside the train step (``make_train_step(..., data_parallel=group, shard=layout)``):
+
+1. :func:`all_gather_params`: one functional ``all_gather_single`` per dtype bucket rebuilds the whole
+   parameters, in their own dtype (exact; the default) or in ``layout.gather_dtype`` (FSDP2's
+   ``MixedPrecisionPolicy(param_dtype=...)``: half the bytes with a 16-bit compute dtype, and exact only
+   when the loss casts every parameter to that dtype before using it, see :func:`shard_layout`).
+2. The loss, its gradients, micro-batches: as in the unsharded step (``scaled_grad_and_value``).
+3. :func:`reduce_scatter_gradients`: the mean over ranks of the float32 gradients, each rank receiving
+   only its rows, in the policy's ``reduce_dtype``, with the loss scale applied on a narrower wire
+   and removed in float32 afterwards: the operations of :func:`funcamp.parallel.mean_gradients`, on
+   a ``reduce_scatter_single`` instead of an ``all_reduce``.
+4. :func:`global_stats`: one float64 ``all_reduce`` gives the global gradient norm (the sum of squares
+   over all shards) and the per-parameter finite flags (padding rows excluded), so that every rank
+   agrees on one ``grads_finite`` and the metrics are those of the unsharded step.
+5. The optimizer updates the local shards only; padding rows are set back to exactly zero; a
+   non-finite step keeps the old shards and optimizer state (``select_tree``).
+
+No host sync and no Python branch on tensor values: ``torch.compile(fullgraph=True)`` traces the step
+into one graph. The parameters are gathered once per step and kept for the forward and the backward
+(FSDP2's ``reshard_after_forward=False``): at rest a rank holds ``1 / N`` of the state, but during the
+step it also holds the whole parameters in the gather dtype. Per-module gathering and overlap of
+communication with compute (FSDP2's prefetching) are not done.
+
+Differences from FSDP2: no module wrapper, no DTensor (plain tensors and a static :class:`ShardLayout`;
+``torch.func`` differentiates the gathered parameters, never the collectives), one bucket per dtype,
+and the float32 gradient mean is reduced in the policy's ``reduce_dtype`` with the loss scale protecting
+it on a 16-bit wire (FSDP2 reduces what autograd produced, without knowing the loss scale).
+
+Global-norm clipping must see all shards: use :func:`clip_by_global_norm` (this module's) in a sharded
+optimizer; ``funcamp.optim.clip_by_global_norm`` in a sharded step would clip each rank's shard by its
+own norm, and ``make_train_step`` refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from funcamp import _tree
+from funcamp.optim.base import EmptyState, GradientTransformation, check_positive, compute_dtype, empty_init
+from funcamp.parallel import _share
+
+__all__ = [
+    "ShardLayout",
+    "all_gather_params",
+    "check_consistent",
+    "clip_by_global_norm",
+    "global_stats",
+    "reduce_scatter_gradients",
+    "shard_layout",
+    "shard_params",
+    "state_bytes",
+    "unshard_params",
+    "wire_bytes",
+    "zero_padding",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How a parameter tree is split over the ranks (static, host side; build it with :func:`shard_layout`).
+
+    Attributes:
+      world_size: ``N``, the number of ranks.
+      rank: this process's rank in the group (0 ... N - 1).
+      names: the parameters' dotted paths, in tree order (optree's: dict keys sorted).
+      shapes: each parameter's whole (unsharded) shape, in the same order.
+      gather_dtype: the dtype the parameters are gathered in for the forward and backward; None
+        (default) gathers each in its own dtype (exact).
+    """
+
+    world_size: int
+    rank: int
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    gather_dtype: torch.dtype | None = None
+
+    def rows(self, i: int) -> int:
+        """``c``: the rows of parameter ``i`` each rank holds, ``ceil(d0 / N)`` (a 0-d parameter has ``d0 = 1``)."""
+        return -(-_dim0(self.shapes[i]) // self.world_size)
+
+    def valid_rows(self, i: int, rank: int | None = None) -> int:
+        """How many of ``rank``'s (default: this rank's) ``c`` rows of parameter ``i`` are real, not padding."""
+        r = self.rank if rank is None else rank
+        return max(0, min(self.rows(i), _dim0(self.shapes[i]) - r * self.rows(i)))
+
+    def shard_shape(self, i: int) -> tuple[int, ...]:
+        """The shape of every rank's shard of parameter ``i``: ``(c, *rest)``."""
+        return (self.rows(i), *_rest(self.shapes[i]))
+
+    def for_rank(self, rank: int) -> ShardLayout:
+        """The same layout as rank ``rank`` sees it."""
+        return dataclasses.replace(self, rank=rank)
+
+
+def _dim0(shape: tuple[int, ...]) -> int:
+    return shape[0] if shape else 1
+
+
+def _rest(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(shape[1:])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _group_size_rank(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    from funcamp import parallel
+
+    pg = parallel.resolve_group(group)
+    return pg.size(), pg.rank()
+
+
+def shard_layout(params: Any, group: Any = True, *, gather_dtype: torch.dtype | None = None) -> ShardLayout:
+    """The layout that splits ``params`` along dim 0 over the ranks of ``group`` (host side, no communication).
+
+    Args:
+      params: the whole parameters, a pytree (dict) of floating tensors (shapes and dtypes are read).
+      group: True (the default process group), a ``torch.distributed.ProcessGroup``, or None (one
+        process: every shard is the whole tensor; for evaluation and for loading a sharded
+        checkpoint into one process).
+      gather_dtype: None (default): parameters are gathered in their own dtype, exact. A floating
+        dtype (e.g. the policy's compute dtype, as FSDP2's ``param_dtype``): gathered already cast,
+        which halves the gather bytes for a 16-bit dtype; exact only when the loss casts every
+        parameter to that dtype before using it (``policy.cast_to_compute`` on all of them; not with
+        ``funcamp.nn.functionalize``'s float32 norms, which are then rounded to it).
+    Returns:
+      A :class:`ShardLayout`.
+    Raises:
+      TypeError: if a leaf of ``params`` is not a floating tensor, ``gather_dtype`` is not None or a
+        floating dtype, or ``group`` is not True, None or a ProcessGroup.
+      RuntimeError: if a group is asked for and torch.distributed is not initialized.
+
+    Example:
+      >>> lay = shard_layout({"w": torch.zeros(5, 3), "s": torch.zeros(())}, None)
+      >>> lay.names, lay.shard_shape(0), lay.shard_shape(1)  # one process: each shard is the whole tensor
+      (('s', 'w'), (1,), (5, 3))
+    """
+    bad = _tree.first_non_floating(params)
+    if bad is not None:
+        raise TypeError(f"shard_layout: every parameter must be a floating tensor; {bad[0]!r} is {bad[1]}")
+    if gather_dtype is not None and not (isinstance(gather_dtype, torch.dtype) and gather_dtype.is_floating_point):
+        raise TypeError(f"shard_layout: gather_dtype must be None or a floating torch.dtype, got {gather_dtype!r}")
+    world, rank = _group_size_rank(group)
+    leaves = _tree.tree_leaves(params)
+    return ShardLayout(
+        world_size=world,
+        rank=rank,
+        names=tuple(_tree.tree_paths(params)),
+        shapes=tuple(tuple(x.shape) for x in leaves),
+        gather_dtype=gather_dtype,
+    )
+
+
+def _check_tree(tree: Any, layout: ShardLayout, fn: str, *, sharded: bool) -> list[torch.Tensor]:
+    """The leaves of ``tree``, checked against ``layout`` (names and whole or shard shapes)."""
+    if not isinstance(layout, ShardLayout):
+        raise TypeError(f"{fn}: layout must be a funcamp.sharding.ShardLayout (shard_layout(...)), got {layout!r}")
+    names, leaves = tuple(_tree.tree_paths(tree)), _tree.tree_leaves(tree)
+    if names != layout.names:
+        missing = sorted(set(layout.names) - set(names))
+        extra = sorted(set(names) - set(layout.names))
+        raise ValueError(f"{fn}: the tree's parameters differ from the layout's: missing {missing}, unexpected {extra}")
+    for i, (name, x) in enumerate(zip(names, leaves)):
+        want = layout.shard_shape(i) if sharded else layout.shapes[i]
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            kind = f"shard on rank {layout.rank} of {layout.world_size}" if sharded else "whole tensor"
+            raise ValueError(f"{fn}: parameter {name!r} has shape {got}, but its {kind} has shape {want}")
+    return leaves
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` viewed as ``(d0, *rest)`` with zero rows appended up to ``rows``."""
+    x = x.reshape(_dim0(tuple(x.shape)), *_rest(tuple(x.shape)))
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+def shard_params(params: Any, layout: ShardLayout) -> Any:
+    """This rank's shards of the whole ``params`` (host side, no communication): rows ``[r*c, (r+1)*c)``, zero-padded.
+
+    Every rank must pass the same values (start from :func:`funcamp.parallel.broadcast_params`).
+    The shards are new tensors (the whole ones can be freed), on the parameters' devices, in their dtypes.
+
+    Raises:
+      TypeError: if ``layout`` is not a :class:`ShardLayout`.
+      ValueError: if ``params``' names or shapes differ from the layout's.
+
+    Example:
+      >>> lay = shard_layout({"w": torch.arange(5.0)}, None).for_rank(1)
+      >>> shard_params({"w": torch.arange(5.0)}, dataclasses.replace(lay, world_size=2))["w"]
+      tensor([3., 4., 0.])
+    """
+    leaves = _check_tree(params, layout, "shard_params", sharded=False)
+    out = []
+    for i, x in enumerate(leaves):
+        c = layout.rows(i)
+        rows = x.reshape(_dim0(tuple(x.shape)), -1)[layout.rank * c : (layout.rank + 1) * c]
+        out.append(_pad_rows(rows, c).reshape(layout.shard_shape(i)).clone())
+    return _tree.tree_unflatten(_tree.tree_structure(params), out)
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    from torch.distributed import _functional_collectives as funcol
+
+    # Traced, the collective already inserts its wait; eager, it returns an AsyncCollectiveTensor.
+    return x if torch.compiler.is_compiling() else funcol.wait_tensor(x)
+
+
+def _buckets(dtypes: list[torch.dtype]) -> dict[torch.dtype, list[int]]:
+    out: dict[torch.dtype, list[int]] = {}
+    for i, d in enumerate(dtypes):
+        out.setdefault(d, []).append(i)
+    return out
+
+
+def all_gather_params(shards: Any, layout: ShardLayout, group: Any) -> Any:
+    """The whole parameters from every rank's shards: one functional ``all_gather_single`` per dtype.
+
+    Each leaf is gathered in ``layout.gather_dtype`` (None: its own dtype) and returned with its whole
+    shape, padding removed. Traceable by ``torch.compile`` (no graph break, no host sync); eager, it
+    waits for the result. Every rank must call it with shards of the same layout. Also usable outside
+    the step, e.g. to evaluate or export the whole parameters.
+
+    Args:
+      shards: this rank's shards (``state.params`` of a sharded state).
+      layout: the :class:`ShardLayout` they were made with.
+      group: the process group (a ``ProcessGroup``, or True for the default one); None for one process.
+    Returns:
+      A tree like the whole parameters: whole shapes, dtype ``gather_dtype`` or the shards' own.
+    Raises:
+      ValueError: if the shards' names or shapes differ from the layout's.
+    """
+    leaves = _check_tree(shards, layout, "all_gather_params", sharded=True)
+    dtypes = [layout.gather_dtype or x.dtype for x in leaves]
+    out: list[torch.Tensor] = [None] * len(leaves)  # type: ignore[list-item]
+    world = layout.world_size
+    pg = _resolve(group, world)
+    for dtype, idx in _buckets(dtypes).items():
+        flat = torch.cat([leaves[i].to(dtype).reshape(-1) for i in idx])
+        if pg is None:
+            rows = flat.view(1, -1)
+        else:
+            from torch.distributed import _functional_collectives as funcol
+
+            rows = _wait(funcol.all_gather_single(flat, 0, pg)).view(world, -1)
+        sizes = [_numel(layout.shard_shape(i)) for i in idx]
+        for i, part in zip(idx, rows.split(sizes, dim=1)):
+            full = part.reshape(world * layout.rows(i), *_rest(layout.shapes[i]))
+            out[i] = full[: _dim0(layout.shapes[i])].reshape(layout.shapes[i])
+    return _tree.tree_unflatten(_tree.tree_structure(shards), out)
+
+
+def unshard_params(shards: Any, layout: ShardLayout, group: Any) -> Any:
+    """The whole parameters in their own dtypes: :func:`all_gather_params` with ``gather_dtype=None``."""
+    return all_gather_params(shards, dataclasses.replace(layout, gather_dtype=None), group)
+
+
+def _resolve(group: Any, world: int) -> Any:
+    del world
+    if group is None:
+        return None
+    from funcamp import parallel
+
+    pg = parallel.resolve_group(group) if group is True else group
+    if not (dist.is_available() and isinstance(pg, dist.ProcessGroup)):
+        raise TypeError(f"sharding: group must be True, None or a torch.distributed.ProcessGroup, got {group!r}")
+    return pg
+
+
+def reduce_scatter_gradients(
+    grads: Any,
+    layout: ShardLayout,
+    group: Any,
+    reduce_dtype: torch.dtype | None = None,
+    *,
+    loss_scale: torch.Tensor | None = None,
+) -> Any:
+    """This rank's rows of the mean of ``grads`` over the ranks, communicated in ``reduce_dtype``.
+
+    The operations of :func:`funcamp.parallel.mean_gradients` leaf for leaf (each rank sends ``(g *
+    loss_scale) / N`` computed in ``g``'s dtype and cast to ``reduce_dtype`` where that is narrower
+    and a loss scale is given, else ``g / N`` cast to it; the sum is cast back and multiplied by ``1 /
+    loss_scale``, the reciprocal computed in float64 and cast to float32), with a functional
+    ``reduce_scatter_single`` per wire dtype in place of the ``all_reduce``: each rank receives only
+    its ``c`` rows of each leaf. Padding rows are zero on every rank, so they stay exactly zero.
+    On two ranks the sum of two terms does not depend on their order, so the result is bitwise the
+    unsharded mean's rows; on more ranks gloo's (and NCCL's) ring sums each element in an order that
+    depends on its position in the buffer, which differs from ``mean_gradients``' bucket: the
+    results agree to float32 round-off of the sum (``tests/test_sharding.py`` measures it).
+
+    Args:
+      grads: the whole float32 (or float64) gradients, shaped like the whole parameters.
+      layout: the :class:`ShardLayout`.
+      group: the process group (or True); None for one process (the mean of one rank: ``grads`` rows).
+      reduce_dtype: the wire dtype (``Policy.reduce_dtype``); None keeps each leaf's dtype.
+      loss_scale: the 0-d float32 loss scale the gradients were computed with, or None.
+    Returns:
+      A tree like the shards: shapes ``(c, *rest)``, the gradients' dtypes.
+    Raises:
+      TypeError: if ``reduce_dtype`` is not None or a floating dtype, or ``loss_scale`` not a 0-d
+        float32 tensor.
+      ValueError: if ``grads``' names or shapes differ from the layout's whole shapes.
+    """
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise TypeError(
+            f"reduce_scatter_gradients: reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}"
+        )
+    if loss_scale is not None and not (
+        isinstance(loss_scale, torch.Tensor) and loss_scale.dtype == torch.float32 and loss_scale.ndim == 0
+    ):
+        raise TypeError(
+            f"reduce_scatter_gradients: loss_scale must be None or a 0-d float32 tensor, got {loss_scale!r}"
+        )
+    leaves = _check_tree(grads, layout, "reduce_scatter_gradients", sharded=False)
+    world = layout.world_size
+    pg = _resolve(group, world)
+    inv = None if loss_scale is None else torch.reciprocal(loss_scale.double()).float()
+    out: list[torch.Tensor] = [None] * len(leaves)  # type: ignore[list-item]
+    for wire, idx in _buckets([reduce_dtype or g.dtype for g in leaves]).items():
+        scaled = [loss_scale is not None and wire.itemsize < leaves[i].dtype.itemsize for i in idx]
+        parts = []
+        for i, s in zip(idx, scaled):
+            share = _share(leaves[i], loss_scale if s else None, world, wire)
+            rows = _pad_rows(share.view(_dim0(layout.shapes[i]), -1), world * layout.rows(i))
+            parts.append(rows.view(world, -1))
+        flat = torch.cat(parts, dim=1).reshape(-1)
+        if pg is None:
+            mine = flat
+        else:
+            from torch.distributed import _functional_collectives as funcol
+
+            mine = _wait(funcol.reduce_scatter_single(flat, "sum", 0, pg))
+        sizes = [_numel(layout.shard_shape(i)) for i in idx]
+        for i, s, part in zip(idx, scaled, mine.split(sizes)):
+            mean = part.view(layout.shard_shape(i)).to(leaves[i].dtype)
+            out[i] = mean * inv if s else mean
+    return _tree.tree_unflatten(_tree.tree_structure(grads), out)
+
+
+def _valid(x: torch.Tensor, layout: ShardLayout, i: int) -> torch.Tensor:
+    v = layout.valid_rows(i)
+    return x if v == layout.rows(i) else x[:v]
+
+
+def global_stats(
+    grad_shards: Any, layout: ShardLayout, group: Any, loss: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(finite, flags, grad_norm)`` over all ranks' gradient shards, from one float64 ``all_reduce``.
+
+    Each rank puts into one float64 vector the sum of squares of its shards' real rows (padding
+    excluded), the number of non-finite elements of each leaf's real rows, and whether its ``loss``
+    is not finite; the sum over the ranks gives the global norm ``sqrt(sum of squares)`` (float64
+    cannot overflow or underflow on squares of float32 values, so no scaling is needed; the
+    unsharded step's ``funcamp._tree.global_norm`` sums float32 squares per leaf, so the two agree to
+    float32 round-off, not bitwise) and one verdict shared by every rank.
+
+    Returns:
+      ``finite``: 0-d bool, every gradient element and every rank's loss finite; ``flags``: 1-d bool,
+      one per floating leaf in tree order, that leaf finite on every rank (the unsharded step's
+      ``finite_flags`` of the mean gradients); ``grad_norm``: 0-d float32 (float64 if a gradient is
+      float64), NaN or inf when an element is.
+    """
+    leaves = _check_tree(grad_shards, layout, "global_stats", sharded=True)
+    device = loss.device
+    valid = [_valid(g, layout, i) for i, g in enumerate(leaves)]
+    sumsq = [torch.sum(torch.square(g.double())) for g in valid if g.numel()]
+    bad = [
+        (~torch.isfinite(g)).sum().double() if g.numel() else torch.zeros((), dtype=torch.float64, device=device)
+        for g in valid
+    ]
+    vec = torch.stack(
+        [sum(sumsq, torch.zeros((), dtype=torch.float64, device=device)), *bad, (~torch.isfinite(loss)).double()]
+    )
+    pg = _resolve(group, layout.world_size)
+    if pg is not None:
+        from torch.distributed import _functional_collectives as funcol
+
+        vec = _wait(funcol.all_reduce(vec, "sum", pg))
+    out_dtype = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
+    flags = vec[1:-1] == 0
+    finite = (vec[1:] == 0).all()
+    return finite, flags, torch.sqrt(vec[0]).to(out_dtype)
+
+
+def zero_padding(shards: Any, layout: ShardLayout) -> Any:
+    """``shards`` with their padding rows set to exactly zero (static slices; traceable).
+
+    The train step applies it to the new parameters, so that padding stays invisible whatever the
+    optimizer does with a zero gradient on a zero parameter.
+    """
+    leaves = _tree.tree_leaves(shards)
+    out = []
+    for i, x in enumerate(leaves):
+        v = layout.valid_rows(i)
+        out.append(x if v == layout.rows(i) else torch.cat([x[:v], torch.zeros_like(x[v:])]))
+    return _tree.tree_unflatten(_tree.tree_structure(shards), out)
+
+
+def clip_by_global_norm(max_norm: float, group: Any = True) -> GradientTransformation:
+    r"""``funcamp.optim.clip_by_global_norm`` for sharded updates: the norm over all ranks' shards.
+
+    .. math:: u \leftarrow u \cdot \frac{c}{\lVert u \rVert} \ \text{if}\ \lVert u \rVert > c
+       \ \text{else}\ u
+
+    The norm is ``sqrt`` of the sum over the ranks (one float64 ``all_reduce``) of each rank's float64
+    sum of squares of its shards; padding rows are zero and add nothing. The factor ``c / norm`` is
+    computed in float64 and rounded once to float32, the multiplication runs in float32 (float64 for
+    float64 leaves). Updates whose norm is at most ``c``, or that hold a NaN or inf, are returned
+    unchanged, as by ``funcamp.optim.clip_by_global_norm``; the norm agrees with that one's (the
+    unsharded updates) to float32 round-off, not bitwise, so clipped updates do too.
+
+    Args:
+      max_norm: ``c``, > 0.
+      group: True (the default process group) or a ProcessGroup: the ranks the shards are split over;
+        None for one process.
+    Returns:
+      A ``GradientTransformation`` with an ``EmptyState``.
+    Raises:
+      ValueError: if ``max_norm`` is not a finite number > 0.
+    """
+    max_norm = check_positive("clip_by_global_norm", "max_norm", max_norm)
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        del params
+        leaves = [u for u in _tree.tree_leaves(updates) if _tree.is_floating(u)]
+        device = leaves[0].device if leaves else torch.device("cpu")
+        sumsq = sum(
+            (torch.sum(torch.square(u.double())) for u in leaves), torch.zeros((), dtype=torch.float64, device=device)
+        )
+        pg = _resolve(group, 0)
+        if pg is not None:
+            from torch.distributed import _functional_collectives as funcol
+
+            sumsq = _wait(funcol.all_reduce(sumsq, "sum", pg))
+        norm = torch.sqrt(sumsq)
+        clip = torch.isfinite(norm) & (norm > max_norm)
+        factor = torch.where(clip, max_norm / norm, torch.ones_like(norm))
+
+        def leaf(u: torch.Tensor) -> torch.Tensor:
+            c = compute_dtype(u.dtype)
+            return (u.to(c) * factor.to(c)).to(u.dtype)
+
+        return _tree.tree_map(lambda u: leaf(u) if _tree.is_floating(u) else u, updates), state
+
+    return GradientTransformation(empty_init, update)
+
+
+def _unsharded_norm_transforms(obj: Any, seen: set[int] | None = None) -> list[str]:
+    """Names of transforms inside ``obj`` (an optimizer) that take a norm over the local updates only."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    found: list[str] = []
+    if isinstance(obj, (tuple, list)):
+        for x in obj:
+            found += _unsharded_norm_transforms(x, seen)
+    elif callable(obj) and hasattr(obj, "__code__"):
+        if getattr(obj, "__qualname__", "") == "clip_by_global_norm.<locals>.update" and obj.__module__ == (
+            "funcamp.optim.transforms"
+        ):
+            found.append("funcamp.optim.clip_by_global_norm")
+        for cell in obj.__closure__ or ():
+            try:
+                found += _unsharded_norm_transforms(cell.cell_contents, seen)
+            except ValueError:  # an empty cell
+                pass
+    return found
+
+
+def check_optimizer(optimizer: GradientTransformation) -> None:
+    """Refuse an optimizer whose global-norm clipping would see one rank's shards only.
+
+    Raises:
+      ValueError: if ``optimizer`` contains ``funcamp.optim.clip_by_global_norm``.
+    """
+    found = _unsharded_norm_transforms(optimizer)
+    if found:
+        raise ValueError(
+            "make_train_step: with shard=, funcamp.optim.clip_by_global_norm would clip each rank's shard by "
+            "the norm of that shard alone; use funcamp.sharding.clip_by_global_norm(max_norm, group), which "
+            "takes the norm over all ranks"
+        )
+
+
+def check_consistent(layout: ShardLayout, group: Any, **config: Any) -> None:
+    """Check (host side, one ``all_gather_object``) that every rank has the same layout and configuration.
+
+    ``make_train_step`` calls it with the policy and the wire dtype, so that ranks built with other
+    policies fail here, at build time, instead of exchanging mismatched buffers.
+
+    Raises:
+      ValueError: naming the first rank whose layout (a parameter's name or shape, the world size,
+        the gather dtype) or configuration differs from rank 0's, and what differs.
+    """
+    pg = _resolve(group, layout.world_size)
+    if pg is None:
+        return
+    mine = {
+        "layout": (layout.world_size, layout.names, layout.shapes, str(layout.gather_dtype)),
+        **{k: str(v) for k, v in config.items()},
+    }
+    everyone: list[Any] = [None] * pg.size()
+    dist.all_gather_object(everyone, mine, group=pg)
+    ref = everyone[0]
+    for r, other in enumerate(everyone):
+        if other == ref:
+            continue
+        for key in ref:
+            if other.get(key) != ref[key]:
+                what = _first_difference(key, ref[key], other.get(key))
+                raise ValueError(
+                    f"sharding: rank {r} differs from rank 0 in {what}; every rank must build the sharded step "
+                    "with the same parameters, policy and layout"
+                )
+    if layout.rank != pg.rank() or layout.world_size != pg.size():
+        raise ValueError(
+            f"sharding: the layout is for rank {layout.rank} of {layout.world_size}, but this process is rank "
+            f"{pg.rank()} of {pg.size()} in the group; build it with shard_layout(params, group)"
+        )
+
+
+def _first_difference(key: str, a: Any, b: Any) -> str:
+    if key != "layout" or b is None:
+        return f"{key}: rank 0 has {a!r}, it has {b!r}"
+    (wa, na, sa, ga), (wb, nb, sb, gb) = a, b
+    if wa != wb:
+        return f"the world size: {wa} vs {wb}"
+    if na != nb:
+        return f"the parameter names: {sorted(set(na) ^ set(nb))}"
+    for name, x, y in zip(na, sa, sb):
+        if x != y:
+            return f"the shape of parameter {name!r}: {x} vs {y}"
+    return f"the gather dtype: {ga} vs {gb}"
+
+
+# --- memory and wire --------------------------------------------------------------------------------
+
+
+def _meta(shapes: Any) -> Any:
+    return _tree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"), shapes)
+
+
+def state_bytes(params: Any, optimizer: GradientTransformation, world_size: int = 1) -> dict[str, int]:
+    """Bytes one rank stores for the train state, computed from shapes (no allocation: ``meta`` tensors).
+
+    ``params`` (the whole parameters; real or ``meta`` tensors) are split as :func:`shard_layout`
+    would over ``world_size`` ranks (1: unsharded, DDP-style), and ``optimizer.init`` runs on meta
+    shards of rank 0 (the largest: every rank's shard has ``c`` rows, padding included).
+
+    Returns:
+      ``{"params": ..., "optimizer": ..., "grads": ..., "total": ...}``: bytes of the parameter
+      shards, of the optimizer state, of one set of gradient shards in the parameters' dtypes (what
+      the step hands the optimizer), and their sum; padding counted.
+    """
+    leaves, spec = _tree.tree_flatten(params)
+    shapes = [tuple(x.shape) for x in leaves]
+    shards = [
+        torch.empty((-(-_dim0(s) // world_size), *_rest(s)), dtype=x.dtype, device="meta")
+        if world_size > 1
+        else torch.empty(s, dtype=x.dtype, device="meta")
+        for s, x in zip(shapes, leaves)
+    ]
+    tree = _tree.tree_unflatten(spec, shards)
+    p = _tree.tree_bytes(tree)
+    o = _tree.tree_bytes(optimizer.init(tree))
+    return {"params": p, "optimizer": o, "grads": p, "total": p + o + p}
+
+
+def wire_bytes(
+    params: Any, world_size: int, *, reduce_dtype: torch.dtype | None = None, gather_dtype: torch.dtype | None = None
+) -> dict[str, int]:
+    """Bytes one rank sends per step for the gradients and parameters (ring algorithms), from shapes.
+
+    A ring ``all_reduce`` of ``B`` bytes sends ``2 (N - 1) / N * B`` per rank; a ring ``all_gather``
+    or ``reduce_scatter`` of a ``B``-byte result sends ``(N - 1) / N * B``. The small collectives
+    (finite flags, loss, norm) are left out.
+
+    Returns:
+      ``{"ddp": ..., "sharded": ..., "all_gather": ..., "reduce_scatter": ...}``: DDP-style data
+      parallelism (:func:`funcamp.parallel.mean_gradients`: one all-reduce of the gradients in
+      ``reduce_dtype``) and the sharded step (an all-gather of the parameters in ``gather_dtype`` and
+      a reduce-scatter of the gradients in ``reduce_dtype``, padding included), and its two parts.
+    """
+    leaves = _tree.tree_leaves(params)
+    n = world_size
+    pad = [n * -(-_dim0(tuple(x.shape)) // n) * _numel(_rest(tuple(x.shape))) for x in leaves]
+    exact = [x.numel() for x in leaves]
+    grad = sum(e * (reduce_dtype or x.dtype).itemsize for e, x in zip(exact, leaves))
+    gather = sum(p * (gather_dtype or x.dtype).itemsize for p, x in zip(pad, leaves))
+    scatter = sum(p * (reduce_dtype or x.dtype).itemsize for p, x in zip(pad, leaves))
+    part = (n - 1) / n
+    ag, rs = round(part * gather), round(part * scatter)
+    return {"ddp": round(2 * part * grad), "sharded": ag + rs, "all_gather": ag, "reduce_scatter": rs}

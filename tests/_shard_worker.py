@@ -1,0 +1,218 @@
+"""Worker for tests/test_sharding.py: ``torchrun --standalone --nproc_per_node=4 _shard_worker.py OUT``.
+
+One launch of 4 gloo ranks on CPU. Ranks {0, 1} and {2, 3} form two groups of two that run the
+2-rank scenarios (each pair its own share of them), then all four run the 4-rank scenarios on the
+default group. Each scenario trains the same small model for ``STEPS`` steps twice from the same
+start: sharded (``make_train_step(shard=layout)``) and unsharded data parallel (``data_parallel=group``,
+the reference), and records per step the whole parameters (the sharded ones all-gathered eagerly
+after the step) and the metrics. Each rank saves ``OUT/rank<r>.pt``. Importing this module has no
+side effects (pytest imports it).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import funcamp as fa
+from funcamp import _tree, optim, parallel, sharding
+
+B = 4  # per-rank batch
+STEPS = 20
+POISON_STEP = 6  # 0-based: the seventh step has a non-finite gradient on one rank
+F_IN, HIDDEN, CLASSES = 7, 5, 3  # shapes that do not divide by 2 or 4: padding everywhere
+PERIOD = 4  # the dynamic loss scale grows every 4 finite steps: it changes during the run
+
+
+def init_params(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Parameters of every awkward shape: rows not divisible by 2 or 4, a 1-row matrix, a 0-d scalar."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w1": torch.randn(F_IN, HIDDEN, generator=g) / F_IN**0.5,
+        "b1": torch.zeros(HIDDEN),
+        "w2": torch.randn(HIDDEN, CLASSES, generator=g) / HIDDEN**0.5,
+        "row": torch.randn(1, CLASSES, generator=g) * 0.1,  # 1 row: ranks > 0 hold only padding
+        "temp": torch.tensor(1.0),  # 0-d
+    }
+
+
+def batches(world: int, poison_rank: int, poison: float) -> list[dict[str, torch.Tensor]]:
+    """``STEPS`` global batches of ``world * B`` samples; rank r's rows are ``[r*B, (r+1)*B)``."""
+    g = torch.Generator().manual_seed(1234 + world)
+    out = []
+    for step in range(STEPS):
+        p = torch.zeros(world * B)
+        if step == POISON_STEP:
+            p[poison_rank * B : (poison_rank + 1) * B] = poison
+        x = torch.randn(world * B, F_IN, generator=g)
+        out.append({"x": x, "y": torch.randint(0, CLASSES, (world * B,), generator=g), "poison": p})
+    return out
+
+
+def shard_batch(batch: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    return {k: v[rank * B : (rank + 1) * B] for k, v in batch.items()}
+
+
+def make_loss_fn(policy: fa.Policy):
+    def loss_fn(params: Any, batch: Any) -> torch.Tensor:
+        p, x = policy.cast_to_compute((params, batch["x"]))
+        h = torch.tanh(x @ p["w1"] + p["b1"])
+        logits = policy.cast_to_output((h @ p["w2"] + p["row"]) * p["temp"]).float()
+        loss = torch.nn.functional.cross_entropy(logits, batch["y"])
+        # Zero unless poisoned; then d/d(b1) = poison * loss_scale overflows (8 * 2**15 in f16, 1e38 * 2**15 in f32).
+        trap = (p["b1"] * batch["poison"].mean().to(p["b1"].dtype)).sum().float()
+        return loss + trap
+
+    return loss_fn
+
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # float32 policy: sharded == unsharded bitwise on 2 ranks
+    "f32": dict(policy="p=f32,c=f32", poison=1e38, k=1),
+    # bfloat16 compute, bfloat16 wire (loss scale on the wire), 2 micro-batches
+    "bf16": dict(policy="p=f32,c=bf16,o=f32,r=bf16", poison=1e38, k=2),
+    # float16 compute and wire, the poisoned step overflows the float16 backward
+    "f16": dict(policy="p=f32,c=f16,o=f32,r=f16", poison=8.0, k=1),
+    # gathered in the compute dtype (FSDP2's param_dtype): the same numbers, since the loss casts every parameter
+    "bf16_gather": dict(policy="p=f32,c=bf16,o=f32", poison=1e38, k=1, gather="compute"),
+}
+PAIR_SCENARIOS = (("f32", "f16"), ("bf16", "bf16_gather"))  # pair 0 (ranks 0, 1), pair 1 (ranks 2, 3)
+WORLD_SCENARIOS = ("f32", "bf16", "f16")
+
+
+def optimizer() -> optim.GradientTransformation:
+    """AdamW with weight decay on every parameter (padding rows must stay zero through it)."""
+    return optim.adamw(optim.warmup_cosine_decay(2e-2, warmup=3, total=STEPS), weight_decay=0.1)
+
+
+def run(
+    name: str,
+    group: Any,
+    rank: int,
+    *,
+    sharded: bool,
+    compile_backend: Any = None,
+    opt: optim.GradientTransformation | None = None,
+) -> dict[str, Any]:
+    """Scenario ``name`` for ``STEPS`` steps on ``group`` (this process is ``rank`` in it)."""
+    cfg = SCENARIOS[name]
+    policy = fa.get_policy(cfg["policy"])
+    opt = opt or optimizer()
+    world = group.size()
+    params = init_params()
+    gather = policy.compute_dtype if cfg.get("gather") == "compute" else None
+    layout = sharding.shard_layout(params, group, gather_dtype=gather) if sharded else None
+    state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=PERIOD), shard=layout)
+    step = fa.make_train_step(
+        make_loss_fn(policy),
+        opt,
+        accumulation_steps=cfg["k"],
+        data_parallel=group,
+        policy=policy,
+        shard=layout,
+        compile=compile_backend is not None,
+        backend=compile_backend,
+    )
+    records = []
+    for batch in batches(world, world - 1, cfg["poison"]):
+        state, m = step(state, shard_batch(batch, rank))
+        whole = sharding.unshard_params(state.params, layout, group) if sharded else state.params
+        records.append(
+            {
+                "params": {k: v.detach().clone() for k, v in whole.items()},
+                "new_loss_scale": state.loss_scale.loss_scale.clone(),
+                **{
+                    k: m[k].clone()
+                    for k in (
+                        "loss",
+                        "loss_scale",
+                        "grads_finite",
+                        "grad_norm",
+                        "skipped_steps",
+                        "nonfinite_leaf",
+                        "learning_rate",
+                    )
+                },
+            }
+        )
+    out = {"records": records}
+    if sharded:
+        out["shards"] = {k: v.clone() for k, v in state.params.items()}
+        out["opt_shards"] = _tree.tree_map(lambda x: x.clone(), state.opt_state)
+        out["state_bytes"] = _tree.tree_bytes(state.params) + _tree.tree_bytes(state.opt_state)
+    else:
+        out["state_bytes"] = _tree.tree_bytes(state.params) + _tree.tree_bytes(state.opt_state)
+    return out
+
+
+def _errors(group: Any, i: int) -> dict[str, str]:
+    """Bad input on a pair: ranks that disagree on the policy or on a shape, a per-shard clip."""
+    out = {}
+    params = init_params()
+    opt = optimizer()
+    layout = sharding.shard_layout(params, group)
+    policy = "p=f32,c=bf16,o=f32" if i == 1 else "p=f32,c=f16,o=f32"
+    try:
+        fa.make_train_step(make_loss_fn(fa.get_policy(policy)), opt, data_parallel=group, policy=policy, shard=layout)
+    except ValueError as e:
+        out["policy"] = str(e)
+    if i == 1:
+        params = dict(params, w1=torch.zeros(F_IN + 1, HIDDEN))
+    other = sharding.shard_layout(params, group)
+    try:
+        fa.make_train_step(make_loss_fn(fa.get_policy("f32")), opt, data_parallel=group, shard=other)
+    except ValueError as e:
+        out["shape"] = str(e)
+    clipped = optim.chain(optim.clip_by_global_norm(1.0), opt)
+    try:
+        fa.make_train_step(make_loss_fn(fa.get_policy("f32")), clipped, data_parallel=group, shard=layout)
+    except ValueError as e:
+        out["clip"] = str(e)
+    return out
+
+
+def _clip(group: Any, rank: int) -> dict[str, Any]:
+    """``sharding.clip_by_global_norm`` (sharded) vs ``optim.clip_by_global_norm`` (unsharded), 20 steps."""
+    sharded = run(
+        "f32", group, rank, sharded=True, opt=optim.chain(sharding.clip_by_global_norm(0.5, group), optimizer())
+    )
+    plain = run("f32", group, rank, sharded=False, opt=optim.chain(optim.clip_by_global_norm(0.5), optimizer()))
+    return {"sharded": sharded["records"], "plain": plain["records"]}
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    rank, world, device = parallel.setup_from_env(timeout_s=120)
+    assert world == 4 and device.type == "cpu", (world, device)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+    pair, i = pairs[rank // 2], rank % 2
+    results: dict[str, Any] = {"rank": rank, "pair": {}, "world": {}}
+    for name in PAIR_SCENARIOS[rank // 2]:
+        results["pair"][name] = {
+            "sharded": run(name, pair, i, sharded=True),
+            "plain": run(name, pair, i, sharded=False),
+        }
+    results["errors"] = _errors(pair, i)
+    if rank < 2:
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        counter = CompileCounterWithBackend("aot_eager")
+        results["compiled"] = run("f16", pair, i, sharded=True, compile_backend=counter)["records"]
+        results["compile"] = {"frame_count": counter.frame_count, "code": [g.code for g in counter.graphs]}
+    else:
+        results["clip"] = _clip(pair, i)
+    group = parallel.resolve_group(True)
+    for name in WORLD_SCENARIOS:
+        results["world"][name] = {
+            "sharded": run(name, group, rank, sharded=True),
+            "plain": run(name, group, rank, sharded=False),
+        }
+    torch.save(results, f"{out}/rank{rank}.pt")
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

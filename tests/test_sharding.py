@@ -1,0 +1,267 @@
+"""Tests for funcamp.sharding and the sharded train step (CPU, gloo, under torchrun).
+
+The distributed part runs tests/_shard_worker.py once under ``torchrun --standalone
+--nproc_per_node=4`` (about 40 s on 2 cores): two pairs of ranks run the 2-rank scenarios, then all
+four the 4-rank ones; each scenario trains sharded and unsharded (the data-parallel reference) from the
+same start for 20 steps that include skipped steps and a dynamic loss scale that grows and backs off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import _shard_worker as W
+import pytest
+import torch
+from test_parallel import run_torchrun
+
+import funcamp as fa
+from funcamp import optim, sharding
+
+HERE = Path(__file__).resolve().parent
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+        and bool((a.isnan() == b.isnan()).all())
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# One process: layout, shards, errors, the sharded step on a layout of one rank
+
+
+def test_layout_and_shards_with_padding():
+    params = {"w": torch.arange(15.0).view(5, 3), "s": torch.tensor(2.5), "r": torch.ones(1, 4)}
+    one = sharding.shard_layout(params, None)
+    assert (one.world_size, one.rank, one.names) == (1, 0, ("r", "s", "w"))  # optree sorts dict keys
+    two = dataclasses.replace(one, world_size=2)
+    assert [two.shard_shape(i) for i in range(3)] == [(1, 4), (1,), (3, 3)]
+    r0, r1 = sharding.shard_params(params, two), sharding.shard_params(params, two.for_rank(1))
+    assert torch.equal(r0["w"], params["w"][:3]) and torch.equal(r0["s"], torch.tensor([2.5]))
+    assert torch.equal(r1["w"], torch.cat([params["w"][3:], torch.zeros(1, 3)]))  # row 5 is padding
+    assert torch.equal(r1["s"], torch.zeros(1)) and torch.equal(r1["r"], torch.zeros(1, 4))
+    assert [two.valid_rows(i, 1) for i in range(3)] == [0, 0, 2]
+    assert r0["w"].data_ptr() != params["w"].data_ptr()  # copies: the whole tensors can be freed
+    # One rank: the shards are the whole tensors (0-d ones as 1-element vectors), and they come back whole.
+    shards = sharding.shard_params(params, one)
+    back = sharding.unshard_params(shards, one, None)
+    assert all(torch.equal(back[k], params[k]) and back[k].shape == params[k].shape for k in params)
+    half = sharding.all_gather_params(shards, dataclasses.replace(one, gather_dtype=torch.bfloat16), None)
+    assert half["w"].dtype == torch.bfloat16 and torch.equal(half["w"].float(), params["w"])
+
+
+def test_layout_errors():
+    params = {"w": torch.zeros(3, 2)}
+    with pytest.raises(TypeError, match="every parameter must be a floating tensor; 'n' is"):
+        sharding.shard_layout({"n": torch.zeros(2, dtype=torch.int64)}, None)
+    with pytest.raises(TypeError, match="gather_dtype must be None or a floating torch.dtype"):
+        sharding.shard_layout(params, None, gather_dtype="bf16")
+    with pytest.raises(RuntimeError, match="process group is not initialized"):
+        sharding.shard_layout(params, True)
+    layout = sharding.shard_layout(params, None)
+    with pytest.raises(ValueError, match=r"missing \['w'\], unexpected \['v'\]"):
+        sharding.shard_params({"v": torch.zeros(3, 2)}, layout)
+    with pytest.raises(ValueError, match=r"parameter 'w' has shape \(4, 2\), but its whole tensor has shape \(3, 2\)"):
+        sharding.shard_params({"w": torch.zeros(4, 2)}, layout)
+    two = dataclasses.replace(layout, world_size=2)
+    with pytest.raises(ValueError, match=r"'w' has shape \(3, 2\), but its shard on rank 0 of 2 has shape \(2, 2\)"):
+        sharding.all_gather_params({"w": torch.zeros(3, 2)}, two, None)
+    with pytest.raises(TypeError, match="layout must be a funcamp.sharding.ShardLayout"):
+        sharding.shard_params(params, "rows")
+
+
+def test_train_step_argument_errors():
+    params, opt = W.init_params(), W.optimizer()
+    loss_fn = W.make_loss_fn(fa.get_policy("f32"))
+    layout = sharding.shard_layout(params, None)
+    with pytest.raises(TypeError, match="shard must be None or a funcamp.sharding.ShardLayout"):
+        fa.TrainState.create(params, opt, shard=True)
+    with pytest.raises(TypeError, match="shard must be None or a funcamp.sharding.ShardLayout"):
+        fa.make_train_step(loss_fn, opt, shard=True, compile=False)
+    with pytest.raises(ValueError, match="layout over 2 ranks; pass data_parallel=True"):
+        fa.make_train_step(loss_fn, opt, shard=dataclasses.replace(layout, world_size=2), compile=False)
+    with pytest.raises(ValueError, match="telemetry= is not supported with shard="):
+        fa.make_train_step(loss_fn, opt, shard=layout, telemetry=5, compile=False)
+    clipped = optim.chain(optim.clip_by_global_norm(1.0), opt)  # found inside nested chains too
+    with pytest.raises(ValueError, match="use funcamp.sharding.clip_by_global_norm"):
+        fa.make_train_step(loss_fn, optim.chain(optim.identity(), clipped), shard=layout, compile=False)
+
+
+def test_one_rank_sharded_step_is_the_plain_step():
+    """A layout of one rank runs the sharded code path without communication: bitwise the plain step."""
+    policy = fa.get_policy("p=f32,c=bf16,o=f32")
+    params, opt = W.init_params(), W.optimizer()
+    layout = sharding.shard_layout(params, None)
+    scale = fa.DynamicLossScale(2.0**15, period=W.PERIOD)
+    a = fa.TrainState.create(params, opt, loss_scale=scale, shard=layout)
+    b = fa.TrainState.create(params, opt, loss_scale=scale)
+    step_a = fa.make_train_step(W.make_loss_fn(policy), opt, policy=policy, shard=layout, compile=False)
+    step_b = fa.make_train_step(W.make_loss_fn(policy), opt, policy=policy, compile=False)
+    for batch in W.batches(1, 0, 1e38)[:8]:
+        a, ma = step_a(a, batch)
+        b, mb = step_b(b, batch)
+        for k in ("loss", "loss_scale", "grads_finite", "nonfinite_leaf", "learning_rate"):
+            assert _same(ma[k], mb[k]), k
+        assert torch.allclose(ma["grad_norm"], mb["grad_norm"], rtol=2.5e-7, atol=0) or not bool(mb["grads_finite"])
+    whole = sharding.unshard_params(a.params, layout, None)
+    assert all(torch.equal(whole[k], b.params[k]) for k in params)
+    assert int(a.skipped_steps) == 1
+
+
+def test_state_and_wire_bytes_from_shapes():
+    params = {"w": torch.zeros(7, 5), "b": torch.zeros(5), "s": torch.zeros(())}
+    adam = optim.adam(1e-3)
+    one, two = sharding.state_bytes(params, adam, 1), sharding.state_bytes(params, adam, 2)
+    # mu and nu like the params; three 0-d counters and the learning rate, 4 bytes each, stay whole
+    assert one["params"] == 41 * 4 and one["optimizer"] == 2 * 41 * 4 + 12
+    # 2 ranks: w 4 rows of 5, b 3, s 1 -> 24 elements each (16 real on average, 4 of padding per rank)
+    assert two["params"] == 24 * 4 and two["total"] == 24 * 4 * 4 + 12
+    wire = sharding.wire_bytes(params, 4, reduce_dtype=torch.bfloat16)
+    # DDP: all-reduce of 41 bf16 = 82 B, ring: 2 * 3/4 * 82; sharded: padded 8*5 + 8 + 4 = 52 elements
+    assert wire["ddp"] == round(1.5 * 82) and wire["all_gather"] == round(0.75 * 52 * 4)
+    assert wire["reduce_scatter"] == round(0.75 * 52 * 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Four gloo ranks under torchrun
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shard")
+    run_torchrun([str(HERE / "_shard_worker.py"), str(out)], nproc=4)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def _pair_ranks(ranks, name):
+    pair = next(p for p, names in enumerate(W.PAIR_SCENARIOS) if name in names)
+    return ranks[2 * pair : 2 * pair + 2]
+
+
+def _assert_trajectory(sharded, plain, name):
+    for step, (s, p) in enumerate(zip(sharded, plain)):
+        for k in (
+            "loss",
+            "loss_scale",
+            "new_loss_scale",
+            "grads_finite",
+            "skipped_steps",
+            "nonfinite_leaf",
+            "learning_rate",
+        ):
+            assert _same(s[k], p[k]), f"{name}: {k} differs at step {step + 1}: {s[k]} vs {p[k]}"
+        if bool(p["grads_finite"]):  # global norm: float64 sum over shards vs float32 per-leaf norms
+            assert torch.allclose(s["grad_norm"], p["grad_norm"], rtol=2.5e-7, atol=0), (name, step)
+    finite = [bool(r["grads_finite"]) for r in plain]
+    scales = {float(r["loss_scale"]) for r in plain}
+    assert finite.count(False) >= 1 and len(scales) >= 3, (finite, scales)  # it skipped, the scale moved
+
+
+@pytest.mark.parametrize("name", [n for names in W.PAIR_SCENARIOS for n in names])
+def test_two_ranks_sharded_equals_unsharded_bitwise(ranks, name):
+    """Two ranks: a + b == b + a, so the reduce-scatter's sum is the all-reduce's, and every step is bitwise.
+
+    Also for bf16/f16 compute and a 16-bit wire (the same operations in the same order), and for
+    parameters gathered in bfloat16 (``bf16_gather``: the loss casts every parameter to bfloat16 first).
+    """
+    for r in _pair_ranks(ranks, name):
+        sharded, plain = r["pair"][name]["sharded"]["records"], r["pair"][name]["plain"]["records"]
+        for step, (s, p) in enumerate(zip(sharded, plain)):
+            assert all(torch.equal(s["params"][k], p["params"][k]) for k in p["params"]), (name, step + 1)
+        _assert_trajectory(sharded, plain, name)
+    assert _max_diff(plain[-1]["params"], W.init_params()) > 0.05  # it did train
+
+
+# Measured on 4 gloo ranks (AMD EPYC, AVX2), max |sharded - unsharded| over the parameters after 20
+# steps: f32 3.0e-8, bf16 5.0e-4, f16 5.8e-5. Bounds: 4x that, rounded up.
+FOUR_RANK_BOUND = {"f32": 1.2e-7, "bf16": 2e-3, "f16": 2.5e-4}
+
+
+@pytest.mark.parametrize("name", W.WORLD_SCENARIOS)
+def test_four_ranks_within_round_off(ranks, name):
+    """Four ranks: gloo's ring sums each element in an order set by its position in the buffer.
+
+    The reduce-scatter buffer is laid out rank-major (each rank's rows of every parameter together),
+    mean_gradients' bucket parameter by parameter, so an element of the mean of 4 terms can round
+    differently (1 ulp of float32); with float32 compute that stays at float32 round-off over 20
+    AdamW steps, with bf16/f16 compute the next forward rounds the parameters to 8/11 bits and the
+    difference grows to compute-dtype round-off. Loss scale, skips and finite flags are identical.
+    """
+    for r in ranks:
+        sharded, plain = r["world"][name]["sharded"]["records"], r["world"][name]["plain"]["records"]
+        assert max(_max_diff(s["params"], p["params"]) for s, p in zip(sharded, plain)) <= FOUR_RANK_BOUND[name]
+        for s, p in zip(sharded, plain):
+            for k in ("loss_scale", "new_loss_scale", "grads_finite", "skipped_steps", "nonfinite_leaf"):
+                assert _same(s[k], p[k]), (name, k)
+    for r in ranks[1:]:  # the ranks agree with each other bitwise
+        for a, b in zip(r["world"][name]["sharded"]["records"], ranks[0]["world"][name]["sharded"]["records"]):
+            assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def test_padding_rows_stay_zero_and_state_is_split(ranks):
+    """After 20 AdamW steps with weight decay, every padding row of every shard and moment is exactly 0."""
+    params = W.init_params()
+    for world, group_ranks, where in ((2, ranks[:2], "pair"), (4, ranks, "world")):
+        layout = sharding.shard_layout(params, None)
+        layout = dataclasses.replace(layout, world_size=world)
+        for rank, r in enumerate(group_ranks):
+            res = r[where]["f32"]["sharded"]
+            lay = layout.for_rank(rank)
+            adam_state = res["opt_shards"][0]  # ScaleByAdamState of adamw's chain
+            for i, name in enumerate(lay.names):
+                v = lay.valid_rows(i)
+                for tensor in (res["shards"][name], adam_state.mu[name], adam_state.nu[name]):
+                    assert torch.equal(tensor[v:], torch.zeros_like(tensor[v:])), (world, rank, name)
+            # State bytes (parameters + AdamW moments; the 0-d counters, 12 bytes, stay whole on every rank):
+            # what state_bytes computes from shapes, and 1/N of the unsharded state plus the padding.
+            expected = sharding.state_bytes(params, W.optimizer(), world)
+            assert res["state_bytes"] == expected["params"] + expected["optimizer"]
+            real = sum(x.numel() for x in params.values())
+            padded = sum(world * lay.rows(i) * math.prod(lay.shapes[i][1:]) for i in range(len(lay.names)))
+            whole = r[where]["f32"]["plain"]["state_bytes"]
+            assert whole == 3 * 4 * real + 12
+            assert res["state_bytes"] == (whole - 12 + 3 * 4 * (padded - real)) / world + 12
+
+
+def test_compiled_sharded_step_is_one_graph(ranks):
+    for r in ranks[:2]:
+        assert r["compile"]["frame_count"] == 1  # 20 steps: skips and scale changes, no recompile
+        code = r["compile"]["code"][0]
+        assert code.count("_c10d_functional.all_gather_into_tensor(") == 1  # the parameters, one dtype
+        assert code.count("_c10d_functional.reduce_scatter_tensor(") == 1  # the gradients
+        assert code.count("_c10d_functional.all_reduce(") == 2  # norm + finite flags, loss
+        assert "_local_scalar_dense" not in code and ".item()" not in code
+        for got, want in zip(r["compiled"], r["pair"]["f16"]["sharded"]["records"]):
+            assert _max_diff(got["params"], want["params"]) <= 1e-6
+            assert _same(got["grads_finite"], want["grads_finite"]) and _same(got["loss_scale"], want["loss_scale"])
+
+
+def test_sharded_clip_by_global_norm(ranks):
+    """funcamp.sharding.clip_by_global_norm (norm over shards) vs funcamp.optim.clip_by_global_norm, unsharded.
+
+    Max norm 0.5 clips most steps (unclipped norms 0.57 to 1.05). The norms agree to float32 round-off
+    (float64 sum over shards vs float32 per-leaf norms): measured max parameter difference 3.0e-8.
+    """
+    for r in ranks[2:]:
+        sharded, plain = r["clip"]["sharded"], r["clip"]["plain"]
+        assert sum(float(p["grad_norm"]) > 0.5 for p in plain if bool(p["grads_finite"])) >= 10
+        assert max(_max_diff(s["params"], p["params"]) for s, p in zip(sharded, plain)) <= 2e-7
+
+
+def test_bad_input_names_the_rank(ranks):
+    for r in ranks:
+        errors = r["errors"]
+        assert "rank 1 differs from rank 0 in policy" in errors["policy"] and "compute=bfloat16" in errors["policy"]
+        assert "rank 1 differs from rank 0 in the shape of parameter 'w1': (7, 5) vs (8, 5)" in errors["shape"]
+        assert "use funcamp.sharding.clip_by_global_norm" in errors["clip"]
