@@ -271,7 +271,9 @@ def _cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[tor
     """``(fp8 tensor, inverse scale)``: ``t * scale`` in float32, saturated and cast to ``dtype`` (torchao's
     ``to_fp8_saturated``); the inverse scale is ``1 / scale`` in float32, what ``torch._scaled_mm`` takes."""
     top = _MAX[dtype]
-    return (t.detach().to(torch.float32) * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+    scaled = (t.detach().to(torch.float32) * scale).clamp(-top, top)
+    # Row-major whatever ``t``'s layout (Conv1D's transposed weight): _scaled_mm would copy it again.
+    return scaled.to(dtype, memory_format=torch.contiguous_format), scale.reciprocal()
 
 
 def _dynamic(t: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,6 +371,7 @@ class _Fp8Matmul(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], outputs: tuple[torch.Tensor, ...]) -> None:
         x, w, _, _, recipe, _ = inputs
         ctx.recipe, ctx.dtypes = recipe, (x.dtype, w.dtype)
+        ctx.set_materialize_grads(False)  # the fp8 outputs get no gradient: no zero tensors of their size
         if recipe.scaling == "rowwise":
             ctx.save_for_backward(x, w)
         else:
@@ -470,6 +473,44 @@ class _Float8Layer(nn.Module):
                 self.register_buffer(f"fp8_amax_history_{role}", history)
                 self.register_buffer(f"fp8_scale_{role}", scale)
 
+    def _sizes(self) -> tuple[int, int]:
+        """``(K, N)``: the contracted and the output size of the layer's matmul."""
+        raise NotImplementedError
+
+    @property
+    def keeps_fp8_copies(self) -> bool:
+        """Whether a call keeps its fp8 copies until the backward: True for the per-tensor recipes
+        (``tensorwise``, ``delayed``), False for ``rowwise``, which keeps the high-precision input and
+        weight instead and casts them again along the other dimension in the backward."""
+        return self.recipe.scaling != "rowwise"
+
+    def fp8_copy_bytes(self, tokens: int | None = None) -> dict[torch.dtype, int]:
+        """Bytes of the fp8 copies one call of the layer makes in its forward, by dtype.
+
+        The float8_e4m3fn weight ``(N, K)`` and its float32 inverse scale (one; ``N`` for rowwise);
+        with ``tokens`` (``M``, the rows of the input: batch times sequence) also the float8_e4m3fn
+        input ``(M, K)`` and its inverse scale (one; ``M`` for rowwise). These are the forward's only
+        fp8 tensors (each cast is one allocation, made row-major, which ``torch._scaled_mm`` takes as
+        it is). Not counted: the float32 temporaries of a cast in eager mode (``t * scale``, clamped;
+        torch.compile fuses them away), the output, and the backward's own casts of the gradient and
+        transposed copies, which live for one layer's backward at a time.
+
+        Args:
+          tokens: the number of rows of the input, or None to count the weight's copy only.
+        Returns:
+          ``{torch.float8_e4m3fn: bytes, torch.float32: bytes}``.
+        Raises:
+          ValueError: if ``tokens`` is not None or an int >= 1.
+        """
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+            raise ValueError(f"fp8_copy_bytes: tokens must be None or an int >= 1 (batch x sequence), got {tokens!r}")
+        k, n = self._sizes()
+        rowwise = self.recipe.scaling == "rowwise"
+        fp8, scales = n * k, (n if rowwise else 1)
+        if tokens is not None:
+            fp8, scales = fp8 + tokens * k, scales + (tokens if rowwise else 1)
+        return {E4M3: fp8, torch.float32: 4 * scales}
+
     def delayed_state(self, role: str) -> DelayedScalingState:
         """The current :class:`DelayedScalingState` of ``"input"`` or ``"weight"`` (delayed recipe only)."""
         return DelayedScalingState(getattr(self, f"fp8_amax_history_{role}"), getattr(self, f"fp8_scale_{role}"))
@@ -560,6 +601,9 @@ class Float8Linear(nn.Linear, _Float8Layer):
         new._init_fp8(recipe, name, linear.weight.device)  # real state buffers, on the weight's device
         return new
 
+    def _sizes(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fp8(x, self.weight, self.bias)
 
@@ -587,6 +631,9 @@ class Float8Conv1D(_Float8Layer):
         self.weight, self.bias = conv.weight, conv.bias
         self.train(conv.training)
         self._init_fp8(recipe, name, conv.weight.device)
+
+    def _sizes(self) -> tuple[int, int]:
+        return self.nx, self.nf
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._fp8(x, self.weight.t(), self.bias)

@@ -3,9 +3,10 @@
 :func:`memory_footprint` counts what Hugging Face's ``model.get_memory_footprint()`` counts (parameters,
 tied ones once, plus buffers) for a module, or the tensor leaves of any pytree. :func:`memory_report`
 splits the bytes by dtype: what the master copy holds between steps, and the compute-dtype copies of
-the parameters that a forward pass under the policy makes. Both take ``apply_fn=`` (what
-:func:`funcamp.nn.functionalize` returned) to count the frozen tensors ``apply_fn`` holds, int8 weights
-(:class:`funcamp.quant.Int8Weight`) with their float32 scales, and the copies its forward really makes.
+the parameters that a forward pass under the policy makes, fp8 copies included (:mod:`funcamp.fp8`
+layers). Both take ``apply_fn=`` (what :func:`funcamp.nn.functionalize` returned) to count the frozen
+tensors ``apply_fn`` holds, int8 weights (:class:`funcamp.quant.Int8Weight`) with their float32 scales,
+and the copies its forward really makes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from funcamp import _tree
+from funcamp import _tree, fp8
 from funcamp.policy import Policy, get_policy
 from funcamp.quant import Int8Weight
 
@@ -102,8 +103,10 @@ class MemoryReport:
         and persistent buffers in their policy's ``param_dtype``; integer tensors and non-persistent
         buffers as they are).
       compute: bytes of the compute-dtype copies of floating parameters and persistent buffers that
-        a forward pass makes, by dtype (none where ``compute_dtype == param_dtype``). Activations,
-        gradients and optimizer state are not included.
+        a forward pass makes, by dtype (none where ``compute_dtype == param_dtype``), and the fp8
+        copies of the :mod:`funcamp.fp8` layers (float8_e4m3fn, with float32 inverse scales; see
+        :func:`memory_report`). Activations (but the fp8 copies of the fp8 layers' inputs, when
+        ``tokens`` is given), gradients and optimizer state are not included.
       policy: the policy as text; for per-name policies, the one holding the most bytes and how many
         tensors follow others; ``None`` without a policy.
     """
@@ -189,7 +192,59 @@ def _policy_for(policy: Any, name: str | None) -> Policy:
     return get_policy(policy[name])
 
 
-def memory_report(tree_or_module: Any, policy: PolicyArg = None, *, apply_fn: Any = None) -> MemoryReport:
+def _fp8_layers(tree_or_module: Any, model: nn.Module | None) -> list[Any]:
+    """The fp8 layers of the module (once each), or of ``model`` for a pytree of its tensors."""
+    if isinstance(tree_or_module, nn.Module):
+        if model is not None and model is not tree_or_module:
+            raise TypeError("memory_report: model= is for a pytree of a model's tensors; here the module is given")
+        model = tree_or_module
+    elif model is None:
+        names = [path.rpartition(".")[2] for path in _tree.tree_paths(tree_or_module)]
+        delayed = sorted({n for n in names if n.startswith("fp8_amax_history_") or n.startswith("fp8_scale_")})
+        if delayed:
+            raise TypeError(
+                f"memory_report: these tensors include fp8 recipe state ({', '.join(delayed)}); pass model= (the "
+                "fp8.convert-ed module they came from) so that the fp8 copies of its layers are counted"
+            )
+        return []
+    elif not isinstance(model, nn.Module):
+        raise TypeError(
+            f"memory_report: model must be an nn.Module (the one functionalized), got {type(model).__name__}"
+        )
+    return [m for m in model.modules() if isinstance(m, (fp8.Float8Linear, fp8.Float8Conv1D))]
+
+
+def _add_fp8_copies(compute: dict[torch.dtype, int], layers: list[Any], tokens: int | None) -> None:
+    """Per-tensor recipes: every layer's copies (kept until the backward); rowwise: the largest layer's
+    (freed when its call returns, so one layer's at a time)."""
+    largest: dict[torch.dtype, int] = {}
+    for layer in layers:
+        copies = layer.fp8_copy_bytes(tokens)
+        if layer.keeps_fp8_copies:
+            for dtype, n in copies.items():
+                _add(compute, dtype, n)
+        elif sum(copies.values()) > sum(largest.values()):
+            largest = copies
+    for dtype, n in largest.items():
+        _add(compute, dtype, n)
+
+
+def _check_tokens(tokens: Any) -> None:
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+        raise ValueError(
+            f"memory_report: tokens must be None or an int >= 1 (the rows entering each fp8 layer: batch x "
+            f"sequence), got {tokens!r}"
+        )
+
+
+def memory_report(
+    tree_or_module: Any,
+    policy: PolicyArg = None,
+    *,
+    apply_fn: Any = None,
+    model: nn.Module | None = None,
+    tokens: int | None = None,
+) -> MemoryReport:
     """Bytes by dtype that a model stores, and the compute copies it makes, under a precision policy.
 
     Every floating parameter (and persistent buffer, and floating leaf of a pytree) is counted in its
@@ -198,7 +253,7 @@ def memory_report(tree_or_module: Any, policy: PolicyArg = None, *, apply_fn: An
     ``apply_fn`` casts it to. A tied parameter of a module (GPT-2's embedding and LM head) is stored
     once and copied once per use, as ``apply_fn`` does. Integer tensors and non-persistent buffers are
     counted as they are.
-    Without a policy, ``stored`` is what the tensors hold now and ``compute`` is empty. An
+    Without a policy, ``stored`` is what the tensors hold now and ``compute`` has only fp8 copies. An
     :class:`funcamp.quant.Int8Weight` value of a flat dict is stored as it is (int8 data and float32
     scales) and, under a policy, copied once in the compute dtype (its dequantized weight).
 
@@ -209,17 +264,40 @@ def memory_report(tree_or_module: Any, policy: PolicyArg = None, *, apply_fn: An
     (``apply_fn.forward_dtypes``): a float32 master used in bfloat16, a dequantized int8 weight, each
     use of a tied weight that needs a cast of its own.
 
+    fp8 layers (:class:`funcamp.fp8.Float8Linear`, :class:`funcamp.fp8.Float8Conv1D`, found in the
+    module, or in ``model`` when ``tree_or_module`` is a pytree of its tensors) add their fp8 copies to
+    ``compute``, with or without a policy: per layer, the float8_e4m3fn weight (``N * K`` bytes) and its
+    float32 inverse scale (4 bytes; ``4 * N`` rowwise), and with ``tokens`` (``M``, the rows of each fp8
+    layer's input, batch times sequence) the float8_e4m3fn input (``M * K``) and its inverse scale (4;
+    ``4 * M`` rowwise) (:meth:`funcamp.fp8.Float8Linear.fp8_copy_bytes`). The ``tensorwise`` and
+    ``delayed`` recipes keep these copies until the backward, so every layer's counts; ``rowwise``
+    frees them when the layer returns, so only the largest layer's counts (one at a time). Their
+    delayed-recipe state is a persistent float32 buffer, counted in ``stored``. Under
+    ``fp8.MODULE_POLICIES`` the fp8 layers' weights enter in float32 (no bfloat16 copy). Not counted: a
+    cast's float32 temporaries in eager mode, and the backward's casts, which live one layer at a time.
+    torchao's ``Float8Linear`` also keeps one fp8 copy of each operand per call (it saves the
+    high-precision tensors and casts them again in the backward).
+
     Args:
       tree_or_module: an ``nn.Module`` or a pytree of tensors.
       policy: a Policy, a policy string, a dict from names (``named_parameters`` names, or the keys of
         a flat dict) to policies such as :func:`funcamp.nn.param_policies` returns, which knows that
         normalisation layers stay in float32; or None.
       apply_fn: optional; the function ``functionalize`` returned with ``tree_or_module``.
+      model: for a pytree ``tree_or_module``, the module it came from (the ``fp8.convert``-ed model
+        given to ``functionalize``), to find its fp8 layers; None for a module. A pytree alone does
+        not tell which tensors belong to ``tensorwise`` or ``rowwise`` fp8 layers (they have no state):
+        without ``model`` their copies are missing; the ``delayed`` state is seen and refused.
+      tokens: the rows of the input of each fp8 layer (batch times sequence), to count the fp8 copies
+        of the inputs too; None counts the weights' copies only.
     Returns:
       A :class:`MemoryReport`; ``str()`` of it is a table.
     Raises:
       TypeError: if per-name policies are given with a nested pytree; if both ``policy`` and
         ``apply_fn`` are given, or ``apply_fn`` is not a function ``functionalize`` returned.
+      TypeError: if a pytree holds fp8 recipe state (``fp8_amax_history_*``, ``fp8_scale_*``) and
+        ``model`` is not given, or ``model`` is given with a module or is not an ``nn.Module``.
+      ValueError: if ``tokens`` is not None or an int >= 1.
       ValueError: with ``apply_fn``, if a name of ``tree_or_module`` is not one of its parameters or
         buffers.
       ValueError: if a policy string does not parse, or a floating tensor has no per-name policy.
@@ -236,6 +314,15 @@ def memory_report(tree_or_module: Any, policy: PolicyArg = None, *, apply_fn: An
       bfloat16        -         2.0 MiB
       total     4.0 MiB         2.0 MiB
     """
+    _check_tokens(tokens)
+    layers = _fp8_layers(tree_or_module, model)
+    report = _report(tree_or_module, policy, apply_fn)
+    _add_fp8_copies(report.compute, layers, tokens)
+    return report
+
+
+def _report(tree_or_module: Any, policy: PolicyArg, apply_fn: Any) -> MemoryReport:
+    """:func:`memory_report` without the fp8 copies."""
     if apply_fn is not None:
         if policy is not None:
             raise TypeError("memory_report: give either a policy or apply_fn (whose dtypes are the policy's), not both")

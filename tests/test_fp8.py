@@ -509,6 +509,47 @@ def test_hugging_face_conv1d() -> None:
     assert torch.equal(y.detach(), ref.detach()) and torch.equal(gw, gref) and gw.shape == (32, 128)
     ids = torch.randint(0, 256, (2, 16))
     assert torch.allclose(converted(ids).logits, model(ids).logits, rtol=0.1, atol=0.05)
+    # The transposed weight is cast straight to a row-major fp8 copy: two fp8 tensors per call, as Linear
+    made = fp8_allocations(lambda: layer(x))
+    assert [shape for _, shape, _ in made] == [(16, 32), (128, 32)]
+    assert sum(n for *_, n in made) == layer.fp8_copy_bytes(tokens=16)[E4M3]
+
+
+def fp8_allocations(fn) -> list[tuple[str, tuple[int, ...], int]]:
+    """``(op, shape, bytes)`` of each fp8 tensor ``fn()`` allocates (an output on none of its inputs' storage)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    made = []
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {
+                t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+            }
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype in (E4M3, E5M2):
+                    if t.untyped_storage().data_ptr() not in inputs:
+                        made.append((str(func), tuple(t.shape), t.untyped_storage().nbytes()))
+            return out
+
+    with Made():
+        fn()
+    return made
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_backward_allocates_no_zero_gradients_for_the_saved_casts(recipe) -> None:
+    """The forward's extra fp8 outputs (the casts kept for the backward) get no gradient: autograd must
+    not materialize zero tensors of their sizes (it did: an (M, K) and an (N, K) fp8 zeros per call)."""
+    lin = fp8.Float8Linear(64, 32, recipe=recipe)
+    x = torch.randn(48, 64, requires_grad=True)
+    y = lin(x)
+    made = fp8_allocations(lambda: y.sum().backward())
+    assert made and not [m for m in made if "zeros" in m[0]], made
+    # what is left: g in e5m2 and the transposed copies _scaled_mm's layouts need
+    assert {op for op, *_ in made} <= {"aten._to_copy.default", "aten.clone.default"}
 
 
 # --- data parallelism: the delayed state max-reduced over ranks -----------------------------------------

@@ -7,6 +7,7 @@ weights from ``GPT2Config()``, no download); those tests skip without transforme
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -238,3 +239,102 @@ def test_report_with_apply_fn_takes_buffers_too():
     report = memory_report({**params, **buffers}, apply_fn=apply_fn)
     assert report.stored == {F32: (20 + 8 + 8) * 4, torch.int64: 8}  # masters, running stats, counter
     assert report.compute == {BF16: 20 * 2}  # the Linear in bf16; BatchNorm keeps float32
+
+
+# --- fp8 layers: their fp8 copies, from the shapes, and what the forward really keeps -----------------------
+
+FP8_SIZES = [(64, 64), (64, 128), (128, 32), (32, 48)]  # (in, out) = (K, N) of four fp8 layers
+B, T = 2, 20  # tokens M = 40
+
+
+def _fp8_model(recipe: str) -> nn.Module:
+    from funcamp import fp8
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(k, n) for k, n in FP8_SIZES]
+    return fp8.convert(nn.Sequential(*layers), recipe, filter="*")
+
+
+def _saved_fp8_bytes(apply_fn, params, buffers, x) -> tuple[int, int]:
+    """(bytes of fp8 tensors the forward saves for the backward, bytes of every fp8 tensor it makes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    fp8_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
+    saved, made = {}, []
+
+    class Made(TorchDispatchMode):  # an fp8 output whose storage is none of the inputs' (not a view)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {
+                t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+            }
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dtype in fp8_dtypes:
+                    if t.untyped_storage().data_ptr() not in inputs:
+                        made.append(t.untyped_storage().nbytes())
+            return out
+
+    def pack(t):
+        if t.dtype in fp8_dtypes:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    params = {k: v.requires_grad_() for k, v in params.items()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), Made():
+        apply_fn(params, *([buffers] if buffers else []), x)
+    return sum(saved.values()), sum(made)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_report_counts_fp8_copies_from_the_shapes(recipe):
+    """Per fp8 layer: the e4m3 weight (N*K bytes) and, with tokens=M, the e4m3 input (M*K), with float32
+    inverse scales (1 each per tensor; N and M rowwise). tensorwise and delayed keep them until the
+    backward (every layer counts, and the forward saves exactly those bytes); rowwise frees them when
+    the layer returns (the largest layer counts, and nothing fp8 is saved)."""
+    from funcamp import fp8
+
+    model = _fp8_model(recipe)
+    policy = "params=float32,compute=bfloat16,output=float32"
+    m = B * T
+    per_layer = [(n * k + m * k, 4 * ((n + m) if recipe == "rowwise" else 2)) for k, n in FP8_SIZES]
+    if recipe == "rowwise":
+        e4m3, f32 = max(per_layer)
+    else:
+        e4m3, f32 = sum(p[0] for p in per_layer), sum(p[1] for p in per_layer)
+    params_bytes = sum((n * k + n) * 4 for k, n in FP8_SIZES)
+    state = 4 * 2 * (16 + 1) * 4 if recipe == "delayed" else 0  # 4 layers, input and weight: history 16, scale
+
+    pols = param_policies(model, policy, module_policies=fp8.MODULE_POLICIES)
+    report = memory_report(model, pols, tokens=m)
+    # fp8 layers enter in float32 under MODULE_POLICIES: no bfloat16 copies, only the fp8 ones
+    assert report.compute == {torch.float8_e4m3fn: e4m3, F32: f32}
+    assert report.stored == {F32: params_bytes + state}
+    weights_only = memory_report(model, pols).compute
+    assert weights_only[torch.float8_e4m3fn] == (
+        max(n * k for k, n in FP8_SIZES) if recipe == "rowwise" else sum(n * k for k, n in FP8_SIZES)
+    )
+
+    out = functionalize(model, policy, module_policies=fp8.MODULE_POLICIES)
+    apply_fn, params, buffers = out if len(out) == 3 else (*out, {})
+    assert memory_report({**params, **buffers}, apply_fn=apply_fn, model=model, tokens=m) == dataclasses.replace(
+        report, policy="as functionalize's apply_fn holds and casts them"
+    )
+    saved, made = _saved_fp8_bytes(apply_fn, params, buffers, torch.randn(B, T, 64))
+    assert made == sum(p[0] for p in per_layer)  # every fp8 tensor the forward makes, one cast each
+    assert saved == (0 if recipe == "rowwise" else e4m3)
+
+
+def test_report_fp8_errors():
+    from funcamp import fp8
+
+    model = _fp8_model("delayed")
+    apply_fn, params, buffers = functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES)
+    with pytest.raises(TypeError, match=r"fp8 recipe state \(fp8_amax_history_input, .*pass model="):
+        memory_report({**params, **buffers}, apply_fn=apply_fn)
+    with pytest.raises(ValueError, match="tokens must be None or an int >= 1"):
+        memory_report(model, "f32", tokens=0)
+    with pytest.raises(TypeError, match="model= is for a pytree"):
+        memory_report(model, "f32", model=nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="tokens must be None or an int >= 1"):
+        model[0].fp8_copy_bytes(tokens=2.5)
