@@ -15,22 +15,43 @@ node}`` where a node is a tensor, ``None``, a bool, int, float or str, or a dict
 ``{"$": "dict", "items": [[key, node], ...]}``, ``{"$": "list" | "tuple", "items": [node, ...]}``,
 ``{"$": "namedtuple" | "dataclass", "type": "module.QualName", "fields": {name: node}}``,
 ``{"$": "dtype", "name": "float32"}``.
+
+:func:`save_sharded` and :func:`load_sharded` write and read a state sharded with
+:mod:`funcamp.sharding` through ``torch.distributed.checkpoint`` (DCP): every rank writes its own
+shards into one directory, and a checkpoint saved on N ranks loads on M (1 included), each rank
+reading the saved shards that overlap its rows. Layout (version 1): ``path/LATEST`` names the current
+subdirectory, which holds DCP's files (keys ``r/<path in the tree>`` for tensors saved once,
+``s/<path>/<rank>`` for shards) and ``funcamp.json``: ``{"format": "funcamp.sharded_checkpoint",
+"version": 1, "world_size": N, "names": [...], "shapes": [...], "tree": node}``, the node tree above
+with each tensor replaced by ``{"$": "dcp", "path": ..., "shard": index or null, "shape": [...],
+"dtype": ...}``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import io
 import os
 import pickle
 import tempfile
+import warnings
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "CorruptCheckpointError", "load", "save"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CorruptCheckpointError",
+    "load",
+    "load_sharded",
+    "save",
+    "save_sharded",
+]
 
 FORMAT = "funcamp.checkpoint"
 VERSION = 1
@@ -341,3 +362,277 @@ def _funcamp_type(name: str, kind: str, path: str, file: str) -> type:
     if not ok:
         raise CorruptCheckpointError(f"{file}: {where} names {name}, which is not a {kind}")
     return cls
+
+
+# --- sharded checkpoints (torch.distributed.checkpoint) --------------------------------------------
+
+SHARDED_FORMAT = "funcamp.sharded_checkpoint"
+SHARDED_VERSION = 1
+_LATEST = "LATEST"
+_META = "funcamp.json"
+
+
+def _sharded_index(path: str, shape: tuple[int, ...], layout: Any) -> int | None:
+    """The parameter whose shard ``path`` holds (its name ends the path and the shape is the shard's), or None."""
+    best = None
+    for i, name in enumerate(layout.names):
+        if (path == name or path.endswith("." + name)) and shape == layout.shard_shape(i):
+            if best is None or len(name) > len(layout.names[best]):
+                best = i
+    return best
+
+
+def _split_tensors(node: Any, path: str, layout: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The encoded tree with each tensor replaced by a placeholder; the tensors go into ``tensors`` by DCP key."""
+    if isinstance(node, torch.Tensor):
+        index = _sharded_index(path, tuple(node.shape), layout)
+        key = f"r/{path}" if index is None else f"s/{path}/{layout.rank}"
+        tensors[key] = node.detach()
+        return {"$": "dcp", "path": path, "shard": index, "shape": list(node.shape), "dtype": str(node.dtype)[6:]}
+    if isinstance(node, dict):
+        if node.get("$") == "dict":
+            return {
+                "$": "dict",
+                "items": [[k, _split_tensors(v, _join(path, k), layout, tensors)] for k, v in node["items"]],
+            }
+        if node.get("$") in ("list", "tuple"):
+            items = [_split_tensors(v, _join(path, i), layout, tensors) for i, v in enumerate(node["items"])]
+            return {**node, "items": items}
+        if node.get("$") in ("namedtuple", "dataclass"):
+            fields = {k: _split_tensors(v, _join(path, k), layout, tensors) for k, v in node["fields"].items()}
+            return {**node, "fields": fields}
+    return node
+
+
+def _sharded_group(layout: Any, group: Any) -> Any:
+    from funcamp import sharding
+
+    if layout.world_size == 1:
+        return None
+    return sharding._resolve(True if group is None else group, layout.world_size)
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it assumes one process when torch.distributed is not initialized: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _barrier(pg: Any) -> None:
+    if pg is not None:
+        torch.distributed.barrier(group=pg)
+
+
+def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any, *, group: Any = True) -> None:
+    """Write a sharded state with ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards.
+
+    ``tree`` is what :func:`save` accepts (e.g. ``{"state": train_state, "rng": ..., "config": {...}}``),
+    holding a state made with ``TrainState.create(..., shard=layout)``. A tensor whose path ends with
+    a parameter's name and whose shape is that parameter's shard shape (``state.params``, the
+    optimizer's moments and other parameter-shaped state) is a shard: each rank writes its own;
+    every other tensor (counters, the loss scale, an RNG state) is the same on every rank and written
+    once (DCP de-duplicates it). The rest of the tree, the layout (world size, names, whole shapes)
+    and the placement of every tensor go into ``funcamp.json`` beside DCP's files.
+
+    ``path`` is a directory. Each save writes a new subdirectory (first under a temporary name,
+    renamed when complete) and then replaces ``path/LATEST``, a one-line file naming it, with
+    ``os.replace``; older subdirectories are removed afterwards. A crash at any point leaves
+    ``LATEST`` naming the previous complete checkpoint. Every rank of the group must call it (it
+    communicates); run it outside the compiled step.
+
+    Args:
+      path: the checkpoint directory (created if missing; its parent must exist).
+      tree: the tree to save.
+      layout: the :class:`funcamp.sharding.ShardLayout` the state was sharded with.
+      group: True (the default process group) or a ProcessGroup; ignored with a one-rank layout.
+    Raises:
+      TypeError: if ``path`` is not a path, or a part of ``tree`` cannot be saved (named by its path).
+      FileNotFoundError: if the parent directory of ``path`` does not exist.
+    References:
+      ``torch.distributed.checkpoint`` (DCP), as FSDP2 uses it for sharded state dicts.
+    """
+    import json
+    import shutil
+    import uuid
+
+    import torch.distributed.checkpoint as dcp
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"funcamp.checkpoint.save_sharded: path must be a str or path, got {type(path).__name__}")
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(os.path.dirname(path)):
+        raise FileNotFoundError(f"funcamp.checkpoint.save_sharded: the parent directory of {path!r} does not exist")
+    pg = _sharded_group(layout, group)
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _split_tensors(_encode(tree, ""), "", layout, tensors)
+    name = [f"ckpt-{uuid.uuid4().hex[:12]}"]
+    if pg is not None:
+        torch.distributed.broadcast_object_list(name, src=torch.distributed.get_global_rank(pg, 0), group=pg)
+    final, tmp = os.path.join(path, name[0]), os.path.join(path, f".tmp-{name[0]}")
+    if layout.rank == 0:
+        os.makedirs(tmp)
+    _barrier(pg)
+    with _quiet_single_process():
+        dcp.save(tensors, checkpoint_id=tmp, process_group=pg, no_dist=pg is None)
+    if layout.rank == 0:
+        meta = {
+            "format": SHARDED_FORMAT,
+            "version": SHARDED_VERSION,
+            "world_size": layout.world_size,
+            "names": list(layout.names),
+            "shapes": [list(s) for s in layout.shapes],
+            "tree": skeleton,
+        }
+        with open(os.path.join(tmp, _META), "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        os.replace(tmp, final)
+        fd, latest_tmp = tempfile.mkstemp(prefix=".LATEST.", dir=path)
+        with os.fdopen(fd, "w") as f:
+            f.write(name[0] + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(latest_tmp, os.path.join(path, _LATEST))
+        _fsync_dir(path)
+        for old in os.listdir(path):  # earlier checkpoints and leftovers of interrupted saves
+            if old != name[0] and (old.startswith("ckpt-") or old.startswith(".tmp-ckpt-")):
+                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+    _barrier(pg)
+
+
+def _latest(path: str) -> str:
+    latest = os.path.join(path, _LATEST)
+    if not os.path.isfile(latest):
+        what = "a single-file checkpoint: use funcamp.checkpoint.load" if os.path.isfile(path) else "no LATEST file"
+        raise FileNotFoundError(f"funcamp.checkpoint.load_sharded: {path!r} is not a sharded checkpoint ({what})")
+    with open(latest) as f:
+        return os.path.join(path, f.read().strip())
+
+
+def load_sharded(
+    path: str | os.PathLike[str], like: Any, layout: Any, *, group: Any = True, reshard: bool = True
+) -> Any:
+    """Read a checkpoint written by :func:`save_sharded` into this rank's shards of ``layout``.
+
+    The checkpoint may come from another number of ranks (``N``): each rank reads, with
+    ``torch.distributed.checkpoint``, the saved shards that overlap its rows of ``layout`` (``M``
+    ranks, 1 for one process without a process group) and cuts and pads them to its shard shape, so
+    the values are exactly those saved. On the same world size each rank reads back its own shards:
+    a resumed run continues bitwise. The tree is then rebuilt and checked against ``like`` as by
+    :func:`load` (structure, types, every tensor's shape and dtype).
+
+    Args:
+      path: the checkpoint directory (``path/LATEST`` names the checkpoint read).
+      like: a tree of the saved structure for this rank, e.g. ``{"state": TrainState.create(params,
+        optimizer, shard=layout), ...}``; None rebuilds funcamp types from the names in the file.
+      layout: the :class:`funcamp.sharding.ShardLayout` to load into (this process's rank).
+      group: True (the default process group) or a ProcessGroup; ignored with a one-rank layout.
+      reshard: False: refuse a checkpoint saved on another number of ranks.
+    Returns:
+      The saved tree with this rank's shards.
+    Raises:
+      FileNotFoundError: if ``path`` has no ``LATEST`` file (e.g. it is a single-file checkpoint).
+      CorruptCheckpointError: if ``funcamp.json`` is missing, unreadable or of another format.
+      CheckpointMismatchError: if the parameters' names or whole shapes differ from ``layout``'s, the
+        world size differs and ``reshard`` is False, or the tree differs from ``like``.
+    """
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from funcamp import sharding
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"funcamp.checkpoint.load_sharded: path must be a str or path, got {type(path).__name__}")
+    directory = _latest(os.path.abspath(os.fspath(path)))
+    try:
+        with open(os.path.join(directory, _META)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{directory}: no readable {_META}: {type(e).__name__}: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != SHARDED_FORMAT or meta.get("version") != SHARDED_VERSION:
+        raise CorruptCheckpointError(f"{directory}: not a funcamp sharded checkpoint of version {SHARDED_VERSION}")
+    saved = sharding.ShardLayout(meta["world_size"], 0, tuple(meta["names"]), tuple(tuple(s) for s in meta["shapes"]))
+    if saved.names != layout.names:
+        missing, extra = sorted(set(layout.names) - set(saved.names)), sorted(set(saved.names) - set(layout.names))
+        raise _mismatch(directory, "the parameters", f"differ from the layout's: missing {missing}, unexpected {extra}")
+    for name, a, b in zip(saved.names, saved.shapes, layout.shapes):
+        if a != b:
+            raise _mismatch(
+                directory, f"parameter {name!r}", f"has whole shape {a} in the checkpoint, {b} in the layout"
+            )
+    if saved.world_size != layout.world_size and not reshard:
+        raise _mismatch(
+            directory,
+            "the checkpoint",
+            f"was saved by {saved.world_size} ranks but is loaded on {layout.world_size} (rank {layout.rank}) with "
+            "reshard=False; pass reshard=True to cut its shards to the new layout",
+        )
+    pg = _sharded_group(layout, group)
+    wanted: dict[str, torch.Tensor] = {}
+    _collect(meta["tree"], saved, layout, wanted, directory)
+    with _quiet_single_process():
+        dcp.load(wanted, checkpoint_id=directory, process_group=pg, no_dist=pg is None)
+    node = _fill(meta["tree"], saved, layout, wanted)
+    return _decode(node, like, "", directory, like is not None)
+
+
+def _dtype(name: str, file: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise CorruptCheckpointError(f"{file}: unknown dtype {name!r}")
+    return _DTYPES[name]
+
+
+def _overlap(saved: Any, layout: Any, i: int) -> tuple[int, int, range]:
+    """This rank's real rows ``[a, b)`` of parameter ``i`` and the saved ranks whose shards hold them."""
+    c_new, c_old = layout.rows(i), saved.rows(i)
+    a = layout.rank * c_new
+    b = a + layout.valid_rows(i)
+    return a, b, range(a // c_old, (b - 1) // c_old + 1) if b > a else range(0)
+
+
+def _walk(node: Any, fn: Any) -> Any:
+    if isinstance(node, dict):
+        if node.get("$") == "dcp":
+            return fn(node)
+        if node.get("$") == "dict":
+            return {**node, "items": [[k, _walk(v, fn)] for k, v in node["items"]]}
+        if node.get("$") in ("list", "tuple"):
+            return {**node, "items": [_walk(v, fn) for v in node["items"]]}
+        if node.get("$") in ("namedtuple", "dataclass"):
+            return {**node, "fields": {k: _walk(v, fn) for k, v in node["fields"].items()}}
+    return node
+
+
+def _collect(tree: Any, saved: Any, layout: Any, wanted: dict, file: str) -> None:
+    def want(node: dict[str, Any]) -> None:
+        dtype = _dtype(node["dtype"], file)
+        if node["shard"] is None:
+            wanted[f"r/{node['path']}"] = torch.empty(node["shape"], dtype=dtype)
+            return
+        i = node["shard"]
+        for k in _overlap(saved, layout, i)[2]:
+            wanted[f"s/{node['path']}/{k}"] = torch.empty(saved.shard_shape(i), dtype=dtype)
+
+    _walk(tree, want)
+
+
+def _fill(tree: Any, saved: Any, layout: Any, loaded: dict[str, torch.Tensor]) -> Any:
+    def tensor(node: dict[str, Any]) -> torch.Tensor:
+        if node["shard"] is None:
+            return loaded[f"r/{node['path']}"]
+        i = node["shard"]
+        a, b, ks = _overlap(saved, layout, i)
+        shape = layout.shard_shape(i)
+        out = torch.zeros(shape, dtype=_dtype(node["dtype"], ""))
+        if ks:
+            rows = torch.cat([loaded[f"s/{node['path']}/{k}"] for k in ks])
+            start = a - ks[0] * saved.rows(i)
+            out[: b - a] = rows[start : start + b - a]
+        return out
+
+    return _walk(tree, tensor)

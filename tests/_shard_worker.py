@@ -148,6 +148,60 @@ def run(
     return out
 
 
+def _resume(out: str, group: Any, rank: int) -> dict[str, Any]:
+    """f32 scenario sharded: 10 steps, save (DCP), 10 more; and load + the same 10 (must be bitwise)."""
+    policy = fa.get_policy(SCENARIOS["f32"]["policy"])
+    opt, params = optimizer(), init_params()
+    layout = sharding.shard_layout(params, group)
+
+    def fresh() -> fa.TrainState:
+        return fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=PERIOD), shard=layout)
+
+    step = fa.make_train_step(
+        make_loss_fn(policy), opt, data_parallel=group, policy=policy, shard=layout, compile=False
+    )
+    data = [shard_batch(b, rank) for b in batches(group.size(), group.size() - 1, SCENARIOS["f32"]["poison"])]
+    state = fresh()
+    for batch in data[:10]:
+        state, _ = step(state, batch)
+    path = f"{out}/resume{group.size()}"
+    at_save = {
+        "params": sharding.unshard_params(state.params, layout, group),
+        "mu": sharding.unshard_params(state.opt_state[0].mu, layout, group),
+    }
+    fa.checkpoint.save_sharded(path, {"state": state, "config": {"steps": 10}}, layout, group=group)
+    for batch in data[10:]:
+        state, _ = step(state, batch)
+    resumed = fa.checkpoint.load_sharded(path, {"state": fresh(), "config": {"steps": 0}}, layout, group=group)
+    assert resumed["config"] == {"steps": 10}
+    state2 = resumed["state"]
+    for batch in data[10:]:
+        state2, _ = step(state2, batch)
+    return {"straight": state, "resumed": state2, "at_save": at_save}
+
+
+def _load_into(path: str, group: Any) -> dict[str, Any]:
+    """Load a sharded checkpoint (of another world size) into this group's layout; the whole params back."""
+    params, opt = init_params(), optimizer()
+    layout = sharding.shard_layout(params, group)
+    like = {
+        "state": fa.TrainState.create(
+            params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=PERIOD), shard=layout
+        ),
+        "config": {"steps": 0},
+    }
+    out: dict[str, Any] = {}
+    try:
+        fa.checkpoint.load_sharded(path, like, layout, group=group, reshard=False)
+    except fa.checkpoint.CheckpointMismatchError as e:
+        out["no_reshard"] = str(e)
+    state = fa.checkpoint.load_sharded(path, like, layout, group=group)["state"]
+    out["whole"] = sharding.unshard_params(state.params, layout, group)
+    out["mu"] = sharding.unshard_params(state.opt_state[0].mu, layout, group)
+    out["step"] = state.step
+    return out
+
+
 def _errors(group: Any, i: int) -> dict[str, str]:
     """Bad input on a pair: ranks that disagree on the policy or on a shape, a per-shard clip."""
     out = {}
@@ -204,7 +258,13 @@ def main(out: str) -> None:
         results["compile"] = {"frame_count": counter.frame_count, "code": [g.code for g in counter.graphs]}
     else:
         results["clip"] = _clip(pair, i)
+    # Checkpoints: save on 2 ranks (pair 0) and on 4, load each on the other world size (and in the test: on 1).
+    results["resume"] = _resume(out, pairs[rank // 2], i) if rank < 2 else None
     group = parallel.resolve_group(True)
+    results["resume4"] = _resume(out, group, rank)
+    dist.barrier()
+    results["load_2_on_4"] = _load_into(f"{out}/resume2", group)
+    results["load_4_on_2"] = _load_into(f"{out}/resume4", pair)
     for name in WORLD_SCENARIOS:
         results["world"][name] = {
             "sharded": run(name, group, rank, sharded=True),

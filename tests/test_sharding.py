@@ -138,8 +138,13 @@ def test_state_and_wire_bytes_from_shapes():
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shard")
+def shard_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("shard")
+
+
+@pytest.fixture(scope="module")
+def ranks(shard_dir):
+    out = shard_dir
     run_torchrun([str(HERE / "_shard_worker.py"), str(out)], nproc=4)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
@@ -265,3 +270,90 @@ def test_bad_input_names_the_rank(ranks):
         assert "rank 1 differs from rank 0 in policy" in errors["policy"] and "compute=bfloat16" in errors["policy"]
         assert "rank 1 differs from rank 0 in the shape of parameter 'w1': (7, 5) vs (8, 5)" in errors["shape"]
         assert "use funcamp.sharding.clip_by_global_norm" in errors["clip"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sharded checkpoints (torch.distributed.checkpoint)
+
+
+def _fresh_like(layout):
+    params, opt = W.init_params(), W.optimizer()
+    scale = fa.DynamicLossScale(2.0**15, period=W.PERIOD)
+    return {"state": fa.TrainState.create(params, opt, loss_scale=scale, shard=layout), "config": {"steps": 0}}
+
+
+def test_resumed_sharded_run_is_bitwise(ranks):
+    """10 steps, save_sharded, 10 more == load_sharded into a fresh state, the same 10: bitwise, 2 and 4 ranks."""
+    for r in ranks:
+        for key in ("resume", "resume4"):
+            if r[key] is None:
+                continue
+            a, b = r[key]["straight"], r[key]["resumed"]
+            assert int(a.step) == int(b.step) == W.STEPS
+            assert all(torch.equal(a.params[k], b.params[k]) for k in a.params), (r["rank"], key)
+            for x, y in zip(fa._tree.tree_leaves(a.opt_state), fa._tree.tree_leaves(b.opt_state)):
+                assert torch.equal(x, y)
+            assert torch.equal(a.loss_scale.loss_scale, b.loss_scale.loss_scale)
+            assert int(a.skipped_steps) == int(b.skipped_steps) == 1
+
+
+def test_reshard_on_load_2_to_4_4_to_2_and_to_one_process(ranks, shard_dir):
+    """Each rank's loaded shards, gathered, are exactly the saved whole parameters and moments."""
+    for saved_on, loaded, src in ((2, "load_2_on_4", ranks[0]["resume"]), (4, "load_4_on_2", ranks[0]["resume4"])):
+        for r in ranks:
+            got = r[loaded]
+            assert int(got["step"]) == 10
+            assert all(torch.equal(got["whole"][k], src["at_save"]["params"][k]) for k in got["whole"]), loaded
+            assert all(torch.equal(got["mu"][k], src["at_save"]["mu"][k]) for k in got["mu"]), loaded
+            assert f"saved by {saved_on} ranks but is loaded on {6 - saved_on}" in got["no_reshard"]
+            assert "reshard=False" in got["no_reshard"]
+    # One process (no process group): the whole parameters, for evaluation.
+    params = W.init_params()
+    one = sharding.shard_layout(params, None)
+    for saved_on, src in ((2, ranks[0]["resume"]), (4, ranks[0]["resume4"])):
+        loaded = fa.checkpoint.load_sharded(shard_dir / f"resume{saved_on}", _fresh_like(one), one)["state"]
+        whole = sharding.unshard_params(loaded.params, one, None)
+        assert all(torch.equal(whole[k], src["at_save"]["params"][k]) for k in params)
+        mu = sharding.unshard_params(loaded.opt_state[0].mu, one, None)
+        assert all(torch.equal(mu[k], src["at_save"]["mu"][k]) for k in params)
+        assert int(loaded.step) == 10 and int(loaded.skipped_steps) == 1
+
+
+def test_sharded_checkpoint_is_atomic_and_errors(tmp_path, monkeypatch):
+    """A save that fails midway (here: in DCP's write) keeps the previous checkpoint, which still loads."""
+    import torch.distributed.checkpoint as dcp
+
+    params = W.init_params()
+    layout = sharding.shard_layout(params, None)
+    tree = _fresh_like(layout)
+    path = tmp_path / "ckpt"
+    fa.checkpoint.save_sharded(path, tree, layout)
+    first = (path / "LATEST").read_text()
+    moved = tree["state"].replace(params={k: v + 1 for k, v in tree["state"].params.items()})
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        fa.checkpoint.save_sharded(path, {**tree, "state": moved}, layout)
+    monkeypatch.undo()
+    assert (path / "LATEST").read_text() == first
+    back = fa.checkpoint.load_sharded(path, _fresh_like(layout), layout)["state"]
+    assert all(torch.equal(back.params[k], tree["state"].params[k]) for k in params)
+    fa.checkpoint.save_sharded(path, {**tree, "state": moved}, layout)  # the next save works, cleans up
+    assert sorted(p.name for p in path.iterdir() if not p.name.startswith(".LATEST")) == [
+        "LATEST",
+        (path / "LATEST").read_text().strip(),
+    ]
+    back = fa.checkpoint.load_sharded(path, _fresh_like(layout), layout)["state"]
+    assert all(torch.equal(back.params[k], moved.params[k]) for k in params)
+    # Errors: a single-file checkpoint, other parameters, another like.
+    fa.checkpoint.save(tmp_path / "one.pt", tree)
+    with pytest.raises(FileNotFoundError, match="single-file checkpoint: use funcamp.checkpoint.load"):
+        fa.checkpoint.load_sharded(tmp_path / "one.pt", _fresh_like(layout), layout)
+    other = sharding.shard_layout(dict(params, w1=torch.zeros(8, W.HIDDEN)), None)
+    with pytest.raises(fa.checkpoint.CheckpointMismatchError, match=r"parameter 'w1' has whole shape \(7, 5\)"):
+        fa.checkpoint.load_sharded(path, None, other)
+    with pytest.raises(fa.checkpoint.CheckpointMismatchError, match="config"):
+        fa.checkpoint.load_sharded(path, {**_fresh_like(layout), "config": 1}, layout)
