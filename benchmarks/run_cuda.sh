@@ -18,7 +18,7 @@ T_TESTS=${T_TESTS:-110} T_BF16=${T_BF16:-170} T_FP8=${T_FP8:-150} T_FP16=${T_FP1
   python3 -c "import torch, optree; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'optree', optree.__version__)"
   lscpu | grep 'Model name'
 } 2>&1 | tee "$OUT/machine.txt"
-timeout "$T_TESTS" python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
 common=(--device cuda --config gpt2-124m --variants amp_eager,amp_compile,funcamp_compile --no-probe
   --check-recompiles 0 --first-step none --warmup 3 --steps 10 --rounds 5)
 timeout "$T_BF16" python3 benchmarks/bench_train_step.py "${common[@]}" --dtype bfloat16 \
