@@ -37,6 +37,15 @@ More than one device: the same script under ``torchrun`` trains data-parallel, o
 (NCCL on GPUs, gloo on CPUs); each rank reads its own ``--batch-size`` rows of every global batch:
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --policy p=f32,c=bf16,o=f32,r=bf16
+
+``--shard`` splits the float32 master parameters and AdamW's state over the ranks (``funcamp.sharding``,
+ZeRO-3 / FSDP2 style: each rank stores about 1/N; the step all-gathers the parameters and
+reduce-scatters the gradients) and prints each rank's state bytes; clipping then uses
+``funcamp.sharding.clip_by_global_norm`` (the norm over all shards), checkpoints are sharded
+directories written with ``torch.distributed.checkpoint`` (``funcamp.checkpoint.save_sharded``, default
+``LOGDIR/checkpoint``), and ``--resume`` reads one saved on any number of ranks:
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --shard --policy p=f32,c=bf16,o=f32,r=bf16
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python examples/tra
 from gpt import GPT, SIZES, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
-from funcamp import fp8, optim, parallel  # noqa: E402
+from funcamp import fp8, optim, parallel, sharding  # noqa: E402
 from funcamp.debug import lint, locate_from_state  # noqa: E402
 
 SAMPLE_PROMPT = "The "
@@ -144,6 +153,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lint",
         action="store_true",
         help="before training, print funcamp.debug.lint's report of the policy on the first batch",
+    )
+    p.add_argument(
+        "--shard",
+        action="store_true",
+        help="shard parameters and optimizer state over the torchrun ranks (funcamp.sharding, ZeRO-3 / FSDP2\n"
+        "style); checkpoints become torch.distributed.checkpoint directories (default LOGDIR/checkpoint)",
     )
     p.add_argument("--sample-bytes", type=int, default=200, help="bytes of text to generate at the end")
     p.add_argument("--seed", type=int, default=0)
@@ -270,12 +285,17 @@ def make_policy(policy: fa.Policy, master_weights: str) -> fa.Policy:
     return fa.Policy(dtype, policy.compute_dtype, policy.output_dtype, policy.reduce_dtype)
 
 
-def make_optimizer(args: argparse.Namespace, decay_mask: dict[str, bool]) -> optim.GradientTransformation:
-    """Clipping and AdamW on a warmup-cosine schedule, wrapped for ``--master-weights bfloat16-kahan|-sr``."""
+def make_optimizer(
+    args: argparse.Namespace, decay_mask: dict[str, bool], shard_group: Any = None
+) -> optim.GradientTransformation:
+    """Clipping and AdamW on a warmup-cosine schedule, wrapped for ``--master-weights bfloat16-kahan|-sr``.
+
+    With ``--shard`` the clipping norm is taken over the shards of all ranks of ``shard_group``
+    (``funcamp.sharding.clip_by_global_norm``; None for one process)."""
     schedule = optim.warmup_cosine_decay(args.lr, warmup=args.warmup, total=args.steps, end_value=args.lr / 10)
     moment_dtype = getattr(torch, args.moment_dtype)
     optimizer = optim.chain(
-        optim.clip_by_global_norm(args.clip),
+        sharding.clip_by_global_norm(args.clip, shard_group) if args.shard else optim.clip_by_global_norm(args.clip),
         optim.adamw(
             schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask, moment_dtype=moment_dtype
         ),
@@ -396,9 +416,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = parallel.broadcast_params(params)  # every rank starts from rank 0's parameters
     loss_fn = make_loss_fn(apply_fn, stateful=buffers is not None)
     decay_mask = {name: p.ndim >= 2 for name, p in params.items()}  # no decay of norms and biases
-    optimizer = make_optimizer(args, decay_mask)
+    if args.shard and args.telemetry_every:
+        raise SystemExit("--shard with --telemetry-every: the telemetry reads whole gradients; use one or the other")
+    group = parallel.resolve_group(world_size > 1)  # None in one process
+    layout = sharding.shard_layout(params, group) if args.shard else None  # --shard: rows of dim 0 per rank
+    optimizer = make_optimizer(args, decay_mask, group)
     loss_scale = make_loss_scale(args.loss_scale, policy, args.init_scale, args.scale_period)
-    state = fa.TrainState.create(params, optimizer, loss_scale=loss_scale, buffers=buffers)
+    state = fa.TrainState.create(params, optimizer, loss_scale=loss_scale, buffers=buffers, shard=layout)
+
+    def whole_params() -> dict[str, torch.Tensor]:  # every rank must call it under --shard (an all-gather)
+        return state.params if layout is None else sharding.unshard_params(state.params, layout, group)
+
     train_step = fa.make_train_step(
         loss_fn,
         optimizer,
@@ -408,9 +436,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         data_parallel=world_size > 1,  # gradients averaged over the ranks in policy.reduce_dtype
         policy=policy,
         telemetry=args.telemetry_every or None,  # numerics/... metrics every N steps, in the same graph
+        shard=layout,
     )
 
-    ckpt_path = args.checkpoint or os.path.join(args.logdir, "checkpoint.pt")
+    ckpt_path = args.checkpoint or os.path.join(args.logdir, "checkpoint" if args.shard else "checkpoint.pt")
     config = {k: v for k, v in vars(args).items() if k in _RESUME_KEYS}
     config["data"] = data_name
     start = 0
@@ -418,7 +447,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not os.path.exists(ckpt_path):
             raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
         like = {"state": state, "rng": {"torch": torch.get_rng_state()}, "config": config}
-        saved = fa.checkpoint.load(ckpt_path, like=like)
+        if layout is None:
+            saved = fa.checkpoint.load(ckpt_path, like=like)
+        else:  # saved on any number of ranks: each rank reads the rows it holds now
+            saved = fa.checkpoint.load_sharded(ckpt_path, like, layout, group=group)
         state, start = saved["state"], int(saved["state"].step)
         torch.set_rng_state(saved["rng"]["torch"])
         changed = {k: (saved["config"].get(k), v) for k, v in config.items() if saved["config"].get(k) != v}
@@ -433,12 +465,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         enabled=is_main,
         purge_step=start + 1 if args.resume else None,
     )
+    if layout is not None:  # each rank's state: its parameter shards, optimizer state, gradient shards
+        mine = 2 * fa.tree_bytes(state.params) + fa.tree_bytes(state.opt_state)
+        per_rank = [mine] * world_size
+        if group is not None:
+            torch.distributed.all_gather_object(per_rank, mine, group=group)
+        if is_main:
+            whole = sharding.state_bytes(params, optimizer, 1)["total"]
+            print(
+                f"shard: state bytes per rank (params + optimizer + gradient shards): "
+                f"{', '.join(f'rank {r} {b:,}' for r, b in enumerate(per_rank))}; unsharded {whole:,} "
+                f"({max(per_rank) / whole:.3f}x)",
+                flush=True,
+            )
     if is_main:
         n_params = sum(p.numel() for p in params.values())
         print(
             f"funcamp {fa.__version__} | {device} | policy {policy} | master weights {args.master_weights}, "
             f"moments {args.moment_dtype}{' | fp8 ' + args.fp8 if args.fp8 else ''} | "
-            f"{type(state.loss_scale).__name__} | "
+            f"{type(state.loss_scale).__name__} | {f'sharded over {world_size} ranks | ' if args.shard else ''}"
             f"model {args.model} ({n_params / 1e6:.2f}M params, context {cfg.block_size}) | "
             f"data {os.path.basename(data_name)}: {len(train)} train / {len(val)} val bytes | "
             f"{'compiled (' + args.backend + ')' if args.compile else 'eager'} | steps {start}->{args.steps}",
@@ -450,7 +495,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"telemetry: numerics/... every {args.telemetry_every} steps (funcamp.numerics)", flush=True)
 
     def save_checkpoint() -> None:
-        if is_main:
+        if layout is not None:  # every rank writes its shards (torch.distributed.checkpoint)
+            rng = {"torch": torch.get_rng_state()}
+            fa.checkpoint.save_sharded(ckpt_path, {"state": state, "rng": rng, "config": config}, layout, group=group)
+        elif is_main:
             rng = {"torch": torch.get_rng_state()}
             fa.checkpoint.save(ckpt_path, {"state": state, "rng": rng, "config": config})
 
@@ -471,16 +519,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             device=device,
         )
 
+    lint_params = whole_params() if args.lint and end > start else None
     if args.lint and is_main and end > start:  # one eager forward and backward of the first batch, host side
         t0 = time.perf_counter()
         report = lint(
-            loss_fn, state.params, train_batch(start + 1), policy, loss_scale=state.loss_scale, buffers=state.buffers
+            loss_fn, lint_params, train_batch(start + 1), policy, loss_scale=state.loss_scale, buffers=state.buffers
         )
         lint_s = time.perf_counter() - t0
         bar.write(f"{report}\n(funcamp.debug.lint of the first batch, eager, {lint_s:.1f} s)")
     if start == 0 and end > 0:  # the untrained model's validation loss (about ln 256 = 5.55), at step 0
         t0 = time.perf_counter()
-        val_loss = evaluate(loss_fn, state.params, val, args, device, state.buffers)
+        val_loss = evaluate(loss_fn, whole_params(), val, args, device, state.buffers)
         history["val_loss"].append((0, val_loss))
         logger.log_scalars({"val/loss": val_loss}, 0)
         if is_main:
@@ -502,7 +551,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if written["amp/consecutive_skips"] >= args.max_consecutive_skips:  # no extra device read otherwise
                 # raises SkippedStepsError naming the first bad parameter and, from an eager replay of
                 # this step, the first op that made a NaN or inf (funcamp.debug)
-                replay = functools.partial(locate_from_state, loss_fn, prev_state, batch)
+                # (--shard: the state holds shards, which the eager replay cannot run the model on)
+                replay = None if layout else functools.partial(locate_from_state, loss_fn, prev_state, batch)
                 fa.check_skips(metrics, state.params, replay=replay)
             history["train_loss"].append((step, written["train/loss"]))
             history["loss_scale"].append((step, written["amp/loss_scale"]))
@@ -519,7 +569,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if evaluate_now or save_now:  # not training: its time counts neither in tokens/s nor in the logger's
             t0 = time.perf_counter()
             if evaluate_now:
-                val_loss = evaluate(loss_fn, state.params, val, args, device, state.buffers)
+                val_loss = evaluate(loss_fn, whole_params(), val, args, device, state.buffers)
                 history["val_loss"].append((step, val_loss))
                 logger.log_scalars({"val/loss": val_loss}, step)
                 if is_main:
@@ -546,9 +596,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "policy": str(policy),
         "sample": None,
     }
+    final_params = whole_params() if end == args.steps and args.sample_bytes > 0 else None
     if end == args.steps and args.sample_bytes > 0 and is_main:
         results["sample"] = generate(
-            apply_fn, state.params, SAMPLE_PROMPT, args.sample_bytes, cfg.block_size, args.seed, device, state.buffers
+            apply_fn, final_params, SAMPLE_PROMPT, args.sample_bytes, cfg.block_size, args.seed, device, state.buffers
         )
         logger.log_text("sample", results["sample"], end)
     logger.close()
