@@ -1,0 +1,205 @@
+"""Benchmark: state bytes per rank and bytes on the wire per step, sharded (funcamp.sharding) vs DDP-style.
+
+    python benchmarks/bench_sharding.py              # shapes: GPT "small" (the main job's) and GPT-2 124M
+    python benchmarks/bench_sharding.py --measure    # also measured: GPT "small" under torchrun, 2 and 4 gloo ranks
+
+Computed from shapes (``meta`` tensors, nothing allocated), for N = 2 and 4 ranks, with float32 master
+parameters and AdamW (``optim.adamw``: two float32 moments, 0-d counters):
+
+- state bytes per rank: parameters + optimizer state + one set of gradients (shards when sharded),
+  padding included (``funcamp.sharding.state_bytes``); DDP-style data parallelism
+  (``make_train_step(data_parallel=...)``) holds all of it on every rank. Activations are not counted,
+  nor the whole parameters the sharded step gathers for its forward and backward (once per step, in
+  the gather dtype: it holds them during the step, as FSDP2 with ``reshard_after_forward=False``).
+- bytes each rank sends per step (ring algorithms, ``funcamp.sharding.wire_bytes``): DDP-style, one
+  all-reduce of the gradients in the reduce dtype (``2 (N-1)/N`` of their bytes); sharded, an
+  all-gather of the parameters in the gather dtype plus a reduce-scatter of the gradients in the
+  reduce dtype (``(N-1)/N`` of each). With float32 for both, sharding sends the same bytes as DDP
+  (plus padding); gathering in bfloat16 (``shard_layout(gather_dtype=torch.bfloat16)``, exact only
+  when the loss casts every parameter to bfloat16) and reducing in bfloat16 halve it.
+
+``--measure`` runs ``torchrun --nproc_per_node=N`` on this script (N = 2, 4; gloo on CPU): each rank
+builds the main job's GPT "small" sharded state, reports its measured ``tree_bytes``, and runs one
+eager sharded step with the functional collectives wrapped to count the bytes each rank puts into
+them; the table prints the measured figures beside the computed ones.
+
+Results on an AMD EPYC (AVX2, ``torch.backends.cpu.get_cpu_capability()`` = ``AVX2``), torch 2.13.0+cpu,
+``python benchmarks/bench_sharding.py --measure`` (MB = 1e6 bytes; per rank; wire per step)::
+
+    GPT "small" (the main job's) (0.84M parameters): unsharded state 13.39 MB
+     N  state MB  ratio  DDP f32  shard f32  DDP bf16  shard bf16  measured: state MB, wire f32 MB
+     2      6.69  0.500     3.35       3.35      1.67        1.67  6.69, 3.35
+     4      3.35  0.250     5.02       5.02      2.51        2.51  3.35, 5.02
+
+    GPT-2 124M (124.44M parameters): unsharded state 1991.04 MB
+     N  state MB  ratio  DDP f32  shard f32  DDP bf16  shard bf16
+     2    995.52  0.500   497.76     497.76    248.88      248.88
+     4    497.77  0.250   746.64     746.65    373.32      373.33
+
+The state per rank is 1/N of the unsharded state plus padding (under 0.01 MB here); the measured
+state bytes and collective payloads equal the computed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+from gpt import GPT, config_for  # noqa: E402
+
+import funcamp as fa  # noqa: E402
+from funcamp import optim, parallel, sharding  # noqa: E402
+
+MB = 1e6
+WORLDS = (2, 4)
+
+
+def machine() -> str:
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def gpt_params(size: str, device: str = "meta") -> dict[str, torch.Tensor]:
+    """The GPT's parameters by name (tied weights once), on ``device`` (meta: shapes only)."""
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = GPT(config_for(size, vocab_size=None if size == "gpt2-124m" else 256))
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def optimizer() -> optim.GradientTransformation:
+    return optim.adamw(3e-4, weight_decay=0.1)
+
+
+def computed(params: dict[str, torch.Tensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {"whole": sharding.state_bytes(params, optimizer(), 1)["total"]}
+    for n in WORLDS:
+        out[n] = {
+            "state": sharding.state_bytes(params, optimizer(), n)["total"],
+            "f32": sharding.wire_bytes(params, n),
+            "bf16": sharding.wire_bytes(params, n, reduce_dtype=torch.bfloat16, gather_dtype=torch.bfloat16),
+        }
+    return out
+
+
+def report(name: str, params: dict[str, torch.Tensor], measured: dict[int, dict[str, int]] | None = None) -> None:
+    c = computed(params)
+    n_params = sum(p.numel() for p in params.values())
+    print(f"\n{name} ({n_params / 1e6:.2f}M parameters): unsharded state {c['whole'] / MB:.2f} MB")
+    head = f"{'N':>2} {'state MB':>9} {'ratio':>6} {'DDP f32':>8} {'shard f32':>10} {'DDP bf16':>9} {'shard bf16':>11}"
+    print(head + ("  measured: state MB, wire f32 MB" if measured else ""))
+    for n in WORLDS:
+        r = c[n]
+        line = (
+            f"{n:>2} {r['state'] / MB:>9.2f} {r['state'] / c['whole']:>6.3f} {r['f32']['ddp'] / MB:>8.2f} "
+            f"{r['f32']['sharded'] / MB:>10.2f} {r['bf16']['ddp'] / MB:>9.2f} {r['bf16']['sharded'] / MB:>11.2f}"
+        )
+        if measured and n in measured:
+            line += f"  {measured[n]['state'] / MB:.2f}, {measured[n]['wire'] / MB:.2f}"
+        print(line)
+
+
+# --- measured, under torchrun -----------------------------------------------------------------------
+
+
+def worker(out: str) -> None:
+    """One rank: the sharded state of GPT "small" and the bytes it puts into the collectives of one step."""
+    from torch.distributed import _functional_collectives as funcol
+
+    torch.set_num_threads(1)
+    rank, world, _ = parallel.setup_from_env("gloo")
+    params = parallel.broadcast_params(gpt_params("small", "cpu"))
+    group = parallel.resolve_group(True)
+    layout = sharding.shard_layout(params, group)
+    opt = optimizer()
+    state = fa.TrainState.create(params, opt, shard=layout)
+    state_bytes = 2 * fa.tree_bytes(state.params) + fa.tree_bytes(state.opt_state)
+    model = GPT(config_for("small", vocab_size=256))
+    apply_fn, _ = fa.nn.functionalize(model, fa.get_policy("f32"))
+
+    def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+        logits = apply_fn(p, batch["x"])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+    step = fa.make_train_step(loss_fn, opt, data_parallel=group, shard=layout, compile=False)
+    sent = {"wire": 0}
+    originals = {n: getattr(funcol, n) for n in ("all_gather_single", "reduce_scatter_single")}
+
+    def counting(name: str) -> Any:
+        def wrapped(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            # ring: (N-1)/N of the gathered (N * input) or scattered (input) bytes
+            full = x.numel() * x.element_size() * (world if name == "all_gather_single" else 1)
+            sent["wire"] += full * (world - 1) // world
+            return originals[name](x, *args, **kwargs)
+
+        return wrapped
+
+    for name in originals:
+        setattr(funcol, name, counting(name))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 256, (2, 128), generator=g)
+    step(state, {"x": x, "y": x})
+    for name, fn in originals.items():
+        setattr(funcol, name, fn)
+    everyone: list[Any] = [None] * world
+    torch.distributed.all_gather_object(everyone, {"state": state_bytes, "wire": sent["wire"]})
+    if rank == 0:
+        torch.save(everyone, out)
+    parallel.shutdown()
+
+
+def measure() -> dict[int, dict[str, int]]:
+    import tempfile
+
+    results = {}
+    for n in WORLDS:
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "m.pt")
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={n}",
+                __file__,
+                "--worker",
+                out,
+            ]
+            subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+            ranks = torch.load(out, weights_only=True)
+        results[n] = {"state": max(r["state"] for r in ranks), "wire": max(r["wire"] for r in ranks)}
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--measure", action="store_true", help="also measure GPT small under torchrun (2 and 4 ranks)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    print(f"machine: {machine()}")
+    print("float32 master parameters, AdamW (two float32 moments); per rank; MB = 1e6 bytes; ring collectives")
+    print("state: params + optimizer + gradients (shards when sharded); DDP/shard: bytes sent per step (f32 or bf16)")
+    report('GPT "small" (the main job\'s)', gpt_params("small"), measure() if args.measure else None)
+    report("GPT-2 124M", gpt_params("gpt2-124m"))
+
+
+if __name__ == "__main__":
+    main()
