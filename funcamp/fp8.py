@@ -34,8 +34,11 @@ values), and under :data:`MODULE_POLICIES` the weight is cast to fp8 from its fl
 Composition. ``torch.func.grad`` and ``torch.compile(fullgraph=True)`` (aot_eager and inductor) trace
 the layer; gradient accumulation passes the delayed state through every micro-batch. Under
 ``torch.func.vmap`` the dynamic recipes work (torch has no batching rule for ``_scaled_mm`` and loops
-over the samples, with a performance warning), each sample with its own scales; the delayed recipe
-does not (its in-place state update raises torch's "vmap: inplace arithmetic" error). Data parallel:
+over the samples, with a performance warning), each sample with its own scales; so does the delayed
+recipe: every sample is cast with the stored (shared) scales, and the new state, one per sample, comes
+out of ``apply_fn`` with the batch dimension (the layer reassigns its state buffers rather than
+writing into them, which vmap could not do for an unbatched buffer; reduce them, e.g. with a maximum,
+if you carry them on). Data parallel:
 the dynamic recipes need nothing (weights are equal on every rank, activations are scaled per rank,
 as torchao without ``reduce_amax``); for the delayed state this module registers its buffers with
 :func:`funcamp.parallel.register_buffer_reduction`, so that :func:`funcamp.parallel.reduce_buffers`
@@ -533,7 +536,7 @@ class _Float8Layer(nn.Module):
 
     def _fp8(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``fp8_linear(x, weight, bias)``, ``weight`` ``(out, in)``; delayed: cast with the stored scales,
-        then write the updated state into the buffers in place."""
+        then reassign the buffers to the updated state (new tensors, never written in place)."""
         if self.recipe.scaling != "delayed":
             return fp8_linear(x, weight, bias, self.recipe)
         self._check_state()
@@ -543,8 +546,10 @@ class _Float8Layer(nn.Module):
             amax = _amax(t, None)
             scales.append(_poison(state.scale.clone(), amax))  # this call casts with the stored scale
             new = update_delayed_state(state, amax, self.recipe, E4M3)
-            state.amax_history.copy_(new.amax_history)
-            state.scale.copy_(new.scale)
+            # Reassigned, not written in place: functional_call hands the new tensors out, and under vmap they
+            # are per sample (an in-place write of a batched value into an unbatched buffer is refused).
+            setattr(self, f"fp8_amax_history_{role}", new.amax_history)
+            setattr(self, f"fp8_scale_{role}", new.scale)
         return fp8_linear(x, weight, bias, self.recipe, scales=(scales[0], scales[1]))
 
 
@@ -556,9 +561,10 @@ class Float8Linear(nn.Linear, _Float8Layer):
     the layer has four persistent float32 buffers, the :class:`DelayedScalingState` of its input and
     of its weight: ``fp8_amax_history_input`` and ``fp8_amax_history_weight``
     ``(amax_history_len,)``, ``fp8_scale_input`` and ``fp8_scale_weight`` ``()``. Each call casts with
-    the stored scales and then writes the updated state into the buffers in place, as BatchNorm
-    writes its running statistics: :func:`funcamp.nn.functionalize` hands them out as
-    ``new_buffers``, and a skipped step keeps the old ones.
+    the stored scales and then reassigns the four buffers to the updated state (new tensors; the old
+    ones are not written, unlike BatchNorm's running statistics, so ``torch.func.vmap`` works):
+    :func:`funcamp.nn.functionalize` hands them out as ``new_buffers``, and a skipped step keeps the
+    old ones.
 
     Unlike torchao, the input is cast from the dtype it arrives in; under
     ``functionalize(..., module_policies=MODULE_POLICIES)`` that is float32, so the weight is cast

@@ -152,6 +152,28 @@ def test_vmap_per_sample_gradients() -> None:
     assert torch.equal(batched, torch.stack([per_sample(w, xi) for xi in x]))
 
 
+def test_vmap_of_the_delayed_recipe() -> None:
+    """vmap of a delayed-recipe model (it raised torch's "vmap: inplace arithmetic" error): every sample
+    is cast with the stored scales and gets its own new state, equal to a loop of single-sample calls;
+    per-sample gradients equal the loop's too."""
+    model = fp8.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), "delayed", filter="*")
+    apply_fn, params, buffers = fa.nn.functionalize(model, POLICY, module_policies=fp8.MODULE_POLICIES)
+    xs = torch.randn(3, 8, 32) * torch.tensor([1.0, 10.0, 0.1])[:, None, None]
+    loop = [apply_fn(params, buffers, x) for x in xs]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "There is a performance drop ... _scaled_mm"
+        out, new = torch.func.vmap(lambda x: apply_fn(params, buffers, x))(xs)
+        per_sample = torch.func.grad(lambda p, x: apply_fn(p, buffers, x)[0].float().square().sum())
+        grads = torch.func.vmap(per_sample, in_dims=(None, 0))(params, xs)
+    assert torch.equal(out, torch.stack([o for o, _ in loop]))
+    assert new.keys() == buffers.keys()
+    for k in new:
+        assert new[k].shape == (3, *buffers[k].shape) and torch.equal(new[k], torch.stack([b[k] for _, b in loop])), k
+    assert not torch.equal(new["0.fp8_scale_input"][0], new["0.fp8_scale_input"][1])  # its own amax per sample
+    for k in grads:
+        assert torch.equal(grads[k], torch.stack([per_sample(params, x)[k] for x in xs])), k
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
 def test_non_finite_input_is_not_saturated_away(recipe) -> None:
     """Saturating casts would turn inf into 448; instead the output (or the gradient) is NaN, so the
