@@ -202,6 +202,63 @@ def _load_into(path: str, group: Any) -> dict[str, Any]:
     return out
 
 
+FSDP2_POLICIES = {"f32": "f32", "bf16": "p=f32,c=bf16,o=f32"}
+
+
+def _fsdp2(group: Any, i: int) -> dict[str, Any]:
+    """FSDP2 (``fully_shard`` + ``MixedPrecisionPolicy`` + ``torch.optim.AdamW``) vs funcamp's sharded step.
+
+    The same Linear(7, 5) -> tanh -> Linear(5, 3) (shapes that need padding on 2 ranks), the same
+    batches and AdamW hyperparameters, 20 steps, float32 and bfloat16 compute (FSDP2's ``param_dtype``;
+    gradients reduced in float32 by both). Returns the whole parameters of both, or the error FSDP2 raised.
+    """
+    import copy
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(7)
+    data = [
+        (torch.randn(2 * B, F_IN, generator=g), torch.randint(0, CLASSES, (2 * B,), generator=g)) for _ in range(STEPS)
+    ]
+    data = [(x[i * B : (i + 1) * B], y[i * B : (i + 1) * B]) for x, y in data]
+    for name, policy_str in FSDP2_POLICIES.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(F_IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, CLASSES))
+        start = copy.deepcopy(model)
+        policy = fa.get_policy(policy_str)
+        try:
+            mesh = DeviceMesh.from_group(group, "cpu")
+            half = None if policy.compute_dtype == torch.float32 else policy.compute_dtype
+            mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32, output_dtype=torch.float32)
+            for m in (model[0], model[2], model):
+                fully_shard(m, mesh=mesh, mp_policy=mp)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            for x, y in data:
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            fsdp = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+        except Exception as e:  # the test skips with this reason
+            return {"error": f"{type(e).__name__}: {e}"}
+        apply_fn, params = fa.nn.functionalize(start, policy)
+        layout = sharding.shard_layout(params, group)
+        fopt = optim.adamw(1e-2, weight_decay=0.1)
+        state = fa.TrainState.create(params, fopt, shard=layout)
+
+        def loss_fn(p: Any, batch: Any, apply_fn: Any = apply_fn) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(apply_fn(p, batch[0]).float(), batch[1])
+
+        step = fa.make_train_step(loss_fn, fopt, data_parallel=group, policy=policy, shard=layout, compile=False)
+        for batch in data:
+            state, _ = step(state, batch)
+        initial = {k: v.detach().clone() for k, v in start.named_parameters()}
+        out[name] = {"fsdp2": fsdp, "funcamp": sharding.unshard_params(state.params, layout, group), "initial": initial}
+    return out
+
+
 def _errors(group: Any, i: int) -> dict[str, str]:
     """Bad input on a pair: ranks that disagree on the policy or on a shape, a per-shard clip."""
     out = {}
@@ -258,6 +315,7 @@ def main(out: str) -> None:
         results["compile"] = {"frame_count": counter.frame_count, "code": [g.code for g in counter.graphs]}
     else:
         results["clip"] = _clip(pair, i)
+        results["fsdp2"] = _fsdp2(pair, i)
     # Checkpoints: save on 2 ranks (pair 0) and on 4, load each on the other world size (and in the test: on 1).
     results["resume"] = _resume(out, pairs[rank // 2], i) if rank < 2 else None
     group = parallel.resolve_group(True)
