@@ -524,8 +524,9 @@ class _Float8Layer(nn.Module):
             if history.dtype != torch.float32 or scale.dtype != torch.float32:
                 raise ValueError(
                     f"{type(self).__name__} {self.name!r}: the delayed-scaling state must be float32, got "
-                    f"{history.dtype}; functionalize the model with module_policies=funcamp.fp8.MODULE_POLICIES "
-                    "(a bfloat16 policy would round the amaxes), and do not call .to(bfloat16) on the module"
+                    f"fp8_amax_history_{role} {history.dtype} and fp8_scale_{role} {scale.dtype}; functionalize "
+                    "the model with module_policies=funcamp.fp8.MODULE_POLICIES (a bfloat16 policy would round "
+                    "the amaxes), and do not call .to(bfloat16) on the module"
                 )
             if history.shape != (self.recipe.amax_history_len,) or scale.shape != ():
                 raise ValueError(

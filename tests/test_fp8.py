@@ -294,6 +294,35 @@ def test_state_from_another_recipe_refused() -> None:
         apply_fn(params, buffers, torch.randn(16, 64))
 
 
+def test_resume_with_a_state_from_another_model_or_recipe_is_refused(tmp_path) -> None:
+    """A delayed state saved from one model and loaded for another: checkpoint.load(like=...) names the
+    buffer (hence the layer) and both shapes, or says which side has no fp8 state (a stateless recipe);
+    loaded without like, the layer itself names what it needs."""
+    from funcamp.checkpoint import CheckpointMismatchError
+
+    def state(recipe):
+        model = fp8.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), recipe, filter="1")
+        out = fa.nn.functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES)
+        opt = optim.sgd(0.1)
+        return out[0], fa.TrainState.create(out[1], opt, buffers=out[2] if len(out) == 3 else None)
+
+    _, saved = state("delayed")
+    fa.checkpoint.save(tmp_path / "ckpt.pt", saved)
+    apply_fn, longer = state(fp8.Recipe("delayed", amax_history_len=32))
+    with pytest.raises(CheckpointMismatchError, match=r"buffers.1.fp8_amax_history_input has shape \(16,\) in the "):
+        fa.checkpoint.load(tmp_path / "ckpt.pt", like=longer)
+    with pytest.raises(CheckpointMismatchError, match="buffers is a dict in the checkpoint but a NoneType in like"):
+        fa.checkpoint.load(tmp_path / "ckpt.pt", like=state("tensorwise")[1])
+    loaded = fa.checkpoint.load(tmp_path / "ckpt.pt")  # no like: the layer checks at the first call
+    with pytest.raises(ValueError, match=r"Float8Linear '1': fp8_amax_history_input has shape \(16,\).*needs \(32,\)"):
+        apply_fn(loaded.params, loaded.buffers, torch.randn(4, 32))
+    ints = {**saved.buffers, "1.fp8_scale_weight": torch.ones((), dtype=torch.int32)}
+    with pytest.raises(
+        ValueError, match="'1': the delayed-scaling state must be float32, got .* fp8_scale_weight torch.int32"
+    ):
+        state("delayed")[0](saved.params, ints, torch.randn(4, 32))
+
+
 # --- convert ----------------------------------------------------------------------------------------
 
 
@@ -312,9 +341,16 @@ def test_convert_default_keeps_first_and_last_and_ties() -> None:
 
 def test_convert_filters_and_fallback() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 24), torch.nn.Linear(24, 64))
-    with pytest.warns(fp8.Fp8FallbackWarning, match=r"2 layer\(s\).*: 1 \(64->24\), 2 \(24->64\)"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         c = fp8.convert(model, filter=lambda module, name: True)
+    assert [w.category for w in caught] == [fp8.Fp8FallbackWarning]  # once, naming both layers
+    assert "2 layer(s) stay in the surrounding dtype" in str(caught[0].message)
+    assert str(caught[0].message).endswith(": 1 (64->24), 2 (24->64)")
     assert [type(m).__name__ for m in c] == ["Float8Linear", "Linear", "Linear"]
+    # the fallback layers compute in the policy's dtype, the fp8 layer takes float32 (MODULE_POLICIES)
+    apply_fn, _ = fa.nn.functionalize(c, POLICY, module_policies=fp8.MODULE_POLICIES)
+    assert [apply_fn.forward_dtypes[f"{i}.weight"] for i in range(3)] == [torch.float32, torch.bfloat16, torch.bfloat16]
     c = fp8.convert(model, filter=["0"])
     assert isinstance(c[0], fp8.Float8Linear)
     with pytest.raises(ValueError, match="selected none of the 3 nn.Linear/Conv1D layers"):
