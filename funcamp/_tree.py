@@ -80,6 +80,24 @@ def tree_unflatten(treespec: optree.PyTreeSpec, leaves: Any) -> Any:
     return optree.tree_unflatten(treespec, leaves)
 
 
+#: Whether torch.compile (Dynamo) can compare two optree treespecs: torch 2.13's can; torch 2.11's pytree
+#: polyfill compares them through a function object's ``__eq__``, which it cannot trace (seen on 2.11.0).
+_DYNAMO_COMPARES_SPECS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+def same_structure(spec_a: optree.PyTreeSpec, spec_b: optree.PyTreeSpec, n_a: int, n_b: int) -> bool:
+    """Whether two flattened trees (their specs and leaf counts) have the same structure.
+
+    While torch.compile traces on a torch before 2.13, only the leaf counts are compared: Dynamo there
+    cannot compare treespecs. Eager calls, and traced calls on torch 2.13+, compare the whole structure.
+    """
+    if n_a != n_b:
+        return False
+    if not _DYNAMO_COMPARES_SPECS and torch.compiler.is_compiling():
+        return True
+    return spec_a == spec_b
+
+
 def tree_paths(tree: Any) -> list[str]:
     """A dotted name for each leaf of ``tree``, in leaf order (``"layer.weight"``, ``"0.bias"``)."""
     paths, _, _ = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
@@ -283,7 +301,7 @@ def select_tree(pred: torch.Tensor, a: T, b: T) -> T:
         raise ValueError(f"select_tree: pred must be 0-d (a scalar), got shape {tuple(pred.shape)}")
     leaves_a, spec_a = tree_flatten(a)
     leaves_b, spec_b = tree_flatten(b)
-    if spec_a != spec_b:
+    if not same_structure(spec_a, spec_b, len(leaves_a), len(leaves_b)):
         raise ValueError(f"select_tree: a and b must have the same structure, got {spec_a} and {spec_b}")
     return tree_unflatten(spec_a, [_select_leaf(pred, x, y) for x, y in zip(leaves_a, leaves_b)])
 

@@ -166,7 +166,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     """
     p_leaves, p_spec = _tree.tree_flatten(params)
     u_leaves, u_spec = _tree.tree_flatten(updates)
-    if p_spec != u_spec:
+    if not _tree.same_structure(p_spec, u_spec, len(p_leaves), len(u_leaves)):
         raise ValueError(
             f"apply_updates: params and updates must have the same tree structure, got params {p_spec} "
             f"and updates {u_spec}"

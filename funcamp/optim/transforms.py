@@ -96,7 +96,7 @@ def _map_n(
     rest_leaves = []
     for other in rest:
         other_leaves, other_spec = _tree.tree_flatten(other)
-        if other_spec != spec:
+        if not _tree.same_structure(spec, other_spec, len(leaves), len(other_leaves)):
             what = f"{name}: updates, params and state" if name else "updates and optimizer state"
             raise ValueError(
                 f"{what} must have the same structure, got {spec} and {other_spec}; "
