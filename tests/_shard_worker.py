@@ -332,5 +332,45 @@ def main(out: str) -> None:
     parallel.shutdown()
 
 
+KILL_STEP = 3  # rank 1 kills itself (SIGKILL) before this step; a checkpoint was saved after step 2
+KILL_TIMEOUT_S = 10  # the collective timeout of the killed-rank run
+
+
+def killed(out: str) -> None:
+    """Two ranks started by hand (not torchrun, which would stop the survivor itself): rank 1 dies mid-run.
+
+    Rank 0 prints ``SURVIVOR <seconds> <error>`` when its next step fails, the seconds counted from
+    the start of that step.
+    """
+    import os
+    import signal
+    import time
+
+    torch.set_num_threads(1)
+    rank, world, _ = parallel.setup_from_env("gloo", timeout_s=KILL_TIMEOUT_S)
+    policy = fa.get_policy("f32")
+    params, opt = init_params(), optimizer()
+    group = parallel.resolve_group(True)
+    layout = sharding.shard_layout(params, group)
+    state = fa.TrainState.create(params, opt, shard=layout)
+    step = fa.make_train_step(
+        make_loss_fn(policy), opt, data_parallel=group, policy=policy, shard=layout, compile=False
+    )
+    for n, batch in enumerate(batches(world, 0, 0.0)[:5], start=1):
+        if n == KILL_STEP and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.perf_counter()
+        try:
+            state, _ = step(state, shard_batch(batch, rank))
+        except Exception as e:
+            print(f"SURVIVOR {time.perf_counter() - t0:.1f} {type(e).__name__}: {e}".replace("\n", " "), flush=True)
+            os._exit(3)
+        if n == KILL_STEP - 1:
+            fa.checkpoint.save_sharded(f"{out}/killed", {"state": state}, layout, group=group)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["killed"]:
+        killed(sys.argv[1])
+    else:
+        main(sys.argv[1])

@@ -426,3 +426,51 @@ def test_train_gpt_shard_under_torchrun_and_resume_on_one_process(tmp_path):
     whole = sharding.unshard_params(resumed.params, layout, None)
     assert int(resumed.step) == 4
     assert max((whole[k] - one[k]).abs().max().item() for k in one) <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------
+# A rank killed mid-run
+
+
+def test_killed_rank_survivor_fails_fast_and_last_checkpoint_loads(tmp_path):
+    """Two ranks started by hand (torchrun would stop the survivor itself); rank 1 is SIGKILLed before step 3.
+
+    Rank 0's step 3 raises (gloo: the peer reset the connection; a hung peer instead fails the
+    collective after the process group's timeout, here 10 s) and the sharded checkpoint of step 2 loads
+    in one process.
+    """
+    import os
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    start = time.perf_counter()
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, str(HERE / "_shard_worker.py"), str(tmp_path), "killed"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[1].returncode == -9 and procs[0].returncode == 3, outs[0][-2000:]
+    line = next(x for x in outs[0].splitlines() if x.startswith("SURVIVOR "))
+    seconds = float(line.split()[1])
+    assert seconds <= W.KILL_TIMEOUT_S + 5, line
+    assert "RuntimeError" in line and ("Connection reset by peer" in line or "imed out" in line), line
+    assert time.perf_counter() - start < 90
+
+    params = W.init_params()
+    one = sharding.shard_layout(params, None)
+    like = {"state": fa.TrainState.create(params, W.optimizer(), shard=one)}
+    state = fa.checkpoint.load_sharded(tmp_path / "killed", like, one)["state"]
+    assert int(state.step) == W.KILL_STEP - 1
+    whole = sharding.unshard_params(state.params, one, None)
+    assert _max_diff(whole, params) > 1e-3 and all(torch.isfinite(v).all() for v in whole.values())  # 2 warmup steps
