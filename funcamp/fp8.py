@@ -76,9 +76,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from funcamp import nn as fnn
 from funcamp import parallel
 from funcamp.formats import get_format
 from funcamp.nn import keep_in_float32
+from funcamp.policy import Policy
 
 __all__ = [
     "MODULE_POLICIES",
@@ -90,6 +92,7 @@ __all__ = [
     "amax_to_scale",
     "convert",
     "fp8_linear",
+    "functionalize",
     "get_recipe",
     "init_delayed_state",
     "update_delayed_state",
@@ -738,3 +741,86 @@ def convert(model: nn.Module, recipe: Recipe | str = "tensorwise", *, filter: Fi
             stacklevel=2,
         )
     return model
+
+
+def _split_policy(policy: str) -> tuple[str, str | None]:
+    """``(dtype policy, recipe name or None)`` of a policy string with an optional ``fp8=<recipe>`` part.
+
+    Raises:
+      TypeError: if ``policy`` is not a string.
+      ValueError: if ``fp8=`` is given twice or is the only part.
+
+    Example:
+      >>> _split_policy("p=f32,c=bf16,o=f32, fp8=delayed")
+      ('p=f32,c=bf16,o=f32', 'delayed')
+    """
+    if isinstance(policy, Policy):
+        return policy, None
+    if not isinstance(policy, str):
+        raise TypeError(
+            f"fp8: the policy must be a string such as 'p=f32,c=bf16,o=f32,fp8=tensorwise' or a Policy, got {policy!r}"
+        )
+    parts = policy.split(",")
+    fp8 = [p for p in parts if p.partition("=")[0].strip().lower() == "fp8"]
+    if len(fp8) > 1:
+        raise ValueError(f"fp8: fp8= given twice in {policy!r}; give one recipe: {', '.join(_RECIPES)}")
+    if not fp8:
+        return policy, None
+    rest = ",".join(p for p in parts if p not in fp8)
+    if not rest.strip():
+        raise ValueError(f"fp8: {policy!r} has no dtypes besides fp8=; e.g. 'p=f32,c=bf16,o=f32,fp8=tensorwise'")
+    return rest, fp8[0].partition("=")[2].strip()
+
+
+def functionalize(
+    model: nn.Module,
+    policy: str,
+    *,
+    filter: Filter = None,
+    module_policies: Mapping[Any, Any] | None = None,
+    **kwargs: Any,
+) -> tuple[Any, ...]:
+    """:func:`funcamp.nn.functionalize` with fp8 asked for in the policy string: ``"p=f32,c=bf16,o=f32,fp8=delayed"``.
+
+    The ``fp8=<recipe>`` part (``tensorwise``, ``rowwise``, ``delayed``) makes this
+    ``funcamp.nn.functionalize(convert(model, recipe, filter=filter), rest, module_policies=merged, **kwargs)``,
+    ``merged`` being your ``module_policies`` followed by :data:`MODULE_POLICIES` (yours win where both
+    match a module) and ``rest`` the other parts of the string (the dtypes, parsed by
+    :func:`funcamp.get_policy`). Without an ``fp8=`` part it is ``funcamp.nn.functionalize`` of the model
+    as it is. ``funcamp.get_policy`` itself refuses ``fp8=`` (a :class:`funcamp.Policy` holds dtypes only),
+    so the key cannot be dropped silently by a function that takes a policy; the main job's equivalent
+    is ``--fp8 R``. Keras 3 has fp8 in its dtype policies; torchao and TransformerEngine ask for it by a
+    module swap or a context, as :func:`convert` does here.
+
+    Args:
+      model: any ``nn.Module``; not changed (converted as a copy).
+      policy: the policy string, with at most one ``fp8=`` part (or a :class:`funcamp.Policy`: no fp8).
+      filter: which layers :func:`convert` swaps (default: every Linear but the first and the last).
+      module_policies: your own per-module policies, placed before :data:`MODULE_POLICIES`.
+      **kwargs: the other arguments of ``funcamp.nn.functionalize`` (``with_buffers``, ``trainable``...).
+    Returns:
+      What ``funcamp.nn.functionalize`` returns: ``(apply_fn, params)``, or ``(apply_fn, params, buffers)``
+      for a model with buffers, such as the delayed recipe's state.
+    Raises:
+      TypeError: if ``policy`` is not a string or Policy, or ``module_policies`` not a mapping.
+      ValueError: if ``fp8=`` names an unknown recipe or is given twice, or the rest does not parse.
+
+    Example:
+      >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+      >>> apply_fn, params = functionalize(model, "p=f32,c=bf16,o=f32,fp8=tensorwise")
+      >>> apply_fn(params, torch.randn(4, 16)).dtype
+      torch.float32
+    """
+    rest, recipe = _split_policy(policy)
+    if module_policies is not None and not isinstance(module_policies, Mapping):
+        raise TypeError(
+            "fp8.functionalize: module_policies must be None or a dict from module types or names to policies "
+            f"(merged over fp8.MODULE_POLICIES), got {type(module_policies).__name__}"
+        )
+    if recipe is None:
+        return fnn.functionalize(model, rest, module_policies=module_policies, **kwargs)
+    converted = convert(model, get_recipe(recipe), filter=filter)
+    merged = dict(module_policies or {})  # yours first: functionalize takes the first entry that matches
+    for key, value in MODULE_POLICIES.items():
+        merged.setdefault(key, value)
+    return fnn.functionalize(converted, rest, module_policies=merged, **kwargs)

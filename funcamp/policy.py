@@ -157,14 +157,23 @@ class Policy:
         return text
 
 
+# fp8 is not a dtype a whole policy computes in: its matmuls go through funcamp.fp8's layers.
+_FP8_HINT = (
+    "fp8 runs the matmuls of chosen layers, not a whole policy: write fp8=tensorwise|rowwise|delayed in the "
+    "string given to funcamp.fp8.functionalize, or use funcamp.fp8.convert with "
+    "module_policies=funcamp.fp8.MODULE_POLICIES"
+)
+
+
 def _parse_dtype(value: str, where: str) -> torch.dtype:
     name = value.strip().lower()
     try:
         return _NAME_TO_DTYPE[name]
     except KeyError:
+        hint = f". {_FP8_HINT}" if any(k in name for k in ("float8", "fp8", "f8", "e4m3", "e5m2")) else ""
         raise ValueError(
             f"get_policy: unknown dtype {value.strip()!r} in {where}; accepted dtype names: "
-            f"{', '.join(sorted(_NAME_TO_DTYPE))}"
+            f"{', '.join(sorted(_NAME_TO_DTYPE))}{hint}"
         ) from None
 
 
@@ -225,6 +234,8 @@ def _parse_part(part: str, policy: str, seen: dict[str, torch.dtype]) -> dict[st
         )
     key, value = (s.strip() for s in part.split("="))
     field = _KEYS.get(key.lower())
+    if field is None and key.lower() == "fp8":
+        raise ValueError(f"get_policy: fp8= is not a dtype key ({policy!r}); {_FP8_HINT}")
     if field is None:
         raise ValueError(f"get_policy: unknown key {key!r} in {policy!r}; accepted keys: {keys}")
     if field in seen:

@@ -672,3 +672,54 @@ def test_reduce_buffers_registry_and_errors() -> None:
         parallel.register_buffer_reduction("a.b", "max")
     with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
         parallel.reduce_buffers({"fp8_scale_input": torch.ones(())}, None)
+
+
+# --- fp8 in the policy string ----------------------------------------------------------------------------
+
+
+def test_functionalize_with_fp8_in_the_policy_string() -> None:
+    """fp8.functionalize(model, "...,fp8=R") is nn.functionalize(convert(model, R), "...",
+    module_policies=MODULE_POLICIES): the same names, buffers and outputs, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    x = torch.randn(8, 32)
+    apply_fn, params, buffers = fp8.functionalize(model, " p=f32,c=bf16,o=f32 , FP8 = delayed ")
+    ref_fn, ref_params, ref_buffers = fa.nn.functionalize(
+        fp8.convert(model, "delayed"), POLICY, module_policies=fp8.MODULE_POLICIES
+    )
+    assert params.keys() == ref_params.keys() and sorted(buffers) == sorted(ref_buffers)
+    assert sorted(buffers)[0] == "1.fp8_amax_history_input"  # the first and last layers stay (default filter)
+    out, new = apply_fn(params, buffers, x)
+    ref, ref_new = ref_fn(ref_params, ref_buffers, x)
+    assert torch.equal(out, ref) and all(torch.equal(new[k], ref_new[k]) for k in new)
+    assert not any(isinstance(m, fp8.Float8Linear) for m in model)  # the model itself is not changed
+    # filter and your own module_policies pass through (merged over MODULE_POLICIES)
+    apply_fn, params = fp8.functionalize(
+        model, "p=f32,c=bf16,o=f32,fp8=tensorwise", filter="*", module_policies={"3": "bf16"}
+    )
+    assert [apply_fn.forward_dtypes[f"{i}.weight"] for i in range(4)] == [torch.float32] * 3 + [torch.bfloat16]
+    # no fp8= part: plain functionalize
+    apply_fn, params = fp8.functionalize(model, POLICY)
+    assert torch.equal(apply_fn(params, x), fa.nn.functionalize(model, POLICY)[0](params, x))
+
+
+def test_fp8_in_the_policy_string_errors() -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+    with pytest.raises(ValueError, match="unknown recipe 'blockwise'; choose one of tensorwise, rowwise, delayed"):
+        fp8.functionalize(model, "p=f32,fp8=blockwise")
+    with pytest.raises(ValueError, match="fp8= given twice"):
+        fp8.functionalize(model, "fp8=delayed,p=f32,fp8=rowwise")
+    with pytest.raises(ValueError, match="no dtypes besides fp8="):
+        fp8.functionalize(model, "fp8=delayed")
+    with pytest.raises(TypeError, match="policy must be a string"):
+        fp8.functionalize(model, None)
+    with pytest.raises(TypeError, match="module_policies must be None or a dict"):
+        fp8.functionalize(model, "p=f32,fp8=delayed", module_policies=[fp8.Float8Linear])
+    # funcamp.get_policy (what nn.functionalize, make_train_step... take) refuses fp8 and says where it goes
+    with pytest.raises(ValueError, match=r"fp8= is not a dtype key .*funcamp.fp8.functionalize"):
+        fa.get_policy("p=f32,c=bf16,fp8=tensorwise")
+    with pytest.raises(ValueError, match=r"unknown dtype 'float8_e4m3fn' .*fp8 runs the matmuls of chosen layers"):
+        fa.get_policy("c=float8_e4m3fn")
+    with pytest.raises(ValueError, match="unknown dtype 'int8'") as caught:
+        fa.get_policy("c=int8")
+    assert "fp8" not in str(caught.value)  # no fp8 hint for int8
