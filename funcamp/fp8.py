@@ -55,6 +55,12 @@ are not multiples of 16 stay as they are, reported once), then ``functionalize``
     model = fp8.convert(GPT(cfg), recipe="tensorwise")    # first and last Linear stay as they are
     apply_fn, params = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32", module_policies=fp8.MODULE_POLICIES)
 
+``functionalize`` returns ``(apply_fn, params, buffers)`` for the delayed recipe (its state) and
+``(apply_fn, params)`` for the others on a model without buffers. :func:`functionalize` (this module's)
+does both steps from a policy string with an ``fp8=`` part and returns three values for every recipe:
+
+    apply_fn, params, buffers = fp8.functionalize(GPT(cfg), "p=f32,c=bf16,o=f32,fp8=delayed")
+
 References:
   Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433. torchao float8 training
   (``torchao.float8.Float8Linear``, ``convert_to_float8_training``, recipes ``tensorwise`` and
@@ -797,21 +803,28 @@ def functionalize(
       policy: the policy string, with at most one ``fp8=`` part (or a :class:`funcamp.Policy`: no fp8).
       filter: which layers :func:`convert` swaps (default: every Linear but the first and the last).
       module_policies: your own per-module policies, placed before :data:`MODULE_POLICIES`.
-      **kwargs: the other arguments of ``funcamp.nn.functionalize`` (``with_buffers``, ``trainable``...).
+      **kwargs: the other arguments of ``funcamp.nn.functionalize`` (``trainable``, ``remat``...);
+        ``with_buffers`` defaults to True here.
     Returns:
-      What ``funcamp.nn.functionalize`` returns: ``(apply_fn, params)``, or ``(apply_fn, params, buffers)``
-      for a model with buffers, such as the delayed recipe's state.
+      ``(apply_fn, params, buffers)`` whatever the recipe, with ``apply_fn(params, buffers, *args) ->
+      (out, new_buffers)`` (``buffers`` is ``{}`` for ``tensorwise`` and ``rowwise`` on a model without
+      buffers), so that changing ``fp8=`` in the string does not change the code around it.
+      ``funcamp.nn.functionalize`` returns two values for a model without buffers and three for one
+      with the delayed state: unpacking two from the latter fails with Python's bare "too many
+      values to unpack (expected 2)". Pass ``with_buffers=None`` for that rule.
     Raises:
       TypeError: if ``policy`` is not a string or Policy, or ``module_policies`` not a mapping.
       ValueError: if ``fp8=`` names an unknown recipe or is given twice, or the rest does not parse.
 
     Example:
       >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
-      >>> apply_fn, params = functionalize(model, "p=f32,c=bf16,o=f32,fp8=tensorwise")
-      >>> apply_fn(params, torch.randn(4, 16)).dtype
-      torch.float32
+      >>> apply_fn, params, buffers = functionalize(model, "p=f32,c=bf16,o=f32,fp8=tensorwise")
+      >>> out, new_buffers = apply_fn(params, buffers, torch.randn(4, 16))
+      >>> out.dtype, new_buffers
+      (torch.float32, {})
     """
     rest, recipe = _split_policy(policy)
+    kwargs.setdefault("with_buffers", True)  # three values whatever the recipe
     if module_policies is not None and not isinstance(module_policies, Mapping):
         raise TypeError(
             "fp8.functionalize: module_policies must be None or a dict from module types or names to policies "

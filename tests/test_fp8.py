@@ -694,13 +694,25 @@ def test_functionalize_with_fp8_in_the_policy_string() -> None:
     assert torch.equal(out, ref) and all(torch.equal(new[k], ref_new[k]) for k in new)
     assert not any(isinstance(m, fp8.Float8Linear) for m in model)  # the model itself is not changed
     # filter and your own module_policies pass through (merged over MODULE_POLICIES)
-    apply_fn, params = fp8.functionalize(
+    apply_fn, params, buffers = fp8.functionalize(
         model, "p=f32,c=bf16,o=f32,fp8=tensorwise", filter="*", module_policies={"3": "bf16"}
     )
     assert [apply_fn.forward_dtypes[f"{i}.weight"] for i in range(4)] == [torch.float32] * 3 + [torch.bfloat16]
-    # no fp8= part: plain functionalize
-    apply_fn, params = fp8.functionalize(model, POLICY)
-    assert torch.equal(apply_fn(params, x), fa.nn.functionalize(model, POLICY)[0](params, x))
+    # three values whatever the recipe (a stateless one too), so changing fp8= changes no code around it
+    assert buffers == {} and apply_fn(params, buffers, x)[1] == {}
+
+    def loss_fn(params, buffers, batch):  # the delayed recipe's loss function, unchanged for tensorwise
+        out, new = apply_fn(params, buffers, batch)
+        return out.float().square().mean(), new
+
+    opt = optim.sgd(0.1)
+    state = fa.TrainState.create(params, opt, buffers=buffers)
+    state, _ = fa.make_train_step(loss_fn, opt, backend="aot_eager")(state, x)  # compiled, fullgraph
+    assert state.buffers == {} and int(state.step) == 1
+    # no fp8= part: plain functionalize, three values all the same; with_buffers=None: functionalize's rule
+    apply_fn, params, buffers = fp8.functionalize(model, POLICY)
+    assert torch.equal(apply_fn(params, buffers, x)[0], fa.nn.functionalize(model, POLICY)[0](params, x))
+    assert len(fp8.functionalize(model, POLICY + ",fp8=rowwise", with_buffers=None)) == 2
 
 
 def test_fp8_in_the_policy_string_errors() -> None:
