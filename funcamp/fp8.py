@@ -815,6 +815,7 @@ def functionalize(
     Raises:
       TypeError: if ``policy`` is not a string or Policy, or ``module_policies`` not a mapping.
       ValueError: if ``fp8=`` names an unknown recipe or is given twice, or the rest does not parse.
+      ValueError: if ``with_buffers=False`` with the delayed recipe (its state would never advance).
 
     Example:
       >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
@@ -832,7 +833,14 @@ def functionalize(
         )
     if recipe is None:
         return fnn.functionalize(model, rest, module_policies=module_policies, **kwargs)
-    converted = convert(model, get_recipe(recipe), filter=filter)
+    r = get_recipe(recipe)
+    if r.scaling == "delayed" and kwargs["with_buffers"] is False:
+        raise ValueError(
+            "fp8.functionalize: with_buffers=False keeps the buffers constant, so the delayed recipe's amax "
+            "histories and scales would never advance (every call would cast with scale 1); leave with_buffers "
+            "as it is, or use fp8=tensorwise or fp8=rowwise"
+        )
+    converted = convert(model, r, filter=filter)
     merged = dict(module_policies or {})  # yours first: functionalize takes the first entry that matches
     for key, value in MODULE_POLICIES.items():
         merged.setdefault(key, value)

@@ -723,6 +723,8 @@ def test_fp8_in_the_policy_string_errors() -> None:
         fp8.functionalize(model, "fp8=delayed,p=f32,fp8=rowwise")
     with pytest.raises(ValueError, match="no dtypes besides fp8="):
         fp8.functionalize(model, "fp8=delayed")
+    with pytest.raises(ValueError, match="with_buffers=False keeps the buffers constant, so the delayed recipe"):
+        fp8.functionalize(model, "p=f32,fp8=delayed", with_buffers=False)
     with pytest.raises(TypeError, match="policy must be a string"):
         fp8.functionalize(model, None)
     with pytest.raises(TypeError, match="module_policies must be None or a dict"):
