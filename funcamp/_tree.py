@@ -29,6 +29,7 @@ __all__ = [
     "finite_flag_paths",
     "finite_flags",
     "first_non_floating",
+    "flatten_same",
     "global_norm",
     "is_floating",
     "scaled_global_norm",
@@ -61,13 +62,155 @@ field = optree.dataclasses.field
 
 
 def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
-    """Map ``fn`` over the leaves of ``tree`` (and of ``rest``, which must have its structure)."""
+    """Map ``fn`` over the leaves of ``tree`` (and of ``rest``, which must have its structure).
+
+    As ``optree.tree_map``: each tree in ``rest`` is taken up to ``tree``'s leaves (a leaf of ``tree``
+    may face a subtree there, passed to ``fn`` whole). While ``torch.compile`` traces, trees of dicts,
+    lists, tuples, NamedTuples and ``None`` take :func:`_fast_flatten` (the same leaves, order and
+    result); anything else, and every eager call, goes through optree.
+    """
+    if torch.compiler.is_compiling():
+        flat = _fast_flatten(tree, rest, strict=False)
+        if flat is not None:
+            leaves, rest_leaves, skeleton = flat
+            return _fast_unflatten(skeleton, [fn(*xs) for xs in zip(leaves, *rest_leaves)])
     return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
+
+
+def flatten_same(tree: Any, *rest: Any) -> tuple[list[list[Any]], Callable[[list[Any]], Any]] | None:
+    """``([leaves, *rest_leaves], rebuild)`` for trees of one structure, or None outside the fast path.
+
+    The leaves of ``tree`` and of each tree of ``rest`` in leaf order, and ``rebuild(new_leaves)``, a
+    tree of ``tree``'s structure. Only while ``torch.compile`` traces and only for trees of dicts (string
+    keys), lists, tuples, NamedTuples and ``None`` whose structures are all equal (as optree's treespecs
+    compare); None otherwise, and the caller takes optree's path, which also raises the structure errors.
+    """
+    if not torch.compiler.is_compiling():
+        return None
+    flat = _fast_flatten(tree, rest, strict=True)
+    if flat is None:
+        return None
+    leaves, rest_leaves, skeleton = flat
+    return [leaves, *rest_leaves], lambda new_leaves: _fast_unflatten(skeleton, new_leaves)
 
 
 def tree_leaves(tree: Any) -> list[Any]:
     """Leaves of ``tree`` in optree order (dict keys sorted, ``None`` skipped)."""
+    if torch.compiler.is_compiling():
+        flat = _fast_flatten(tree, (), strict=True)
+        if flat is not None:
+            return flat[0]
     return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
+# --- the tracing fast path ----------------------------------------------------------------------------
+# Under torch.compile, Dynamo runs optree's functions as a Python re-implementation (the pytree polyfill
+# of torch._dynamo) that builds a treespec object per node; tracing that cost 2-6 s of the first train
+# step of the benchmark GPT (15 parameters; AMD EPYC, 2 cores). The walk below covers the containers the
+# train step holds (dicts of tensors, optimizer states as NamedTuples and tuples, None) with a few
+# bytecodes per node, and hands anything else back to optree. It is not a flatten for custom nodes: the
+# dataclasses registered in the funcamp namespace still flatten through optree's registry.
+
+#: Types that are leaves for optree (never registered as nodes): the fast path flattens only these.
+_FAST_LEAF_TYPES = (torch.Tensor, int, float, complex, str, bytes)
+
+
+def _is_plain_namedtuple(cls: type) -> bool:
+    """A NamedTuple class that optree flattens as a NamedTuple (not a custom node registered for it)."""
+    if cls.__bases__ != (tuple,) or not isinstance(getattr(cls, "_fields", None), tuple):
+        return False
+    entry = optree.register_pytree_node.get(cls, namespace=NAMESPACE)
+    return entry is not None and entry.kind == optree.PyTreeKind.NAMEDTUPLE
+
+
+def _fast_flatten(tree: Any, rest: tuple[Any, ...], *, strict: bool) -> tuple[list, list[list], Any] | None:
+    """``(leaves, rest_leaves, skeleton)`` of ``tree`` and ``rest`` in optree's leaf order, or None.
+
+    None when a node is not a dict with string keys, list, tuple, plain NamedTuple or None, when a leaf
+    is not one of :data:`_FAST_LEAF_TYPES`, or when a tree of ``rest`` differs from ``tree`` at a node
+    (``strict``: at a leaf too, i.e. the structures must be equal). Dict keys are visited sorted, as
+    optree does; :func:`_fast_unflatten` rebuilds each dict in its original key order.
+    """
+    leaves: list[Any] = []
+    rest_leaves: list[list[Any]] = [[] for _ in rest]
+    skeleton = _fast_walk(tree, list(rest), strict, leaves, rest_leaves)
+    return None if skeleton is None else (leaves, rest_leaves, skeleton)
+
+
+_LEAF, _NONE, _DICT, _SEQ = 0, 1, 2, 3
+
+
+def _fast_walk(node: Any, others: list[Any], strict: bool, leaves: list, rest_leaves: list) -> Any:
+    """The skeleton of ``node`` (leaves appended to ``leaves``, ``others``' to ``rest_leaves``), or None."""
+    if isinstance(node, _FAST_LEAF_TYPES):
+        leaves.append(node)
+        for acc, o in zip(rest_leaves, others):
+            if strict and not isinstance(o, _FAST_LEAF_TYPES):
+                return None
+            acc.append(o)
+        return _LEAF
+    if node is None:
+        for o in others:
+            if o is not None:
+                return None
+        return _NONE
+    cls = type(node)
+    if cls is dict:
+        for o in others:
+            if type(o) is not dict or len(o) != len(node):
+                return None
+        order = tuple(node)
+        for k in order:
+            if type(k) is not str:
+                return None  # optree orders other keys in ways this walk does not copy
+        keys = tuple(sorted(order))
+        children = []
+        for k in keys:
+            sub = []
+            for o in others:
+                if k not in o:
+                    return None
+                sub.append(o[k])
+            child = _fast_walk(node[k], sub, strict, leaves, rest_leaves)
+            if child is None:
+                return None
+            children.append(child)
+        return (_DICT, keys, None if order == keys else order, children)
+    if cls is list or cls is tuple or (isinstance(node, tuple) and _is_plain_namedtuple(cls)):
+        for o in others:
+            if type(o) is not cls or len(o) != len(node):
+                return None
+        children = []
+        for i, x in enumerate(node):
+            child = _fast_walk(x, [o[i] for o in others], strict, leaves, rest_leaves)
+            if child is None:
+                return None
+            children.append(child)
+        return (_SEQ, cls, children)
+    return None
+
+
+def _fast_unflatten(skeleton: Any, leaves: list[Any]) -> Any:
+    """The tree of ``skeleton`` (from :func:`_fast_flatten`) with ``leaves`` in leaf order."""
+    it = iter(leaves)
+    out = _fast_build(skeleton, it)
+    if next(it, it) is not it:
+        raise ValueError("_fast_unflatten: more leaves than the structure holds")
+    return out
+
+
+def _fast_build(skeleton: Any, it: Any) -> Any:
+    if skeleton == _LEAF:
+        return next(it)
+    if skeleton == _NONE:
+        return None
+    if skeleton[0] == _DICT:
+        _, keys, order, children = skeleton
+        built = {k: _fast_build(child, it) for k, child in zip(keys, children)}
+        return built if order is None else {k: built[k] for k in order}
+    _, cls, children = skeleton
+    items = [_fast_build(child, it) for child in children]
+    return cls(items) if cls is list or cls is tuple else cls(*items)
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
@@ -154,7 +297,7 @@ def _describe(leaf: Any) -> str:
     return f"a {type(leaf).__name__}"
 
 
-def _stored_values(fn: str, path: str, x: torch.Tensor) -> torch.Tensor | None:
+def _stored_values(fn: str, name: Callable[[], str], x: torch.Tensor) -> torch.Tensor | None:
     """The dense tensor of ``x``'s stored elements if ``x`` is floating or complex; None if integer/bool.
 
     Sparse tensors give their stored values (COO ones coalesced first, so that duplicate entries are
@@ -163,7 +306,7 @@ def _stored_values(fn: str, path: str, x: torch.Tensor) -> torch.Tensor | None:
     """
     if x.is_quantized:
         raise TypeError(
-            f"{fn}: leaf {path!r} is a quantized tensor ({x.dtype}), which funcamp does not check; "
+            f"{fn}: leaf {name()!r} is a quantized tensor ({x.dtype}), which funcamp does not check; "
             "pass x.dequantize() or leave it out of the tree"
         )
     if not (x.is_floating_point() or x.is_complex()):
@@ -176,16 +319,16 @@ def _stored_values(fn: str, path: str, x: torch.Tensor) -> torch.Tensor | None:
         return x.values()
     if x.layout != torch.strided:
         raise TypeError(
-            f"{fn}: leaf {path!r} has layout {x.layout}, which funcamp does not check; "
+            f"{fn}: leaf {name()!r} has layout {x.layout}, which funcamp does not check; "
             "pass a dense tensor (x.to_dense()) or leave it out of the tree"
         )
     return x
 
 
-def _finite_flag(fn: str, path: str, leaf: Any, device: torch.device) -> torch.Tensor | None:
+def _finite_flag(fn: str, name: Callable[[], str], leaf: Any, device: torch.device) -> torch.Tensor | None:
     """A 0-d bool tensor for a leaf that can hold a non-finite value, None for one that cannot."""
     if isinstance(leaf, torch.Tensor):
-        x = _stored_values(fn, path, leaf)
+        x = _stored_values(fn, name, leaf)
         if x is None:
             return None  # integer and bool tensors cannot hold NaN or inf
         if x.dtype.itemsize == 1:  # float8: isfinite has no kernel for every float8 format
@@ -196,7 +339,7 @@ def _finite_flag(fn: str, path: str, leaf: Any, device: torch.device) -> torch.T
     if isinstance(leaf, numbers.Complex):  # Python float and complex: a constant, checked on the host
         return torch.tensor(cmath.isfinite(complex(leaf)), device=device)
     raise TypeError(
-        f"{fn}: leaf {path!r} is {_describe(leaf)}, which funcamp cannot check for NaN and inf; "
+        f"{fn}: leaf {name()!r} is {_describe(leaf)}, which funcamp cannot check for NaN and inf; "
         "keep only tensors and numbers in the tree (None marks an absent leaf)"
     )
 
@@ -213,16 +356,23 @@ def _stacked_flags(fn: str, tree: Any) -> torch.Tensor:
     return torch.stack(flags)
 
 
-def _flags_with_paths(fn: str, tree: Any) -> tuple[list[torch.Tensor], list[str]]:
+def _flags_with_paths(fn: str, tree: Any) -> tuple[list[torch.Tensor], list[int]]:
+    """The finite flags of ``tree`` and the leaf index of each (names are read only for errors)."""
     leaves = tree_leaves(tree)
     device = _first_tensor_device(leaves)
-    flags, paths = [], []
-    for path, leaf in zip(tree_paths(tree), leaves, strict=True):
-        flag = _finite_flag(fn, path, leaf, device)
+    flags, indices = [], []
+    for i, leaf in enumerate(leaves):
+        flag = _finite_flag(fn, _leaf_name(tree, i), leaf, device)
         if flag is not None:
             flags.append(flag)
-            paths.append(path)
-    return flags, paths
+            indices.append(i)
+    return flags, indices
+
+
+def _leaf_name(tree: Any, i: int) -> Callable[[], str]:
+    """The dotted name of leaf ``i`` of ``tree``, computed when called: only error messages need it, and
+    while ``torch.compile`` traces, computing every name costs more than the checks themselves."""
+    return lambda: tree_paths(tree)[i]
 
 
 def finite_flags(tree: Any) -> torch.Tensor:
@@ -253,8 +403,9 @@ def finite_flag_paths(tree: Any) -> list[str]:
     Raises:
       TypeError: as :func:`finite_flags`, for a leaf it cannot check.
     """
-    _, paths = _flags_with_paths("finite_flag_paths", tree)
-    return paths
+    _, indices = _flags_with_paths("finite_flag_paths", tree)
+    paths = tree_paths(tree)
+    return [paths[i] for i in indices]
 
 
 def all_finite(tree: Any) -> torch.Tensor:
@@ -299,6 +450,10 @@ def select_tree(pred: torch.Tensor, a: T, b: T) -> T:
         raise TypeError(f"select_tree: pred must be a 0-d torch.bool tensor, got dtype {pred.dtype}")
     if pred.ndim != 0:
         raise ValueError(f"select_tree: pred must be 0-d (a scalar), got shape {tuple(pred.shape)}")
+    fast = flatten_same(a, b)
+    if fast is not None:
+        (leaves_a, leaves_b), rebuild = fast
+        return rebuild([_select_leaf(pred, x, y) for x, y in zip(leaves_a, leaves_b)])
     leaves_a, spec_a = tree_flatten(a)
     leaves_b, spec_b = tree_flatten(b)
     if not same_structure(spec_a, spec_b, len(leaves_a), len(leaves_b)):
@@ -363,13 +518,13 @@ def _max_magnitude(x: torch.Tensor) -> torch.Tensor:
 def _norm_leaves(fn: str, tree: Any) -> list[torch.Tensor]:
     """The real dense tensors whose elements make up the norm of ``tree`` (complex ones as real pairs)."""
     out = []
-    for path, leaf in zip(tree_paths(tree), tree_leaves(tree), strict=True):
+    for i, leaf in enumerate(tree_leaves(tree)):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
-                f"{fn}: leaf {path!r} is {_describe(leaf)}; a norm is taken over tensors: make it a "
+                f"{fn}: leaf {tree_paths(tree)[i]!r} is {_describe(leaf)}; a norm is taken over tensors: make it a "
                 "tensor (torch.as_tensor) or leave it out of the tree"
             )
-        x = _stored_values(fn, path, leaf)
+        x = _stored_values(fn, _leaf_name(tree, i), leaf)
         if x is None or x.numel() == 0:
             continue  # integer and bool tensors are not gradients (step counts, masks); empty ones add 0
         if x.is_complex():

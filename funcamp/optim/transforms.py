@@ -92,6 +92,12 @@ def _map_n(
 
     ``indexed``: ``fn(i, *leaves)`` with ``i`` the leaf's position. ``name`` prefixes the structure error.
     """
+    fast = _tree.flatten_same(tree, *rest)  # while torch.compile traces: cheaper than optree's polyfill
+    if fast is not None:
+        (leaves, *rest_leaves), rebuild = fast
+        rows = zip(leaves, *rest_leaves, strict=True)
+        outs = [fn(i, *xs) for i, xs in enumerate(rows)] if indexed else [fn(*xs) for xs in rows]
+        return tuple(rebuild([o[i] for o in outs]) for i in range(n))
     leaves, spec = _tree.tree_flatten(tree)
     rest_leaves = []
     for other in rest:
@@ -222,12 +228,9 @@ def scale_by_adam(
             v_c = v.to(c).mul(b2).addcmul(g_c, g_c, value=1.0 - b2)
             # sqrt(v / bc2 + eps_root), written as torch.optim writes it when eps_root == 0.
             denom = (v_c + eps_root * bc2).sqrt() / bc2_sqrt + eps
-            return (m_c / bc1) / denom, m_c, v_c
+            return ((m_c / bc1) / denom).to(g.dtype), m_c.to(m.dtype), v_c.to(v.dtype)
 
         u, mu, nu = _map_n(3, leaf, updates, state.mu, state.nu)
-        u = _tree.tree_map(lambda x, g: x.to(g.dtype), u, updates)
-        mu = _tree.tree_map(lambda x, m: x.to(m.dtype), mu, state.mu)
-        nu = _tree.tree_map(lambda x, v: x.to(v.dtype), nu, state.nu)
         return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return GradientTransformation(init, update)

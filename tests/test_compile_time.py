@@ -1,0 +1,193 @@
+"""The tracing fast path of funcamp._tree: the same leaves, order and trees as optree, and the same
+compiled train step.
+
+Under ``torch.compile``, Dynamo runs optree through its Python pytree polyfill; funcamp walks the trees
+of a train step (dicts, lists, tuples, NamedTuples, None) itself while tracing (``_tree._fast_flatten``),
+and hands anything else to optree. These tests hold that walk to optree's results, eager and traced.
+Speed is measured by benchmarks/bench_first_step.py, not here.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+import optree
+import pytest
+import torch
+
+import funcamp as fa
+from funcamp import _tree, optim
+
+
+class Pair(NamedTuple):
+    a: object
+    b: object
+
+
+def _trees() -> list[object]:
+    t = torch.arange(3.0)
+    return [
+        t,
+        {"b": t, "a": t + 1, "c": None},  # unsorted keys: leaves sorted, result in insertion order
+        {"z": [t, (t, 1, 2.5)], "y": {"q": None, "p": True}},
+        [None, (t, None), [], (), {}],
+        Pair(a={"k": t}, b=[t, "s"]),
+        (Pair(1, 2), [Pair(t, None)]),
+        {"x": torch.tensor(1, dtype=torch.int32), "w": 3 + 1j, "v": b"raw"},
+    ]
+
+
+def _same_tree(x: object, y: object) -> bool:
+    """Equal structure (types, dict key order) and identical leaves (the same objects)."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, dict):
+        return list(x) == list(y) and all(_same_tree(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(_same_tree(a, b) for a, b in zip(x, y))
+    return x is y
+
+
+@pytest.mark.parametrize("tree", _trees(), ids=range(len(_trees())))
+def test_fast_flatten_matches_optree(tree: object) -> None:
+    flat = _tree._fast_flatten(tree, (), strict=True)
+    assert flat is not None
+    leaves, rest_leaves, skeleton = flat
+    expected = optree.tree_leaves(tree, namespace=_tree.NAMESPACE)
+    assert len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected))
+    assert rest_leaves == []
+    rebuilt = _tree._fast_unflatten(skeleton, leaves)
+    assert _same_tree(rebuilt, optree.tree_unflatten(optree.tree_structure(tree, namespace=_tree.NAMESPACE), leaves))
+    assert _same_tree(rebuilt, tree)
+
+
+def test_fast_unflatten_refuses_extra_leaves() -> None:
+    _, _, skeleton = _tree._fast_flatten({"a": torch.zeros(1)}, (), strict=True)
+    with pytest.raises(ValueError, match="more leaves"):
+        _tree._fast_unflatten(skeleton, [torch.zeros(1), torch.zeros(1)])
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {1: torch.zeros(1), "a": torch.zeros(1)},  # non-string keys: optree's own order
+        collections.OrderedDict(a=torch.zeros(1)),
+        collections.defaultdict(list, a=torch.zeros(1)),
+        collections.deque([torch.zeros(1)]),
+        fa.StaticLossScale(2.0),  # a dataclass registered in the funcamp namespace
+        object(),
+        torch.return_types.max((torch.zeros(1), torch.zeros(1))),  # structseq
+    ],
+    ids=["int-keys", "OrderedDict", "defaultdict", "deque", "registered-dataclass", "object", "structseq"],
+)
+def test_fast_flatten_hands_other_nodes_to_optree(tree: object) -> None:
+    assert _tree._fast_flatten(tree, (), strict=True) is None
+    assert _tree._fast_flatten([tree], (), strict=True) is None
+
+
+def test_fast_flatten_registered_namedtuple_goes_to_optree() -> None:
+    class Custom(NamedTuple):
+        x: object
+        y: object
+
+    with pytest.warns(UserWarning, match="already registered"):  # optree warns: it overrides the NamedTuple
+        optree.register_pytree_node(
+            Custom, lambda c: ((c.x,), c.y), lambda y, children: Custom(children[0], y), namespace=_tree.NAMESPACE
+        )
+    try:
+        assert _tree._fast_flatten(Custom(torch.zeros(1), "meta"), (), strict=True) is None
+        assert _tree._fast_flatten(Pair(torch.zeros(1), "leaf"), (), strict=True) is not None
+    finally:
+        optree.unregister_pytree_node(Custom, namespace=_tree.NAMESPACE)
+
+
+def test_fast_flatten_with_rest_trees() -> None:
+    t = torch.zeros(2)
+    a, b = {"w": t, "b": [t, None]}, {"b": [t + 1, None], "w": t + 2}
+    leaves, (rest,), _ = _tree._fast_flatten(a, (b,), strict=True)
+    assert rest == optree.tree_leaves(b, namespace=_tree.NAMESPACE) and len(leaves) == 2
+    # Up to the first tree's leaves (optree.tree_map's rule): a leaf may face a subtree, unless strict.
+    deeper = {"w": (t, t), "b": [t, None]}
+    assert _tree._fast_flatten(a, (deeper,), strict=False) is not None
+    assert _tree._fast_flatten(a, (deeper,), strict=True) is None
+    for other in ({"w": t}, {"w": t, "b": (t, None)}, {"w": t, "b": [t, t]}, {"w": t, "c": [t, None]}):
+        assert _tree._fast_flatten(a, (other,), strict=False) is None, other
+
+
+# --- traced: the fast path is taken, and gives what optree gives ------------------------------------------
+
+
+def _compiled(fn):  # Dynamo only: the fast path is about tracing, not code generation
+    return torch.compile(fn, backend="eager", fullgraph=True)
+
+
+def test_fast_path_taken_while_tracing_and_not_eager() -> None:
+    a = {"w": torch.zeros(2), "b": torch.zeros(1)}
+    assert _tree.flatten_same(a, a) is None  # eager: optree
+    assert _compiled(lambda x: torch.tensor(_tree.flatten_same(x, x) is not None))(a)
+
+
+def test_traced_tree_functions_equal_eager() -> None:
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3), "emb": torch.randn(5, 2, dtype=torch.bfloat16)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    grads["b"][1] = float("nan")
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
+    state = opt.init(params)
+
+    def run(params, grads, state):
+        updates, new_state = opt.update(grads, state, params)
+        new_params = optim.apply_updates(params, updates)
+        finite = _tree.all_finite(grads)
+        flags = _tree.finite_flags(grads)
+        kept = _tree.select_tree(finite, new_params, params)
+        chosen = _tree.select_tree(~finite, new_state, state)
+        cast = _tree.cast_floating(params, torch.float16)
+        mapped = _tree.tree_map(lambda x, y: x * 2 + y.float().sum(), params, grads)
+        return kept, chosen, cast, mapped, flags, _tree.global_norm(params), _tree.tree_leaves(chosen)
+
+    eager, traced = run(params, grads, state), _compiled(run)(params, grads, state)
+    e_leaves, e_spec = optree.tree_flatten(eager, namespace=_tree.NAMESPACE)
+    t_leaves, t_spec = optree.tree_flatten(traced, namespace=_tree.NAMESPACE)
+    assert e_spec == t_spec
+    assert list(traced[2]) == list(params)  # dict key order kept
+    for x, y in zip(e_leaves, t_leaves):
+        assert x.dtype == y.dtype and torch.equal(x, y) or (x.isnan().any() and torch.equal(x.isnan(), y.isnan()))
+
+
+def test_traced_structure_errors_still_raised() -> None:
+    a = {"w": torch.zeros(2)}
+    with pytest.raises(Exception, match="same structure"):
+        _compiled(lambda x, y: _tree.select_tree(torch.tensor(True), x, y))(a, {"v": torch.zeros(2)})
+    with pytest.raises(Exception, match="same tree structure"):
+        _compiled(optim.apply_updates)(a, {"w": torch.zeros(2), "v": torch.zeros(2)})
+
+
+# --- the whole train step: compiled equals eager, bitwise -------------------------------------------------
+
+
+def test_compiled_train_step_bitwise_equal_to_eager() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    apply_fn, params = fa.nn.functionalize(model, fa.get_policy("params=float32,compute=bfloat16,output=float32"))
+
+    def loss_fn(p, batch):
+        return torch.nn.functional.cross_entropy(apply_fn(p, batch["x"]), batch["y"])
+
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
+    scale = fa.DynamicLossScale(2.0**15, period=2)
+    batches = [{"x": torch.randn(6, 8), "y": torch.randint(0, 4, (6,))} for _ in range(3)]
+    batches.append({"x": torch.full((6, 8), float("inf")), "y": torch.zeros(6, dtype=torch.long)})  # skipped
+    results = []
+    for compile in (False, True):
+        step = fa.make_train_step(loss_fn, opt, compile=compile, backend="aot_eager")
+        state, metrics_seen = fa.TrainState.create(params, opt, loss_scale=scale), []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            metrics_seen.append(metrics)
+        results.append((state, metrics_seen))
+    (s_eager, m_eager), (s_comp, m_comp) = results
+    assert not bool(m_comp[-1]["grads_finite"]) and int(s_comp.skipped_steps) == 1
+    for x, y in zip(_tree.tree_leaves((s_eager, m_eager)), _tree.tree_leaves((s_comp, m_comp))):
+        assert x.dtype == y.dtype and torch.equal(x, y) or torch.equal(x.isnan(), y.isnan())
