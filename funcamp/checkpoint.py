@@ -409,7 +409,7 @@ def _sharded_group(layout: Any, group: Any) -> Any:
 
     if layout.world_size == 1:
         return None
-    return sharding._resolve(True if group is None else group, layout.world_size)
+    return sharding._resolve(True if group is None else group)
 
 
 @contextlib.contextmanager

@@ -224,6 +224,11 @@ def _wait(x: torch.Tensor) -> torch.Tensor:
     return x if torch.compiler.is_compiling() else funcol.wait_tensor(x)
 
 
+def _collective(funcol: Any, name: str) -> Any:
+    """``funcol.<name>_single`` (torch >= 2.12), else its older name ``<name>_tensor`` (same arguments)."""
+    return getattr(funcol, f"{name}_single", None) or getattr(funcol, f"{name}_tensor")
+
+
 def _buckets(dtypes: list[torch.dtype]) -> dict[torch.dtype, list[int]]:
     out: dict[torch.dtype, list[int]] = {}
     for i, d in enumerate(dtypes):
@@ -252,7 +257,7 @@ def all_gather_params(shards: Any, layout: ShardLayout, group: Any) -> Any:
     dtypes = [layout.gather_dtype or x.dtype for x in leaves]
     out: list[torch.Tensor] = [None] * len(leaves)  # type: ignore[list-item]
     world = layout.world_size
-    pg = _resolve(group, world)
+    pg = _resolve(group)
     for dtype, idx in _buckets(dtypes).items():
         flat = torch.cat([leaves[i].to(dtype).reshape(-1) for i in idx])
         if pg is None:
@@ -260,7 +265,7 @@ def all_gather_params(shards: Any, layout: ShardLayout, group: Any) -> Any:
         else:
             from torch.distributed import _functional_collectives as funcol
 
-            rows = _wait(funcol.all_gather_single(flat, 0, pg)).view(world, -1)
+            rows = _wait(_collective(funcol, "all_gather")(flat, 0, pg)).view(world, -1)
         sizes = [_numel(layout.shard_shape(i)) for i in idx]
         for i, part in zip(idx, rows.split(sizes, dim=1)):
             full = part.reshape(world * layout.rows(i), *_rest(layout.shapes[i]))
@@ -273,8 +278,8 @@ def unshard_params(shards: Any, layout: ShardLayout, group: Any) -> Any:
     return all_gather_params(shards, dataclasses.replace(layout, gather_dtype=None), group)
 
 
-def _resolve(group: Any, world: int) -> Any:
-    del world
+def _resolve(group: Any) -> Any:
+    """None (one process), or the ProcessGroup that ``group`` (True or a ProcessGroup) names."""
     if group is None:
         return None
     from funcamp import parallel
@@ -331,7 +336,7 @@ def reduce_scatter_gradients(
         )
     leaves = _check_tree(grads, layout, "reduce_scatter_gradients", sharded=False)
     world = layout.world_size
-    pg = _resolve(group, world)
+    pg = _resolve(group)
     inv = None if loss_scale is None else torch.reciprocal(loss_scale.double()).float()
     out: list[torch.Tensor] = [None] * len(leaves)  # type: ignore[list-item]
     for wire, idx in _buckets([reduce_dtype or g.dtype for g in leaves]).items():
@@ -347,7 +352,7 @@ def reduce_scatter_gradients(
         else:
             from torch.distributed import _functional_collectives as funcol
 
-            mine = _wait(funcol.reduce_scatter_single(flat, "sum", 0, pg))
+            mine = _wait(_collective(funcol, "reduce_scatter")(flat, "sum", 0, pg))
         sizes = [_numel(layout.shard_shape(i)) for i in idx]
         for i, s, part in zip(idx, scaled, mine.split(sizes)):
             mean = part.view(layout.shard_shape(i)).to(leaves[i].dtype)
@@ -389,7 +394,7 @@ def global_stats(
     vec = torch.stack(
         [sum(sumsq, torch.zeros((), dtype=torch.float64, device=device)), *bad, (~torch.isfinite(loss)).double()]
     )
-    pg = _resolve(group, layout.world_size)
+    pg = _resolve(group)
     if pg is not None:
         from torch.distributed import _functional_collectives as funcol
 
@@ -430,13 +435,15 @@ def clip_by_global_norm(max_norm: float, group: Any = True) -> GradientTransform
     Args:
       max_norm: ``c``, > 0.
       group: True (the default process group) or a ProcessGroup: the ranks the shards are split over;
-        None for one process.
+        None for one process. Resolved when this is called.
     Returns:
       A ``GradientTransformation`` with an ``EmptyState``.
     Raises:
       ValueError: if ``max_norm`` is not a finite number > 0.
+      RuntimeError: if ``group`` is True and torch.distributed is not initialized.
     """
     max_norm = check_positive("clip_by_global_norm", "max_norm", max_norm)
+    pg = _resolve(group)  # at build time: the step traces no group lookup
 
     def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
         del params
@@ -445,7 +452,6 @@ def clip_by_global_norm(max_norm: float, group: Any = True) -> GradientTransform
         sumsq = sum(
             (torch.sum(torch.square(u.double())) for u in leaves), torch.zeros((), dtype=torch.float64, device=device)
         )
-        pg = _resolve(group, 0)
         if pg is not None:
             from torch.distributed import _functional_collectives as funcol
 
@@ -511,7 +517,7 @@ def check_consistent(layout: ShardLayout, group: Any, **config: Any) -> None:
       ValueError: naming the first rank whose layout (a parameter's name or shape, the world size,
         the gather dtype) or configuration differs from rank 0's, and what differs.
     """
-    pg = _resolve(group, layout.world_size)
+    pg = _resolve(group)
     if pg is None:
         return
     mine = {
