@@ -171,7 +171,16 @@ def _fast_walk(node: Any, others: list[Any], strict: bool, leaves: list, rest_le
                 if k not in o:
                     return None
                 sub.append(o[k])
-            child = _fast_walk(node[k], sub, strict, leaves, rest_leaves)
+            x = node[k]
+            if isinstance(x, torch.Tensor):  # the common leaf, inline: each call costs Dynamo a frame
+                for acc, y in zip(rest_leaves, sub):
+                    if strict and not isinstance(y, _FAST_LEAF_TYPES):
+                        return None
+                    acc.append(y)
+                leaves.append(x)
+                children.append(_LEAF)
+                continue
+            child = _fast_walk(x, sub, strict, leaves, rest_leaves)
             if child is None:
                 return None
             children.append(child)
@@ -182,7 +191,18 @@ def _fast_walk(node: Any, others: list[Any], strict: bool, leaves: list, rest_le
                 return None
         children = []
         for i, x in enumerate(node):
-            child = _fast_walk(x, [o[i] for o in others], strict, leaves, rest_leaves)
+            sub = []
+            for o in others:
+                sub.append(o[i])
+            if isinstance(x, torch.Tensor):  # the common leaf, inline
+                for acc, y in zip(rest_leaves, sub):
+                    if strict and not isinstance(y, _FAST_LEAF_TYPES):
+                        return None
+                    acc.append(y)
+                leaves.append(x)
+                children.append(_LEAF)
+                continue
+            child = _fast_walk(x, sub, strict, leaves, rest_leaves)
             if child is None:
                 return None
             children.append(child)
@@ -206,10 +226,19 @@ def _fast_build(skeleton: Any, it: Any) -> Any:
         return None
     if skeleton[0] == _DICT:
         _, keys, order, children = skeleton
-        built = {k: _fast_build(child, it) for k, child in zip(keys, children)}
-        return built if order is None else {k: built[k] for k in order}
+        built = {}
+        for k, child in zip(keys, children):
+            built[k] = next(it) if child == _LEAF else _fast_build(child, it)
+        if order is None:
+            return built
+        ordered = {}
+        for k in order:
+            ordered[k] = built[k]
+        return ordered
     _, cls, children = skeleton
-    items = [_fast_build(child, it) for child in children]
+    items = []
+    for child in children:
+        items.append(next(it) if child == _LEAF else _fast_build(child, it))
     return cls(items) if cls is list or cls is tuple else cls(*items)
 
 
@@ -454,11 +483,20 @@ def select_tree(pred: torch.Tensor, a: T, b: T) -> T:
     if fast is not None:
         (leaves_a, leaves_b), rebuild = fast
         return rebuild([_select_leaf(pred, x, y) for x, y in zip(leaves_a, leaves_b)])
+    if _no_leaf_dicts(a) and _no_leaf_dicts(b):
+        # Nothing to select (a model without buffers): return without flattening, since Dynamo cannot
+        # flatten an empty dict made inside the traced step (torch 2.13: "DictMetaData").
+        return b
     leaves_a, spec_a = tree_flatten(a)
     leaves_b, spec_b = tree_flatten(b)
     if not same_structure(spec_a, spec_b, len(leaves_a), len(leaves_b)):
         raise ValueError(f"select_tree: a and b must have the same structure, got {spec_a} and {spec_b}")
     return tree_unflatten(spec_a, [_select_leaf(pred, x, y) for x, y in zip(leaves_a, leaves_b)])
+
+
+def _no_leaf_dicts(tree: Any) -> bool:
+    """True for a dict whose values are all such dicts (``{}``, ``{"a": {}}``): a tree without leaves."""
+    return isinstance(tree, dict) and all(_no_leaf_dicts(v) for v in tree.values())
 
 
 def _select_leaf(pred: torch.Tensor, x: Any, y: Any) -> Any:
