@@ -26,8 +26,12 @@ Inside the train step (``make_train_step(..., data_parallel=group, shard=layout)
 No host sync and no Python branch on tensor values: ``torch.compile(fullgraph=True)`` traces the step
 into one graph. The parameters are gathered once per step and kept for the forward and the backward
 (FSDP2's ``reshard_after_forward=False``): at rest a rank holds ``1 / N`` of the state, but during the
-step it also holds the whole parameters in the gather dtype. Per-module gathering and overlap of
-communication with compute (FSDP2's prefetching) are not done.
+step it also holds the whole parameters in the gather dtype and, until the reduce-scatter, the whole
+float32 gradients (as the unsharded step does). Per-module gathering (which would bound that peak) and
+overlap of communication with compute (FSDP2's prefetching) are not done.
+
+Shards of a 0-d parameter are 1-d (one row); an optimizer mask computed from the shards (``mask=``
+as a callable) sees that shape.
 
 Differences from FSDP2: no module wrapper, no DTensor (plain tensors and a static :class:`ShardLayout`;
 ``torch.func`` differentiates the gathered parameters, never the collectives), one bucket per dtype,
@@ -257,7 +261,7 @@ def all_gather_params(shards: Any, layout: ShardLayout, group: Any) -> Any:
     dtypes = [layout.gather_dtype or x.dtype for x in leaves]
     out: list[torch.Tensor] = [None] * len(leaves)  # type: ignore[list-item]
     world = layout.world_size
-    pg = _resolve(group)
+    pg = _group_for(layout, group, "all_gather_params")
     for dtype, idx in _buckets(dtypes).items():
         flat = torch.cat([leaves[i].to(dtype).reshape(-1) for i in idx])
         if pg is None:
@@ -287,6 +291,18 @@ def _resolve(group: Any) -> Any:
     pg = parallel.resolve_group(group) if group is True else group
     if not (dist.is_available() and isinstance(pg, dist.ProcessGroup)):
         raise TypeError(f"sharding: group must be True, None or a torch.distributed.ProcessGroup, got {group!r}")
+    return pg
+
+
+def _group_for(layout: ShardLayout, group: Any, fn: str) -> Any:
+    """The group of ``layout.world_size`` ranks to communicate over, or None for a one-rank layout."""
+    pg = _resolve(group)
+    size = 1 if pg is None else pg.size()
+    if size != layout.world_size:
+        raise ValueError(
+            f"{fn}: the layout splits over {layout.world_size} ranks but the group has {size}; pass the group the "
+            "layout was made for (shard_layout(params, group))"
+        )
     return pg
 
 
@@ -336,7 +352,7 @@ def reduce_scatter_gradients(
         )
     leaves = _check_tree(grads, layout, "reduce_scatter_gradients", sharded=False)
     world = layout.world_size
-    pg = _resolve(group)
+    pg = _group_for(layout, group, "reduce_scatter_gradients")
     inv = None if loss_scale is None else torch.reciprocal(loss_scale.double()).float()
     out: list[torch.Tensor] = [None] * len(leaves)  # type: ignore[list-item]
     for wire, idx in _buckets([reduce_dtype or g.dtype for g in leaves]).items():
@@ -394,7 +410,7 @@ def global_stats(
     vec = torch.stack(
         [sum(sumsq, torch.zeros((), dtype=torch.float64, device=device)), *bad, (~torch.isfinite(loss)).double()]
     )
-    pg = _resolve(group)
+    pg = _group_for(layout, group, "global_stats")
     if pg is not None:
         from torch.distributed import _functional_collectives as funcol
 

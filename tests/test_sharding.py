@@ -80,6 +80,11 @@ def test_layout_errors():
         sharding.all_gather_params({"w": torch.zeros(3, 2)}, two, None)
     with pytest.raises(TypeError, match="layout must be a funcamp.sharding.ShardLayout"):
         sharding.shard_params(params, "rows")
+    shards = sharding.shard_params(params, two)
+    with pytest.raises(ValueError, match="the layout splits over 2 ranks but the group has 1"):
+        sharding.all_gather_params(shards, two, None)
+    with pytest.raises(ValueError, match="the layout splits over 2 ranks but the group has 1"):
+        sharding.reduce_scatter_gradients(params, two, None)
 
 
 def test_train_step_argument_errors():
