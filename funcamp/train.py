@@ -214,7 +214,8 @@ def make_train_step(
         group) or a process group: gradients are averaged over its ranks in ``policy.reduce_dtype``
         and one ``grads_finite`` is agreed for all ranks, with functional collectives that ``torch.compile``
         traces (see :mod:`funcamp.parallel`); floating buffers are averaged over the ranks in their
-        own dtype (DDP instead broadcasts rank 0's).
+        own dtype (DDP instead broadcasts rank 0's), except fp8 delayed-scaling state: amax histories
+        max-reduced, scales min-reduced (:func:`funcamp.parallel.reduce_buffers`).
       policy: the precision policy (or string) whose ``reduce_dtype`` the gradients are averaged in;
         default: each gradient's own dtype. Only used with ``data_parallel``.
       telemetry: None (default: off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``:
@@ -278,7 +279,15 @@ def make_train_step(
         if with_buffers:
             # The buffers come back through aux; the loss_fn's own aux (if any) rides along.
             def fun(params: Any, buffers: Any, mb: Any) -> Any:
-                out, new_buffers = loss_fn(params, buffers, mb)
+                returned = loss_fn(params, buffers, mb)
+                if not (isinstance(returned, tuple) and len(returned) == 2):
+                    got = f"a tuple of {len(returned)}" if isinstance(returned, tuple) else type(returned).__name__
+                    form = "((loss, aux), new_buffers)" if has_aux else "(loss, new_buffers)"
+                    raise TypeError(
+                        f"make_train_step: with state.buffers, loss_fn(params, buffers, batch) must return {form}; "
+                        f"got {got}"
+                    )
+                out, new_buffers = returned
                 loss, aux = out if has_aux else (out, ())
                 return loss, (new_buffers, aux)
         else:
@@ -318,8 +327,10 @@ def make_train_step(
             if shard is None:
                 finite = parallel.all_ranks_true(finite, group)
             loss = parallel.mean_over_ranks(loss, group)
-            if with_buffers:  # running statistics: the mean over ranks, so that ranks stay identical
-                buffers = parallel.mean_gradients(buffers, group)
+            if with_buffers and _tree.tree_leaves(state.buffers):
+                # Running statistics averaged, fp8 amax histories max-reduced and scales min-reduced
+                # (parallel.register_buffer_reduction), so that ranks stay identical.
+                buffers = parallel.reduce_buffers(buffers, group)
 
         updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
         new_params = apply_updates(params, updates)

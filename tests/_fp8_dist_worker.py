@@ -17,7 +17,7 @@ import sys
 import torch
 
 import funcamp as fa
-from funcamp import fp8, parallel
+from funcamp import fp8, optim, parallel
 
 STEPS = 4
 ZERO_STEP = 1  # rank 0's input is all zeros: its amax is 0, its scale stays as it was
@@ -67,7 +67,21 @@ def main(out: str) -> None:
         steps.append({"start": buffers, "local": local, "kept": kept})
         buffers = kept
     eager = parallel.reduce_buffers(steps[0]["local"], group)  # eager: waits for the collectives itself
-    torch.save({"steps": steps, "eager": eager, "frames": counter.frame_count}, f"{out}/rank{rank}.pt")
+
+    # make_train_step itself (data_parallel=True): one step from the initial buffers on this rank's input.
+    def loss_fn(p, b, x):
+        y, new = apply_fn(p, b, x)
+        return y.square().mean(), new
+
+    opt = optim.sgd(0.0)
+    state = fa.TrainState.create(params, opt, buffers=make_model()[2])
+    train_step = fa.make_train_step(loss_fn, opt, data_parallel=True, backend="aot_eager")
+    x, _ = inputs(0, rank)
+    state, _ = train_step(state, x)
+    torch.save(
+        {"steps": steps, "eager": eager, "frames": counter.frame_count, "train_step_buffers": state.buffers},
+        f"{out}/rank{rank}.pt",
+    )
     parallel.shutdown()
 
 

@@ -656,6 +656,9 @@ def test_data_parallel_delayed_state_takes_the_largest_amax(dp_ranks) -> None:
     assert zero["local"]["0.fp8_amax_history_input"][0] == 0  # rank 0's all-zero input: its own scale stayed,
     assert not torch.equal(zero["local"]["0.fp8_scale_input"], zero["kept"]["0.fp8_scale_input"])  # rank 1's won
     assert all(torch.equal(r0["eager"][k], r0["steps"][0]["kept"][k]) for k in r0["eager"])  # eager == compiled
+    # make_train_step(data_parallel=True) reduces its buffers the same way (it averaged them before).
+    for k, v in r0["steps"][0]["kept"].items():
+        assert torch.equal(r0["train_step_buffers"][k], v) and torch.equal(r1["train_step_buffers"][k], v), k
 
 
 def test_reduce_buffers_registry_and_errors() -> None:

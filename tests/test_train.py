@@ -369,3 +369,43 @@ def test_check_skips_replay_ends_the_message_and_runs_only_when_raising(eager_st
     assert isinstance(info.value.__cause__, RuntimeError)
     with pytest.raises(TypeError, match="replay must be a callable"):
         fa.check_skips(metrics, replay="locate")
+
+
+def test_compiled_step_with_empty_buffers():
+    """``functionalize(..., with_buffers=True)`` on a model without buffers gives ``{}``: the compiled step
+    must take it (Dynamo cannot flatten an empty dict made in the graph; failed before the fix)."""
+    model = torch.nn.Linear(4, 4)
+    apply_fn, params, buffers = fa.nn.functionalize(model, "float32", with_buffers=True)
+    assert buffers == {}
+
+    def loss_fn(p, b, x):
+        out, new = apply_fn(p, b, x)
+        return out.square().mean(), new
+
+    opt = optim.sgd(0.1)
+    state = fa.TrainState.create(params, opt, buffers=buffers)
+    step = fa.make_train_step(loss_fn, opt, backend="aot_eager")
+    eager = fa.make_train_step(loss_fn, opt, compile=False)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    new, _ = step(state, x)
+    ref, _ = eager(state, x)
+    assert new.buffers == {}
+    assert all(torch.equal(new.params[k], ref.params[k]) for k in ref.params)
+    assert not torch.equal(new.params["weight"], state.params["weight"])
+
+
+def test_loss_fn_with_buffers_returning_three_values_is_named():
+    """A loss_fn with buffers must return (loss, new_buffers); three values used to give Python's bare
+    'too many values to unpack'."""
+    model = torch.nn.BatchNorm1d(4)
+    apply_fn, params, buffers = fa.nn.functionalize(model, "float32")
+
+    def loss_fn(p, b, x):
+        out, new = apply_fn(p, b, x)
+        return out.square().mean(), out, new
+
+    opt = optim.sgd(0.1)
+    state = fa.TrainState.create(params, opt, buffers=buffers)
+    step = fa.make_train_step(loss_fn, opt, compile=False)
+    with pytest.raises(TypeError, match=r"must return \(loss, new_buffers\); got a tuple of 3"):
+        step(state, torch.randn(3, 4))
