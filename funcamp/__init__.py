@@ -5,7 +5,22 @@ unscale the gradients; ``grad_and_value`` checks them for overflow without a hos
 step composes these with optax-style optimizers and compiles whole with ``torch.compile``.
 """
 
-from funcamp import checkpoint, debug, formats, fp8, hardware, memory, nn, numerics, ops, optim, parallel, quant, tune
+from funcamp import (
+    checkpoint,
+    debug,
+    formats,
+    fp8,
+    hardware,
+    memory,
+    nn,
+    numerics,
+    ops,
+    optim,
+    parallel,
+    quant,
+    sharding,
+    tune,
+)
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
@@ -64,6 +79,7 @@ __all__ = [
     "ops",
     "optim",
     "parallel",
+    "sharding",
     "quant",
     "select_tree",
     "tree_bytes",
