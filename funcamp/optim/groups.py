@@ -262,7 +262,9 @@ def _update_group(
 ) -> tuple[Any, OptState]:
     sub = _subtree(updates, keep)
     out, new_state = inner.update(sub, state, None if params is None else _subtree(params, keep))
-    if _tree.tree_structure(out) != _tree.tree_structure(sub):
+    out_leaves, out_spec = _tree.tree_flatten(out)
+    sub_leaves, sub_spec = _tree.tree_flatten(sub)
+    if not _tree.same_structure(out_spec, sub_spec, len(out_leaves), len(sub_leaves)):
         raise ValueError(
             f"{fn}: an inner transformation changed the structure of its updates, from {_tree.tree_structure(sub)} "
             f"to {_tree.tree_structure(out)}"
