@@ -230,6 +230,22 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dic
     return rows
 
 
+def paired_ratios(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, list[float]]]:
+    """Per round, each variant's first step over torch.compile(model)'s in the same round (a shared machine's
+    load changes between rounds more than within one)."""
+    if "amp_compile" not in runs:
+        return {}
+    base = runs["amp_compile"]
+    return {
+        name: {
+            cache: [r["first_step_s"] / b["first_step_s"] for r, b in zip(by_cache[cache], base[cache])]
+            for cache in ("cold", "warm")
+        }
+        for name, by_cache in runs.items()
+        if name != "amp_compile"
+    }
+
+
 def markdown(result: dict[str, Any]) -> str:
     m, rows = result["machine"], result["rows"]
     lines = [
@@ -252,13 +268,22 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['warm_first_step_spread']} | {r['ms_per_step']:.1f} | {r['ms_per_step_spread']} | "
             f"{r['graphs_first_step']} | {r['recompiles']} | {r['final_loss']:.4f} |"
         )
-    if "amp_compile" in rows and "funcamp_compile" in rows:
-        a, f = rows["amp_compile"], rows["funcamp_compile"]
+    ratios = result.get("paired_ratios", {})
+    for name in rows:
+        if name == "amp_compile" or "amp_compile" not in rows:
+            continue
+        a, f = rows["amp_compile"], rows[name]
+        paired = "; ".join(
+            f"{cache} {statistics.median(ratios[name][cache]):.2f}x ({_spread(ratios[name][cache], '.2f')})"
+            for cache in ("cold", "warm")
+        )
         lines += [
             "",
-            f"funcamp / torch.compile(model): first step cold {f['cold_first_step_s'] / a['cold_first_step_s']:.2f}x "
-            f"(target <= 1.5x), warm {f['warm_first_step_s'] / a['warm_first_step_s']:.2f}x; steady step "
-            f"{f['ms_per_step'] / a['ms_per_step']:.2f}x.",
+            f"{name} / torch.compile(model), ratio of medians: first step cold "
+            f"{f['cold_first_step_s'] / a['cold_first_step_s']:.2f}x (target <= 1.5x), warm "
+            f"{f['warm_first_step_s'] / a['warm_first_step_s']:.2f}x; steady step "
+            f"{f['ms_per_step'] / a['ms_per_step']:.2f}x. "
+            f"Median (spread) of the rounds' own ratios: {paired}.",
         ]
     if BASELINE in rows and "funcamp_compile" in rows:
         b, f = rows[BASELINE], rows["funcamp_compile"]
@@ -318,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: v for k, v in vars(args).items() if k not in ("run", "out", "torch_loop")},
         "runs": runs,
         "rows": summarize(runs),
+        "paired_ratios": paired_ratios(runs),
     }
     if args.baseline:
         rev = subprocess.run(["git", "-C", args.baseline, "log", "-1", "--format=%h"], capture_output=True, text=True)
