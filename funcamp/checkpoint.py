@@ -372,20 +372,44 @@ _LATEST = "LATEST"
 _META = "funcamp.json"
 
 
-def _sharded_index(path: str, shape: tuple[int, ...], layout: Any) -> int | None:
-    """The parameter whose shard ``path`` holds (its name ends the path and the shape is the shard's), or None."""
+_TRAIN_STATE = "funcamp.train.TrainState"
+
+
+def _shard_index(rel: str, shape: tuple[int, ...], layout: Any, *, exact: bool) -> int | None:
+    """The parameter whose shard the tensor at ``rel`` (its path inside ``params`` or ``opt_state``) is, or None.
+
+    ``exact`` (``params``): ``rel`` is the parameter's name. Otherwise (the optimizer state, built by
+    ``optimizer.init(shards)``): ``rel`` ends with the name (``0.mu.w1`` mirrors ``w1``); the longest
+    such name wins. Either way the shape must be that parameter's shard shape.
+    """
     best = None
     for i, name in enumerate(layout.names):
-        if (path == name or path.endswith("." + name)) and shape == layout.shard_shape(i):
+        if (rel == name or (not exact and rel.endswith("." + name))) and shape == layout.shard_shape(i):
             if best is None or len(name) > len(layout.names[best]):
                 best = i
     return best
 
 
-def _split_tensors(node: Any, path: str, layout: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The encoded tree with each tensor replaced by a placeholder; the tensors go into ``tensors`` by DCP key."""
+def _split_tensors(
+    node: Any, path: str, layout: Any, tensors: dict[str, torch.Tensor], where: tuple[str, str] | None = None
+) -> Any:
+    """The encoded tree with each tensor replaced by a placeholder; the tensors go into ``tensors`` by DCP key.
+
+    Shards are exactly the leaves of a ``TrainState``'s ``params`` and the leaves of its ``opt_state``
+    that mirror them (``where`` is then ``("params" | "opt_state", path of that field)``); every other
+    tensor is whole (key ``r/<path>``).
+    """
     if isinstance(node, torch.Tensor):
-        index = _sharded_index(path, tuple(node.shape), layout)
+        index = None
+        if where is not None:
+            kind, base = where
+            rel = path[len(base) + 1 :]
+            index = _shard_index(rel, tuple(node.shape), layout, exact=kind == "params")
+            if kind == "params" and index is None:
+                raise ValueError(
+                    f"funcamp.checkpoint.save_sharded: {path} is not a shard of the layout (shape "
+                    f"{tuple(node.shape)}); save a state made with TrainState.create(..., shard=layout)"
+                )
         key = f"r/{path}" if index is None else f"s/{path}/{layout.rank}"
         tensors[key] = node.detach()
         return {"$": "dcp", "path": path, "shard": index, "shape": list(node.shape), "dtype": str(node.dtype)[6:]}
@@ -393,15 +417,60 @@ def _split_tensors(node: Any, path: str, layout: Any, tensors: dict[str, torch.T
         if node.get("$") == "dict":
             return {
                 "$": "dict",
-                "items": [[k, _split_tensors(v, _join(path, k), layout, tensors)] for k, v in node["items"]],
+                "items": [[k, _split_tensors(v, _join(path, k), layout, tensors, where)] for k, v in node["items"]],
             }
         if node.get("$") in ("list", "tuple"):
-            items = [_split_tensors(v, _join(path, i), layout, tensors) for i, v in enumerate(node["items"])]
+            items = [_split_tensors(v, _join(path, i), layout, tensors, where) for i, v in enumerate(node["items"])]
             return {**node, "items": items}
         if node.get("$") in ("namedtuple", "dataclass"):
-            fields = {k: _split_tensors(v, _join(path, k), layout, tensors) for k, v in node["fields"].items()}
+            fields = {}
+            for k, v in node["fields"].items():
+                inner = where
+                if node.get("type") == _TRAIN_STATE and where is None and k in ("params", "opt_state"):
+                    inner = (k, _join(path, k))
+                fields[k] = _split_tensors(v, _join(path, k), layout, tensors, inner)
             return {**node, "fields": fields}
     return node
+
+
+def _digest(x: torch.Tensor) -> str:
+    import hashlib
+
+    data = x.detach().cpu().contiguous().view(-1)
+    raw = data.view(torch.uint8) if data.numel() else data
+    return f"{x.dtype}{tuple(x.shape)}:{hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()}"
+
+
+def _check_replicated(tensors: dict[str, torch.Tensor], pg: Any, layout: Any) -> None:
+    """Refuse whole tensors (keys ``r/...``) that differ between the ranks (DCP would keep one rank's copy),
+    and layouts not made for their rank (on every rank alike: one ``all_gather_object``)."""
+    from funcamp import sharding
+
+    if pg is None:
+        return
+    mine = {k[2:]: _digest(v) for k, v in tensors.items() if k.startswith("r/")}
+    everyone: list[Any] = [None] * pg.size()
+    torch.distributed.all_gather_object(everyone, (mine, (layout.rank, layout.world_size)), group=pg)
+    sharding._check_claims([claim for _, claim in everyone], "funcamp.checkpoint.save_sharded")
+    everyone = [m for m, _ in everyone]
+    for key in sorted(everyone[0]):
+        values = [d.get(key) for d in everyone]
+        if len(set(values)) > 1:
+            groups: dict[Any, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            raise ValueError(
+                f"funcamp.checkpoint.save_sharded: {key!r} differs between ranks (ranks holding the same value: "
+                f"{sorted(groups.values())}); a sharded checkpoint stores every tensor outside the TrainState's "
+                "params and optimizer state once, for all ranks, so it must be the same on every rank (e.g. "
+                "seed the RNG the same on every rank, or keep per-rank values out of the saved tree)"
+            )
+    keys = [set(d) for d in everyone]
+    if any(k != keys[0] for k in keys):
+        raise ValueError(
+            "funcamp.checkpoint.save_sharded: the ranks save trees of different structure: "
+            f"{sorted(set.union(*keys) - set.intersection(*keys))} are not on every rank"
+        )
 
 
 def _sharded_group(layout: Any, group: Any) -> Any:
@@ -420,6 +489,11 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
+def _multi_rank_job() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _barrier(pg: Any) -> None:
     if pg is not None:
         torch.distributed.barrier(group=pg)
@@ -429,27 +503,40 @@ def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any, *, group:
     """Write a sharded state with ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards.
 
     ``tree`` is what :func:`save` accepts (e.g. ``{"state": train_state, "rng": ..., "config": {...}}``),
-    holding a state made with ``TrainState.create(..., shard=layout)``. A tensor whose path ends with
-    a parameter's name and whose shape is that parameter's shard shape (``state.params``, the
-    optimizer's moments and other parameter-shaped state) is a shard: each rank writes its own;
-    every other tensor (counters, the loss scale, an RNG state) is the same on every rank and written
-    once (DCP de-duplicates it). The rest of the tree, the layout (world size, names, whole shapes)
-    and the placement of every tensor go into ``funcamp.json`` beside DCP's files.
+    holding a state made with ``TrainState.create(..., shard=layout)``. The shards are exactly the
+    leaves of each ``TrainState``'s ``params`` (each must be the shard of the parameter of that name)
+    and the leaves of its ``opt_state`` that mirror them (built by ``optimizer.init(shards)``: a leaf
+    whose path inside ``opt_state`` ends with a parameter's name and whose shape is that parameter's
+    shard shape, e.g. Adam's ``mu`` and ``nu``): each rank writes its own. Every other tensor
+    (counters, the loss scale, an RNG state, an EMA of the whole parameters kept beside the state)
+    is whole and written once, so it must be the same on every rank: this is checked before anything
+    is written (a hash of each, one ``all_gather_object``), and a tensor that differs is refused with
+    its path and the ranks, rather than silently saved from one rank (per-rank values are not
+    saved). The rest of the tree, the layout (world size, names, whole shapes) and the placement of
+    every tensor go into ``funcamp.json`` beside DCP's files.
 
     ``path`` is a directory. Each save writes a new subdirectory (first under a temporary name,
     renamed when complete) and then replaces ``path/LATEST``, a one-line file naming it, with
-    ``os.replace``; older subdirectories are removed afterwards. A crash at any point leaves
-    ``LATEST`` naming the previous complete checkpoint. Every rank of the group must call it (it
-    communicates); run it outside the compiled step.
+    ``os.replace``; older subdirectories are removed afterwards (never the one ``LATEST`` names,
+    nor a temporary one younger than this save's). A crash at any point leaves ``LATEST`` naming the
+    previous complete checkpoint. Every rank of the group must call it (it communicates); run it
+    outside the compiled step. A one-rank layout (``shard_layout(params, None)``) in a job of several
+    ranks is refused unless ``group=None`` is passed, to say that this one process writes alone.
 
     Args:
       path: the checkpoint directory (created if missing; its parent must exist).
       tree: the tree to save.
       layout: the :class:`funcamp.sharding.ShardLayout` the state was sharded with.
-      group: True (the default process group) or a ProcessGroup; ignored with a one-rank layout.
+      group: True (the default process group) or a ProcessGroup; with a one-rank layout, None
+        (this process writes alone).
     Raises:
-      TypeError: if ``path`` is not a path, or a part of ``tree`` cannot be saved (named by its path).
+      TypeError: if ``path`` is not a path, ``layout`` not a ShardLayout, or a part of ``tree``
+        cannot be saved (named by its path).
       FileNotFoundError: if the parent directory of ``path`` does not exist.
+      ValueError: if the layout is not for this process's rank and world size in the group, a
+        one-rank layout is used in a multi-rank job without ``group=None``, a ``TrainState``'s
+        parameter is not a shard of the layout, or a whole tensor differs between ranks (the message
+        names its path and the ranks).
     References:
       ``torch.distributed.checkpoint`` (DCP), as FSDP2 uses it for sharded state dicts.
     """
@@ -464,15 +551,33 @@ def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any, *, group:
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(os.path.dirname(path)):
         raise FileNotFoundError(f"funcamp.checkpoint.save_sharded: the parent directory of {path!r} does not exist")
+    from funcamp import sharding
+
+    if not isinstance(layout, sharding.ShardLayout):
+        raise TypeError(
+            f"funcamp.checkpoint.save_sharded: layout must be a funcamp.sharding.ShardLayout, got {layout!r}"
+        )
+    if layout.world_size == 1 and group is not None and _multi_rank_job():
+        raise ValueError(
+            "funcamp.checkpoint.save_sharded: the layout is for one process, but this process is rank "
+            f"{torch.distributed.get_rank()} of a {torch.distributed.get_world_size()}-rank job: every rank would "
+            "write (and clean up) the same directory. Use shard_layout(params, group) on every rank, or, to "
+            "write from one process on purpose, call it on that rank only with group=None"
+        )
     pg = _sharded_group(layout, group)
+    size = 1 if pg is None else pg.size()
+    if layout.world_size != size:
+        sharding.check_rank(layout, pg, "funcamp.checkpoint.save_sharded")
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split_tensors(_encode(tree, ""), "", layout, tensors)
+    _check_replicated(tensors, pg, layout)
     name = [f"ckpt-{uuid.uuid4().hex[:12]}"]
     if pg is not None:
         torch.distributed.broadcast_object_list(name, src=torch.distributed.get_global_rank(pg, 0), group=pg)
     final, tmp = os.path.join(path, name[0]), os.path.join(path, f".tmp-{name[0]}")
     if layout.rank == 0:
         os.makedirs(tmp)
+        started = os.stat(tmp).st_mtime
     _barrier(pg)
     with _quiet_single_process():
         dcp.save(tensors, checkpoint_id=tmp, process_group=pg, no_dist=pg is None)
@@ -498,9 +603,15 @@ def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any, *, group:
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(path, _LATEST))
         _fsync_dir(path)
-        for old in os.listdir(path):  # earlier checkpoints and leftovers of interrupted saves
-            if old != name[0] and (old.startswith("ckpt-") or old.startswith(".tmp-ckpt-")):
-                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+        with open(os.path.join(path, _LATEST)) as f:
+            current = f.read().strip()  # another writer may have replaced LATEST since: keep what it names
+        for old in os.listdir(path):  # earlier checkpoints, and leftovers of saves interrupted before this one
+            full = os.path.join(path, old)
+            if old in (name[0], current) or not (old.startswith("ckpt-") or old.startswith(".tmp-ckpt-")):
+                continue
+            with contextlib.suppress(OSError):
+                if old.startswith("ckpt-") or os.stat(full).st_mtime < started:
+                    shutil.rmtree(full, ignore_errors=True)
     _barrier(pg)
 
 
@@ -578,7 +689,23 @@ def load_sharded(
     with _quiet_single_process():
         dcp.load(wanted, checkpoint_id=directory, process_group=pg, no_dist=pg is None)
     node = _fill(meta["tree"], saved, layout, wanted)
-    return _decode(node, like, "", directory, like is not None)
+    out = _decode(node, like, "", directory, like is not None)
+    _mark_loaded_shards(out)
+    return out
+
+
+def _mark_loaded_shards(tree: Any) -> None:
+    """Record the ``params`` of every loaded TrainState as shards (a step without ``shard=`` refuses them)."""
+    from funcamp import sharding
+
+    if _type_name(type(tree)) == _TRAIN_STATE:
+        sharding.mark_shards(tree.params)
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            _mark_loaded_shards(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            _mark_loaded_shards(v)
 
 
 def _dtype(name: str, file: str) -> torch.dtype:

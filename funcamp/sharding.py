@@ -40,13 +40,24 @@ it on a 16-bit wire (FSDP2 reduces what autograd produced, without knowing the l
 
 Global-norm clipping must see all shards: use :func:`clip_by_global_norm` (this module's) in a sharded
 optimizer; ``funcamp.optim.clip_by_global_norm`` in a sharded step would clip each rank's shard by its
-own norm, and ``make_train_step`` refuses it.
+own norm, and ``make_train_step`` refuses it wherever the optimizer keeps it (``chain``,
+``multi_transform``, ``masked``, ``kahan_summation``...), as it refuses this module's clip built for
+another group than the step's (``None`` in a multi-rank step would clip each shard by its own norm)
+and this module's clip with a group in a step without ``shard=``.
+
+Every rank must start from the same parameters: ``TrainState.create(params, optimizer, shard=layout)``
+checks it (float64 sum and sum of squares of each parameter, one ``all_gather_object`` over the
+layout's group) and names the first parameter that differs; a sharded step started from different
+parameters would train a patchwork of the ranks' rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import types
+import weakref
 from typing import Any
 
 import torch
@@ -60,6 +71,9 @@ __all__ = [
     "ShardLayout",
     "all_gather_params",
     "check_consistent",
+    "check_optimizer",
+    "check_rank",
+    "check_same_params",
     "clip_by_global_norm",
     "global_stats",
     "reduce_scatter_gradients",
@@ -83,6 +97,10 @@ class ShardLayout:
       shapes: each parameter's whole (unsharded) shape, in the same order.
       gather_dtype: the dtype the parameters are gathered in for the forward and backward; None
         (default) gathers each in its own dtype (exact).
+      group: the ``ProcessGroup`` :func:`shard_layout` was given (None: one process, or a layout built
+        by hand). Not compared, hashed or shown; ``TrainState.create(shard=)`` and
+        ``funcamp.checkpoint.save_sharded`` use it to check that this process is ``rank`` of
+        ``world_size`` and that every rank starts from the same parameters.
     """
 
     world_size: int
@@ -90,6 +108,7 @@ class ShardLayout:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     gather_dtype: torch.dtype | None = None
+    group: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def rows(self, i: int) -> int:
         """``c``: the rows of parameter ``i`` each rank holds, ``ceil(d0 / N)`` (a 0-d parameter has ``d0 = 1``)."""
@@ -168,6 +187,7 @@ def shard_layout(params: Any, group: Any = True, *, gather_dtype: torch.dtype | 
         names=tuple(_tree.tree_paths(params)),
         shapes=tuple(tuple(x.shape) for x in leaves),
         gather_dtype=gather_dtype,
+        group=_resolve(group),
     )
 
 
@@ -197,6 +217,24 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
 
 
+# Tensors made as shards (by shard_params and funcamp.checkpoint.load_sharded), by id: an unsharded train
+# step's first call looks its parameters up here to say "this state is sharded" instead of a shape error.
+_SHARDS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def mark_shards(tree: Any) -> Any:
+    """Record the tensor leaves of ``tree`` as shards (see :func:`is_sharded`); returns ``tree``."""
+    for x in _tree.tree_leaves(tree):
+        if isinstance(x, torch.Tensor):
+            _SHARDS[id(x)] = x
+    return tree
+
+
+def is_sharded(tree: Any) -> bool:
+    """Whether a tensor leaf of ``tree`` was made by :func:`shard_params` or ``load_sharded`` (host side)."""
+    return any(isinstance(x, torch.Tensor) and _SHARDS.get(id(x)) is x for x in _tree.tree_leaves(tree))
+
+
 def shard_params(params: Any, layout: ShardLayout) -> Any:
     """This rank's shards of the whole ``params`` (host side, no communication): rows ``[r*c, (r+1)*c)``, zero-padded.
 
@@ -218,7 +256,7 @@ def shard_params(params: Any, layout: ShardLayout) -> Any:
         c = layout.rows(i)
         rows = x.reshape(_dim0(tuple(x.shape)), -1)[layout.rank * c : (layout.rank + 1) * c]
         out.append(_pad_rows(rows, c).reshape(layout.shard_shape(i)).clone())
-    return _tree.tree_unflatten(_tree.tree_structure(params), out)
+    return mark_shards(_tree.tree_unflatten(_tree.tree_structure(params), out))
 
 
 def _wait(x: torch.Tensor) -> torch.Tensor:
@@ -482,45 +520,101 @@ def clip_by_global_norm(max_norm: float, group: Any = True) -> GradientTransform
 
         return _tree.tree_map(lambda u: leaf(u) if _tree.is_floating(u) else u, updates), state
 
+    update._funcamp_clip_group = pg  # type: ignore[attr-defined]  # make_train_step checks it against the step's
     return GradientTransformation(empty_init, update)
 
 
-def _unsharded_norm_transforms(obj: Any, seen: set[int] | None = None) -> list[str]:
-    """Names of transforms inside ``obj`` (an optimizer) that take a norm over the local updates only."""
+def _norm_clips(obj: Any, seen: set[int] | None = None) -> list[Any]:
+    """The global-norm clips inside ``obj`` (an optimizer): ``"optim"`` for ``funcamp.optim``'s, the
+    resolved group (a ProcessGroup or None) for each of this module's.
+
+    The walk goes through every container the optimizer combinators keep transforms in: tuples and
+    lists (``chain``, NamedTuples such as ``GradientTransformation``), dicts (``multi_transform``'s
+    transforms by label), sets, the closure cells, defaults and ``__wrapped__`` of functions,
+    ``functools.partial`` objects, bound methods, and the attributes of callable objects and dataclasses.
+    """
     seen = set() if seen is None else seen
-    if id(obj) in seen:
+    if id(obj) in seen or obj is None or isinstance(obj, (torch.Tensor, str, bytes, int, float, type)):
         return []
     seen.add(id(obj))
-    found: list[str] = []
-    if isinstance(obj, (tuple, list)):
-        for x in obj:
-            found += _unsharded_norm_transforms(x, seen)
-    elif callable(obj) and hasattr(obj, "__code__"):
-        if getattr(obj, "__qualname__", "") == "clip_by_global_norm.<locals>.update" and obj.__module__ == (
-            "funcamp.optim.transforms"
-        ):
-            found.append("funcamp.optim.clip_by_global_norm")
+    found: list[Any] = []
+    children: list[Any] = []
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        children = list(obj)
+    elif isinstance(obj, functools.partial):
+        children = [obj.func, obj.args, obj.keywords]
+    elif isinstance(obj, types.MethodType):
+        children = [obj.__func__, obj.__self__]
+    elif isinstance(obj, types.FunctionType):
+        if getattr(obj, "__qualname__", "") == "clip_by_global_norm.<locals>.update":
+            if obj.__module__ == "funcamp.optim.transforms":
+                found.append("optim")
+            elif hasattr(obj, "_funcamp_clip_group"):
+                found.append(obj._funcamp_clip_group)
         for cell in obj.__closure__ or ():
             try:
-                found += _unsharded_norm_transforms(cell.cell_contents, seen)
+                children.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 pass
+        children += [obj.__defaults__, obj.__kwdefaults__, getattr(obj, "__wrapped__", None)]
+    elif not isinstance(obj, types.ModuleType) and (callable(obj) or dataclasses.is_dataclass(obj)):
+        children = list(getattr(obj, "__dict__", {}).values())
+    for x in children:
+        found += _norm_clips(x, seen)
     return found
 
 
-def check_optimizer(optimizer: GradientTransformation) -> None:
-    """Refuse an optimizer whose global-norm clipping would see one rank's shards only.
+def _same_group(a: Any, b: Any) -> bool:
+    """Whether two resolved groups (ProcessGroups or None) are the same ranks."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
+def _describe(pg: Any) -> str:
+    if pg is None:
+        return "group None (one process)"
+    return f"a group of ranks {dist.get_process_group_ranks(pg)}"
+
+
+def check_optimizer(optimizer: GradientTransformation, group: Any = None, *, sharded: bool = True) -> None:
+    """Refuse an optimizer whose global-norm clipping would not see exactly the step's gradients.
+
+    With ``sharded`` (a ``shard=`` step over ``group``): ``funcamp.optim.clip_by_global_norm`` would clip
+    each rank's shard by that shard's norm, and this module's :func:`clip_by_global_norm` built for
+    another group would take the norm over the wrong ranks (``None``: each shard alone). Without
+    (an unsharded step, ``group`` its data-parallel group or None): this module's clip with a group
+    would add up the norms of every rank's whole (identical) gradients, sqrt(N) times too large.
 
     Raises:
-      ValueError: if ``optimizer`` contains ``funcamp.optim.clip_by_global_norm``.
+      ValueError: naming the clip and the groups, if one of them is found (nested anywhere: ``chain``,
+        ``multi_transform``, ``masked``, ``kahan_summation``...).
     """
-    found = _unsharded_norm_transforms(optimizer)
-    if found:
-        raise ValueError(
-            "make_train_step: with shard=, funcamp.optim.clip_by_global_norm would clip each rank's shard by "
-            "the norm of that shard alone; use funcamp.sharding.clip_by_global_norm(max_norm, group), which "
-            "takes the norm over all ranks"
-        )
+    pg = _resolve(group)
+    for clip in _norm_clips(optimizer):
+        if sharded and clip == "optim":
+            raise ValueError(
+                "make_train_step: with shard=, funcamp.optim.clip_by_global_norm would clip each rank's shard by "
+                "the norm of that shard alone; use funcamp.sharding.clip_by_global_norm(max_norm, group), which "
+                "takes the norm over all ranks"
+            )
+        if sharded and clip != "optim" and not _same_group(clip, pg):
+            raise ValueError(
+                f"make_train_step: funcamp.sharding.clip_by_global_norm was built for {_describe(clip)}, but the "
+                f"sharded step runs over {_describe(pg)}: its norm would not be the norm over all shards; build it "
+                "with the step's group (clip_by_global_norm(max_norm, group) with the group given to shard_layout "
+                "and data_parallel)"
+            )
+        if not sharded and clip != "optim" and clip is not None:
+            raise ValueError(
+                f"make_train_step: funcamp.sharding.clip_by_global_norm over {_describe(clip)} in a step without "
+                "shard=: it would add up the norms of every rank's whole gradients; use "
+                "funcamp.optim.clip_by_global_norm (or build the step with shard=)"
+            )
 
 
 def check_consistent(layout: ShardLayout, group: Any, **config: Any) -> None:
@@ -541,7 +635,9 @@ def check_consistent(layout: ShardLayout, group: Any, **config: Any) -> None:
         **{k: str(v) for k, v in config.items()},
     }
     everyone: list[Any] = [None] * pg.size()
-    dist.all_gather_object(everyone, mine, group=pg)
+    dist.all_gather_object(everyone, (mine, (layout.rank, layout.world_size)), group=pg)
+    _check_claims([claim for _, claim in everyone], "sharding")
+    everyone = [m for m, _ in everyone]
     ref = everyone[0]
     for r, other in enumerate(everyone):
         if other == ref:
@@ -553,11 +649,85 @@ def check_consistent(layout: ShardLayout, group: Any, **config: Any) -> None:
                     f"sharding: rank {r} differs from rank 0 in {what}; every rank must build the sharded step "
                     "with the same parameters, policy and layout"
                 )
-    if layout.rank != pg.rank() or layout.world_size != pg.size():
+
+
+def check_rank(layout: ShardLayout, group: Any, fn: str) -> None:
+    """Refuse a layout made for another rank or world size than this process's in ``group`` (host side).
+
+    ``group`` is a ProcessGroup, True, or None (one process: the layout must be of one rank).
+
+    Raises:
+      ValueError: saying which rank of how many the layout is for, and which this process is.
+    """
+    pg = _resolve(group)
+    size, rank = (1, 0) if pg is None else (pg.size(), pg.rank())
+    if layout.rank != rank or layout.world_size != size:
         raise ValueError(
-            f"sharding: the layout is for rank {layout.rank} of {layout.world_size}, but this process is rank "
-            f"{pg.rank()} of {pg.size()} in the group; build it with shard_layout(params, group)"
+            f"{fn}: the layout is for rank {layout.rank} of {layout.world_size}, but this process is rank "
+            f"{rank} of {size} in the group; build it with shard_layout(params, group)"
         )
+
+
+def _check_claims(claims: list[tuple[int, int]], fn: str) -> None:
+    """Refuse, on every rank alike, when rank ``r``'s layout is not for rank ``r`` of ``len(claims)``."""
+    for r, (rank, world) in enumerate(claims):
+        if (rank, world) != (r, len(claims)):
+            raise ValueError(
+                f"{fn}: on rank {r} of {len(claims)} in the group, the layout is for rank {rank} of {world}; build it "
+                "with shard_layout(params, group) on every rank"
+            )
+
+
+def _checksums(params: Any) -> list[tuple[float, float]]:
+    """``(sum, sum of squares)`` of each leaf in float64: one host transfer."""
+    leaves = [x for x in _tree.tree_leaves(params) if isinstance(x, torch.Tensor)]
+    if not leaves:
+        return []
+    sums = torch.stack([torch.stack([x.double().sum(), x.double().square().sum()]) for x in leaves]).cpu()
+    return [tuple(row) for row in sums.tolist()]
+
+
+def _equal_sums(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+
+
+def check_same_params(params: Any, group: Any, fn: str, layout: ShardLayout | None = None) -> None:
+    """Check (host side, one ``all_gather_object`` of two float64 numbers per leaf) that every rank of
+    ``group`` holds the same parameters.
+
+    Each rank sends the float64 sum and sum of squares of each leaf; a leaf whose numbers differ from
+    rank 0's is refused. A cheap checksum, not a bitwise comparison: two different tensors with equal
+    sums and sums of squares (a permutation of the same values) pass. Nothing is checked for ``None``
+    (one process). With ``layout``, the same collective also checks that each rank's layout is for
+    that rank of the group's size (every rank raises alike, none is left waiting in a collective).
+
+    Raises:
+      ValueError: if a rank's ``layout`` is not for its rank and world size; naming the first
+        differing parameter (tree order) and the ranks whose copy differs from rank 0's, and saying to
+        start from ``funcamp.parallel.broadcast_params``.
+    """
+    pg = _resolve(group)
+    if pg is None:
+        return
+    claim = None if layout is None else (layout.rank, layout.world_size)
+    mine = (tuple(_tree.tree_paths(params)), _checksums(params), claim)
+    everyone: list[Any] = [None] * pg.size()
+    dist.all_gather_object(everyone, mine, group=pg)
+    if layout is not None:
+        _check_claims([c for _, _, c in everyone], fn)
+    names, ref, _ = everyone[0]
+    for i, name in enumerate(names):
+        bad = [
+            r
+            for r, (n, sums, _) in enumerate(everyone)
+            if n != names or len(sums) != len(ref) or not _equal_sums(sums[i], ref[i])
+        ]
+        if bad:
+            raise ValueError(
+                f"{fn}: the parameters differ between ranks: {name!r} on rank(s) {bad} differs from rank 0's "
+                "(float64 sum and sum of squares); start every rank from the same parameters with "
+                "params = funcamp.parallel.broadcast_params(params)"
+            )
 
 
 def _first_difference(key: str, a: Any, b: Any) -> str:

@@ -88,7 +88,10 @@ class TrainState:
           TypeError: if ``optimizer`` is not a GradientTransformation, ``loss_scale`` not a LossScale,
             ``params`` an ``nn.Module`` or an iterator (``model.parameters()``), or a parameter leaf is
             not a floating tensor, or ``shard`` is not None or a ShardLayout.
-          ValueError: if ``params``' names or shapes differ from ``shard``'s.
+          ValueError: if ``params``' names or shapes differ from ``shard``'s; with a ``shard`` made by
+            ``shard_layout(params, group)``: if this process is not the layout's rank of its world size
+            in that group, or the parameters differ between the group's ranks (a float64 checksum per
+            leaf, one ``all_gather_object``; the error names the first differing parameter).
         """
         if not isinstance(optimizer, GradientTransformation):
             raise TypeError(
@@ -125,6 +128,8 @@ class TrainState:
                     f"TrainState.create: shard must be None or a funcamp.sharding.ShardLayout "
                     f"(funcamp.sharding.shard_layout(params, group)), got {type(shard).__name__}"
                 )
+            if shard.group is not None:  # a layout from shard_layout(params, group): one all_gather_object
+                sharding.check_same_params(params, shard.group, "TrainState.create", layout=shard)
             params = sharding.shard_params(params, shard)
         device = _tree.tree_device(params)
         return cls(
@@ -228,8 +233,17 @@ def make_train_step(
         one ``grads_finite`` and takes ``grad_norm`` over all shards, and updates only this rank's
         shards. The metrics are the unsharded step's (``grad_norm`` to float32 round-off). The
         optimizer must not contain ``funcamp.optim.clip_by_global_norm`` (use
-        ``funcamp.sharding.clip_by_global_norm``). Building the step checks (one
-        ``all_gather_object``) that every rank has the same layout and policy.
+        ``funcamp.sharding.clip_by_global_norm`` built for the same group). Building the step checks
+        (one ``all_gather_object``) that every rank has the same layout and policy; that every rank
+        starts from the same parameters is checked by ``TrainState.create(shard=layout)``, where the
+        whole parameters are at hand.
+
+    The first call (host side, before anything is traced) checks the state: a sharded state (made by
+    ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) given to a step built without
+    ``shard=`` is refused; with ``data_parallel`` and no ``shard``, one ``all_gather_object`` of a
+    float64 checksum per parameter (sum and sum of squares) refuses parameters that differ between
+    ranks (which would otherwise diverge silently: the gradients are averaged, the parameters never
+    compared). Later calls check nothing more.
     Returns:
       The step function.
     Raises:
@@ -241,7 +255,10 @@ def make_train_step(
         batch leaf cannot be split into ``accumulation_steps`` micro-batches. With ``shard``: if
         ``data_parallel`` is missing (and the layout is for more than one rank), the layout's world
         size or rank is not the group's, ranks differ in layout or policy (the message names the rank),
-        ``telemetry`` is set, or the optimizer clips by a per-shard global norm.
+        ``telemetry`` is set, or the optimizer clips by a per-shard global norm or by
+        ``funcamp.sharding.clip_by_global_norm`` of another group. Without ``shard``: if the optimizer
+        holds ``funcamp.sharding.clip_by_global_norm`` with a group. At the first call: if the state
+        is sharded and the step is not, or (data parallel) the parameters differ between ranks.
 
     Example:
       >>> import funcamp as fa
@@ -273,6 +290,8 @@ def make_train_step(
     k = accumulation_steps
     if shard is not None:
         _check_shard(shard, group, optimizer, policy, telemetry)
+    else:
+        sharding.check_optimizer(optimizer, group, sharded=False)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         with_buffers = state.buffers is not None
@@ -369,9 +388,31 @@ def make_train_step(
             metrics.update(numerics.telemetry_metrics(grads, params, metrics["loss_scale"], telemetry, active))
         return new_state, metrics
 
+    first_call = _first_call_check(shard, group)
     if compile:
-        return _with_eager_errors(step, torch.compile(step, fullgraph=True, backend=backend or "inductor"))
-    return _with_checked_args(step)
+        compiled = torch.compile(step, fullgraph=True, backend=backend or "inductor")
+        return _with_eager_errors(step, compiled, first_call)
+    return _with_checked_args(step, first_call)
+
+
+def _first_call_check(shard: Any, group: Any) -> Callable[[Any], None]:
+    """The host-side check of the state at a step's first call (later calls do nothing)."""
+    done = [False]
+
+    def check(state: TrainState) -> None:
+        if done[0]:
+            return
+        if shard is None and sharding.is_sharded(state.params):
+            raise ValueError(
+                "train_step: state.params are shards (from TrainState.create(..., shard=layout) or "
+                "funcamp.checkpoint.load_sharded), but this step was built without shard=; build it with "
+                "make_train_step(..., data_parallel=group, shard=layout)"
+            )
+        if shard is None and group is not None:
+            sharding.check_same_params(state.params, group, "train_step")
+        done[0] = True
+
+    return check
 
 
 def _check_shard(shard: Any, group: Any, optimizer: GradientTransformation, policy: Any, telemetry: Any) -> None:
@@ -388,7 +429,7 @@ def _check_shard(shard: Any, group: Any, optimizer: GradientTransformation, poli
         )
     if telemetry is not None:
         raise ValueError("make_train_step: telemetry= is not supported with shard= (it reads whole gradients)")
-    sharding.check_optimizer(optimizer)
+    sharding.check_optimizer(optimizer, group, sharded=True)
     if group is not None:
         sharding.check_consistent(shard, group, policy=None if policy is None else get_policy(policy))
 
@@ -408,9 +449,10 @@ def _check_step_args(state: Any, batch: Any) -> None:
     )
 
 
-def _with_checked_args(step: Callable[..., Any]) -> Callable[..., Any]:
+def _with_checked_args(step: Callable[..., Any], first_call: Callable[[Any], None]) -> Callable[..., Any]:
     def checked_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         _check_step_args(state, batch)
+        first_call(state)
         return step(state, batch)
 
     return checked_step
@@ -437,7 +479,9 @@ class _HeldRecords(logging.Filter):
         return False
 
 
-def _with_eager_errors(step: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+def _with_eager_errors(
+    step: Callable[..., Any], compiled: Callable[..., Any], first_call: Callable[[Any], None]
+) -> Callable[..., Any]:
     """``compiled``, but an error of the user's code (or a bad input) raises itself rather than dynamo's.
 
     With ``fullgraph=True`` an exception raised while tracing reaches the caller wrapped by dynamo:
@@ -452,6 +496,7 @@ def _with_eager_errors(step: Callable[..., Any], compiled: Callable[..., Any]) -
 
     def compiled_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         _check_step_args(state, batch)
+        first_call(state)
         logger, held = logging.getLogger(_FAKE_TENSOR_LOGGER), _HeldRecords()
         logger.addFilter(held)
         try:

@@ -294,6 +294,80 @@ def _clip(group: Any, rank: int) -> dict[str, Any]:
     return {"sharded": sharded["records"], "plain": plain["records"]}
 
 
+def _catch(fn: Any) -> str:
+    """``fn()``'s error as ``"Type: message"``, or ``"ok"``."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def _fixes(out: str, group: Any, i: int, pair: int) -> dict[str, Any]:
+    """Mistakes a newcomer made (issue 16's trial), each on a pair of ranks; every check is symmetric."""
+    import dataclasses
+    import os
+
+    res: dict[str, Any] = {}
+    params, opt = init_params(), optimizer()
+    policy = fa.get_policy("f32")
+    loss_fn = make_loss_fn(policy)
+    layout = sharding.shard_layout(params, group)
+    # 4. a sharded clip of another group: None (each shard alone) in a sharded step; the 4-rank default group
+    # in an unsharded step of the pair (it would add up the norms of both ranks' whole gradients).
+    res["clip_none"] = _catch(
+        lambda: fa.make_train_step(
+            loss_fn, optim.chain(sharding.clip_by_global_norm(0.5, None), opt), data_parallel=group, shard=layout
+        )
+    )
+    res["clip_in_dp"] = _catch(
+        lambda: fa.make_train_step(
+            loss_fn, optim.chain(sharding.clip_by_global_norm(0.5, True), opt), data_parallel=group, compile=False
+        )
+    )
+    # 5. parameters that differ between ranks (no broadcast_params): sharded at create, unsharded at the first call
+    other = init_params(seed=i)  # rank 0 of the pair: seed 0 (the same as params), rank 1: seed 1
+    res["differ_sharded"] = _catch(lambda: fa.TrainState.create(other, opt, shard=layout))
+    dp_step = fa.make_train_step(loss_fn, opt, data_parallel=group, policy=policy, compile=False)
+    batch = shard_batch(batches(2, 0, 0.0)[0], i)
+    res["differ_dp"] = _catch(lambda: dp_step(fa.TrainState.create(other, opt), batch))
+    # 6. a layout of another world size or rank
+    lay4 = dataclasses.replace(layout, world_size=4)
+    state = fa.TrainState.create(params, opt, shard=layout)
+    res["lay4_create"] = _catch(lambda: fa.TrainState.create(params, opt, shard=lay4))
+    res["lay4_save"] = _catch(
+        lambda: fa.checkpoint.save_sharded(f"{out}/lay4_{pair}", {"state": state}, lay4, group=group)
+    )
+    res["rank0_create"] = _catch(lambda: fa.TrainState.create(params, opt, shard=layout.for_rank(0)))
+    # 7. a sharded state given to a step built without shard=
+    res["sharded_state_plain_step"] = _catch(lambda: dp_step(state, batch))
+    # 3. a one-process layout saved from both ranks of a 2-rank job
+    lay1 = sharding.shard_layout(params, None)
+    one = fa.TrainState.create(params, opt, shard=lay1)
+    res["lay1_save"] = _catch(lambda: fa.checkpoint.save_sharded(f"{out}/lay1_{pair}", {"state": one}, lay1))
+    res["lay1_dir"] = os.path.exists(f"{out}/lay1_{pair}")
+    # 2a. a replicated whole tensor shaped like a shard (an EMA of "row", 1 row: on 2 ranks its shard is whole)
+    path = f"{out}/ema_{pair}"
+    ema = {k: v + 1 for k, v in params.items()}
+    fa.checkpoint.save_sharded(path, {"state": state, "ema": ema}, layout, group=group)
+    back = fa.checkpoint.load_sharded(
+        path, {"state": fa.TrainState.create(params, opt, shard=layout), "ema": params}, layout, group=group
+    )
+    res["ema_back"] = back["ema"]
+    res["ema_want"] = ema
+    res["mu_back"] = sharding.unshard_params(back["state"].opt_state[0].mu, layout, group)
+    latest = open(f"{path}/LATEST").read()
+    # 2b. tensors that differ between ranks (a rank tag, a per-rank RNG state): refused, nothing written
+    tag = {"state": state, "rank_tag": torch.tensor([float(i)]), "ema": ema}
+    res["rank_tag"] = _catch(lambda: fa.checkpoint.save_sharded(path, tag, layout, group=group))
+    torch.manual_seed(100 + i)
+    rng = {"state": state, "rng": torch.get_rng_state()}
+    res["rng"] = _catch(lambda: fa.checkpoint.save_sharded(path, rng, layout, group=group))
+    res["latest_kept"] = open(f"{path}/LATEST").read() == latest
+    dist.barrier(group=group)
+    return res
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)
     rank, world, device = parallel.setup_from_env(timeout_s=120)
@@ -307,6 +381,7 @@ def main(out: str) -> None:
             "plain": run(name, pair, i, sharded=False),
         }
     results["errors"] = _errors(pair, i)
+    results["fixes"] = _fixes(out, pair, i, rank // 2)
     if rank < 2:
         from torch._dynamo.testing import CompileCounterWithBackend
 

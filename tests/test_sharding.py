@@ -104,6 +104,79 @@ def test_train_step_argument_errors():
         fa.make_train_step(loss_fn, optim.chain(optim.identity(), clipped), shard=layout, compile=False)
 
 
+def _all_params(labels):
+    return lambda p: {k: labels for k in p}
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["multi_transform", "masked", "kahan_summation", "stochastic_rounding", "multi_transform(kahan)", "partial"],
+)
+def test_per_shard_clip_is_found_in_every_combinator(where):
+    """funcamp.optim.clip_by_global_norm is refused wherever the combinators keep it (dicts, closures...)."""
+    import functools
+
+    params = W.init_params()
+    layout = sharding.shard_layout(params, None)
+    loss_fn = W.make_loss_fn(fa.get_policy("f32"))
+    clipped = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-2))
+    opt = {
+        "multi_transform": lambda: optim.multi_transform({"a": clipped}, _all_params("a")),
+        "masked": lambda: optim.masked(clipped, _all_params(True)),
+        "kahan_summation": lambda: optim.kahan_summation(clipped),
+        "stochastic_rounding": lambda: optim.stochastic_rounding(clipped, seed=0),
+        "multi_transform(kahan)": lambda: optim.multi_transform(
+            {"a": optim.kahan_summation(clipped), "b": optim.sgd(1e-2)}, _all_params("a")
+        ),
+        "partial": lambda: optim.GradientTransformation(clipped.init, functools.partial(clipped.update)),
+    }[where]()
+    with pytest.raises(ValueError, match="use funcamp.sharding.clip_by_global_norm"):
+        fa.make_train_step(loss_fn, opt, shard=layout, compile=False)
+    # this module's clip (one process: group None) is accepted in the same places
+    ok = optim.chain(sharding.clip_by_global_norm(0.5, None), optim.adamw(1e-2))
+    ok = optim.multi_transform({"a": optim.kahan_summation(ok)}, _all_params("a"))
+    fa.make_train_step(loss_fn, ok, shard=layout, compile=False)
+
+
+def test_sharded_state_in_a_step_without_shard_is_named():
+    """A state of shards (TrainState.create(shard=) or load_sharded) given to a step built without shard=."""
+    params, opt = W.init_params(), W.optimizer()
+    layout = sharding.shard_layout(params, None)
+    state = fa.TrainState.create(params, opt, shard=layout)
+    step = fa.make_train_step(W.make_loss_fn(fa.get_policy("f32")), opt, compile=False)
+    batch = W.batches(1, 0, 0.0)[0]
+    with pytest.raises(ValueError, match="state.params are shards .* built without shard="):
+        step(state, batch)
+    step(fa.TrainState.create(params, opt), batch)  # a plain state still runs
+
+
+def test_save_sharded_keeps_the_checkpoint_latest_names(tmp_path):
+    """The clean-up after a save never removes the directory LATEST names (another writer's newer one)."""
+    params = W.init_params()
+    layout = sharding.shard_layout(params, None)
+    tree = _fresh_like(layout)
+    path = tmp_path / "ckpt"
+    fa.checkpoint.save_sharded(path, tree, layout)
+    other = (path / "LATEST").read_text().strip()
+    real_replace = __import__("os").replace
+
+    def concurrent(src, dst):  # another writer replaces LATEST right after this one
+        real_replace(src, dst)
+        if str(dst).endswith("LATEST"):
+            (path / "LATEST").write_text(other + "\n")
+
+    import os as _os
+
+    _os.replace = concurrent
+    try:
+        fa.checkpoint.save_sharded(path, tree, layout)
+    finally:
+        _os.replace = real_replace
+    assert (path / other).is_dir()
+    back = fa.checkpoint.load_sharded(path, _fresh_like(layout), layout)["state"]
+    assert int(back.step) == 0
+
+
 def test_one_rank_sharded_step_is_the_plain_step():
     """A layout of one rank runs the sharded code path without communication: bitwise the plain step."""
     policy = fa.get_policy("p=f32,c=bf16,o=f32")
@@ -301,6 +374,26 @@ def test_bad_input_names_the_rank(ranks):
 # Sharded checkpoints (torch.distributed.checkpoint)
 
 
+def test_newcomer_mistakes_are_refused_on_two_ranks(ranks):
+    """Issue 16's trial, on each pair: every mistake raises the same clear error on both ranks, nothing is lost."""
+    for r in ranks:
+        f = r["fixes"]
+        assert "built for group None (one process), but the sharded step runs over a group of ranks" in f["clip_none"]
+        assert "clip_by_global_norm over a group of ranks [0, 1, 2, 3] in a step without shard=" in f["clip_in_dp"]
+        for key, where in (("differ_sharded", "TrainState.create"), ("differ_dp", "train_step")):  # b1 equal: zeros
+            assert f"{where}: the parameters differ between ranks: 'row' on rank(s) [1]" in f[key], f[key]
+            assert "funcamp.parallel.broadcast_params" in f[key]
+        assert "on rank 0 of 2 in the group, the layout is for rank 0 of 4" in f["lay4_create"]
+        assert "the layout is for rank" in f["lay4_save"] and "of 4" in f["lay4_save"]
+        assert "on rank 1 of 2 in the group, the layout is for rank 0 of 2" in f["rank0_create"]
+        assert "state.params are shards" in f["sharded_state_plain_step"]
+        assert "the layout is for one process" in f["lay1_save"] and not f["lay1_dir"]
+        # 2a: a whole tensor of a shard's shape outside the state reloads whole on every rank (it was zeros on rank 1)
+        assert all(torch.equal(f["ema_back"][k], f["ema_want"][k]) for k in f["ema_want"]), r["rank"]
+        assert "'rank_tag' differs between ranks (ranks holding the same value: [[0], [1]])" in f["rank_tag"]
+        assert "'rng' differs between ranks" in f["rng"] and f["latest_kept"]
+
+
 def _fresh_like(layout):
     params, opt = W.init_params(), W.optimizer()
     scale = fa.DynamicLossScale(2.0**15, period=W.PERIOD)
@@ -388,7 +481,7 @@ def test_sharded_checkpoint_is_atomic_and_errors(tmp_path, monkeypatch):
 # The main job with --shard
 
 
-def test_train_gpt_shard_under_torchrun_and_resume_on_one_process(tmp_path):
+def test_train_gpt_shard_under_torchrun_and_resume_on_one_process(tmp_path, capsys):
     """2 ranks x 4 sequences, --shard, 2 eager steps and a sharded checkpoint; then one process resumes it
     (resharding 2 -> 1) with 8 sequences per step for steps 3 and 4.
 
@@ -406,6 +499,7 @@ def test_train_gpt_shard_under_torchrun_and_resume_on_one_process(tmp_path):
     out = run_torchrun([*args, "--checkpoint", str(ckpt)])
     assert "shard: state bytes per rank (params + optimizer + gradient shards): rank 0 " in out and "rank 1 " in out
     assert out.count("sharded over 2 ranks") == 1 and out.count("val loss") == 3  # rank 0: step 0, 2, done
+    assert "done: step 2, val loss " in out and " (at step 2), " in out  # evaluated at the stop, not step 0's
     assert (ckpt / "LATEST").is_file()
 
     sys.path.insert(0, str(root / "examples"))
@@ -413,6 +507,10 @@ def test_train_gpt_shard_under_torchrun_and_resume_on_one_process(tmp_path):
         import train_gpt
     finally:
         sys.path.remove(str(root / "examples"))
+    plain = [*common, "--resume", "--checkpoint", str(ckpt), "--batch-size", "8", "--logdir", str(tmp_path / "p")]
+    with pytest.raises(SystemExit, match="is a sharded checkpoint .written with --shard.; pass --shard"):
+        train_gpt.main(plain)
+    capsys.readouterr()
     resumed = train_gpt.main(
         [
             *common,
@@ -426,6 +524,10 @@ def test_train_gpt_shard_under_torchrun_and_resume_on_one_process(tmp_path):
             str(tmp_path / "r"),
         ]
     )["state"]
+    printed = capsys.readouterr()
+    assert "| sharded over 1 rank | " in printed.out
+    note = "note: the checkpoint was written by 2 ranks of --batch-size 4 (8 sequences per step); this run has 1 rank"
+    assert note in printed.err
     one = train_gpt.main([*common, "--batch-size", "8", "--logdir", str(tmp_path / "one")])["state"].params
     layout = sharding.shard_layout(one, None)
     whole = sharding.unshard_params(resumed.params, layout, None)
