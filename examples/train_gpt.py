@@ -264,6 +264,10 @@ def make_loss_scale(kind: str, policy: fa.Policy, init_scale: float, period: int
     return fa.DynamicLossScale(init_scale, period=period)
 
 
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
 def _fmt(loss: float | None) -> str:
     """A validation loss as the progress lines print it (4 decimals), or "none" if none was measured."""
     return "none" if loss is None else f"{loss:.4f}"
@@ -442,8 +446,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ckpt_path = args.checkpoint or os.path.join(args.logdir, "checkpoint" if args.shard else "checkpoint.pt")
     config = {k: v for k, v in vars(args).items() if k in _RESUME_KEYS}
     config["data"] = data_name
+    config["world_size"] = world_size  # not a resume key: a resume on other ranks is told what changes
     start = 0
     if args.resume:
+        sharded_dir = ckpt_path if os.path.isdir(ckpt_path) else os.path.join(args.logdir, "checkpoint")
+        if layout is None and os.path.isfile(os.path.join(sharded_dir, "LATEST")):
+            raise SystemExit(
+                f"--resume: {sharded_dir}{os.sep} is a sharded checkpoint (written with --shard); pass --shard to "
+                "resume it (on any number of ranks)"
+            )
         if not os.path.exists(ckpt_path):
             raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
         like = {"state": state, "rng": {"torch": torch.get_rng_state()}, "config": config}
@@ -453,9 +464,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             saved = fa.checkpoint.load_sharded(ckpt_path, like, layout, group=group)
         state, start = saved["state"], int(saved["state"].step)
         torch.set_rng_state(saved["rng"]["torch"])
-        changed = {k: (saved["config"].get(k), v) for k, v in config.items() if saved["config"].get(k) != v}
+        changed = {
+            k: (saved["config"].get(k), v)
+            for k, v in config.items()
+            if saved["config"].get(k) != v and k != "world_size"
+        }
         if changed and is_main:
             print(f"warning: settings differ from the checkpoint's (saved, now): {changed}", file=sys.stderr)
+        saved_world = saved["config"]["world_size"]
+        if saved_world != world_size and is_main:
+            before, now = saved["config"]["batch_size"] * saved_world, args.batch_size * world_size
+            print(
+                f"note: the checkpoint was written by {_ranks(saved_world)} of --batch-size "
+                f"{saved['config']['batch_size']} ({before} sequences per step); this run has {_ranks(world_size)} "
+                f"of --batch-size {args.batch_size} ({now} sequences per step)"
+                + (f": pass --batch-size {before // world_size} to keep the global batch" if before != now else ""),
+                file=sys.stderr,
+                flush=True,
+            )
 
     tokens_per_step = args.batch_size * cfg.block_size * world_size
     logger = fa.TensorBoardLogger(
@@ -480,10 +506,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     if is_main:
         n_params = sum(p.numel() for p in params.values())
+        parallelism = (
+            f"sharded over {_ranks(world_size)} | "
+            if args.shard
+            else (f"data parallel over {_ranks(world_size)} | " if world_size > 1 else "")
+        )
         print(
             f"funcamp {fa.__version__} | {device} | policy {policy} | master weights {args.master_weights}, "
             f"moments {args.moment_dtype}{' | fp8 ' + args.fp8 if args.fp8 else ''} | "
-            f"{type(state.loss_scale).__name__} | {f'sharded over {world_size} ranks | ' if args.shard else ''}"
+            f"{type(state.loss_scale).__name__} | {parallelism}"
             f"model {args.model} ({n_params / 1e6:.2f}M params, context {cfg.block_size}) | "
             f"data {os.path.basename(data_name)}: {len(train)} train / {len(val)} val bytes | "
             f"{'compiled (' + args.backend + ')' if args.compile else 'eager'} | steps {start}->{args.steps}",
@@ -564,7 +595,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 scale=f"{written['amp/loss_scale']:g}",
                 tok_s=f"{tok_s:,.0f}" if tok_s else "-",
             )
-        evaluate_now = step % args.eval_every == 0 or step == args.steps
+        evaluate_now = step % args.eval_every == 0 or step == end  # end: --steps, or the --stop-after step
         save_now = step % args.save_every == 0 or step == args.steps
         if evaluate_now or save_now:  # not training: its time counts neither in tokens/s nor in the logger's
             t0 = time.perf_counter()
@@ -607,8 +638,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parallel.shutdown()
     if is_main:
         skipped = int(state.skipped_steps)
+        val_step = history["val_loss"][-1][0] if history["val_loss"] else None
         print(
-            f"done: step {int(state.step)}, val loss {_fmt(results['val_loss'])}, {skipped} skipped steps, "
+            f"done: step {int(state.step)}, val loss {_fmt(results['val_loss'])} (at step {val_step}), "
+            f"{skipped} skipped steps, "
             f"final loss scale {float(state.loss_scale.loss_scale):g}, {tokens_per_second:,.0f} tokens/s "
             f"({'after compile: ' if args.compile else 'eager: '}{compile_s:.1f} s to the first step), "
             f"wall {results['wall_seconds']:.1f} s"
