@@ -650,6 +650,8 @@ def load_sharded(
       CorruptCheckpointError: if ``funcamp.json`` is missing, unreadable or of another format.
       CheckpointMismatchError: if the parameters' names or whole shapes differ from ``layout``'s, the
         world size differs and ``reshard`` is False, or the tree differs from ``like``.
+      ValueError: if ``layout`` is not for this process's rank and world size in the group (checked on
+        every rank alike, one ``all_gather_object``).
     """
     import json
 
@@ -684,6 +686,12 @@ def load_sharded(
             "reshard=False; pass reshard=True to cut its shards to the new layout",
         )
     pg = _sharded_group(layout, group)
+    if pg is not None:  # a layout of another world size, or not this process's rank: every rank raises alike
+        if pg.size() != layout.world_size:
+            sharding.check_rank(layout, pg, "funcamp.checkpoint.load_sharded")
+        claims: list[Any] = [None] * pg.size()
+        torch.distributed.all_gather_object(claims, (layout.rank, layout.world_size), group=pg)
+        sharding._check_claims(claims, "funcamp.checkpoint.load_sharded")
     wanted: dict[str, torch.Tensor] = {}
     _collect(meta["tree"], saved, layout, wanted, directory)
     with _quiet_single_process():

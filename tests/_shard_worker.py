@@ -357,6 +357,8 @@ def _fixes(out: str, group: Any, i: int, pair: int) -> dict[str, Any]:
     res["ema_want"] = ema
     res["mu_back"] = sharding.unshard_params(back["state"].opt_state[0].mu, layout, group)
     latest = open(f"{path}/LATEST").read()
+    like = {"state": fa.TrainState.create(params, opt, shard=layout), "ema": params}
+    res["rank0_load"] = _catch(lambda: fa.checkpoint.load_sharded(path, like, layout.for_rank(0), group=group))
     # 2b. tensors that differ between ranks (a rank tag, a per-rank RNG state): refused, nothing written
     tag = {"state": state, "rank_tag": torch.tensor([float(i)]), "ema": ema}
     res["rank_tag"] = _catch(lambda: fa.checkpoint.save_sharded(path, tag, layout, group=group))

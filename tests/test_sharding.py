@@ -386,6 +386,7 @@ def test_newcomer_mistakes_are_refused_on_two_ranks(ranks):
         assert "on rank 0 of 2 in the group, the layout is for rank 0 of 4" in f["lay4_create"]
         assert "the layout is for rank" in f["lay4_save"] and "of 4" in f["lay4_save"]
         assert "on rank 1 of 2 in the group, the layout is for rank 0 of 2" in f["rank0_create"]
+        assert "load_sharded: on rank 1 of 2 in the group, the layout is for rank 0 of 2" in f["rank0_load"]
         assert "state.params are shards" in f["sharded_state_plain_step"]
         assert "the layout is for one process" in f["lay1_save"] and not f["lay1_dir"]
         # 2a: a whole tensor of a shard's shape outside the state reloads whole on every rank (it was zeros on rank 1)
