@@ -390,9 +390,58 @@ def make_train_step(
 
     first_call = _first_call_check(shard, group)
     if compile:
-        compiled = torch.compile(step, fullgraph=True, backend=backend or "inductor")
+        backend = backend or "inductor"
+        options = _inductor_options() if backend == "inductor" else None  # None where torch lacks the option
+        compiled = torch.compile(step, fullgraph=True, backend=backend, options=options)
         return _with_eager_errors(step, compiled, first_call)
     return _with_checked_args(step, first_call)
+
+
+def _inductor_options() -> dict[str, Any] | None:
+    """The inductor options of the compiled step: let AOTAutograd's cache store it.
+
+    funcamp's casting mode (:class:`funcamp.ops.OpPolicies`, a ``TorchFunctionMode``) makes Dynamo record the
+    ``Tensor`` methods that torch writes in Python (``Tensor.split``, ``Tensor.unique``, ...) as calls to those
+    Python functions, which AOTAutograd's cache refuses ("Bypassing autograd cache due to: Unsupported
+    call_function target Tensor.split"): every new process re-ran AOTAutograd on the whole step (3.6 s of
+    the warm first step of the benchmark GPT on a 2-core AMD EPYC, AVX2). They are torch's own functions,
+    marked cacheable here under the running torch version (``torch._inductor.config.
+    unsafe_marked_cacheable_functions``), so a change of torch changes the cache key.
+    """
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # older torch: no such option
+        return None
+    methods = (getattr(torch.Tensor, name, None) for name in _PYTHON_TENSOR_MATH)
+    names = sorted(
+        f"{fn.__module__}.{fn.__name__}"
+        for fn in methods
+        if isinstance(fn, types.FunctionType) and fn.__module__ == "torch._tensor"
+    )
+    return {"unsafe_marked_cacheable_functions": dict.fromkeys(names, torch.__version__)}
+
+
+#: Tensor methods that torch writes in Python and that only compute (no hooks, no autograd or storage
+#: state): those a model calls inside the step. Others (``backward``, ``register_hook``) stay refused.
+_PYTHON_TENSOR_MATH = (
+    "split",
+    "norm",
+    "unique",
+    "unique_consecutive",
+    "stft",
+    "istft",
+    "lu",
+    "unflatten",
+    "__rsub__",
+    "__rdiv__",
+    "__rtruediv__",
+    "__rpow__",
+    "__floordiv__",
+    "__rfloordiv__",
+    "__rmatmul__",
+    "__rlshift__",
+    "__rrshift__",
+)
 
 
 def _first_call_check(shard: Any, group: Any) -> Callable[[Any], None]:

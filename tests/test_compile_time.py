@@ -156,6 +156,10 @@ def test_traced_tree_functions_equal_eager() -> None:
         assert x.dtype == y.dtype and torch.equal(x, y) or (x.isnan().any() and torch.equal(x.isnan(), y.isnan()))
 
 
+@pytest.mark.skipif(
+    not _tree._DYNAMO_COMPARES_SPECS,
+    reason="torch < 2.13: Dynamo cannot compare treespecs, so a traced call compares leaf counts only",
+)
 def test_traced_structure_errors_still_raised() -> None:
     a = {"w": torch.zeros(2)}
     with pytest.raises(Exception, match="same structure"):
@@ -191,3 +195,44 @@ def test_compiled_train_step_bitwise_equal_to_eager() -> None:
     assert not bool(m_comp[-1]["grads_finite"]) and int(s_comp.skipped_steps) == 1
     for x, y in zip(_tree.tree_leaves((s_eager, m_eager)), _tree.tree_leaves((s_comp, m_comp))):
         assert x.dtype == y.dtype and torch.equal(x, y) or torch.equal(x.isnan(), y.isnan())
+
+
+# --- the compiled step's inductor options (funcamp.train._inductor_options) --------------------------------
+
+
+def test_compiled_step_graph_is_cacheable_by_aot_autograd() -> None:
+    """The casting mode records Tensor.split as a Python call, which AOTAutograd's cache refuses unless the
+    step's options mark it (then a warm process skips AOTAutograd)."""
+    from torch._functorch._aot_autograd.autograd_cache import check_node_safe
+    from torch._inductor import config as inductor_config
+
+    from funcamp.train import _inductor_options
+
+    marked = _inductor_options()["unsafe_marked_cacheable_functions"]
+    assert "torch._tensor.split" in marked and set(marked.values()) == {torch.__version__}
+
+    class Split(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a, b = self.proj(x).split(4, dim=-1)
+            return a * b
+
+    apply_fn, params = fa.nn.functionalize(Split(), fa.get_policy("params=float32,compute=bfloat16,output=float32"))
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(lambda p, x: apply_fn(p, x).float().sum(), backend=backend, fullgraph=True)(params, torch.ones(2, 4))
+    nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any(n.target is torch.Tensor.split for n in nodes)  # what the casting mode records
+    with pytest.raises(Exception, match="Unsupported call_function target"):
+        for n in nodes:
+            check_node_safe(n)
+    with inductor_config.patch(unsafe_marked_cacheable_functions=marked):
+        for n in nodes:
+            check_node_safe(n)
