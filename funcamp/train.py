@@ -9,6 +9,7 @@ so ``torch.compile(fullgraph=True)`` turns the whole step into one graph.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import types
 from collections.abc import Callable, Iterator
@@ -388,7 +389,7 @@ def make_train_step(
             metrics.update(numerics.telemetry_metrics(grads, params, metrics["loss_scale"], telemetry, active))
         return new_state, metrics
 
-    first_call = _first_call_check(shard, group)
+    first_call = _first_call_check(shard, group, loss_fn)
     if compile:
         backend = backend or "inductor"
         options = _inductor_options() if backend == "inductor" else None  # None where torch lacks the option
@@ -444,13 +445,44 @@ _PYTHON_TENSOR_MATH = (
 )
 
 
-def _first_call_check(shard: Any, group: Any) -> Callable[[Any], None]:
+def _loss_fn_arity_error(loss_fn: Callable[..., Any], with_buffers: bool) -> str | None:
+    """Why ``loss_fn`` cannot take the arguments the step passes it, or None (also when it cannot tell)."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # builtins and some C callables have no signature: let the call decide
+        return None
+    args = ("params", "buffers", "batch") if with_buffers else ("params", "batch")
+    try:
+        signature.bind(*args)
+    except TypeError:
+        pass
+    else:
+        return None
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    if with_buffers:
+        return (
+            f"train_step: state.buffers is not None (the model has buffers: BatchNorm statistics, fp8 recipe "
+            f"state), so loss_fn is called as loss_fn(params, buffers, batch) and must return "
+            f"(loss, new_buffers), but {name}{signature} does not take three arguments; write "
+            "loss_fn(params, buffers, batch), or build the state without buffers"
+        )
+    return (
+        f"train_step: state.buffers is None, so loss_fn is called as loss_fn(params, batch), but "
+        f"{name}{signature} does not take two arguments; if the model has buffers, pass "
+        "TrainState.create(..., buffers=buffers) and write loss_fn(params, buffers, batch)"
+    )
+
+
+def _first_call_check(shard: Any, group: Any, loss_fn: Callable[..., Any]) -> Callable[[Any], None]:
     """The host-side check of the state at a step's first call (later calls do nothing)."""
     done = [False]
 
     def check(state: TrainState) -> None:
         if done[0]:
             return
+        message = _loss_fn_arity_error(loss_fn, state.buffers is not None)
+        if message is not None:
+            raise TypeError(message)
         if shard is None and sharding.is_sharded(state.params):
             raise ValueError(
                 "train_step: state.params are shards (from TrainState.create(..., shard=layout) or "

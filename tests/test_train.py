@@ -409,3 +409,25 @@ def test_loss_fn_with_buffers_returning_three_values_is_named():
     step = fa.make_train_step(loss_fn, opt, compile=False)
     with pytest.raises(TypeError, match=r"must return \(loss, new_buffers\); got a tuple of 3"):
         step(state, torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("with_buffers", [True, False])
+def test_loss_fn_that_cannot_take_the_steps_arguments_is_named(with_buffers):
+    """A model with buffers calls loss_fn(params, buffers, batch); a two-argument loss_fn gave Python's bare
+    '<lambda>() takes 2 positional arguments but 3 were given' (and the reverse)."""
+    model = torch.nn.BatchNorm1d(4) if with_buffers else torch.nn.Linear(4, 4)
+    out = fa.nn.functionalize(model, "float32")
+    apply_fn, params = out[:2]
+    buffers = out[2] if with_buffers else None
+    if with_buffers:
+        loss_fn = lambda p, x: apply_fn(p, buffers, x)[0].square().mean()  # noqa: E731
+        match = r"loss_fn is called as loss_fn\(params, buffers, batch\).*does not take three arguments"
+    else:
+        loss_fn = lambda p, b, x: (apply_fn(p, x).square().mean(), b)  # noqa: E731
+        match = r"state.buffers is None, so loss_fn is called as loss_fn\(params, batch\).*two arguments"
+    opt = optim.sgd(0.1)
+    state = fa.TrainState.create(params, opt, buffers=buffers)
+    for compile in (False, True):
+        step = fa.make_train_step(loss_fn, opt, compile=compile, backend="aot_eager")
+        with pytest.raises(TypeError, match=match):
+            step(state, torch.randn(3, 4))
