@@ -386,7 +386,10 @@ def make_train_step(
             metrics["aux"] = aux
         if telemetry is not None:  # every N steps, by torch.cond on the step count: one graph
             active = (state.step + 1) % telemetry.every == 0
-            metrics.update(numerics.telemetry_metrics(grads, params, metrics["loss_scale"], telemetry, active))
+            # Averaged over ranks, the gradients are views of one reduced buffer, and torch.cond refuses
+            # operands that alias each other: give it copies (data parallelism with telemetry only).
+            seen = grads if group is None else _tree.tree_map(torch.clone, grads)
+            metrics.update(numerics.telemetry_metrics(seen, params, metrics["loss_scale"], telemetry, active))
         return new_state, metrics
 
     first_call = _first_call_check(shard, group, loss_fn)

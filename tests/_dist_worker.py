@@ -210,6 +210,18 @@ def main(out: str) -> None:
         results[name] = run(name, params, rank, data_parallel=True)
     for name in ("r_f32", "r_bf16"):
         results[name], results[name + "_bytes"], results[name + "_dtypes"] = _bytes_in(name, params, rank)
+    # Telemetry in a compiled data-parallel step reducing in the gradients' own dtype, where the averaged
+    # gradients are views of one buffer (torch.cond refused them as aliased operands before).
+    policy = fa.get_policy("f32")
+    opt = optim.sgd(0.1)
+    state = fa.TrainState.create(params, opt)
+    step = fa.make_train_step(
+        make_loss_fn(policy), opt, policy=policy, data_parallel=True, telemetry=2, backend="aot_eager"
+    )
+    results["telemetry"] = []
+    for batch in batches()[:2]:
+        state, metrics = step(state, shard(batch, rank))
+        results["telemetry"].append({k: v for k, v in metrics.items() if k.startswith("numerics/")})
     torch.save(results, f"{out}/rank{rank}.pt")
     parallel.shutdown()
 

@@ -290,6 +290,17 @@ def test_compiled_distributed_step_is_one_graph(ranks):
             assert torch.equal(got["grads_finite"], want["grads_finite"])
 
 
+def test_telemetry_in_a_compiled_data_parallel_step(ranks):
+    """Telemetry every 2 steps in a compiled step reducing in float32 (crashed in torch.cond before): off at
+    step 1, on at step 2, and the same numbers on both ranks (they see the same averaged gradients)."""
+    r0, r1 = ranks
+    for r in ranks:
+        assert not bool(r["telemetry"][0]["numerics/active"]) and bool(r["telemetry"][1]["numerics/active"])
+    assert len(r0["telemetry"][1]) > 5
+    for k, v in r0["telemetry"][1].items():
+        torch.testing.assert_close(v, r1["telemetry"][1][k], rtol=0, atol=0, equal_nan=True, msg=k)
+
+
 def test_buffers_are_averaged_over_ranks(ranks):
     """Running statistics: the mean over ranks == the statistic of one process on the whole batch."""
     _assert_ranks_identical(ranks, "buffers")
