@@ -71,7 +71,27 @@ from funcamp import fp8, optim, parallel, sharding  # noqa: E402
 from funcamp.debug import lint, locate_from_state  # noqa: E402
 
 SAMPLE_PROMPT = "The "
+
+
 # Settings whose change between a run and its --resume breaks bit-for-bit continuation.
+def _resume_mismatch(path: str, single_file: bool, config: dict, error: Exception) -> str:
+    """The message for a checkpoint that does not fit this run: the flags that differ, where they can be read."""
+    hint = ""
+    if single_file:
+        try:
+            saved = fa.checkpoint.load(path)["config"]
+            diff = {k: (saved.get(k), v) for k, v in config.items() if k != "world_size" and saved.get(k) != v}
+            if diff:
+                hint = f"; settings that differ from the saved run's (saved, now): {diff}"
+        except Exception:  # the hint is optional: the mismatch itself is reported either way
+            pass
+    first = str(error).splitlines()[0]
+    return (
+        f"--resume: the checkpoint at {path} does not fit this run ({first}){hint}. Resume with the saved run's "
+        "settings, or start a new --logdir"
+    )
+
+
 _RESUME_KEYS = (
     "model",
     "block_size",
@@ -168,6 +188,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("batch_size", "steps", "log_every", "eval_every", "eval_batches", "save_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.stop_after is not None and args.stop_after < 1:
+        p.error(f"--stop-after must be >= 1 (the step to stop after), got {args.stop_after}")
     if args.telemetry_every < 0:
         p.error(f"--telemetry-every must be >= 0 (0: off), got {args.telemetry_every}")
     if args.fp8 and args.master_weights != "float32":
@@ -455,13 +477,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"--resume: {sharded_dir}{os.sep} is a sharded checkpoint (written with --shard); pass --shard to "
                 "resume it (on any number of ranks)"
             )
+        single_file = os.path.join(args.logdir, "checkpoint.pt")
+        if layout is not None and not os.path.exists(ckpt_path) and os.path.isfile(single_file):
+            raise SystemExit(
+                f"--resume: {single_file} is an unsharded checkpoint (written without --shard); drop --shard to "
+                "resume it"
+            )
         if not os.path.exists(ckpt_path):
             raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
         like = {"state": state, "rng": {"torch": torch.get_rng_state()}, "config": config}
-        if layout is None:
-            saved = fa.checkpoint.load(ckpt_path, like=like)
-        else:  # saved on any number of ranks: each rank reads the rows it holds now
-            saved = fa.checkpoint.load_sharded(ckpt_path, like, layout, group=group)
+        try:
+            if layout is None:
+                saved = fa.checkpoint.load(ckpt_path, like=like)
+            else:  # saved on any number of ranks: each rank reads the rows it holds now
+                saved = fa.checkpoint.load_sharded(ckpt_path, like, layout, group=group)
+        except fa.checkpoint.CheckpointMismatchError as e:
+            raise SystemExit(_resume_mismatch(ckpt_path, layout is None, config, e)) from None
         state, start = saved["state"], int(saved["state"].step)
         torch.set_rng_state(saved["rng"]["torch"])
         changed = {

@@ -202,7 +202,8 @@ def load(
       TypeError: if ``path`` is not a path.
       FileNotFoundError: if ``path`` does not exist.
       CorruptCheckpointError: if the file is truncated, corrupt, not a funcamp checkpoint, or of a
-        newer format version; or (without ``like``) names a type outside funcamp.
+        newer format version; or (without ``like``) names a type outside funcamp; or ``path`` is a
+        directory (a sharded checkpoint's: use :func:`load_sharded`).
       CheckpointMismatchError: if the saved tree differs from ``like`` (the message gives the path in
         the tree, e.g. ``state.params.wte.weight``, and what differs).
     """
@@ -211,6 +212,13 @@ def load(
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"funcamp.checkpoint.load: no checkpoint at {path!r}")
+    if os.path.isdir(path):
+        what = (
+            "a sharded checkpoint: use funcamp.checkpoint.load_sharded"
+            if os.path.isfile(os.path.join(path, "LATEST"))
+            else "not a checkpoint file"
+        )
+        raise CorruptCheckpointError(f"funcamp.checkpoint.load: {path!r} is a directory, {what}")
     payload = _read(path, map_location)
     return _decode(payload["tree"], like, "", path, like is not None)
 

@@ -237,3 +237,13 @@ def test_bad_arguments():
         checkpoint.load(None)
     with pytest.raises(TypeError, match=r"cannot save x of type object"):
         checkpoint.save("unused.pt", {"x": object()})
+
+
+def test_load_of_a_directory_says_what_it_is(tmp_path):
+    """checkpoint.load on a sharded checkpoint's directory names load_sharded (it was IsADirectoryError)."""
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / "LATEST").write_text("ckpt-0")
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="is a directory, a sharded checkpoint: use"):
+        checkpoint.load(tmp_path / "sharded")
+    with pytest.raises(checkpoint.CorruptCheckpointError, match="is a directory, not a checkpoint file"):
+        checkpoint.load(tmp_path)

@@ -311,3 +311,16 @@ def test_script_runs_from_the_repository_root():
     assert "True" in rows and "124,439,808" in rows
     for value in rows:
         assert value == "True" or math.isfinite(float(value.replace(",", ""))), value
+
+
+def test_resume_with_other_settings_names_them(tmp_path):
+    """A resume whose flags change the state's layout fails with one line naming the settings that differ
+    (it was a bare CheckpointMismatchError traceback), and --shard on an unsharded run says to drop it."""
+    run = [*TINY, "--steps", "1", "--eval-every", "1", "--save-every", "1", "--no-compile", "--logdir", str(tmp_path)]
+    train_gpt.main([*run, "--policy", "f32"])
+    with pytest.raises(SystemExit, match=r"does not fit this run .*'master_weights': \('float32', 'bfloat16'\)"):
+        train_gpt.main([*run, "--policy", "f32", "--resume", "--master-weights", "bfloat16"])
+    with pytest.raises(SystemExit, match="is an unsharded checkpoint .*drop --shard"):
+        train_gpt.main([*run, "--policy", "f32", "--resume", "--shard"])
+    with pytest.raises(SystemExit):  # argparse: --stop-after must be >= 1
+        train_gpt.main([*run, "--stop-after", "0"])
