@@ -190,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.stop_after is not None and args.stop_after < 1:
         p.error(f"--stop-after must be >= 1 (the step to stop after), got {args.stop_after}")
+    if args.shard and args.telemetry_every:
+        p.error("--shard with --telemetry-every: the telemetry reads whole gradients; use one or the other")
     if args.telemetry_every < 0:
         p.error(f"--telemetry-every must be >= 0 (0: off), got {args.telemetry_every}")
     if args.fp8 and args.master_weights != "float32":
@@ -442,8 +444,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = parallel.broadcast_params(params)  # every rank starts from rank 0's parameters
     loss_fn = make_loss_fn(apply_fn, stateful=buffers is not None)
     decay_mask = {name: p.ndim >= 2 for name, p in params.items()}  # no decay of norms and biases
-    if args.shard and args.telemetry_every:
-        raise SystemExit("--shard with --telemetry-every: the telemetry reads whole gradients; use one or the other")
     group = parallel.resolve_group(world_size > 1)  # None in one process
     layout = sharding.shard_layout(params, group) if args.shard else None  # --shard: rows of dim 0 per rank
     optimizer = make_optimizer(args, decay_mask, group)
@@ -687,4 +687,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit:  # a refused setting under torchrun: close the process group so that the rank exits cleanly
+        parallel.shutdown()
+        raise
