@@ -483,20 +483,11 @@ def select_tree(pred: torch.Tensor, a: T, b: T) -> T:
     if fast is not None:
         (leaves_a, leaves_b), rebuild = fast
         return rebuild([_select_leaf(pred, x, y) for x, y in zip(leaves_a, leaves_b)])
-    if _no_leaf_dicts(a) and _no_leaf_dicts(b):
-        # Nothing to select (a model without buffers): return without flattening, since Dynamo cannot
-        # flatten an empty dict made inside the traced step (torch 2.13: "DictMetaData").
-        return b
     leaves_a, spec_a = tree_flatten(a)
     leaves_b, spec_b = tree_flatten(b)
     if not same_structure(spec_a, spec_b, len(leaves_a), len(leaves_b)):
         raise ValueError(f"select_tree: a and b must have the same structure, got {spec_a} and {spec_b}")
     return tree_unflatten(spec_a, [_select_leaf(pred, x, y) for x, y in zip(leaves_a, leaves_b)])
-
-
-def _no_leaf_dicts(tree: Any) -> bool:
-    """True for a dict whose values are all such dicts (``{}``, ``{"a": {}}``): a tree without leaves."""
-    return isinstance(tree, dict) and all(_no_leaf_dicts(v) for v in tree.values())
 
 
 def _select_leaf(pred: torch.Tensor, x: Any, y: Any) -> Any:
