@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from bench_train_step import make_batches  # noqa: E402  (the same batches as the step benchmark)
+from bench_train_step import TorchStep, make_batches  # noqa: E402  (the same batches and torch.amp step)
 from gpt import GPT, SIZES, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
@@ -82,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class AmpStep:
-    """torch.amp recipe: compiled model, autocast, GradScaler, torch.optim.AdamW."""
+class AmpStep(TorchStep):
+    """torch.amp recipe: compiled model, autocast, GradScaler, torch.optim.AdamW (foreach, this benchmark's
+    learning rate, the scaler for float16 only); the step itself is bench_train_step.TorchStep's."""
 
     def __init__(self, model: GPT, dtype: torch.dtype, backend: str) -> None:
         device = next(model.parameters()).device
@@ -93,16 +94,6 @@ class AmpStep:
             model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=True
         )
         self.scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16, enabled=dtype == torch.float16)
-
-    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.amp):
-            logits = self.forward(batch["inputs"])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
 
 
 class FuncampStep:
