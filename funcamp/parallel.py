@@ -288,15 +288,7 @@ def mean_gradients(
       ``torch.amp.GradScaler`` (``unscale_`` after it); Micikevicius et al. 2018, "Mixed Precision
       Training", arXiv:1710.03740.
     """
-    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
-        raise TypeError(f"mean_gradients: reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}")
-    if loss_scale is not None and not (
-        isinstance(loss_scale, torch.Tensor) and loss_scale.dtype == torch.float32 and loss_scale.ndim == 0
-    ):
-        raise TypeError(
-            f"mean_gradients: loss_scale must be None or a 0-d float32 tensor (a LossScale's .loss_scale), "
-            f"got {loss_scale!r}"
-        )
+    _check_wire_args("mean_gradients", reduce_dtype, loss_scale)
     _check_group(group, "mean_gradients")
     leaves, spec = _tree.tree_flatten(grads)
     world = group.size()
@@ -415,6 +407,19 @@ def reduce_buffers(buffers: T, group: dist.ProcessGroup) -> T:
         for (i, sign), part in zip(idx, parts):
             out[i] = part.view(leaves[i].shape) * sign
     return _tree.tree_unflatten(spec, out)
+
+
+def _check_wire_args(fn: str, reduce_dtype: Any, loss_scale: Any) -> None:
+    """Refuse a ``reduce_dtype`` that is not None or a floating dtype, and a ``loss_scale`` that is not None
+    or a 0-d float32 tensor (the arguments of :func:`mean_gradients` and of the sharded reduce-scatter)."""
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise TypeError(f"{fn}: reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}")
+    if loss_scale is not None and not (
+        isinstance(loss_scale, torch.Tensor) and loss_scale.dtype == torch.float32 and loss_scale.ndim == 0
+    ):
+        raise TypeError(
+            f"{fn}: loss_scale must be None or a 0-d float32 tensor (a LossScale's .loss_scale), got {loss_scale!r}"
+        )
 
 
 def _share(g: torch.Tensor, scale: torch.Tensor | None, world: int, wire: torch.dtype) -> torch.Tensor:

@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from funcamp import _tree
 from funcamp.optim.base import EmptyState, GradientTransformation, check_positive, compute_dtype, empty_init
-from funcamp.parallel import _share
+from funcamp.parallel import _check_wire_args, _share
 
 __all__ = [
     "ShardLayout",
@@ -378,16 +378,7 @@ def reduce_scatter_gradients(
         float32 tensor.
       ValueError: if ``grads``' names or shapes differ from the layout's whole shapes.
     """
-    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
-        raise TypeError(
-            f"reduce_scatter_gradients: reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}"
-        )
-    if loss_scale is not None and not (
-        isinstance(loss_scale, torch.Tensor) and loss_scale.dtype == torch.float32 and loss_scale.ndim == 0
-    ):
-        raise TypeError(
-            f"reduce_scatter_gradients: loss_scale must be None or a 0-d float32 tensor, got {loss_scale!r}"
-        )
+    _check_wire_args("reduce_scatter_gradients", reduce_dtype, loss_scale)
     leaves = _check_tree(grads, layout, "reduce_scatter_gradients", sharded=False)
     world = layout.world_size
     pg = _group_for(layout, group, "reduce_scatter_gradients")
