@@ -147,10 +147,17 @@ def save(path: str | os.PathLike[str], state: Any) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"funcamp.checkpoint.save: directory {directory!r} of {path!r} does not exist")
+    _replace_atomically(path, lambda f: torch.save(payload, f), "wb")
+
+
+def _replace_atomically(path: str, write: Any, mode: str) -> None:
+    """Write a temporary file beside ``path`` with ``write(file)``, fsync it, rename it over ``path`` with
+    ``os.replace`` and fsync the directory: a reader sees the old file or the new one, never a part."""
+    directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+        with os.fdopen(fd, mode) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -604,13 +611,7 @@ def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any, *, group:
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         os.replace(tmp, final)
-        fd, latest_tmp = tempfile.mkstemp(prefix=".LATEST.", dir=path)
-        with os.fdopen(fd, "w") as f:
-            f.write(name[0] + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, os.path.join(path, _LATEST))
-        _fsync_dir(path)
+        _replace_atomically(os.path.join(path, _LATEST), lambda f: f.write(name[0] + "\n"), "w")
         with open(os.path.join(path, _LATEST)) as f:
             current = f.read().strip()  # another writer may have replaced LATEST since: keep what it names
         for old in os.listdir(path):  # earlier checkpoints, and leftovers of saves interrupted before this one
