@@ -35,6 +35,7 @@ import importlib
 import io
 import os
 import pickle
+import socket
 import tempfile
 import warnings
 import zipfile
@@ -119,6 +120,8 @@ def save(path: str | os.PathLike[str], state: Any) -> None:
     The file is written to a temporary file in ``path``'s directory, flushed and fsynced, then
     renamed over ``path`` with ``os.replace`` (and the directory fsynced where the OS allows): a reader
     sees the old file or the new one, never a partial one, and a crash keeps the previous checkpoint.
+    A temporary file left by a writer that was killed (``.NAME.HOST-PID.RANDOM.tmp``) is removed by the
+    next save of the same ``path`` on that host, once that process has ended; nothing else is touched.
     Tensors are saved as they are (device, dtype, values); call it outside the compiled step (it
     copies device tensors to the host). Unlike ``torch.save(model.state_dict())``, the whole train
     state goes in (loss scale with its configuration, optimizer NamedTuples, step counters); jmp has
@@ -152,9 +155,15 @@ def save(path: str | os.PathLike[str], state: Any) -> None:
 
 def _replace_atomically(path: str, write: Any, mode: str) -> None:
     """Write a temporary file beside ``path`` with ``write(file)``, fsync it, rename it over ``path`` with
-    ``os.replace`` and fsync the directory: a reader sees the old file or the new one, never a part."""
+    ``os.replace`` and fsync the directory: a reader sees the old file or the new one, never a part.
+
+    The temporary file's name carries this host and process id (``.NAME.HOST-PID.RANDOM.tmp``); a
+    killed writer's file is removed by the next write of the same ``path`` from this host once that
+    process is gone. Files of live processes, of other hosts, and anything else are left alone."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    base, owner = os.path.basename(path), f"{_host()}-{os.getpid()}"
+    _remove_stale_temporaries(directory, base)
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.{owner}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
@@ -166,6 +175,36 @@ def _replace_atomically(path: str, write: Any, mode: str) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(directory)
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
+
+
+def _remove_stale_temporaries(directory: str, base: str) -> None:
+    """Remove ``directory``'s ``.BASE.HOST-PID.*.tmp`` files whose HOST is this one and whose PID is gone."""
+    prefix, host = f".{base}.", _host()
+    for name in os.listdir(directory):
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        owner, _, _ = name[len(prefix) : -len(".tmp")].rpartition(".")
+        owner_host, _, pid = owner.rpartition("-")
+        if owner_host != host or not pid.isdigit() or _process_alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another writer removed it first
+            os.unlink(os.path.join(directory, name))
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid() or os.name == "nt":  # Windows' os.kill(pid, 0) would end the process
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):  # exists but is another user's, or the OS cannot tell: keep its file
+        return True
+    return True
 
 
 def _fsync_dir(directory: str) -> None:

@@ -4,7 +4,9 @@ Run as ``python tests/_ckpt_writer.py DIR MODE`` it trains ``STEPS`` steps of a 
 each step ``k`` (1-based), prints ``saving k``, calls ``funcamp.checkpoint.save(DIR/ckpt.pt, ...)`` and
 prints ``saved k``. The parent test kills it with SIGKILL. ``MODE`` is
 
-- ``loop``: nothing else; the parent kills at a random moment after a ``saving k`` line;
+- ``loop:K``: nothing else until step K's save has ended; then it prints ``paused K`` and sleeps, so the
+  parent's kill, sent at a random moment after the ``saving K`` line, lands inside step K's save or after
+  it, never in a later step's, whatever the machine's load;
 - ``midwrite:K``: at step K, ``torch.save`` writes only the first half of the bytes into the
   temporary file, prints ``paused K`` and sleeps (the parent kills it mid-write);
 - ``beforerename:K``: at step K, the temporary file is complete and fsynced but ``os.replace``
@@ -95,7 +97,7 @@ def _install_pause(mode: str, step_box: list[int]) -> None:
 
         os.replace = paused_replace
     elif kind != "loop":
-        raise SystemExit(f"unknown mode {mode!r}; expected loop, midwrite:K or beforerename:K")
+        raise SystemExit(f"unknown mode {mode!r}; expected loop:K, midwrite:K or beforerename:K")
 
 
 def main(directory: str, mode: str) -> None:
@@ -110,6 +112,8 @@ def main(directory: str, mode: str) -> None:
         print(f"saving {k + 1}", flush=True)
         checkpoint.save(path, payload(state))
         print(f"saved {k + 1}", flush=True)
+        if mode == f"loop:{k + 1}":
+            _pause(k + 1)
     print("done", flush=True)
 
 

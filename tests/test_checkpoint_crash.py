@@ -3,7 +3,8 @@
 ``tests/_ckpt_writer.py`` trains a tiny model in a subprocess and checkpoints after every step. It is
 killed with SIGKILL (no cleanup, no ``finally``) at a deterministic point inside ``save`` (half the
 bytes written; the temporary file complete but not yet renamed) and at random moments after it
-announced a save. Each time, the checkpoint on disk must load (``torch.load(weights_only=True)`` too)
+announced a save (the writer stops after that save ends, so the kill lands in it or after it whatever the
+machine's load, and the survivor is that step's state or the one before). Each time, the checkpoint on disk must load (``torch.load(weights_only=True)`` too)
 and equal, bitwise, the state after the last step whose save had started; training resumed from it must
 end bitwise equal to an uninterrupted run.
 """
@@ -125,7 +126,23 @@ def test_kill_inside_save_keeps_previous_checkpoint(tmp_path, reference, mode):
     if mode == "midwrite":  # a truncated file is refused with a clear error, not half-read
         with pytest.raises(checkpoint.CorruptCheckpointError, match="truncated or corrupt"):
             checkpoint.load(leftovers[0])
-    _resume(_check_survivor(tmp_path, reference, [at - 1]), reference)
+    state = _check_survivor(tmp_path, reference, [at - 1])
+    _resume(state, reference)
+    # The next save of the same target removes the killed writer's temporary file, and nothing else: not a
+    # live process's (this one's), not another host's, not another target's, not an unrecognised name.
+    host = checkpoint._host()
+    keep = [
+        f".ckpt.pt.{host}-{os.getpid()}.live.tmp",
+        f".ckpt.pt.otherhost-{proc.pid}.x.tmp",
+        f".other.pt.{host}-{proc.pid}.x.tmp",
+        ".ckpt.pt.abcd1234.tmp",
+        "notes.txt",
+    ]
+    for name in keep:
+        (tmp_path / name).write_text("x")
+    checkpoint.save(tmp_path / "ckpt.pt", writer.payload(state))
+    assert not leftovers[0].exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep + ["ckpt.pt"])
 
 
 def test_random_kills_while_saving(tmp_path, reference):
@@ -135,7 +152,7 @@ def test_random_kills_while_saving(tmp_path, reference):
         directory = tmp_path / f"run{i}"
         directory.mkdir()
         target = rng.randrange(2, writer.STEPS)
-        proc = _start(directory, "loop")
+        proc = _start(directory, f"loop:{target}")
         seen = _kill_after(proc, f"saving {target}", delay=rng.uniform(0.0, 0.02))
         assert proc.returncode == -signal.SIGKILL, seen[-3:]
         state = _check_survivor(directory, reference, [target - 1, target])
