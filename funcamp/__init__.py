@@ -21,6 +21,7 @@ from funcamp import (
     sharding,
     tune,
 )
+from funcamp._loss import LossSum
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
@@ -44,6 +45,7 @@ __all__ = [
     "DynamicLossScale",
     "GradAndValue",
     "LossScale",
+    "LossSum",
     "MemoryReport",
     "NoOpLossScale",
     "OpPolicies",

@@ -53,7 +53,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from funcamp import _tree
+from funcamp import _loss, _tree
 from funcamp.loss_scale import LossScale, NoOpLossScale, StaticLossScale
 from funcamp.policy import get_policy
 
@@ -363,10 +363,10 @@ def _nonfinite_leaf(tree: Any) -> str | None:
 
 def _call(fn: str, loss_fn: Callable[..., Any], params: Any, buffers: Any, batch: Any, has_aux: bool) -> torch.Tensor:
     out = loss_fn(params, batch) if buffers is None else loss_fn(params, buffers, batch)[0]
-    loss = out[0] if has_aux else out
+    loss = _loss.as_mean(out[0] if has_aux else out, fn)  # a LossSum as its mean
     if not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or loss.ndim != 0:
         raise TypeError(
-            f"{fn}: loss_fn must return a 0-d floating tensor (with has_aux, (loss, aux); with "
+            f"{fn}: loss_fn must return a 0-d floating tensor or a funcamp.LossSum (with has_aux, (loss, aux); with "
             f"buffers, (loss, new_buffers)); got {type(loss).__name__}"
             + (f" of shape {tuple(loss.shape)}, dtype {loss.dtype}" if isinstance(loss, torch.Tensor) else "")
         )

@@ -39,6 +39,31 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _initial_value(x: Any) -> float | None:
+    """The value of a Python number, or of a 0-d tensor that can be read without device work; else None.
+
+    A float32 CPU tensor outside tracing and ``torch.func`` transforms is read through NumPy (no ATen op, no
+    host sync). Device tensors are checked by :meth:`funcamp.TrainState.create` (one read, at set-up), and
+    the tensors a traced or eager step rebuilds the loss scale from (``adjust``, unflatten) are not read.
+    """
+    if _is_number(x):
+        return float(x)
+    if (
+        type(x) is not torch.Tensor
+        or x.device.type != "cpu"
+        or x.requires_grad
+        or torch.compiler.is_compiling()
+        or torch._C._functorch.is_functorch_wrapped_tensor(x)
+        or x.dtype != torch.float32
+        or x.ndim != 0
+    ):
+        return None
+    try:
+        return float(x.numpy())
+    except (RuntimeError, TypeError):  # fake, functional or other tensors without storage
+        return None
+
+
 def _scalar_tensor(x: Any, name: str, dtype: torch.dtype) -> Any:
     """A Python number becomes a 0-d tensor of ``dtype``; a tensor is checked (metadata only).
 
@@ -100,6 +125,22 @@ class LossScale:
         """The next loss scale given whether this step's gradients were finite (a new object)."""
         raise NotImplementedError
 
+    def _check_initial_scale(self, value: float | None) -> None:
+        """Raise ``ValueError`` if ``value``, the scale read on the host (None: unknown), is out of range."""
+
+    def check_on_host(self) -> None:
+        """Check the scale's value once, reading it on the host (one device sync for a device tensor).
+
+        Construction checks a Python number or a float32 CPU tensor; :meth:`funcamp.TrainState.create`
+        calls this for a scale held on a device. Not for the compiled step.
+
+        Raises:
+          ValueError: if the scale is out of the range its class accepts (see the class docstring).
+        """
+        scale = self.loss_scale
+        if isinstance(scale, torch.Tensor) and scale.ndim == 0 and _initial_value(scale) is None:
+            self._check_initial_scale(float(scale))
+
     def to(self, device: str | torch.device) -> LossScale:
         """A copy with every state tensor on ``device``."""
         return _tree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, self)
@@ -151,7 +192,8 @@ class StaticLossScale(LossScale):
       loss_scale: a Python number in [2**-126, float32 max] or a 0-d float32 tensor.
     Raises:
       TypeError: if ``loss_scale`` is a tensor of another dtype than float32.
-      ValueError: if ``loss_scale`` is not 0-d, or (a Python number) not positive and finite.
+      ValueError: if ``loss_scale`` is not 0-d, or (a Python number, or a float32 CPU tensor; a device
+        tensor at ``TrainState.create``) not positive and finite.
 
     Example:
       >>> StaticLossScale(128.0).scale(torch.tensor(0.5, dtype=torch.float16))
@@ -161,13 +203,17 @@ class StaticLossScale(LossScale):
     loss_scale: torch.Tensor
 
     def __post_init__(self) -> None:
-        if _is_number(self.loss_scale) and not (_F32_TINY <= self.loss_scale <= _F32_MAX):
-            raise ValueError(
-                f"StaticLossScale: loss_scale must be positive and finite in float32 (between 2**-126 and "
-                f"{_F32_MAX}), got {self.loss_scale}"
-            )
+        self._check_initial_scale(_initial_value(self.loss_scale))
         scale = _scalar_tensor(self.loss_scale, f"{type(self).__name__}: loss_scale", torch.float32)
         object.__setattr__(self, "loss_scale", scale)
+
+    def _check_initial_scale(self, value: float | None) -> None:
+        """Raise ``ValueError`` unless ``value`` (None: unknown) is a normal, finite float32 (see DynamicLossScale)."""
+        if value is not None and not (_F32_TINY <= value <= _F32_MAX):
+            raise ValueError(
+                f"StaticLossScale: loss_scale must be positive and finite in float32 (between 2**-126 and "
+                f"{_F32_MAX}), got {value}"
+            )
 
     def adjust(self, grads_finite: torch.Tensor) -> StaticLossScale:
         """Return ``self`` (after checking that ``grads_finite`` is a 0-d bool tensor)."""
@@ -210,8 +256,8 @@ class DynamicLossScale(LossScale):
     Raises:
       TypeError: if a state field is a tensor of the wrong dtype, or an option has the wrong type.
       ValueError: if a state tensor is not 0-d, or an option is out of the range above, or the
-        initial scale (a Python number) is below ``min_loss_scale``, above ``max_loss_scale`` or not
-        finite.
+        initial scale (a Python number, or a float32 CPU tensor; a device tensor at
+        ``TrainState.create``) is below ``min_loss_scale``, above ``max_loss_scale`` or not finite.
 
     Example:
       >>> ls = DynamicLossScale(2.0**15, period=1)
@@ -233,13 +279,7 @@ class DynamicLossScale(LossScale):
 
     def __post_init__(self) -> None:
         self._check_options()
-        cap = _F32_MAX if self.max_loss_scale is None else min(self.max_loss_scale, _F32_MAX)
-        if _is_number(self.loss_scale) and not (self.min_loss_scale <= self.loss_scale <= cap):
-            upper = f"<= max_loss_scale={self.max_loss_scale}" if cap < _F32_MAX else f"finite in float32 (<= {cap})"
-            raise ValueError(
-                f"DynamicLossScale: loss_scale must be >= min_loss_scale={self.min_loss_scale} and {upper}, "
-                f"got {self.loss_scale}"
-            )
+        self._check_initial_scale(_initial_value(self.loss_scale))
         if self.hysteresis_left is None:
             object.__setattr__(self, "hysteresis_left", self.hysteresis)
         scale = _scalar_tensor(self.loss_scale, f"{type(self).__name__}: loss_scale", torch.float32)
@@ -247,6 +287,19 @@ class DynamicLossScale(LossScale):
         object.__setattr__(self, "counter", _scalar_tensor(self.counter, "DynamicLossScale: counter", torch.int32))
         left = _scalar_tensor(self.hysteresis_left, "DynamicLossScale: hysteresis_left", torch.int32)
         object.__setattr__(self, "hysteresis_left", left)
+
+    def _check_initial_scale(self, value: float | None) -> None:
+        """Raise ``ValueError`` unless ``value`` (None: unknown) lies in [``min_loss_scale``, the cap].
+
+        Called on construction with the scale's value where it is known without device work (a Python
+        number, or a CPU tensor outside tracing), and by :meth:`funcamp.TrainState.create` for a device tensor.
+        """
+        cap = _F32_MAX if self.max_loss_scale is None else min(self.max_loss_scale, _F32_MAX)
+        if value is not None and not (self.min_loss_scale <= value <= cap):
+            upper = f"<= max_loss_scale={self.max_loss_scale}" if cap < _F32_MAX else f"finite in float32 (<= {cap})"
+            raise ValueError(
+                f"DynamicLossScale: loss_scale must be >= min_loss_scale={self.min_loss_scale} and {upper}, got {value}"
+            )
 
     def _check_options(self) -> None:
         def fail(name: str, accepted: str) -> None:

@@ -473,3 +473,17 @@ def mean_over_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         raise TypeError(f"mean_over_ranks: x must be a floating tensor, got {x!r}")
     _check_group(group, "mean_over_ranks")
     return _sum(x, group) / group.size()
+
+
+def sum_over_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of the floating tensor ``x`` over the ranks of ``group``, in ``x``'s dtype (one ``all_reduce``).
+
+    The train step sums :class:`funcamp.LossSum` totals and counts with it (float64), no host sync.
+
+    Raises:
+      TypeError: if ``x`` is not a floating tensor or ``group`` not a ProcessGroup.
+    """
+    if not _tree.is_floating(x):
+        raise TypeError(f"sum_over_ranks: x must be a floating tensor, got {x!r}")
+    _check_group(group, "sum_over_ranks")
+    return _sum(x, group)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _tree, numerics, parallel, sharding
+from funcamp import _loss, _tree, numerics, parallel, sharding
 from funcamp.grad import scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, apply_updates, learning_rate
@@ -89,7 +89,9 @@ class TrainState:
           TypeError: if ``optimizer`` is not a GradientTransformation, ``loss_scale`` not a LossScale,
             ``params`` an ``nn.Module`` or an iterator (``model.parameters()``), or a parameter leaf is
             not a floating tensor, or ``shard`` is not None or a ShardLayout.
-          ValueError: if ``params``' names or shapes differ from ``shard``'s; with a ``shard`` made by
+          ValueError: if the loss scale's value is out of its range (below ``min_loss_scale``, above
+            ``max_loss_scale``, not finite), or ``params``' names or shapes differ from ``shard``'s; with a
+            ``shard`` made by
             ``shard_layout(params, group)``: if this process is not the layout's rank of its world size
             in that group, or the parameters differ between the group's ranks (a float64 checksum per
             leaf, one ``all_gather_object``; the error names the first differing parameter).
@@ -105,6 +107,7 @@ class TrainState:
                 f"TrainState.create: loss_scale must be a funcamp loss scale (NoOpLossScale, StaticLossScale, "
                 f"DynamicLossScale), got {type(loss_scale).__name__}; e.g. funcamp.DynamicLossScale(2.0**15)"
             )
+        loss_scale.check_on_host()  # a scale on a device: its value read once, here
         if isinstance(params, torch.nn.Module):
             raise TypeError(
                 "TrainState.create: params must be a pytree (dict) of tensors, got an nn.Module; "
@@ -189,9 +192,14 @@ def make_train_step(
 
     ``loss_fn`` is ``loss_fn(params, batch) -> loss`` when ``state.buffers`` is None, else
     ``loss_fn(params, buffers, batch) -> (loss, new_buffers)``; with ``has_aux`` the loss becomes
-    ``(loss, aux)``, i.e. ``(loss, aux)`` or ``((loss, aux), new_buffers)``.
+    ``(loss, aux)``, i.e. ``(loss, aux)`` or ``((loss, aux), new_buffers)``. ``loss`` is a 0-d tensor, the
+    mean over its micro-batch: the step trains on the mean of the micro-batch means (and of the ranks'
+    means), which weighs items unequally when micro-batches hold different numbers of them (padding). Or
+    ``loss`` is a :class:`funcamp.LossSum` ``(total, count)``: the step trains on
+    ``sum(total) / sum(count)`` over every micro-batch and rank, the exact item mean of the whole batch.
 
-    Metrics (0-d tensors on the parameters' device): ``loss`` (mean unscaled loss, float32),
+    Metrics (0-d tensors on the parameters' device): ``loss`` (mean unscaled loss, float32; with a
+    ``LossSum``, the item mean of the whole batch),
     ``loss_scale`` (the scale used this step), ``grads_finite``, ``grad_norm`` (global L2 norm of the
     unscaled gradients, before any clipping), ``learning_rate`` (the rate this step used or would
     have used), ``skipped_steps``, ``consecutive_skips``, ``nonfinite_leaf`` (index of the first
@@ -309,26 +317,39 @@ def make_train_step(
                     )
                 out, new_buffers = returned
                 loss, aux = out if has_aux else (out, ())
-                return loss, (new_buffers, aux)
+                value, record = _loss.differentiated(loss, "make_train_step")
+                return value, (new_buffers, aux, record)
         else:
 
             def fun(params: Any, buffers: Any, mb: Any) -> Any:
                 out = loss_fn(params, mb)
                 loss, aux = out if has_aux else (out, ())
-                return loss, ((), aux)
+                value, record = _loss.differentiated(loss, "make_train_step")
+                return value, ((), aux, record)
 
         grad_fn = scaled_grad_and_value(fun, state.loss_scale, has_aux=True)
         # Sharded: differentiate the whole parameters, all-gathered once (the collective is not differentiated).
         whole = state.params if shard is None else sharding.all_gather_params(state.params, shard, group)
         # torch.func wants tensors (or empty containers) in aux: () stands for "no buffers".
-        buffers, total, losses, aux = (state.buffers if with_buffers else ()), None, [], ()
+        buffers, total, losses, sums, aux = (state.buffers if with_buffers else ()), None, [], [], ()
         for mb in _micro_batches(batch, k):
-            grads32, (loss, (buffers, aux)) = grad_fn(whole, buffers, mb)
+            grads32, (loss, (buffers, aux, record)) = grad_fn(whole, buffers, mb)
+            if record:  # a LossSum: the gradient of this micro-batch's mean, weighted by its count
+                grads32 = _tree.tree_map(lambda g, c=record[1]: g * c.to(g.dtype), grads32)
+                sums.append(torch.stack(record))
             total = grads32 if total is None else _tree.tree_map(torch.add, total, grads32)
             losses.append(loss.float())
         params = state.params
-        if k > 1:
-            total = _tree.tree_map(lambda g: g / k, total)
+        if sums:  # sum(total) / sum(count) over micro-batches and ranks: one float64 all_reduce of two numbers
+            summed = sum(sums[1:], sums[0])
+            summed = summed if group is None else parallel.sum_over_ranks(summed, group)
+            ranks = 1 if group is None else group.size()  # the reduction below divides by the ranks again
+            total = _tree.tree_map(lambda g: g * (ranks / summed[1]).to(g.dtype), total)
+            loss = (summed[0] / summed[1]).float()
+        else:  # the mean of the micro-batch means (then of the rank means)
+            if k > 1:
+                total = _tree.tree_map(lambda g: g / k, total)
+            loss = torch.stack(losses).mean() if k > 1 else losses[0]
         scale = None if isinstance(state.loss_scale, NoOpLossScale) else state.loss_scale.loss_scale
         if shard is not None:  # this rank's rows of the mean over ranks, same rule as mean_gradients
             total = sharding.reduce_scatter_gradients(total, shard, group, reduce_dtype, loss_scale=scale)
@@ -337,7 +358,6 @@ def make_train_step(
             # DDP + GradScaler; an overflow there makes them non-finite on every rank (skip, back off).
             total = parallel.mean_gradients(total, group, reduce_dtype, loss_scale=scale)
         grads = _tree.tree_map(lambda g, p: g.to(p.dtype), total, params)
-        loss = torch.stack(losses).mean() if k > 1 else losses[0]
         if shard is not None:  # over all shards (padding rows excluded), the loss of every rank: one all_reduce
             finite, flags, grad_norm = sharding.global_stats(grads, shard, group, loss)
         else:
@@ -346,7 +366,8 @@ def make_train_step(
         if group is not None:
             if shard is None:
                 finite = parallel.all_ranks_true(finite, group)
-            loss = parallel.mean_over_ranks(loss, group)
+            if not sums:  # a LossSum's mean is over all ranks already
+                loss = parallel.mean_over_ranks(loss, group)
             if with_buffers and _tree.tree_leaves(state.buffers):
                 # Running statistics averaged, fp8 amax histories max-reduced and scales min-reduced
                 # (parallel.register_buffer_reduction), so that ranks stay identical.

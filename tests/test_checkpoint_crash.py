@@ -3,10 +3,11 @@
 ``tests/_ckpt_writer.py`` trains a tiny model in a subprocess and checkpoints after every step. It is
 killed with SIGKILL (no cleanup, no ``finally``) at a deterministic point inside ``save`` (half the
 bytes written; the temporary file complete but not yet renamed) and at random moments after it
-announced a save (the writer stops after that save ends, so the kill lands in it or after it whatever the
-machine's load, and the survivor is that step's state or the one before). Each time, the checkpoint on disk must load (``torch.load(weights_only=True)`` too)
-and equal, bitwise, the state after the last step whose save had started; training resumed from it must
-end bitwise equal to an uninterrupted run.
+announced a save (the writer stops after that save ends, so the kill lands in it or after it
+whatever the machine's load, and the survivor is that step's state or the one before). Each time,
+the checkpoint on disk must load (``torch.load(weights_only=True)`` too) and equal, bitwise, the
+state after the last step whose save had started; training resumed from it must end bitwise equal
+to an uninterrupted run.
 """
 
 from __future__ import annotations

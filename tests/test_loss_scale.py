@@ -287,3 +287,57 @@ def test_strings_and_bools_are_not_scales(bad):
         fa.StaticLossScale(bad)
     with pytest.raises(TypeError, match="loss_scale must be"):
         fa.DynamicLossScale(bad)
+
+
+# Issue 26, item 5: the initial scale's range held for tensors as for Python numbers. On the code before,
+# every tensor case of this sweep was accepted (12 of 24 cases failed); a tensor scale above the cap was
+# then *shrunk* to it by the first growth step.
+_OUT_OF_RANGE = {
+    "dynamic": (dict(max_loss_scale=2.0**20), [2.0**21, 0.5, 0.0, -4.0, math.inf, math.nan]),
+    "static": (dict(), [0.0, -1.0, 2.0**-127, math.inf, -math.inf, math.nan]),
+}
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["number", "tensor"])
+@pytest.mark.parametrize("kind", list(_OUT_OF_RANGE))
+def test_initial_scale_out_of_range_is_refused(kind, as_tensor):
+    options, values = _OUT_OF_RANGE[kind]
+    cls = fa.DynamicLossScale if kind == "dynamic" else fa.StaticLossScale
+    for value in values:
+        scale = torch.tensor(value, dtype=torch.float32) if as_tensor else value
+        with pytest.raises(ValueError, match="loss_scale must be"):
+            cls(scale, **options)
+
+
+def test_handed_tensor_scale_above_cap():
+    """``DynamicLossScale(torch.tensor(2.0**21), max_loss_scale=2.0**20)``: refused, like the number 2**21."""
+    with pytest.raises(ValueError, match=r"<= max_loss_scale=1048576.0, got 2097152.0"):
+        fa.DynamicLossScale(torch.tensor(2.0**21), max_loss_scale=2.0**20)
+    at_cap = fa.DynamicLossScale(torch.tensor(2.0**20), max_loss_scale=2.0**20, period=1)
+    assert float(at_cap.adjust(TRUE).loss_scale) == 2.0**20  # growth never lowers the scale
+
+
+def test_device_scale_checked_once_by_train_state(monkeypatch):
+    """A scale the constructor cannot read for free (a device tensor) is read once by TrainState.create."""
+    from funcamp import loss_scale as ls_module
+    from funcamp import optim
+
+    monkeypatch.setattr(ls_module, "_initial_value", lambda x: None)  # as for a CUDA tensor
+    unchecked = fa.DynamicLossScale(torch.tensor(2.0**21), max_loss_scale=2.0**20)
+    with pytest.raises(ValueError, match="max_loss_scale"):
+        fa.TrainState.create({"w": torch.zeros(2)}, optim.sgd(0.1), loss_scale=unchecked)
+    with pytest.raises(ValueError, match="positive and finite"):
+        fa.TrainState.create({"w": torch.zeros(2)}, optim.sgd(0.1), loss_scale=fa.StaticLossScale(torch.tensor(0.0)))
+    fa.TrainState.create({"w": torch.zeros(2)}, optim.sgd(0.1), loss_scale=fa.DynamicLossScale(torch.tensor(8.0)))
+
+
+def test_rebuilt_scales_are_not_read_in_the_traced_step():
+    """adjust and unflatten inside torch.compile rebuild the scale from traced tensors: nothing read, one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    adjust = torch.compile(lambda ls, f: ls.adjust(f), fullgraph=True, backend=counter)
+    ls = fa.DynamicLossScale(torch.tensor(2.0**10), period=1, max_loss_scale=2.0**12)
+    for flag in (TRUE, TRUE, TRUE, torch.tensor(False)):
+        ls = adjust(ls, flag)
+    assert counter.frame_count == 1 and float(ls.loss_scale) == 2.0**11
