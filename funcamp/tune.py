@@ -12,14 +12,17 @@ input shapes, form one group, such as the blocks of a transformer) it
    dtype (norm layers inside it in float32, the float32-accumulation op rules), forward and backward
    (gradients of the parameters and the floating inputs, with a fixed random output cotangent);
 3. checks numerics against float32 on the same inputs: the normwise relative error of the output and of
-   every gradient, ``||x - x_32|| / ||x_32||``, must be at most the candidate's bound (default
-   :data:`DEFAULT_RTOL`); a candidate above it, non-finite, or raising is refused;
+   every gradient (parameters and floating inputs), ``||x - x_32|| / ||x_32||``, must be finite and at
+   most the candidate's bound (default :data:`DEFAULT_RTOL`); a candidate above it on any one of them,
+   non-finite, or raising is refused;
 4. times forward+backward (median of ``torch.utils.benchmark.Timer.blocked_autorange``);
 5. chooses the fastest candidate that is not refused, float32 when it is within ``margin`` (5%) of it.
 
-The result is a ``module_policies`` map for :func:`funcamp.nn.functionalize` and a table. Results are
+The result is a ``module_policies`` map for :func:`funcamp.nn.functionalize` and a table. Timings are
 cached as JSON per (model structure and shapes, input shapes and dtypes, device, torch version, CPU
-capability or GPU name, thread count, options), so a second call measures nothing.
+capability or GPU name, thread count, options), so a second call times nothing; numerics (step 3)
+depend on the values, not only the shapes, and are checked again on the batch at hand on every call,
+a cache hit included (one forward+backward per unit and candidate, no timing).
 
 No library in the field measures this per module; torch.amp's op lists and jmp's policies are fixed by
 hand, and torchtitan filters small matmuls out of fp8 by shape only.
@@ -130,7 +133,8 @@ class TuneResult:
       device: the device measured on.
       machine: the device's name (CPU capability or GPU name and compute capability).
       margin: float32 is chosen when it is at most ``1 + margin`` times the fastest safe candidate.
-      from_cache: whether this result was read from the cache rather than measured.
+      from_cache: whether the timings were read from the cache rather than measured (the numerics in
+        ``table`` are always those of the batch this call was given).
       cache_path: the cache file (None when caching is off).
     """
 
@@ -280,8 +284,9 @@ def _floating(tree: Any) -> list[torch.Tensor]:
 
 
 def _rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||x - ref|| / ||ref||`` in float64; inf when either is not finite (no oracle, no verdict)."""
     x, ref = x.double(), ref.double()
-    if not torch.isfinite(x).all():
+    if not (torch.isfinite(x).all() and torch.isfinite(ref).all()):
         return math.inf
     den = torch.linalg.vector_norm(ref)
     num = torch.linalg.vector_norm(x - ref)
@@ -398,60 +403,106 @@ def _choose(cands: Sequence[TuneCandidate], margin: float) -> torch.dtype:
     return fastest.dtype
 
 
-def _measure_group(
+_RAISED = "raised: "
+
+
+def _check_numerics(
     members: list[tuple[str, nn.Module]],
     inputs: dict[str, Any],
     candidates: tuple[torch.dtype, ...],
     bounds: dict[torch.dtype, float],
     base: Policy,
     device: torch.device,
-    timer: Callable[[Callable[[], Any]], float],
     op_policies: Any,
-    rounds: int,
 ) -> list[TuneCandidate]:
+    """The numerics verdict of each candidate on these inputs (``seconds`` None): one forward+backward
+    per candidate and member, in eval mode (no dropout), against the float32 run of the same member.
+
+    A candidate is refused when the error of its output *or of any gradient* (every parameter that
+    requires grad, every floating input, positional or keyword) is non-finite or above its bound, or
+    when it raises; a float32 error is raised.
+    """
     refs: dict[str, tuple[list, list]] = {}
     out: list[TuneCandidate] = []
-    timed: dict[torch.dtype, Callable[[], Any]] = {}
     for dtype in candidates:
         policy = _candidate_policy(base, dtype)
         out_err = grad_err = 0.0
-        refused = ""
         try:
-            for name, module in members:  # numerics on every member, in eval mode (no dropout)
+            for name, module in members:
                 got = _Runner(module, policy, inputs[name], device, False, op_policies).run()
                 if dtype == torch.float32:
                     refs[name] = got
                     continue
                 ref = refs[name]
-                out_err = max([out_err, *(_rel_error(a, b) for a, b in zip(got[0], ref[0]))])
-                grad_err = max([grad_err, *(_rel_error(a, b) for a, b in zip(got[1], ref[1]))])
+                out_err = max([out_err, *(_rel_error(a, b) for a, b in zip(got[0], ref[0], strict=True))])
+                grad_err = max([grad_err, *(_rel_error(a, b) for a, b in zip(got[1], ref[1], strict=True))])
         except (RuntimeError, NotImplementedError, TypeError) as error:
             if dtype == torch.float32:
                 raise
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            out.append(TuneCandidate(dtype, None, math.nan, math.nan, bounds[dtype], f"raised: {first[:120]}"))
+            out.append(TuneCandidate(dtype, None, math.nan, math.nan, bounds[dtype], f"{_RAISED}{first[:120]}"))
             continue
-        worst = max(out_err, grad_err)
-        if math.isinf(worst) or math.isnan(worst):
-            refused = "non-finite"
-        elif worst > bounds[dtype]:
-            refused = f"error {worst:.2g} > bound {bounds[dtype]:.2g}"
-        name, module = members[0]
-        runner = _Runner(module, policy, inputs[name], device, None, op_policies)  # the module's own flags
+        out.append(
+            TuneCandidate(dtype, None, out_err, grad_err, bounds[dtype], _verdict(out_err, grad_err, bounds[dtype]))
+        )
+    return out
 
-        def run(runner: _Runner = runner) -> Any:
+
+def _verdict(out_err: float, grad_err: float, bound: float) -> str:
+    """``""`` when both the output's and the worst gradient's error are finite and within ``bound``."""
+    worst = max(out_err, grad_err)
+    if not math.isfinite(worst):
+        return "non-finite"
+    if worst > bound:
+        return f"error {worst:.2g} > bound {bound:.2g}"
+    return ""
+
+
+def _time_candidates(
+    members: list[tuple[str, nn.Module]],
+    inputs: dict[str, Any],
+    checked: list[TuneCandidate],
+    base: Policy,
+    device: torch.device,
+    timer: Callable[[Callable[[], Any]], float],
+    op_policies: Any,
+    rounds: int,
+) -> list[TuneCandidate]:
+    """``checked`` with ``seconds`` filled in for each candidate that ran (refused for its error too)."""
+    timed: dict[torch.dtype, Callable[[], Any]] = {}
+    for c in checked:
+        if c.refused.startswith(_RAISED):
+            continue
+        name, module = members[0]
+        runner = _Runner(module, _candidate_policy(base, c.dtype), inputs[name], device, None, op_policies)
+
+        def run(runner: _Runner = runner) -> Any:  # the module's own training flags
             return runner.run()
 
-        run.dtype, run.module = dtype, name  # type: ignore[attr-defined]
-        timed[dtype] = run
-        out.append(TuneCandidate(dtype, None, out_err, grad_err, bounds[dtype], refused))
+        run.dtype, run.module = c.dtype, name  # type: ignore[attr-defined]
+        timed[c.dtype] = run
     # Interleaved rounds (A B C, A B C, ...), the median per candidate: a neighbour's load that comes and
     # goes hits every candidate alike instead of whichever was being timed.
     samples: dict[torch.dtype, list[float]] = {dtype: [] for dtype in timed}
     for _ in range(rounds):
         for dtype, run in timed.items():
             samples[dtype].append(float(timer(run)))
-    return [dataclasses.replace(c, seconds=statistics.median(samples[c.dtype])) if c.dtype in timed else c for c in out]
+    return [
+        dataclasses.replace(c, seconds=statistics.median(samples[c.dtype])) if c.dtype in timed else c for c in checked
+    ]
+
+
+def _with_cached_times(checked: list[TuneCandidate], cached: Sequence[TuneCandidate]) -> list[TuneCandidate] | None:
+    """Today's verdicts with the cached timings; None when the cache cannot time a candidate that passes."""
+    seconds = {c.dtype: c.seconds for c in cached}
+    if [c.dtype for c in checked] != list(seconds):
+        return None
+    out = []
+    for c in checked:
+        if seconds[c.dtype] is None and not c.refused.startswith(_RAISED):
+            return None  # it raised when measured and runs now: measure again
+        out.append(dataclasses.replace(c, seconds=None if c.refused.startswith(_RAISED) else seconds[c.dtype]))
+    return out
 
 
 def tune_policy(
@@ -486,7 +537,11 @@ def tune_policy(
       standard-normal cotangent) against float32 on the same inputs. Error: the normwise relative error
       ``||x - x_32||_2 / ||x_32||_2`` in float64; the output's and the worst gradient's are reported,
       and a candidate whose larger error exceeds its bound (``rtol``, default :data:`DEFAULT_RTOL`:
-      16 units of roundoff), is non-finite, or raises (no kernel for that dtype) is refused.
+      16 units of roundoff), is non-finite, or raises (no kernel for that dtype) is refused. A
+      gradient alone refuses: ``1 / x`` on ``x`` in [1e-3, 2e-3] is accurate in float16 forward, but
+      its input gradient (about -1e6) overflows float16's 65504. Checked on every call, cache hit
+      included, on this call's inputs; where the float32 reference itself is not finite, no half
+      candidate is accepted.
     - Time, for the first module of the group, with the module's own training flags: ``timer`` of one
       forward+backward, seconds (default :func:`median_seconds`), called for each candidate in turn,
       ``rounds`` times (interleaved, so that a neighbour's passing load hits all candidates alike); the
@@ -515,10 +570,14 @@ def tune_policy(
         attention and MLP, so that attention alone can stay in float32).
       op_policies: per-op rules passed to ``functionalize`` while measuring (use the same in training).
       cache: True (default, :func:`default_cache_dir`: ``$FUNCAMP_CACHE_DIR/tune`` or
-        ``~/.cache/funcamp/tune``), a directory, or False (always measure, write nothing). The key is a
-        hash of the model's structure (module classes, parameter and buffer names, shapes, dtypes), the
-        example inputs' shapes and dtypes, the device and its name (CPU capability, AMX, cores and
-        torch threads; or the GPU's name), the torch version, and every option above except ``timer``.
+        ``~/.cache/funcamp/tune``), a directory, or False (always measure, write nothing). The cache
+        holds timings only: the key is a hash of the model's structure (module classes, parameter and
+        buffer names, shapes, dtypes), the example inputs' shapes and dtypes, the device and its name
+        (CPU capability, AMX, cores and torch threads; or the GPU's name), the torch version, and every
+        option above except ``timer``; on a hit the numerics are still checked on ``example_args``
+        (values are not in the key: a float16 that was safe on small values may overflow on these), and
+        the choice is made from today's verdicts and the cached times. A group whose cached timing
+        is missing (a candidate that raised when measured and runs now) is timed again.
       timer: ``timer(fn) -> seconds`` for one call of ``fn``, which runs one forward+backward (tests,
         or another measurement); ``fn.dtype`` and ``fn.module`` say which candidate and module it runs.
       rounds: timer calls per candidate (>= 1).
@@ -591,21 +650,26 @@ def tune_policy(
         "op_policies": repr(sorted((repr(k), repr(v)) for k, v in (op_policies or {}).items())),
     }
     path = _cache_path(cache, key_doc)
-    if path is not None:
-        cached = _load(path, base, str(device), machine, margin)
-        if cached is not None:
-            return cached
+    cached = {row.modules: row.candidates for row in _load(path)} if path is not None else {}
 
-    rows = []
+    # Numerics are checked on the batch at hand on every call, a cache hit included: a verdict measured on
+    # other values (small ones, where float16 does not overflow) says nothing about these. Only the
+    # timings, which depend on shapes, dtypes and the machine (all in the key), are reused.
+    rows, timed_now = [], False
     for members in groups.values():
-        cand = _measure_group(
-            members, inputs, cands, bounds, base, device, timer or median_seconds, op_policies, rounds
-        )
-        rows.append(
-            TuneRow(tuple(n for n, _ in members), type(members[0][1]).__name__, tuple(cand), _choose(cand, margin))
-        )
-    result = TuneResult(_policies(rows, base), tuple(rows), base, str(device), machine, float(margin), False, path)
-    if path is not None:
+        names = tuple(n for n, _ in members)
+        checked = _check_numerics(members, inputs, cands, bounds, base, device, op_policies)
+        cand = _with_cached_times(checked, cached[names]) if names in cached else None
+        if cand is None:
+            timed_now = True
+            cand = _time_candidates(
+                members, inputs, checked, base, device, timer or median_seconds, op_policies, rounds
+            )
+        rows.append(TuneRow(names, type(members[0][1]).__name__, tuple(cand), _choose(cand, margin)))
+    result = TuneResult(
+        _policies(rows, base), tuple(rows), base, str(device), machine, float(margin), not timed_now, path
+    )
+    if path is not None and timed_now:
         _save(path, result, key_doc)
     return result
 
@@ -650,9 +714,10 @@ def _save(path: Path, result: TuneResult, key_doc: dict) -> None:
         warnings.warn(f"tune_policy: could not write the cache file {path}: {error}", stacklevel=3)
 
 
-def _load(path: Path, base: Policy, device: str, machine: str, margin: float) -> TuneResult | None:
+def _load(path: Path) -> list[TuneRow]:
+    """The rows of a cache file (their timings are what a hit reuses); ``[]`` when there is none."""
     if not path.exists():
-        return None
+        return []
     try:
         doc = json.loads(path.read_text())
         rows = []
@@ -663,5 +728,5 @@ def _load(path: Path, base: Policy, device: str, machine: str, margin: float) ->
         warnings.warn(
             f"tune_policy: ignoring the unreadable cache file {path} ({error}); measuring again", stacklevel=3
         )
-        return None
-    return TuneResult(_policies(rows, base), tuple(rows), base, device, machine, margin, True, path)
+        return []
+    return rows

@@ -7,6 +7,7 @@ use a scripted ``timer`` (or a module that sleeps in half precision) where a par
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -239,6 +240,41 @@ def test_candidate_that_raises_is_refused_and_float32_kept() -> None:
         assert c.refused.startswith("raised: could not create a primitive descriptor") and c.seconds is None
 
 
+class Reciprocal(nn.Module):
+    """``1 / x``: on [1e-3, 2e-3] the output (500-1000) is accurate in float16, the gradient ``-1/x^2``
+    (about -1e6) is beyond float16's 65504."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 1 / x
+
+
+def test_gradient_overflow_alone_refuses_float16() -> None:  # issue 26 item 14, its values
+    x = 1e-3 + 1e-3 * torch.rand(64, generator=torch.Generator().manual_seed(0))
+    assert float((1 / x.double() ** 2).min()) > torch.finfo(torch.float16).max  # the oracle: it must overflow
+    result = tune_policy(nn.Sequential(Reciprocal()), (x,), cache=False, timer=scripted(HALF_FASTEST))
+    by = {c.dtype: c for c in result.table[0].candidates}
+    f16 = by[torch.float16]
+    # The forward alone would pass: 0.7 units of roundoff (measured 3.3e-4), far inside the bound.
+    assert f16.output_error <= 2 * torch.finfo(torch.float16).eps / 2 < f16.bound
+    assert math.isinf(f16.grad_error) and f16.refused == "non-finite"
+    assert by[torch.bfloat16].refused == "" and result.table[0].choice == torch.bfloat16
+
+
+class InfInFloat32(nn.Module):
+    """Non-finite in float32 only (a scripted fault): there is no reference to judge a half candidate by."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * math.inf if x.dtype == torch.float32 else x
+
+
+def test_no_finite_reference_accepts_no_half_candidate() -> None:
+    # Before: the error against an infinite reference was NaN, which max() dropped: float16 was chosen.
+    result = tune_policy(nn.Sequential(InfInFloat32()), (torch.randn(8),), cache=False, timer=scripted(HALF_FASTEST))
+    row = result.table[0]
+    assert [c.refused for c in row.candidates[1:]] == ["non-finite", "non-finite"]
+    assert row.choice == torch.float32
+
+
 # --- the cache -------------------------------------------------------------------------------------------------
 
 
@@ -291,6 +327,185 @@ def test_unreadable_cache_file_warns_and_measures_again(tmp_path: Path) -> None:
         again = tune_policy(model, args, cache=tmp_path, timer=scripted(HALF_FASTEST, calls))
     assert len(calls) == 18 and not again.from_cache
     assert json.loads(first.cache_path.read_text())["rows"]  # rewritten
+
+
+class ExpLinear(nn.Module):
+    """``exp(Linear(x))``, the Linear the identity: float16 overflows where ``x > ln(65520) = 11.09``."""
+
+    def __init__(self, n: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.eye(n))
+            self.lin.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.lin(x))
+
+
+def test_cache_hit_checks_numerics_on_the_batch_at_hand(tmp_path: Path) -> None:  # issue 26 item 4
+    model = nn.Sequential(ExpLinear())
+    g = torch.Generator().manual_seed(0)
+    small, large = torch.rand(8, 16, generator=g), 3 + 10 * torch.rand(8, 16, generator=g)  # values 3-13
+    calls: list = []
+    first = tune_policy(model, (small,), cache=tmp_path, timer=scripted(HALF_FASTEST, calls), depth=1)
+    assert first.table[0].choice == torch.float16 and not first.from_cache and len(calls) == 9
+    second = tune_policy(model, (large,), cache=tmp_path, timer=scripted(HALF_FASTEST, calls), depth=1)
+    assert len(calls) == 9 and second.from_cache and second.cache_path == first.cache_path  # times reused
+    assert [c.seconds for c in second.table[0].candidates] == [c.seconds for c in first.table[0].candidates]
+    by = {c.dtype: c for c in second.table[0].candidates}
+    assert by[torch.float16].refused == "non-finite" and math.isinf(by[torch.float16].output_error)
+    assert second.table[0].choice == torch.bfloat16  # before: float16, from the cache
+    # The cached answer on this batch: 24 of 128 outputs inf (the float64 oracle counts the same: exp(x) of
+    # the float16 input at or above 65520 rounds to inf); the answer now is finite and within its bound.
+    oracle = torch.exp(large.half().double())
+    for result, infs in ((first, int((oracle >= 65520).sum())), (second, 0)):
+        apply_fn, params = functionalize(model, result.policy, module_policies=result.module_policies)
+        out = apply_fn(params, large)
+        assert int(torch.isinf(out).sum()) == infs
+    assert infs == 0 and int((oracle >= 65520).sum()) == 24
+    assert (
+        float(torch.linalg.vector_norm(out.double() - oracle) / torch.linalg.vector_norm(oracle))
+        < (DEFAULT_RTOL[torch.bfloat16])
+    )
+    # The cache file is unchanged: back on small values, float16 again, still from the cache.
+    third = tune_policy(model, (small,), cache=tmp_path, timer=scripted(HALF_FASTEST, calls), depth=1)
+    assert len(calls) == 9 and third.from_cache and third.table == first.table
+
+
+def test_cache_hit_times_a_candidate_that_raised_when_measured(tmp_path: Path) -> None:
+    class RaisesOnLarge(nn.Module):  # no half kernel for large values (scripted): no timing in the cache
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.dtype in HALF and x.abs().max() > 100:
+                raise RuntimeError("no kernel (scripted)")
+            return 2 * x
+
+    model, calls = nn.Sequential(RaisesOnLarge()), []
+    first = tune_policy(model, (torch.full((4,), 1e3),), cache=tmp_path, timer=scripted(HALF_FASTEST, calls))
+    assert first.table[0].choice == torch.float32 and len(calls) == 3
+    second = tune_policy(model, (torch.ones(4),), cache=tmp_path, timer=scripted(HALF_FASTEST, calls))
+    assert not second.from_cache and len(calls) == 12 and second.table[0].choice == torch.float16
+    third = tune_policy(model, (torch.full((4,), 1e3),), cache=tmp_path, timer=scripted(HALF_FASTEST, calls))
+    assert third.from_cache and len(calls) == 12 and third.table[0].choice == torch.float32
+    assert [c.seconds for c in third.table[0].candidates] == [1.0, None, None]
+
+
+# --- the verdict on the batch at hand, output and gradients (issue 26 items 4 and 14) -------------------------
+
+
+class Scale(nn.Module):
+    """``x * w``, ``w = 1e-3``: on ``x`` near 3000 and 2048 rows the output (near 3) and the input
+    gradient (``1e-3 * g``) fit float16, the parameter gradient ``sum_b x_b g_b`` (about 1.4e5) does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((16,), 1e-3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+class Atan(nn.Module):
+    """``atan(x)``: near 3e4 the output is near pi/2, the gradient ``1 / (1 + x^2)`` flushes to 0 in
+    float16 (``x * x`` overflows)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.atan(x)
+
+
+class TwoReciprocals(nn.Module):
+    """One group of two members; only the second one's input makes float16's gradient overflow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Reciprocal(), Reciprocal()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(y)
+
+
+class ShiftByReciprocal(nn.Module):
+    def forward(self, x: torch.Tensor, *, y: torch.Tensor) -> torch.Tensor:
+        return x + 1 / y
+
+
+class KeywordInput(nn.Module):
+    """The unit takes ``y`` as a keyword; only ``y``'s gradient overflows float16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unit = ShiftByReciprocal()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.unit(x, y=y)
+
+
+def _u(lo: float, hi: float, *shape: int, seed: int = 0) -> torch.Tensor:
+    return lo + (hi - lo) * torch.rand(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# (model, depth, a batch where float16 is safe, one of the same shapes where it is not, what breaks there)
+VERDICT_CASES = {
+    "output overflows": (lambda: nn.Sequential(ExpLinear()), 1, (_u(0, 1, 8, 16),), (_u(3, 13, 8, 16),)),
+    "input gradient overflows": (lambda: nn.Sequential(Reciprocal()), 1, (_u(0.5, 1, 64),), (_u(1e-3, 2e-3, 64),)),
+    "parameter gradient overflows": (
+        lambda: nn.Sequential(Scale()),
+        1,
+        (_u(-1, 1, 2048, 16),),
+        (_u(2900, 3100, 2048, 16),),
+    ),
+    "input gradient flushes to 0": (lambda: nn.Sequential(Atan()), 1, (_u(-1, 1, 64),), (_u(3e4, 3.1e4, 64),)),
+    "second member's gradient": (
+        TwoReciprocals,
+        1,
+        (_u(0.5, 1, 64), _u(0.5, 1, 64, seed=1)),
+        (_u(0.5, 1, 64), _u(1e-3, 2e-3, 64, seed=1)),
+    ),
+    "keyword input's gradient": (
+        KeywordInput,
+        1,
+        (_u(0.5, 1, 64), _u(0.5, 1, 64, seed=1)),
+        (_u(0.5, 1, 64), _u(1e-3, 2e-3, 64, seed=1)),
+    ),
+}
+
+
+def _model_error(model: nn.Module, result: TuneResult, args: tuple) -> float:
+    """The worst normwise error of the output and of every gradient of the model under the tuned map, on
+    ``args``, against the float64 model (the same cotangent, a fixed normal draw)."""
+
+    def run(apply_fn, params: dict, xs: tuple) -> list[torch.Tensor]:
+        params = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        xs = tuple(x.detach().requires_grad_(True) for x in xs)
+        out = apply_fn(params, *xs)
+        cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        grads = torch.autograd.grad((out.double() * cot).sum(), [*params.values(), *xs])
+        return [out.detach(), *grads]
+
+    got = run(*functionalize(model, result.policy, module_policies=result.module_policies), args)
+    ref64 = copy.deepcopy(model).double()
+    ref = run(*functionalize(ref64, "params=float64,compute=float64,output=float64"), tuple(a.double() for a in args))
+    errors = [float(torch.linalg.vector_norm(a.double() - b) / torch.linalg.vector_norm(b)) for a, b in zip(got, ref)]
+    return max(math.inf if math.isnan(e) else e for e in errors)
+
+
+@pytest.mark.parametrize("mode", ["fresh", "cache hit"])
+@pytest.mark.parametrize("case", list(VERDICT_CASES))
+def test_verdict_on_output_and_gradients_of_the_batch_at_hand(case: str, mode: str, tmp_path: Path) -> None:
+    make, depth, safe, unsafe = VERDICT_CASES[case]
+    model = make()
+    cache = tmp_path if mode == "cache hit" else False
+    kw = {"cache": cache, "timer": scripted(HALF_FASTEST), "depth": depth}
+    assert tune_policy(model, safe, **kw).table[0].choice == torch.float16  # safe here, and fastest
+    result = tune_policy(model, unsafe, **kw)
+    assert result.from_cache == (mode == "cache hit")
+    (row,) = result.table
+    by = {c.dtype: c for c in row.candidates}
+    assert by[torch.float16].refused, (case, by[torch.float16])
+    assert by[torch.float16].output_error <= DEFAULT_RTOL[torch.float16] or case == "output overflows"
+    assert row.choice == torch.bfloat16
+    # The oracle: the whole model under the map, output and every gradient, against float64.
+    assert _model_error(model, result, unsafe) <= DEFAULT_RTOL[torch.bfloat16], case
 
 
 # --- the map in use --------------------------------------------------------------------------------------------
