@@ -21,7 +21,6 @@ from funcamp import (
     sharding,
     tune,
 )
-from funcamp._loss import LossSum
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
@@ -36,7 +35,7 @@ from funcamp.numerics import Telemetry
 from funcamp.ops import OpPolicies, with_op_policies
 from funcamp.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from funcamp.tensorboard import TensorBoardLogger
-from funcamp.train import SkippedStepsError, TrainState, check_skips, make_train_step, nonfinite_leaf_name
+from funcamp.train import LossSum, SkippedStepsError, TrainState, check_skips, make_train_step, nonfinite_leaf_name
 from funcamp.tune import TuneResult, tune_policy
 
 __version__ = "0.1.0"

@@ -53,9 +53,10 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from funcamp import _loss, _tree
+from funcamp import _tree
 from funcamp.loss_scale import LossScale, NoOpLossScale, StaticLossScale
 from funcamp.policy import get_policy
+from funcamp.train import _loss
 
 __all__ = ["LintFinding", "LintReport", "NonFiniteReport", "find_first_nonfinite", "lint", "locate_from_state"]
 
@@ -362,8 +363,7 @@ def _nonfinite_leaf(tree: Any) -> str | None:
 
 
 def _call(fn: str, loss_fn: Callable[..., Any], params: Any, buffers: Any, batch: Any, has_aux: bool) -> torch.Tensor:
-    out = loss_fn(params, batch) if buffers is None else loss_fn(params, buffers, batch)[0]
-    loss = _loss.as_mean(out[0] if has_aux else out, fn)  # a LossSum as its mean
+    loss = _loss.as_mean(_loss.call(loss_fn, params, buffers, batch, has_aux=has_aux)[0], fn)  # a LossSum: its mean
     if not isinstance(loss, torch.Tensor) or not loss.is_floating_point() or loss.ndim != 0:
         raise TypeError(
             f"{fn}: loss_fn must return a 0-d floating tensor or a funcamp.LossSum (with has_aux, (loss, aux); with "
@@ -541,7 +541,7 @@ def locate_from_state(
         )
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
         raise ValueError(f"locate_from_state: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
-    parts = _split(batch, accumulation_steps)
+    parts = _loss.micro_batches(batch, accumulation_steps, "locate_from_state")  # as the step splits it
     report = None
     for i, part in enumerate(parts):
         report = find_first_nonfinite(
@@ -552,20 +552,6 @@ def locate_from_state(
                 report = dataclasses.replace(report, leaf=f"micro-batch {i}: {report.leaf}")
             return report
     return report  # type: ignore[return-value]
-
-
-def _split(batch: Any, k: int) -> list[Any]:
-    if k == 1:
-        return [batch]
-    leaves, spec = _tree.tree_flatten(batch)
-    for path, leaf in zip(_tree.tree_paths(batch), leaves):
-        if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0 or leaf.shape[0] % k:
-            raise ValueError(
-                f"locate_from_state: with accumulation_steps={k}, every batch leaf must be a tensor whose first "
-                f"dimension is divisible by {k}; leaf {path!r} is not"
-            )
-    chunks = [leaf.chunk(k) for leaf in leaves]
-    return [_tree.tree_unflatten(spec, [c[i] for c in chunks]) for i in range(k)]
 
 
 # --- the dtype lint -------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def _bytes_in(name: str, params: Any, rank: int) -> tuple[list[dict[str, Any]], 
         records = run(name, params, rank, data_parallel=True)
     finally:
         funcol.all_reduce = original
-    # The first all_reduce of each step is the gradient bucket (then the finite flag, then the loss).
+    # The first all_reduce of each step is the gradient bucket (then the loss, then the finite flag).
     per_step = len(sent) // STEPS
     grad_calls = sent[::per_step]
     return records, sum(b for b, _ in grad_calls) // STEPS, [d for _, d in grad_calls]

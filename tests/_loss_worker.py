@@ -10,6 +10,9 @@ minus the gradient) on this rank's rows of a global batch and records the new pa
 - ``token/<layout>/compiled``: the same with k=2, compiled (``aot_eager``), with its graph count.
 - ``lossonly/<layout>``: a loss that is not finite on rank 1 alone while every gradient is finite (a
   ``log(0)`` term of the data): every rank must skip, sharded as unsharded.
+- ``reference/<layout>``: 3 steps of the step assembled from stages and of the frozen copy of the step
+  before the redesign (tests/_reference_step.py), bfloat16 compute on a bfloat16 wire, 2 micro-batches, a
+  gradient overflow on rank 1 at the second step: whether every state leaf and metric is bitwise equal.
 
 Each rank saves ``OUT/rank<r>.pt``. Importing this module has no side effects (pytest imports it).
 """
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 
 import funcamp as fa
-from funcamp import optim, parallel, sharding
+from funcamp import _tree, optim, parallel, sharding
 
 WORLD = 2
 ROWS = 4  # sequences per rank
@@ -91,6 +94,46 @@ def one_step(loss_fn: Any, batch: Any, group: Any, sharded: bool, k: int = 1, ba
     return out
 
 
+def _trapped_loss(params: Any, batch: Any) -> torch.Tensor:
+    """bfloat16 compute; where ``z`` holds 1e37 the gradient of ``b`` overflows the bfloat16 backward."""
+    p = {k: v.to(torch.bfloat16) for k, v in params.items()}
+    logits = (batch["x"][:, 0].to(torch.bfloat16) @ p["w"] + p["b"]).float()
+    trap = (p["b"].sum() * batch["z"].mean().to(torch.bfloat16)).float()
+    return torch.nn.functional.cross_entropy(logits, batch["labels"][:, 0].clamp(min=0)) + trap
+
+
+def _equal_trees(a: Any, b: Any) -> bool:
+    la, sa = _tree.tree_flatten(a)
+    lb, sb = _tree.tree_flatten(b)
+    return sa == sb and all(
+        (x.dtype == y.dtype and torch.equal(x, y)) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
+    )
+
+
+def against_reference(batch: Any, group: Any, sharded: bool, rank: int) -> dict:
+    import _reference_step as reference
+
+    policy = "p=f32,c=bf16,o=f32,r=bf16"
+    runs = []
+    for build in (fa.make_train_step, reference.make_train_step):
+        params, opt = init_params(), optim.adamw(1e-2, weight_decay=0.1)
+        layout = sharding.shard_layout(params, group) if sharded else None
+        state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**12, period=1), shard=layout)
+        step = build(
+            _trapped_loss, opt, accumulation_steps=2, data_parallel=group, policy=policy, shard=layout, compile=False
+        )
+        history = []
+        for i in range(3):
+            z = torch.full((ROWS,), 1e37 if (i == 1 and rank == 1) else 1.0)
+            state, m = step(state, dict(batch, z=z))
+            history.append((state, m))
+        runs.append(history)
+    return {
+        "equal": all(_equal_trees(a, b) for a, b in zip(runs[0], runs[1])),
+        "skipped": runs[0][-1][0].skipped_steps.clone(),
+    }
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)
     rank, world, device = parallel.setup_from_env(timeout_s=300)
@@ -104,6 +147,7 @@ def main(out: str) -> None:
         results[f"token/{layout}/compiled"] = one_step(token_loss, batch, group, sharded, 2, backend="aot_eager")
         poisoned = dict(batch, z=torch.zeros(ROWS) if rank == 1 else batch["z"])
         results[f"lossonly/{layout}"] = one_step(loss_only_nonfinite, poisoned, group, sharded)
+        results[f"reference/{layout}"] = against_reference(batch, group, sharded, rank)
     torch.save(results, f"{out}/rank{rank}.pt")
     parallel.shutdown()
 

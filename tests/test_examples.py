@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import amp_basics  # noqa: E402
+import gan  # noqa: E402
 import train_gpt  # noqa: E402
 
 TINY = ["--model", "tiny", "--batch-size", "4", "--quiet", "--sample-bytes", "0", "--eval-batches", "2"]
@@ -324,3 +325,38 @@ def test_resume_with_other_settings_names_them(tmp_path):
         train_gpt.main([*run, "--policy", "f32", "--resume", "--shard"])
     with pytest.raises(SystemExit):  # argparse: --stop-after must be >= 1
         train_gpt.main([*run, "--stop-after", "0"])
+
+
+GAN_TINY = ["--batch-size", "64", "--hidden", "32", "--log-every", "4", "--scale-period", "4"]
+
+
+def test_gan_two_loss_scales_one_graph_logged(tmp_path):
+    """examples/gan.py (issue 23, item 2): the step built from the stages, two models with a loss scale each,
+    compiled as one graph over 12 steps while both scales grow, both scales in TensorBoard; the eager run
+    (--no-compile) gives the same states bitwise."""
+    torch._dynamo.reset()
+    compiled = gan.main([*GAN_TINY, "--steps", "12", "--backend", "aot_eager", "--logdir", str(tmp_path / "c")])
+    assert compiled["graphs"] == 1
+    for model in ("d", "g"):
+        state = compiled["states"][model]
+        assert float(state.loss_scale.loss_scale) == 2.0 ** (15 + 12 // 4)  # grew every 4 finite steps
+        assert int(state.skipped_steps) == 0 and int(state.step) == 12
+        logged = _scalars(tmp_path / "c")[f"{model}/amp/loss_scale"]
+        assert [s for s, _ in logged] == [0, 4, 8, 11] and logged[-1][1] == 2.0**17  # the scale step 11 used
+        assert f"{model}/train/loss" in _scalars(tmp_path / "c")
+    eager = gan.main([*GAN_TINY, "--steps", "12", "--no-compile", "--logdir", str(tmp_path / "e")])
+    for model in ("d", "g"):
+        for name, p in compiled["states"][model].params.items():
+            torch.testing.assert_close(p, eager["states"][model].params[name], rtol=2.0**-10, atol=2.0**-12)
+
+
+def test_gan_scales_are_independent(tmp_path):
+    """A loss scale per loss: with a discriminator scale that overflows float16 (2**40 > 65504), only the
+    discriminator's steps skip and back off; the generator's scale grows as it would alone."""
+    args = gan.parse_args([*GAN_TINY, "--steps", "6", "--no-compile", "--logdir", str(tmp_path)])
+    step, states, _ = gan.build(args)
+    states["d"] = states["d"].replace(loss_scale=fa.DynamicLossScale(2.0**40, period=4))
+    for i in range(6):
+        states, metrics = step(states, gan.ring_batch(0, i, 64))
+    assert int(states["d"].skipped_steps) > 0 and float(states["d"].loss_scale.loss_scale) < 2.0**40
+    assert int(states["g"].skipped_steps) == 0 and float(states["g"].loss_scale.loss_scale) == 2.0 ** (15 + 1)

@@ -572,7 +572,9 @@ def test_killed_rank_survivor_fails_fast_and_last_checkpoint_loads(tmp_path):
     line = next(x for x in outs[0].splitlines() if x.startswith("SURVIVOR "))
     seconds = float(line.split()[1])
     assert seconds <= W.KILL_TIMEOUT_S + 5, line
-    assert "RuntimeError" in line and ("Connection reset by peer" in line or "imed out" in line), line
+    # gloo words a dead peer as "Connection reset by peer" or "Connection closed by peer" (the timing decides
+    # which end notices first), or the collective times out.
+    assert "RuntimeError" in line and any(w in line for w in ("reset by peer", "closed by peer", "imed out")), line
     assert time.perf_counter() - start < 90
 
     params = W.init_params()

@@ -1,0 +1,255 @@
+"""The stages of a train step: small pure functions that :func:`funcamp.make_train_step` assembles.
+
+Each stage does one thing and takes a process layout (:mod:`funcamp.train._layout`) where processes
+matter; none of them branches on a feature. In order:
+
+1. :func:`gradients`: split the batch into micro-batches, differentiate the scaled loss of each, unscale in
+   float32, weight and sum them (the mean of micro-batch means, or a :class:`funcamp.LossSum`'s item mean),
+   and reduce them over the layout's ranks.
+2. :func:`cast_like`: the float32 gradients in each parameter's dtype.
+3. :func:`check`: one finite verdict (every gradient and the loss), per-leaf flags and the gradient norm.
+4. :func:`update`: the optimizer and ``apply_updates``.
+5. :func:`commit`: keep the old state where the verdict is False (``select_tree``), adjust the loss scale
+   once, count the step and the skips.
+6. :func:`metrics`: the step's 0-d metrics.
+
+:func:`run` runs them all and returns a :class:`StepRecord` for probes (:mod:`funcamp.train._probes`) to
+read. A step with two models, two optimizers and a loss scale for each loss composes them directly
+(``examples/gan.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from funcamp import _tree
+from funcamp.grad import scaled_grad_and_value
+from funcamp.loss_scale import LossScale, NoOpLossScale
+from funcamp.optim import GradientTransformation, apply_updates, learning_rate
+from funcamp.train import _loss
+from funcamp.train._layout import SingleProcess
+from funcamp.train._state import TrainState
+
+__all__ = [
+    "Gradients",
+    "StepRecord",
+    "Verdict",
+    "cast_like",
+    "check",
+    "commit",
+    "gradients",
+    "metrics",
+    "run",
+    "update",
+]
+
+_ONE_PROCESS = SingleProcess()
+
+
+class Gradients(NamedTuple):
+    """What :func:`gradients` returns.
+
+    Attributes:
+      grads: the unscaled gradients of the batch loss, float32 (float64 stays float64), reduced over the
+        layout's ranks (this rank's shards for :class:`funcamp.train.Sharded`); structure of the parameters.
+      loss: 0-d float32, the batch loss over all ranks (the mean of the micro-batch means, or the item mean of
+        a :class:`funcamp.LossSum`).
+      buffers: the model's new buffers (reduced over the ranks), or None when it has none.
+      aux: the last micro-batch's aux (``()`` without ``has_aux``).
+    """
+
+    grads: Any
+    loss: torch.Tensor
+    buffers: Any
+    aux: Any
+
+
+class Verdict(NamedTuple):
+    """What :func:`check` returns: ``finite`` (0-d bool, the same on every rank), ``flags`` (1-d bool, one per
+    floating gradient leaf in tree order) and ``grad_norm`` (0-d, the global L2 norm, float32 or float64)."""
+
+    finite: torch.Tensor
+    flags: torch.Tensor
+    grad_norm: torch.Tensor
+
+
+def gradients(
+    loss_fn: Callable[..., Any],
+    loss_scale: LossScale,
+    params: Any,
+    batch: Any,
+    *,
+    buffers: Any = None,
+    has_aux: bool = False,
+    accumulation_steps: int = 1,
+    layout: SingleProcess = _ONE_PROCESS,
+) -> Gradients:
+    """The gradients of ``loss_fn`` on ``batch``, scaled by ``loss_scale``, unscaled in float32, over ``layout``.
+
+    ``batch`` is split into ``accumulation_steps`` micro-batches along dim 0; each is differentiated with the
+    loss scale applied (:func:`funcamp.grad.scaled_grad_and_value`) and its float32 gradients summed. A plain
+    loss gives the mean of the micro-batch means; a :class:`funcamp.LossSum` weights each micro-batch by its
+    count and divides by the count over all micro-batches and ranks. The layout gathers the parameters first
+    (shards) and reduces the gradients, the loss and the buffers after.
+
+    Args:
+      loss_fn: as for :func:`funcamp.make_train_step` (the buffers form when ``buffers`` is not None).
+      loss_scale: the :class:`funcamp.LossScale` to differentiate with.
+      params: the parameters (this rank's shards under :class:`funcamp.train.Sharded`).
+      batch: this rank's batch.
+      buffers: the model's buffers, or None.
+      has_aux: whether the loss comes with aux data.
+      accumulation_steps: micro-batches (>= 1).
+      layout: the process layout (default one process).
+    Returns:
+      A :class:`Gradients`.
+    Raises:
+      ValueError: if a batch leaf cannot be split into ``accumulation_steps`` micro-batches.
+      TypeError: if ``loss_fn`` returns the wrong form (see :func:`funcamp.make_train_step`).
+    """
+    with_buffers = buffers is not None
+    fun = _loss.as_differentiable(loss_fn, has_aux=has_aux, with_buffers=with_buffers)
+    grad_fn = scaled_grad_and_value(fun, loss_scale, has_aux=True)
+    whole = layout.gather(params)
+    new_buffers, total, losses, sums, aux = (buffers if with_buffers else ()), None, [], [], ()
+    for mb in _loss.micro_batches(batch, accumulation_steps):
+        grads32, (loss, (new_buffers, aux, record)) = grad_fn(whole, new_buffers, mb)
+        if record:  # a LossSum: the gradient of this micro-batch's mean, weighted by its count
+            grads32 = _tree.tree_map(lambda g, c=record[1]: g * c.to(g.dtype), grads32)
+            sums.append(torch.stack(record))
+        total = grads32 if total is None else _tree.tree_map(torch.add, total, grads32)
+        losses.append(loss.float())
+    if sums:  # sum(total) / sum(count) over micro-batches and ranks: one float64 all_reduce of two numbers
+        summed = layout.sum(sum(sums[1:], sums[0]))
+        # The layout's reduction below divides by the ranks again.
+        total = _tree.tree_map(lambda g: g * (layout.size / summed[1]).to(g.dtype), total)
+        loss = (summed[0] / summed[1]).float()
+    elif accumulation_steps > 1:  # the mean of the micro-batch means (then of the rank means, below)
+        total = _tree.tree_map(lambda g: g / accumulation_steps, total)
+    scale = None if isinstance(loss_scale, NoOpLossScale) else loss_scale.loss_scale
+    total = layout.reduce_gradients(total, scale)
+    if not sums:
+        loss = layout.mean(torch.stack(losses).mean() if accumulation_steps > 1 else losses[0])
+    return Gradients(total, loss, layout.reduce_buffers(new_buffers) if with_buffers else None, aux)
+
+
+def cast_like(grads: Any, params: Any) -> Any:
+    """``grads`` cast to the dtypes of ``params`` (the same structure), leaf by leaf."""
+    return _tree.tree_map(lambda g, p: g.to(p.dtype), grads, params)
+
+
+def check(grads: Any, loss: torch.Tensor, layout: SingleProcess = _ONE_PROCESS) -> Verdict:
+    """Whether every gradient element and the loss are finite, on every rank, and the gradient norm.
+
+    Args:
+      grads: the gradients in the parameters' dtypes (this rank's shards when sharded).
+      loss: the 0-d loss.
+      layout: the process layout.
+    Returns:
+      A :class:`Verdict`.
+    """
+    return Verdict(*layout.stats(grads, loss))
+
+
+def update(
+    optimizer: GradientTransformation, grads: Any, opt_state: Any, params: Any, layout: SingleProcess = _ONE_PROCESS
+) -> tuple[Any, Any]:
+    """``(new_params, new_opt_state)``: one optimizer update applied with :func:`funcamp.optim.apply_updates`.
+
+    Computed whatever the verdict; :func:`commit` decides whether it is kept.
+    """
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    return layout.finish_params(apply_updates(params, updates)), new_opt_state
+
+
+def commit(state: TrainState, finite: torch.Tensor, params: Any, opt_state: Any, buffers: Any = None) -> TrainState:
+    """The next state: the new ``params``, ``opt_state`` and ``buffers`` where ``finite``, else the old ones.
+
+    The step count always advances; the loss scale is adjusted once (``state.loss_scale.adjust(finite)``);
+    ``skipped_steps`` and ``consecutive_skips`` count the skipped steps. ``torch.where``, no host sync.
+    """
+    skipped = state.skipped_steps + (~finite).to(torch.int32)
+    consecutive = torch.where(finite, torch.zeros_like(state.consecutive_skips), state.consecutive_skips + 1)
+    return state.replace(
+        step=state.step + 1,
+        params=_tree.select_tree(finite, params, state.params),
+        opt_state=_tree.select_tree(finite, opt_state, state.opt_state),
+        loss_scale=state.loss_scale.adjust(finite),
+        buffers=_tree.select_tree(finite, buffers, state.buffers) if state.buffers is not None else None,
+        skipped_steps=skipped,
+        consecutive_skips=consecutive,
+    )
+
+
+def metrics(state: TrainState, new_state: TrainState, loss: torch.Tensor, verdict: Verdict, opt_state: Any) -> dict:
+    """The step's metrics (0-d tensors on the parameters' device); see :func:`funcamp.make_train_step`.
+
+    ``opt_state`` is the optimizer's new state before :func:`commit` (the learning rate this step used or
+    would have used).
+    """
+    flags = verdict.flags
+    first_bad = torch.argmax((~flags).to(torch.int32)) if flags.numel() else torch.zeros((), dtype=torch.long)
+    device = state.step.device
+    return {
+        "loss": loss,
+        # On the parameters' device (state.step lives there): NoOpLossScale has no tensor to carry a
+        # device, and a stateless optimizer's learning_rate is a NaN made on the CPU.
+        "loss_scale": state.loss_scale.loss_scale.to(device),
+        "grads_finite": verdict.finite,
+        "grad_norm": verdict.grad_norm,
+        "learning_rate": learning_rate(opt_state).to(device),
+        "skipped_steps": new_state.skipped_steps,
+        "consecutive_skips": new_state.consecutive_skips,
+        "nonfinite_leaf": torch.where(flags.all(), -1, first_bad.to(torch.int32)),
+    }
+
+
+class StepRecord(NamedTuple):
+    """One step as :func:`run` ran it, for probes: the state before and after, the gradients (parameters'
+    dtypes), the :class:`Verdict`, the last micro-batch's aux, the layout and the metrics so far."""
+
+    state: TrainState
+    new_state: TrainState
+    grads: Any
+    verdict: Verdict
+    aux: Any
+    layout: SingleProcess
+    metrics: dict
+
+
+def run(
+    loss_fn: Callable[..., Any],
+    optimizer: GradientTransformation,
+    state: TrainState,
+    batch: Any,
+    *,
+    has_aux: bool = False,
+    accumulation_steps: int = 1,
+    layout: SingleProcess = _ONE_PROCESS,
+) -> StepRecord:
+    """One whole train step from the stages: gradients, cast, check, update, commit, metrics.
+
+    Returns:
+      A :class:`StepRecord`; ``record.new_state`` and ``record.metrics`` are what the train step returns
+      (before probes add theirs).
+    """
+    g = gradients(
+        loss_fn,
+        state.loss_scale,
+        state.params,
+        batch,
+        buffers=state.buffers,
+        has_aux=has_aux,
+        accumulation_steps=accumulation_steps,
+        layout=layout,
+    )
+    grads = cast_like(g.grads, state.params)
+    verdict = check(grads, g.loss, layout)
+    new_params, new_opt_state = update(optimizer, grads, state.opt_state, state.params, layout)
+    new_state = commit(state, verdict.finite, new_params, new_opt_state, g.buffers)
+    return StepRecord(
+        state, new_state, grads, verdict, g.aux, layout, metrics(state, new_state, g.loss, verdict, new_opt_state)
+    )

@@ -1,0 +1,138 @@
+"""The train state: everything a run carries from step to step, an immutable pytree of tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from funcamp import _tree, sharding
+from funcamp.loss_scale import LossScale, NoOpLossScale
+from funcamp.optim import GradientTransformation
+
+__all__ = ["TrainState"]
+
+
+def _zero_int(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int32, device=device)
+
+
+@_tree.dataclass
+class TrainState:
+    """Everything a training run carries from step to step; immutable, a pytree of tensors.
+
+    Build it with :meth:`create`; :meth:`replace` returns a modified copy.
+
+    Attributes:
+      step: 0-d int32, the number of train-step calls so far (applied and skipped).
+      params: the master parameters (a dict of tensors, usually float32).
+      opt_state: the optimizer state (NamedTuples of tensors).
+      loss_scale: the current :class:`funcamp.LossScale`.
+      buffers: model buffers that change in training (BatchNorm statistics), or None.
+      skipped_steps: 0-d int32, steps skipped for non-finite gradients since the start.
+      consecutive_skips: 0-d int32, skipped steps since the last applied one.
+    """
+
+    step: torch.Tensor
+    params: Any
+    opt_state: Any
+    loss_scale: LossScale
+    buffers: Any = None
+    skipped_steps: torch.Tensor | None = None
+    consecutive_skips: torch.Tensor | None = None
+
+    @classmethod
+    def create(
+        cls,
+        params: Any,
+        optimizer: GradientTransformation,
+        *,
+        loss_scale: LossScale | None = None,
+        buffers: Any = None,
+        shard: sharding.ShardLayout | None = None,
+    ) -> TrainState:
+        """A fresh state: ``optimizer.init(params)``, counters at 0, the loss scale on the params' device.
+
+        With ``shard`` (a :class:`funcamp.sharding.ShardLayout`, from
+        ``funcamp.sharding.shard_layout(params, group)``), ``params`` are the whole parameters, the same
+        on every rank (:func:`funcamp.parallel.broadcast_params`), and the state holds this rank's
+        shards of them (rows ``[r*c, (r+1)*c)`` along dim 0, zero-padded) and the optimizer state
+        built from those shards: about ``1 / N`` of the unsharded state. Train it with
+        ``make_train_step(..., data_parallel=group, shard=layout)``.
+
+        Args:
+          params: the master parameters, a pytree (usually a dict) of floating tensors.
+          optimizer: a :class:`funcamp.optim.GradientTransformation`.
+          loss_scale: default :class:`funcamp.NoOpLossScale`.
+          buffers: model buffers (``funcamp.nn.functionalize`` returns them), or None.
+          shard: None (every rank holds everything), or the layout to shard the parameters with.
+        Raises:
+          TypeError: if ``optimizer`` is not a GradientTransformation, ``loss_scale`` not a LossScale,
+            ``params`` an ``nn.Module`` or an iterator (``model.parameters()``), or a parameter leaf is
+            not a floating tensor, or ``shard`` is not None or a ShardLayout.
+          ValueError: if the loss scale's value is out of its range (below ``min_loss_scale``, above
+            ``max_loss_scale``, not finite), or ``params``' names or shapes differ from ``shard``'s; with a
+            ``shard`` made by
+            ``shard_layout(params, group)``: if this process is not the layout's rank of its world size
+            in that group, or the parameters differ between the group's ranks (a float64 checksum per
+            leaf, one ``all_gather_object``; the error names the first differing parameter).
+        """
+        if not isinstance(optimizer, GradientTransformation):
+            raise TypeError(
+                f"TrainState.create: optimizer must be a funcamp.optim.GradientTransformation, "
+                f"got {type(optimizer).__name__}"
+            )
+        loss_scale = NoOpLossScale() if loss_scale is None else loss_scale
+        if not isinstance(loss_scale, LossScale):
+            raise TypeError(
+                f"TrainState.create: loss_scale must be a funcamp loss scale (NoOpLossScale, StaticLossScale, "
+                f"DynamicLossScale), got {type(loss_scale).__name__}; e.g. funcamp.DynamicLossScale(2.0**15)"
+            )
+        loss_scale.check_on_host()  # a scale on a device: its value read once, here
+        if isinstance(params, torch.nn.Module):
+            raise TypeError(
+                "TrainState.create: params must be a pytree (dict) of tensors, got an nn.Module; "
+                "use `apply_fn, params = funcamp.nn.functionalize(model, policy)` and pass those params"
+            )
+        if isinstance(params, (types.GeneratorType, Iterator)):
+            raise TypeError(
+                f"TrainState.create: params must be a pytree (dict) of tensors, got a {type(params).__name__} "
+                "(model.parameters()?), which has no names and can be read only once; use "
+                "`apply_fn, params = funcamp.nn.functionalize(model, policy)`, or "
+                "`{name: p.detach() for name, p in model.named_parameters()}`"
+            )
+        bad = _tree.first_non_floating(params)
+        if bad is not None:
+            raise TypeError(
+                f"TrainState.create: every parameter must be a floating tensor; {bad[0]!r} is {bad[1]}. "
+                "Keep integer state in buffers."
+            )
+        if shard is not None:
+            if not isinstance(shard, sharding.ShardLayout):
+                raise TypeError(
+                    f"TrainState.create: shard must be None or a funcamp.sharding.ShardLayout "
+                    f"(funcamp.sharding.shard_layout(params, group)), got {type(shard).__name__}"
+                )
+            if shard.group is not None:  # a layout from shard_layout(params, group): one all_gather_object
+                sharding.check_same_params(params, shard.group, "TrainState.create", layout=shard)
+            params = sharding.shard_params(params, shard)
+        device = _tree.tree_device(params)
+        return cls(
+            step=_zero_int(device),
+            params=params,
+            opt_state=optimizer.init(params),
+            loss_scale=loss_scale.to(device),
+            buffers=buffers,
+            skipped_steps=_zero_int(device),
+            consecutive_skips=_zero_int(device),
+        )
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with the given fields replaced."""
+        return dataclasses.replace(self, **changes)
+
+
+TrainState.__module__ = "funcamp.train"  # the name checkpoints record (funcamp.train.TrainState), as before

@@ -1,0 +1,318 @@
+"""The functional train step: ``(state, batch) -> (state, metrics)``, compiled whole.
+
+``make_train_step`` is a short assembly: a process layout (:mod:`funcamp.train._layout`) from its
+``data_parallel``, ``shard`` and ``policy`` arguments, the stages of :mod:`funcamp.train._stages` in order,
+and the probes of :mod:`funcamp.train._probes` its keywords ask for; then the host-side checks of the
+first call and ``torch.compile(fullgraph=True)`` around it. No stage branches on a feature flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from funcamp import numerics, sharding
+from funcamp.optim import GradientTransformation
+from funcamp.policy import Policy
+from funcamp.train import _layout, _loss, _probes, _stages
+from funcamp.train._state import TrainState
+
+__all__ = ["EAGER_RERUN_NOTE", "make_train_step"]
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: GradientTransformation,
+    *,
+    has_aux: bool = False,
+    accumulation_steps: int = 1,
+    max_consecutive_skips: int | None = None,
+    compile: bool = True,
+    backend: str | None = None,
+    data_parallel: Any = None,
+    policy: Policy | str | None = None,
+    telemetry: numerics.Telemetry | int | None = None,
+    shard: sharding.ShardLayout | None = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+    """Build the pure train step ``step(state, batch) -> (new_state, metrics)``.
+
+    Per call: split ``batch`` into ``accumulation_steps`` micro-batches along dim 0; for each, the
+    gradient of ``loss_fn`` times the loss scale, unscaled in float32 and summed; their mean is cast to
+    the parameters' dtypes (the gradient of the mean loss). If every gradient and the loss are finite,
+    the optimizer update is applied; otherwise params, buffers and the whole optimizer state (its step
+    count too, so schedules do not advance) are kept bitwise. The loss scale is adjusted once per call.
+    ``state`` is never mutated.
+
+    ``loss_fn`` is ``loss_fn(params, batch) -> loss`` when ``state.buffers`` is None, else
+    ``loss_fn(params, buffers, batch) -> (loss, new_buffers)``; with ``has_aux`` the loss becomes
+    ``(loss, aux)``, i.e. ``(loss, aux)`` or ``((loss, aux), new_buffers)``. ``loss`` is a 0-d tensor, the
+    mean over its micro-batch: the step trains on the mean of the micro-batch means (and of the ranks'
+    means), which weighs items unequally when micro-batches hold different numbers of them (padding). Or
+    ``loss`` is a :class:`funcamp.LossSum` ``(total, count)``: the step trains on
+    ``sum(total) / sum(count)`` over every micro-batch and rank, the exact item mean of the whole batch.
+
+    Metrics (0-d tensors on the parameters' device): ``loss`` (mean unscaled loss, float32; with a
+    ``LossSum``, the item mean of the whole batch),
+    ``loss_scale`` (the scale used this step), ``grads_finite``, ``grad_norm`` (global L2 norm of the
+    unscaled gradients, before any clipping), ``learning_rate`` (the rate this step used or would
+    have used), ``skipped_steps``, ``consecutive_skips``, ``nonfinite_leaf`` (index of the first
+    parameter whose gradient was not finite, -1 if none; see :func:`nonfinite_leaf_name`), and with
+    ``max_consecutive_skips`` also ``too_many_skips`` (bool; :func:`check_skips` raises on it). With
+    ``has_aux``, ``metrics["aux"]`` holds the last micro-batch's aux. With ``telemetry``, also the
+    ``numerics/...`` metrics of :mod:`funcamp.numerics` (per module group: gradient and weight amax,
+    the fractions of gradient elements that underflow or overflow in float16/bfloat16/fp8 before and
+    after loss scaling, exact zeros, the loss scale's headroom, a log2|g| histogram), computed every
+    ``every``-th step inside the same graph (``torch.cond``; zeros and ``numerics/active`` False on
+    the other steps).
+
+    Unlike ``torch.amp.GradScaler``, nothing is read on the host: pass metrics to a logger at its
+    own interval.
+
+    Args:
+      loss_fn: the loss, see above; a 0-d floating tensor.
+      optimizer: a :class:`funcamp.optim.GradientTransformation`.
+      has_aux: whether the loss comes with aux data.
+      accumulation_steps: micro-batches per step (>= 1); every batch leaf's first dimension must be
+        divisible by it.
+      max_consecutive_skips: report ``too_many_skips`` once this many steps in a row were skipped.
+      compile: wrap the step in ``torch.compile(fullgraph=True)``.
+      backend: the ``torch.compile`` backend (default inductor).
+      data_parallel: None or False (one process), True (the default ``torch.distributed`` process
+        group) or a process group: gradients are averaged over its ranks in ``policy.reduce_dtype``
+        and one ``grads_finite`` is agreed for all ranks, with functional collectives that ``torch.compile``
+        traces (see :mod:`funcamp.parallel`); floating buffers are averaged over the ranks in their
+        own dtype (DDP instead broadcasts rank 0's), except fp8 delayed-scaling state: amax histories
+        max-reduced, scales min-reduced (:func:`funcamp.parallel.reduce_buffers`).
+      policy: the precision policy (or string) whose ``reduce_dtype`` the gradients are averaged in;
+        default: each gradient's own dtype. Only used with ``data_parallel``.
+      telemetry: None (default: off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``:
+        module groups of depth 2, float16 and bfloat16, histograms) or a ``Telemetry``.
+      shard: None, or the :class:`funcamp.sharding.ShardLayout` of a state made with
+        ``TrainState.create(..., shard=layout)`` (ZeRO-3 / FSDP2-style sharded data parallelism over
+        the ``data_parallel`` group, see :mod:`funcamp.sharding`): the step all-gathers the parameters
+        (in ``layout.gather_dtype``, default their own), computes the gradients as above,
+        reduce-scatters their mean in ``policy.reduce_dtype`` (loss scale on a narrower wire), agrees
+        one ``grads_finite`` and takes ``grad_norm`` over all shards, and updates only this rank's
+        shards. The metrics are the unsharded step's (``grad_norm`` to float32 round-off). The
+        optimizer must not contain ``funcamp.optim.clip_by_global_norm`` (use
+        ``funcamp.sharding.clip_by_global_norm`` built for the same group). Building the step checks
+        (one ``all_gather_object``) that every rank has the same layout and policy; that every rank
+        starts from the same parameters is checked by ``TrainState.create(shard=layout)``, where the
+        whole parameters are at hand.
+
+    The first call (host side, before anything is traced) checks the state: a sharded state (made by
+    ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) given to a step built without
+    ``shard=`` is refused; with ``data_parallel`` and no ``shard``, one ``all_gather_object`` of a
+    float64 checksum per parameter (sum and sum of squares) refuses parameters that differ between
+    ranks (which would otherwise diverge silently: the gradients are averaged, the parameters never
+    compared). Later calls check nothing more.
+    Returns:
+      The step function.
+    Raises:
+      TypeError: if ``loss_fn`` is not callable, ``optimizer`` not a GradientTransformation,
+        ``data_parallel`` not None, a bool or a ProcessGroup, or ``telemetry`` not None, an int or a
+        Telemetry.
+      RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
+      ValueError: if ``accumulation_steps`` < 1, ``max_consecutive_skips`` < 1 or ``telemetry`` < 1; at call time, if a
+        batch leaf cannot be split into ``accumulation_steps`` micro-batches. With ``shard``: if
+        ``data_parallel`` is missing (and the layout is for more than one rank), the layout's world
+        size or rank is not the group's, ranks differ in layout or policy (the message names the rank),
+        ``telemetry`` is set, or the optimizer clips by a per-shard global norm or by
+        ``funcamp.sharding.clip_by_global_norm`` of another group. Without ``shard``: if the optimizer
+        holds ``funcamp.sharding.clip_by_global_norm`` with a group. At the first call: if the state
+        is sharded and the step is not, or (data parallel) the parameters differ between ranks.
+
+    Example:
+      >>> import funcamp as fa
+      >>> from funcamp import optim
+      >>> params = {"w": torch.zeros(3)}
+      >>> loss_fn = lambda p, batch: ((batch["x"] @ p["w"] - batch["y"]) ** 2).mean()
+      >>> opt = optim.sgd(0.1)
+      >>> state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15))
+      >>> step = fa.make_train_step(loss_fn, opt, compile=False)
+      >>> state, metrics = step(state, {"x": torch.eye(3), "y": torch.ones(3)})
+      >>> state.params["w"], metrics["grads_finite"]
+      (tensor([0.0667, 0.0667, 0.0667]), tensor(True))
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            f"make_train_step: optimizer must be a funcamp.optim.GradientTransformation, got {type(optimizer).__name__}"
+        )
+    if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
+        raise ValueError(f"make_train_step: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+    probes: list[Any] = [] if max_consecutive_skips is None else [_probes.skip_limit(max_consecutive_skips)]
+    telemetry = numerics.as_telemetry(telemetry)
+    layout = _layout.layout_from(data_parallel, shard, policy)
+    probes += [_probes.aux_probe] if has_aux else []
+    probes += [] if telemetry is None else [_probes.telemetry_probe(telemetry, layout)]
+    layout.check_optimizer(optimizer)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        record = _stages.run(
+            loss_fn, optimizer, state, batch, has_aux=has_aux, accumulation_steps=accumulation_steps, layout=layout
+        )
+        metrics = dict(record.metrics)
+        for probe in probes:
+            metrics.update(probe(record))
+        return record.new_state, metrics
+
+    first_call = _first_call_check(layout, loss_fn)
+    if compile:
+        backend = backend or "inductor"
+        options = _inductor_options() if backend == "inductor" else None  # None where torch lacks the option
+        compiled = torch.compile(step, fullgraph=True, backend=backend, options=options)
+        return _with_eager_errors(step, compiled, first_call)
+    return _with_checked_args(step, first_call)
+
+
+def _inductor_options() -> dict[str, Any] | None:
+    """The inductor options of the compiled step: let AOTAutograd's cache store it.
+
+    funcamp's casting mode (:class:`funcamp.ops.OpPolicies`, a ``TorchFunctionMode``) makes Dynamo record the
+    ``Tensor`` methods that torch writes in Python (``Tensor.split``, ``Tensor.unique``, ...) as calls to those
+    Python functions, which AOTAutograd's cache refuses ("Bypassing autograd cache due to: Unsupported
+    call_function target Tensor.split"): every new process re-ran AOTAutograd on the whole step (3.6 s of
+    the warm first step of the benchmark GPT on a 2-core AMD EPYC, AVX2). They are torch's own functions,
+    marked cacheable here under the running torch version (``torch._inductor.config.
+    unsafe_marked_cacheable_functions``), so a change of torch changes the cache key.
+    """
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # older torch: no such option
+        return None
+    methods = (getattr(torch.Tensor, name, None) for name in _PYTHON_TENSOR_MATH)
+    names = sorted(
+        f"{fn.__module__}.{fn.__name__}"
+        for fn in methods
+        if isinstance(fn, types.FunctionType) and fn.__module__ == "torch._tensor"
+    )
+    return {"unsafe_marked_cacheable_functions": dict.fromkeys(names, torch.__version__)}
+
+
+#: Tensor methods that torch writes in Python and that only compute (no hooks, no autograd or storage
+#: state): those a model calls inside the step. Others (``backward``, ``register_hook``) stay refused.
+_PYTHON_TENSOR_MATH = (
+    "split",
+    "norm",
+    "unique",
+    "unique_consecutive",
+    "stft",
+    "istft",
+    "lu",
+    "unflatten",
+    "__rsub__",
+    "__rdiv__",
+    "__rtruediv__",
+    "__rpow__",
+    "__floordiv__",
+    "__rfloordiv__",
+    "__rmatmul__",
+    "__rlshift__",
+    "__rrshift__",
+)
+
+
+def _first_call_check(layout: Any, loss_fn: Callable[..., Any]) -> Callable[[Any], None]:
+    """The host-side check of the state at a step's first call (later calls do nothing)."""
+    done = [False]
+
+    def check(state: TrainState) -> None:
+        if done[0]:
+            return
+        message = _loss.arity_error(loss_fn, state.buffers is not None)
+        if message is not None:
+            raise TypeError(message)
+        layout.check_state(state)
+        done[0] = True
+
+    return check
+
+
+def _check_step_args(state: Any, batch: Any) -> None:
+    """Refuse a call whose first argument is not a TrainState, outside any compiled region."""
+    if isinstance(state, TrainState):
+        return
+    if isinstance(batch, TrainState):
+        raise TypeError(
+            f"train_step: the arguments are swapped: got (batch, state), with a {type(state).__name__} first; "
+            "call train_step(state, batch), the state first (as optax's update(grads, state))"
+        )
+    raise TypeError(
+        f"train_step: the first argument must be a funcamp.TrainState, got {type(state).__name__}; build it with "
+        "funcamp.TrainState.create(params, optimizer) and call train_step(state, batch)"
+    )
+
+
+def _with_checked_args(step: Callable[..., Any], first_call: Callable[[Any], None]) -> Callable[..., Any]:
+    def checked_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        _check_step_args(state, batch)
+        first_call(state)
+        return step(state, batch)
+
+    return checked_step
+
+
+#: Appended (``add_note``) to an error that the compiled step met while tracing and that the eager re-run
+#: raised again: the error is the user's code's (or funcamp's) own, not the compiler's.
+EAGER_RERUN_NOTE = (
+    "funcamp: raised while torch.compile traced the train step; funcamp re-ran the step eagerly to show this "
+    "error as your code raises it (make_train_step(..., compile=False) runs without compiling)"
+)
+_FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+class _HeldRecords(logging.Filter):
+    """Hold a logger's records back instead of emitting them (released or dropped later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+def _with_eager_errors(
+    step: Callable[..., Any], compiled: Callable[..., Any], first_call: Callable[[Any], None]
+) -> Callable[..., Any]:
+    """``compiled``, but an error of the user's code (or a bad input) raises itself rather than dynamo's.
+
+    With ``fullgraph=True`` an exception raised while tracing reaches the caller wrapped by dynamo:
+    ``torch._dynamo.exc.Unsupported`` ("Observed exception") for funcamp's own checks (a loss that is
+    not 0-d, a batch that does not split into micro-batches), ``TorchRuntimeError`` (about 45 lines of
+    fake-tensor detail, after a logged traceback) for an error in the user's ``loss_fn`` (float labels
+    to ``cross_entropy``, a wrong feature size). The step is pure, so on any dynamo error it is run once
+    eagerly: what that raises is raised instead, as itself, with :data:`EAGER_RERUN_NOTE` added and
+    the fake-tensor log lines of the failed trace dropped. If the eager step succeeds, dynamo's error
+    is re-raised and the held log lines are emitted. The arguments' types are checked first.
+    """
+
+    def compiled_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        _check_step_args(state, batch)
+        first_call(state)
+        logger, held = logging.getLogger(_FAKE_TENSOR_LOGGER), _HeldRecords()
+        logger.addFilter(held)
+        try:
+            return compiled(state, batch)
+        except torch._dynamo.exc.TorchDynamoException as dynamo_error:
+            logger.removeFilter(held)
+            try:
+                step(state, batch)
+            except Exception as error:
+                held.records.clear()  # the fake-tensor traceback of the same error: noise
+                error.add_note(EAGER_RERUN_NOTE)
+                raise error from None
+            raise dynamo_error
+        finally:
+            logger.removeFilter(held)
+            for record in held.records:
+                logger.handle(record)
+
+    return compiled_step
