@@ -242,17 +242,24 @@ def test_apply_fn_does_not_keep_the_module_weights_alive():
 # --- which dtypes the ops see --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["cast", "autocast"])
+@pytest.mark.parametrize(
+    ("autocast", "module_policies", "ln_input"),
+    [(False, None, F32), (True, None, None), (True, {nn.LayerNorm: keep_in_float32}, F32)],
+    ids=["cast", "autocast", "autocast-explicit-norm-rule"],
+)
 @pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
-def test_norm_runs_in_float32_linear_in_compute_dtype(compute, autocast):
+def test_norm_runs_in_float32_linear_in_compute_dtype(compute, autocast, module_policies, ln_input):
+    """Casting mode: the norm default runs LayerNorm on float32 inputs. Under autocast the default only
+    stores its parameters in float32 and CPU autocast (layer_norm on neither list) gives it the Linear's
+    half output, as torch.autocast on the module does; the rule given explicitly runs it in float32."""
     model = mlp_ln()
-    apply_fn, params = functionalize(model, MIXED[compute], autocast=autocast)
+    apply_fn, params = functionalize(model, MIXED[compute], autocast=autocast, module_policies=module_policies)
     assert all(p.dtype == F32 for p in params.values())
     with Recorder() as rec:
         out = apply_fn(params, torch.randn(5, 4))
     assert out.dtype == F32
     assert rec.dtypes("addmm") == [[compute] * 3, [compute] * 3]
-    assert rec.dtypes("native_layer_norm") == [[F32, F32, F32]]
+    assert rec.dtypes("native_layer_norm") == [[ln_input or compute, F32, F32]]
     grads = torch.func.grad(lambda p: apply_fn(p, torch.randn(5, 4)).sum())(params)
     assert all(g.dtype == F32 for g in grads.values())
 

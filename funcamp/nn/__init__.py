@@ -2,8 +2,9 @@
 
 :func:`functionalize` turns a module into ``apply_fn(params, *args, **kwargs)`` built on
 ``torch.func.functional_call``, together with detached master parameters in the policy's param dtype.
-Parameters and floating inputs are cast to the compute dtype inside ``apply_fn`` (or the forward runs
-under ``torch.autocast``), and the output is cast to the output dtype. Normalisation layers keep their
+Parameters and floating inputs are cast to the compute dtype inside ``apply_fn`` (or, with
+``autocast=True``, the forward runs under ``torch.autocast`` exactly as your module would, with no rule of
+funcamp's own), and the output is cast to the output dtype. Normalisation layers keep their
 parameters and their arithmetic in float32, as torch.amp, Apex (``keep_batchnorm_fp32``) and Hugging
 Face (``_keep_in_fp32_modules``) do; embeddings look up in float32 from a table kept in the param
 dtype (:func:`float32_lookup`; torch.amp leaves them in float32 too). Buffers that change in training

@@ -102,6 +102,8 @@ def _skeleton(
     modules = dict(skeleton.named_modules(remove_duplicate=False))
     wrapped: set[int] = set()
     for name, policy in plan.own.items():  # a module reachable by two names is wrapped once, by the first
+        if autocast and name in plan.defaults:  # under autocast the defaults set storage only
+            continue
         if id(modules[name]) not in wrapped:
             wrapped.add(id(modules[name]))
             _wrap_forward(modules[name], policy, autocast)
@@ -300,12 +302,22 @@ def functionalize(
 
     With ``autocast=True`` the forward runs under ``torch.autocast(device, compute_dtype)`` instead
     (the parameters' device type), with parameters in their param dtype and inputs not cast, so that
-    torch's op lists decide: matmuls and convolutions in the compute dtype; losses, and on CUDA
-    softmax, in float32. Modules whose policy computes in float32 (the norms) run with autocast off and
-    float32 inputs. Both modes give gradients in the parameters' dtypes and compile with
-    ``fullgraph=True``. Known torch 2.13 failure: on CPU, differentiating ``scaled_dot_product_attention``
-    with ``dropout_p > 0`` under ``torch.func.grad`` and autocast raises a dtype error in the backward
-    (Hugging Face GPT-2 in training mode); the default casting mode is not affected.
+    torch's op lists decide every op: matmuls and convolutions in the compute dtype; losses, and on
+    CUDA softmax and layer_norm, in float32; ops on neither list (CPU layer_norm and batch_norm,
+    embedding, residual additions) in the dtypes their inputs come in. funcamp adds no rule of its
+    own: the norm and embedding defaults set only the dtype their tensors are stored and enter in
+    (float32; a half embedding table is cast to float32), not the dtypes of their inputs and outputs,
+    and :data:`funcamp.ops.FLOAT32_ACCUMULATION` is not applied.
+    With ``params=float32`` outputs and gradients are therefore bitwise those of ``torch.autocast`` on
+    your module with the same inputs, differentiated the same way (``torch.func.grad`` and autograd
+    differ for CPU LSTM; tests/test_nn_autocast.py). The rules you give apply on top: a module of
+    ``module_policies`` computing in float32 (``{nn.LayerNorm: funcamp.nn.keep_in_float32}``) runs
+    with autocast off on float32 inputs and hands its output on in its output dtype, and
+    ``op_policies`` rules win over autocast's lists. Both modes give gradients in the parameters'
+    dtypes and compile with ``fullgraph=True``. Known torch 2.13 failure: on CPU, differentiating
+    ``scaled_dot_product_attention`` with ``dropout_p > 0`` under ``torch.func.grad`` and autocast
+    raises a dtype error in the backward (Hugging Face GPT-2 in training mode); the default casting
+    mode is not affected.
 
     Activation checkpointing (``torch.utils.checkpoint.checkpoint``, reentrant or not, and
     ``checkpoint_sequential``) in the module's forward works: differentiated eagerly with plain
@@ -329,7 +341,8 @@ def functionalize(
         of the surrounding policy (such as :func:`keep_in_float32`), or ``None`` to follow the
         surrounding module (``{nn.LayerNorm: None}`` turns the norm default off for LayerNorm,
         ``{nn.Embedding: None}`` the embedding default).
-      autocast: run under ``torch.autocast`` instead of casting parameters up front.
+      autocast: run under ``torch.autocast`` instead of casting parameters up front, with no rule of
+        funcamp's own (see above).
       training: the training flag ``apply_fn`` runs with (dropout, BatchNorm statistics), set on the
         internal copy; ``None`` keeps each submodule's flag as it is now. ``functionalize(model.eval(),
         ...)`` works too, but changes your module's flag; ``training=False`` does not.
@@ -345,11 +358,13 @@ def functionalize(
         predicate decide alone (``requires_grad`` is then ignored). A tied parameter is trainable
         when any of its names is selected.
       op_policies: per-op dtypes inside the forward, ``{op name or torch function: dtype | rule |
-        None}`` (see :class:`funcamp.ops.OpPolicies`), added to the default
-        :data:`funcamp.ops.FLOAT32_ACCUMULATION` (ops whose backward accumulates many terms, such as
-        embedding and log_softmax, run in float32 when they see half-precision inputs); ``None`` as a
-        rule removes a default one. In both casting modes; a rule wins over autocast's op lists. The
-        mode is entered only where the model computes in a half dtype somewhere or rules were given.
+        None}`` (see :class:`funcamp.ops.OpPolicies`). In the casting mode they are added to the
+        default :data:`funcamp.ops.FLOAT32_ACCUMULATION` (ops whose backward accumulates many terms,
+        such as embedding and log_softmax, run in float32 when they see half-precision inputs);
+        ``None`` as a rule removes a default one. Under ``autocast=True`` only your rules apply
+        (``op_policies=funcamp.ops.FLOAT32_ACCUMULATION`` adds the defaults), and a rule wins over
+        autocast's op lists. The mode is entered only where the model computes in a half dtype
+        somewhere or rules were given.
       quantize: ``None``, or a :class:`funcamp.quant.Int8WeightOnlyConfig` choosing frozen matrices
         (Linear, Hugging Face ``Conv1D``, optionally embeddings) to store in int8 with per-output-channel
         float32 absmax scales (``apply_fn.frozen[name]`` is then a :class:`funcamp.quant.Int8Weight`),
@@ -428,13 +443,14 @@ def functionalize(
     named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     train_names = [name for name in plan.params if name in chosen]
     params = {name: _master(named[name], plan.tensors[name]) for name in train_names}
-    frozen: dict[str, torch.Tensor | quant.Int8Weight] = {
-        name: quant.quantize_int8(named[name], int8[name])
-        if name in int8
-        else named[name].detach().to(_frozen_dtype(named[name], plan.tensors[name], autocast), copy=True)
-        for name in plan.params
-        if name not in chosen
-    }
+
+    def stored(name: str) -> torch.Tensor | quant.Int8Weight:
+        if name in int8:
+            return quant.quantize_int8(named[name], int8[name])
+        dtype = _frozen_dtype(named[name], plan.tensors[name], autocast)
+        return named[name].detach().to(dtype, copy=True)
+
+    frozen = {name: stored(name) for name in plan.params if name not in chosen}
     buffers = {name: _master(named[name], plan.tensors[name]) for name in plan.buffers}
     forward_dtypes = {name: plan.forward_dtype(name, autocast) for name in [*plan.tensors, *plan.aliases]}
     # A frozen tensor enters the forward in its module's compute dtype (stored so, or narrower: see
@@ -447,9 +463,11 @@ def functionalize(
     forward_dtypes.update({a: plan.alias_policies[a].compute_dtype for a, name in plan.aliases.items() if name in int8})
     stored_dtypes = {name: buffers[name].dtype for name in plan.buffers}
 
-    rules = {**ops.FLOAT32_ACCUMULATION, **(op_policies or {})}
+    # Under autocast torch's op lists decide: funcamp's default rules are not added, yours are.
+    rules = {**({} if autocast else ops.FLOAT32_ACCUMULATION), **(op_policies or {})}
     any_half = policy.compute_dtype in _HALF or any(d in _HALF for d in forward_dtypes.values())
-    op_mode = functools.partial(ops.OpPolicies, rules) if op_policies or any_half else contextlib.nullcontext
+    entered = rules and (op_policies or any_half)
+    op_mode = functools.partial(ops.OpPolicies, rules) if entered else contextlib.nullcontext
     op_mode()  # check the rules now, not at the first call
 
     def frozen_tensors() -> dict[str, torch.Tensor]:

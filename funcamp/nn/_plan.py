@@ -142,14 +142,19 @@ def _check_value(key: Any, value: Any) -> ModulePolicy:
     )
 
 
-def _entries(module_policies: ModulePolicies | None) -> list[tuple[_Matcher, ModulePolicy, bool]]:
-    """``(matcher, value, from_user_string)``: the user's entries in order, then the norm and embedding defaults."""
+def _entries(module_policies: ModulePolicies | None) -> list[tuple[_Matcher, ModulePolicy, bool, bool]]:
+    """``(matcher, value, from_user_string, default)``: the user's entries in order, then the norm and
+    embedding defaults."""
     if module_policies is not None and not isinstance(module_policies, Mapping):
         raise TypeError(
             f"functionalize: module_policies must be a mapping (dict) or None, got {type(module_policies).__name__}"
         )
-    user = [(_matcher(k), _check_value(k, v), isinstance(k, str)) for k, v in (module_policies or {}).items()]
-    return [*user, (_is_default_norm, keep_in_float32, False), (_is_default_embedding, float32_lookup, False)]
+    user = [(_matcher(k), _check_value(k, v), isinstance(k, str), False) for k, v in (module_policies or {}).items()]
+    return [
+        *user,
+        (_is_default_norm, keep_in_float32, False, True),
+        (_is_default_embedding, float32_lookup, False, True),
+    ]
 
 
 def _apply(value: ModulePolicy, surrounding: Policy) -> Policy:
@@ -169,6 +174,8 @@ class _Plan:
     Attributes:
       modules: resolved policy of every module, by qualified name ("" is the root).
       own: the modules that have a policy of their own (their forward gets a casting wrapper).
+      defaults: the modules of ``own`` whose policy is a default (norms, embeddings), not yours; under
+        autocast they get no casting wrapper (the policy sets only the dtype their tensors enter in).
       tensors: policy of every parameter and persistent buffer, by qualified name.
       params: parameter names (tied parameters once, under their first name).
       buffers: persistent buffer names (the state that ``apply_fn`` takes and returns).
@@ -178,13 +185,16 @@ class _Plan:
         entries = _entries(module_policies)
         self.modules: dict[str, Policy] = {}
         self.own: dict[str, Policy] = {}
+        self.defaults: set[str] = set()
         for name, sub in module.named_modules(remove_duplicate=False):
             surrounding = self.modules[name.rpartition(".")[0]] if name else policy
-            match = next(((value, s) for m, value, s in entries if m(name, sub)), None)
+            match = next(((value, s, default) for m, value, s, default in entries if m(name, sub)), None)
             self.modules[name] = surrounding if match is None else _apply(match[0], surrounding)
             if match is not None and match[0] is not None:
                 self.own[name] = self.modules[name]
-        patterns = [(m, v) for m, v, from_string in entries if from_string]
+                if match[2]:
+                    self.defaults.add(name)
+        patterns = [(m, v) for m, v, from_string, _ in entries if from_string]
         self.params = [name for name, _ in module.named_parameters()]
         self.buffers = [name for name, _ in module.named_buffers() if _is_persistent(module, name)]
         self.tensors = {name: self._tensor_policy(name, patterns) for name in self.params + self.buffers}
