@@ -101,6 +101,13 @@ def _encode(x: Any, path: str) -> Any:
         kind = "list" if isinstance(x, list) else "tuple"
         return {"$": kind, "items": [_encode(v, _join(path, i)) for i, v in enumerate(x)]}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        if getattr(x, "_funcamp_donated", False):  # funcamp.train._donate.mark_donated
+            from funcamp.train import DonatedStateError
+
+            raise DonatedStateError(
+                f"funcamp.checkpoint.save: {path or 'the state'} was donated to a train step built with donate=True, "
+                "which wrote the next state into its tensors; save the state that step returned"
+            )
         fields = {f.name: _encode(getattr(x, f.name), _join(path, f.name)) for f in dataclasses.fields(x) if f.init}
         return {"$": "dataclass", "type": _type_name(type(x)), "fields": fields}
     raise TypeError(

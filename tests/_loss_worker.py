@@ -10,15 +10,17 @@ minus the gradient) on this rank's rows of a global batch and records the new pa
 - ``token/<layout>/compiled``: the same with k=2, compiled (``aot_eager``), with its graph count.
 - ``lossonly/<layout>``: a loss that is not finite on rank 1 alone while every gradient is finite (a
   ``log(0)`` term of the data): every rank must skip, sharded as unsharded.
-- ``reference/<layout>``: 3 steps of the step assembled from stages and of the frozen copy of the step
-  before the redesign (tests/_reference_step.py), bfloat16 compute on a bfloat16 wire, 2 micro-batches, a
-  gradient overflow on rank 1 at the second step: whether every state leaf and metric is bitwise equal.
+- ``reference/<layout>``: 3 steps of the step assembled from stages, of the same with ``donate=True``,
+  and of the frozen copy of the step before the redesign (tests/_reference_step.py), bfloat16 compute on
+  a bfloat16 wire, 2 micro-batches, a gradient overflow on rank 1 at the second step: whether every state
+  leaf and metric is bitwise equal.
 
 Each rank saves ``OUT/rank<r>.pt``. Importing this module has no side effects (pytest imports it).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -115,7 +117,8 @@ def against_reference(batch: Any, group: Any, sharded: bool, rank: int) -> dict:
 
     policy = "p=f32,c=bf16,o=f32,r=bf16"
     runs = []
-    for build in (fa.make_train_step, reference.make_train_step):
+    donating = functools.partial(fa.make_train_step, donate=True)
+    for build in (fa.make_train_step, reference.make_train_step, donating):
         params, opt = init_params(), optim.adamw(1e-2, weight_decay=0.1)
         layout = sharding.shard_layout(params, group) if sharded else None
         state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**12, period=1), shard=layout)
@@ -126,10 +129,11 @@ def against_reference(batch: Any, group: Any, sharded: bool, rank: int) -> dict:
         for i in range(3):
             z = torch.full((ROWS,), 1e37 if (i == 1 and rank == 1) else 1.0)
             state, m = step(state, dict(batch, z=z))
-            history.append((state, m))
+            history.append((_tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state), m))
         runs.append(history)
     return {
         "equal": all(_equal_trees(a, b) for a, b in zip(runs[0], runs[1])),
+        "donated_equal": all(_equal_trees(a, b) for a, b in zip(runs[0], runs[2])),
         "skipped": runs[0][-1][0].skipped_steps.clone(),
     }
 

@@ -214,4 +214,5 @@ def test_two_ranks_assembled_step_equals_the_reference_bitwise(ranks, layout):
     for r in ranks:
         got = r[f"reference/{layout}"]
         assert got["equal"]
+        assert got["donated_equal"]  # issue 21: donate=True, bitwise, data parallel and sharded
         assert int(got["skipped"]) == 1

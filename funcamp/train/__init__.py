@@ -12,6 +12,7 @@ so ``torch.compile(fullgraph=True)`` turns the whole step into one graph.
 optimizers, a loss scale per loss) is written from the same stages: see ``examples/gan.py``.
 """
 
+from funcamp.train._donate import DonatedStateError
 from funcamp.train._layout import DataParallel, Sharded, SingleProcess, layout_from
 from funcamp.train._loss import LossSum, micro_batches
 from funcamp.train._probes import (
@@ -44,6 +45,7 @@ from funcamp.train._step import (
 __all__ = [
     "EAGER_RERUN_NOTE",
     "DataParallel",
+    "DonatedStateError",
     "Gradients",
     "LossSum",
     "Sharded",

@@ -131,7 +131,14 @@ class TrainState:
         )
 
     def replace(self, **changes: Any) -> TrainState:
-        """A copy with the given fields replaced."""
+        """A copy with the given fields replaced.
+
+        Raises:
+          funcamp.train.DonatedStateError: if this state was given to a step built with ``donate=True``.
+        """
+        from funcamp.train._donate import check_not_donated  # the package imports this module first
+
+        check_not_donated(self, "TrainState.replace")
         return dataclasses.replace(self, **changes)
 
 

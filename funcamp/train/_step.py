@@ -18,7 +18,7 @@ import torch
 from funcamp import numerics, sharding
 from funcamp.optim import GradientTransformation
 from funcamp.policy import Policy
-from funcamp.train import _layout, _loss, _probes, _stages
+from funcamp.train import _donate, _layout, _loss, _probes, _stages
 from funcamp.train._state import TrainState
 
 __all__ = ["EAGER_RERUN_NOTE", "make_train_step"]
@@ -37,6 +37,7 @@ def make_train_step(
     policy: Policy | str | None = None,
     telemetry: numerics.Telemetry | int | None = None,
     shard: sharding.ShardLayout | None = None,
+    donate: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """Build the pure train step ``step(state, batch) -> (new_state, metrics)``.
 
@@ -91,6 +92,7 @@ def make_train_step(
         default: each gradient's own dtype. Only used with ``data_parallel``.
       telemetry: None (default: off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``:
         module groups of depth 2, float16 and bfloat16, histograms) or a ``Telemetry``.
+      donate: write the next state into the given state's tensors (see below); default False, a pure step.
       shard: None, or the :class:`funcamp.sharding.ShardLayout` of a state made with
         ``TrainState.create(..., shard=layout)`` (ZeRO-3 / FSDP2-style sharded data parallelism over
         the ``data_parallel`` group, see :mod:`funcamp.sharding`): the step all-gathers the parameters
@@ -103,6 +105,16 @@ def make_train_step(
         (one ``all_gather_object``) that every rank has the same layout and policy; that every rank
         starts from the same parameters is checked by ``TrainState.create(shard=layout)``, where the
         whole parameters are at hand.
+
+    With ``donate=True`` (JAX's ``donate_argnums``) the step writes the next state into the tensors of the
+    state it is given, and returns a state on those same tensors: compiled, the writes are input mutations
+    inside the one graph (the fused optimizer kernels write into the parameters and moments), so the old
+    and new state never exist at once; eagerly the numbers and the in-place semantics are the same but the
+    new tensors are made first. Every state leaf and metric is bitwise the undonated step's; a skipped step
+    leaves every value as it was. The given state is consumed: using it again (a step,
+    ``TrainState.replace``, ``funcamp.checkpoint.save``) raises :class:`funcamp.train.DonatedStateError`, and
+    the tensors you kept from it hold the new values. Its first call refuses state leaves that share storage
+    or are a module's ``nn.Parameter``.
 
     The first call (host side, before anything is traced) checks the state: a sharded state (made by
     ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) given to a step built without
@@ -162,13 +174,16 @@ def make_train_step(
             metrics.update(probe(record))
         return record.new_state, metrics
 
-    first_call = _first_call_check(layout, loss_fn)
+    first_call = _first_call_check(layout, loss_fn, donate)
+    body = _donate.donating(step) if donate else step  # donating: (state, batch) -> metrics, state written
     if compile:
         backend = backend or "inductor"
         options = _inductor_options() if backend == "inductor" else None  # None where torch lacks the option
-        compiled = torch.compile(step, fullgraph=True, backend=backend, options=options)
-        return _with_eager_errors(step, compiled, first_call)
-    return _with_checked_args(step, first_call)
+        compiled = torch.compile(body, fullgraph=True, backend=backend, options=options)
+        run = _with_eager_errors(step, compiled, first_call)  # an eager re-run of an error writes nothing
+    else:
+        run = _with_checked_args(body, first_call)
+    return _donate.returning_state(run) if donate else run
 
 
 def _inductor_options() -> dict[str, Any] | None:
@@ -218,7 +233,7 @@ _PYTHON_TENSOR_MATH = (
 )
 
 
-def _first_call_check(layout: Any, loss_fn: Callable[..., Any]) -> Callable[[Any], None]:
+def _first_call_check(layout: Any, loss_fn: Callable[..., Any], donate: bool) -> Callable[[Any], None]:
     """The host-side check of the state at a step's first call (later calls do nothing)."""
     done = [False]
 
@@ -229,14 +244,17 @@ def _first_call_check(layout: Any, loss_fn: Callable[..., Any]) -> Callable[[Any
         if message is not None:
             raise TypeError(message)
         layout.check_state(state)
+        if donate:
+            _donate.check_donatable(state)
         done[0] = True
 
     return check
 
 
 def _check_step_args(state: Any, batch: Any) -> None:
-    """Refuse a call whose first argument is not a TrainState, outside any compiled region."""
+    """Refuse a call whose first argument is not a TrainState, or a donated one, outside any compiled region."""
     if isinstance(state, TrainState):
+        _donate.check_not_donated(state, "train_step")
         return
     if isinstance(batch, TrainState):
         raise TypeError(

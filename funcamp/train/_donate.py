@@ -1,0 +1,122 @@
+"""Donation: the step writes the new state into the tensors of the state it is given (JAX's ``donate_argnums``).
+
+A pure step returns a new state while the caller still holds the old one, so both exist at once: parameters,
+optimizer state and buffers twice. With ``make_train_step(..., donate=True)`` the step body's last act is to
+copy every new state tensor into the corresponding tensor of the state it was given (``Tensor.copy_``), and
+the step returns a state built on those same tensors. Compiled, AOTAutograd keeps these input mutations inside
+the one graph and inductor writes the fused optimizer kernels' results straight into the input buffers (what
+``torch.compile(optimizer.step)`` does for ``torch.optim``): the old and new state never coexist. Eagerly the
+new tensors are computed first and then copied, so an eager step gives the same numbers and the same
+in-place semantics, but its peak is a pure step's.
+
+The given state is consumed: the step marks it, and passing it to a step, :func:`funcamp.checkpoint.save` or
+``TrainState.replace`` raises :class:`DonatedStateError`, as JAX raises for a deleted array. The tensors the
+caller holds from it (``state.params["w"]``) now hold the new values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from funcamp import _tree
+
+__all__ = ["DonatedStateError", "check_donatable", "check_not_donated", "donating", "mark_donated", "returning_state"]
+
+_DONATED = "_funcamp_donated"
+
+
+class DonatedStateError(RuntimeError):
+    """A state given to a step built with ``donate=True`` was used again; use the state the step returned."""
+
+
+def mark_donated(state: Any) -> None:
+    """Mark ``state`` (a :class:`funcamp.TrainState`) as consumed by a donating step."""
+    object.__setattr__(state, _DONATED, True)
+
+
+def check_not_donated(state: Any, fn: str) -> None:
+    """Raise :class:`DonatedStateError` if ``state`` was given to a donating step."""
+    if getattr(state, _DONATED, False):
+        raise DonatedStateError(
+            f"{fn}: this TrainState was donated to a train step built with donate=True, which wrote the next "
+            "state into its tensors; use the state that step returned (state, metrics = train_step(state, batch)), "
+            "or build the step with donate=False to keep every state"
+        )
+
+
+def check_donatable(state: Any) -> None:
+    """A donating step's first call: refuse tensors that the step must not write into.
+
+    Raises:
+      ValueError: if two state leaves share storage (one tensor twice, or views of one tensor), or a leaf is an
+        ``nn.Parameter`` (a module's own parameter, which the caller still uses); the message names them.
+    """
+    leaves = _tree.tree_leaves(state)
+    paths = _tree.tree_paths(state)
+    seen: dict[tuple[Any, ...], str] = {}
+    for path, x in zip(paths, leaves):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if isinstance(x, torch.nn.Parameter):
+            raise ValueError(
+                f"make_train_step(donate=True): state leaf {path!r} is an nn.Parameter, a module's own tensor that "
+                "the step would overwrite; build the state from funcamp.nn.functionalize's params, or clone it "
+                "({k: p.detach().clone() for k, p in model.named_parameters()})"
+            )
+        if x.numel() == 0:
+            continue
+        storage = x.untyped_storage()
+        key = (x.device, storage.data_ptr())
+        if key in seen:
+            raise ValueError(
+                f"make_train_step(donate=True): state leaves {seen[key]!r} and {path!r} share storage (one tensor "
+                "twice, or views of one tensor); the step would write both into it. Give each its own tensor "
+                "(.clone()), or build the step with donate=False"
+            )
+        seen[key] = path
+
+
+def donating(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body(state, batch) -> (new_state, metrics)`` made to write ``new_state`` into ``state``'s tensors.
+
+    Returns ``fn(state, batch) -> metrics``: every tensor leaf of ``new_state`` is copied into the leaf of
+    ``state`` in the same place (the two trees have one structure), and every metric that is a state tensor
+    (``loss_scale``, the scale this step used) is a copy taken before the writes.
+    """
+
+    def fn(state: Any, batch: Any) -> dict[str, Any]:
+        new_state, metrics = body(state, batch)
+        old = _tree.tree_leaves(state)
+        metrics = {k: _copy_if_in(v, old) for k, v in metrics.items()}
+        for dst, src in zip(old, _tree.tree_leaves(new_state)):
+            if isinstance(dst, torch.Tensor) and src is not dst:
+                dst.copy_(src)
+        return metrics
+
+    return fn
+
+
+def _copy_if_in(x: Any, leaves: list[Any]) -> Any:
+    if isinstance(x, torch.Tensor) and any(x is leaf for leaf in leaves):
+        return x.clone()
+    return x
+
+
+def returning_state(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run(state, batch) -> metrics`` (a donating step) as ``step(state, batch) -> (new_state, metrics)``.
+
+    ``new_state`` is a new :class:`funcamp.TrainState` on the tensors of ``state``, which now hold the next
+    state; ``state`` is marked consumed.
+    """
+
+    def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+        metrics = run(state, batch)
+        new_state = dataclasses.replace(state)
+        mark_donated(state)
+        return new_state, metrics
+
+    return step
