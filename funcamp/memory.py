@@ -29,7 +29,7 @@ PolicyArg = Policy | str | Mapping[str, Policy | str] | None
 
 def _nbytes(tensor: torch.Tensor | Int8Weight) -> int:
     if isinstance(tensor, Int8Weight):
-        return _nbytes(tensor.qdata) + _nbytes(tensor.scale)
+        return _nbytes(tensor.qdata) + _nbytes(tensor.absmax)
     return tensor.numel() * tensor.element_size()
 
 
@@ -340,7 +340,7 @@ def _report(tree_or_module: Any, policy: PolicyArg, apply_fn: Any) -> MemoryRepo
     for name, tensor, follows, first_use in _named_tensors(tree_or_module):
         if isinstance(tensor, Int8Weight):  # stored as it is; under a policy, dequantized to compute dtype
             _add(stored, torch.int8, _nbytes(tensor.qdata))
-            _add(stored, tensor.scale.dtype, _nbytes(tensor.scale))
+            _add(stored, tensor.absmax.dtype, _nbytes(tensor.absmax))
             if policy is not None:
                 _add(compute, _policy_for(policy, name).compute_dtype, tensor.qdata.numel() * _itemsize(policy, name))
             continue
@@ -400,7 +400,7 @@ def _report_of_apply_fn(tree: Any, apply_fn: Any) -> MemoryReport:
     for name, t in [*tree.items(), *frozen.items()]:
         if isinstance(t, Int8Weight):
             _add(stored, torch.int8, _nbytes(t.qdata))
-            _add(stored, t.scale.dtype, _nbytes(t.scale))
+            _add(stored, t.absmax.dtype, _nbytes(t.absmax))
             _add(compute, dtypes[name], t.qdata.numel() * dtypes[name].itemsize)
             source[name] = dtypes[name]
             continue

@@ -4,7 +4,8 @@
 each module group of parameters (the parameter name's module prefix, cut at ``group_depth`` parts)
 and for ``all`` of them, computed inside the compiled step with no host sync:
 
-- ``grad_amax``, ``weight_amax``: the largest ``|g|`` and ``|w|`` (float32; NaN if a gradient is NaN);
+- ``grad_amax``, ``weight_amax``: the largest ``|g|`` and ``|w|`` (float32, rounded from the tensor's
+  own dtype; NaN if a gradient is NaN);
 - ``grad_zeros``: the fraction of gradient elements that are exactly zero;
 - per number format ``F`` (default ``float16`` and ``bfloat16``; fp8 ``float8_e4m3fn``/``float8_e5m2``
   on request), the fraction of gradient elements that would flush to zero (``F/underflow``) and that
@@ -12,11 +13,15 @@ and for ``all`` of them, computed inside the compiled step with no host sync:
   it (``F/underflow_scaled``, ``F/overflow_scaled``: ``g * loss_scale``, what a half-precision backward
   holds), and the loss scale's headroom ``F/headroom_log2 = log2(max_finite / (loss_scale * grad_amax))``
   (how many doublings the scale may still grow before the largest gradient overflows: jmp's rule of
-  thumb as a number; +inf for an all-zero gradient);
-- ``grad_log2_hist``: a histogram of ``log2|g|`` over :data:`HISTOGRAM_BINS` bins of one binade each,
-  ``[2**k, 2**(k+1))`` for ``k`` from :data:`HISTOGRAM_LOW` (values below go to the first bin, at or above
-  ``2**HISTOGRAM_HIGH`` to the last); zeros and non-finite elements are left out (``grad_zeros`` and
-  ``overflow`` count them).
+  thumb as a number, computed in float64 as ``log2(max_finite) - log2(loss_scale) - log2(grad_amax)``:
+  finite for every finite nonzero amax, subnormal ones included; +inf for an all-zero gradient);
+- ``grad_log2_hist``: an int64 histogram of ``log2|g|`` over :data:`HISTOGRAM_BINS` bins of one binade
+  each, ``[2**k, 2**(k+1))`` for ``k`` from :data:`HISTOGRAM_LOW` (values below go to the first bin, at or
+  above ``2**HISTOGRAM_HIGH`` to the last); zeros and non-finite elements are left out (``grad_zeros`` and
+  ``overflow`` count them). The binade is the exponent ``torch.frexp`` returns (exact: a float32
+  ``floor(log2(x))`` puts values just below ``2**k`` in bin ``k``), and the counts are exact integers at
+  any size (``torch.histc`` on at most 2**24 elements at a time, whose float32 counts are exact, summed
+  in int64; one ``histc`` over a whole leaf stopped counting at 2**24 = 16,777,216).
 
 Keys are ``numerics/<group>/<name>`` (``numerics/blocks.0/float16/underflow_scaled``), plus
 ``numerics/active`` (0-d bool): whether this step computed them. They are computed when the new step
@@ -29,7 +34,11 @@ Definitions (round to nearest even, as a cast does): an element *underflows* in 
 zero and ``|x| <= smallest_subnormal / 2`` (it would round to zero); it *overflows* if
 ``|x| >= max_finite + ulp(max_finite) / 2`` (it would round past the largest finite value: to inf in
 float16, bfloat16 and float8_e5m2; float8_e4m3fn has no inf, torch's cast saturates it to 448) or it is
-not finite. Fractions are over all the group's elements, in float32. The gradients seen are the step's
+not finite. Every count is an exact int64 (a sum of bools); a fraction is that count divided by the
+group's element count in float64, rounded once to float32. The comparisons of ``g * loss_scale`` are
+exact: ``|g|`` is compared with the threshold divided by the scale, rounded the safe way on ``|g|``'s own
+grid (a float32 product ``|g| * loss_scale`` flushed tiny gradients to 0 under a scale below 1 and
+rounded others across a threshold). The gradients seen are the step's
 unscaled gradients in the parameters' dtype, averaged over micro-batches and ranks, before clipping;
 elements a half-precision backward already flushed are zeros here (``grad_zeros``).
 
@@ -176,54 +185,100 @@ def _is_float(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
-# Per leaf: amaxes (float32) [grad, weight] and counts (int64) [zeros, then 4 per format].
-def _leaf_stats(g: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, formats: tuple[str, ...]) -> Any:
+# Per leaf: amaxes (float64) [grad, weight] and counts (int64) [zeros, then 4 per format].
+def _leaf_stats(g: torch.Tensor, w: torch.Tensor, limits: list[torch.Tensor]) -> Any:
     a = _magnitude(g)
-    amax = torch.stack([a.amax().float() if a.numel() else a.new_zeros((), dtype=torch.float32), _amax(w)])
+    amax = torch.stack([_amax(a), _amax(w)])
     counts = [(a == 0).sum()]
-    scaled = a * scale
+    for low, high in zip(limits[::2], limits[1::2]):  # per format: unscaled, then scaled
+        counts.append(((a > 0) & (a <= low)).sum())
+        counts.append((~(a < high)).sum())
+    return amax, torch.stack(counts)
+
+
+def _limits(formats: tuple[str, ...], scale: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Per format, unscaled then scaled: the largest ``|g|`` of ``dtype`` that underflows and the smallest
+    that overflows, so that ``|g|`` is compared exactly (``|g| * s <= half_sub`` iff ``|g| <= low``), with
+    no product ``|g| * s`` rounded to ``dtype`` (a float32 product flushed tiny ones to 0)."""
+    one, out = torch.ones_like(scale), []
     for name in formats:
         fmt = FORMATS[name]
-        half_sub = fmt.smallest_subnormal / 2
-        for x in (a, scaled):
-            counts.append(((x > 0) & (x <= half_sub)).sum())
-            counts.append((~(x < fmt.overflow_threshold)).sum())
-    return amax, torch.stack(counts)
+        for s in (one, scale):
+            out += [
+                _largest_at_most(fmt.smallest_subnormal / 2, s, dtype),
+                _smallest_at_least(fmt.overflow_threshold, s, dtype),
+            ]
+    return out
 
 
 def _magnitude(g: torch.Tensor) -> torch.Tensor:
     """``|g|`` in float32, or float64 for a float64 gradient (its thresholds stay exact)."""
-    a = g.detach().abs()
-    return a if a.dtype == torch.float64 else a.float()
+    return g.detach().abs().to(_magnitude_dtype(g))
 
 
-def _amax(w: torch.Tensor) -> torch.Tensor:
-    w = w.detach()
-    return w.abs().amax().float() if w.numel() else torch.zeros((), dtype=torch.float32, device=w.device)
+def _magnitude_dtype(g: torch.Tensor) -> torch.dtype:
+    return torch.float64 if g.dtype == torch.float64 else torch.float32
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as a 0-d float64 tensor (exact for every floating dtype; 0 for an empty tensor)."""
+    x = x.detach()
+    return x.abs().amax().double() if x.numel() else torch.zeros((), dtype=torch.float64, device=x.device)
+
+
+def _largest_at_most(bound: float, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The largest ``f`` of ``dtype`` with ``f * scale <= bound``, a 0-d tensor (``scale``: 0-d float64 > 0).
+
+    ``bound / scale`` is rounded to ``dtype`` and corrected by one step either way, checking ``f * scale``
+    in float64: exact for float32 ``f`` and ``scale`` (24 + 24 bits), to float64 round-off for float64.
+    """
+    f = (bound / scale).to(dtype)
+    up, down = torch.nextafter(f, torch.full_like(f, math.inf)), torch.nextafter(f, torch.full_like(f, -math.inf))
+    ok = [c.double() * scale <= bound for c in (up, f)]
+    return torch.where(ok[0], up, torch.where(ok[1], f, down))
+
+
+def _smallest_at_least(bound: float, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The smallest ``f`` of ``dtype`` (inf included) with ``f * scale >= bound``; see :func:`_largest_at_most`."""
+    f = (bound / scale).to(dtype)
+    up, down = torch.nextafter(f, torch.full_like(f, math.inf)), torch.nextafter(f, torch.full_like(f, -math.inf))
+    ok = [c.double() * scale >= bound for c in (down, f)]
+    return torch.where(ok[0], down, torch.where(ok[1], f, up))
+
+
+#: ``torch.histc`` counts in float32 (exact up to 2**24): each call sees at most this many elements.
+_HISTC_CHUNK = 2**24
 
 
 def _log2_hist(g: torch.Tensor) -> torch.Tensor:
-    a = g.detach().abs().float()
-    e = torch.floor(torch.log2(a)).clamp(HISTOGRAM_LOW, HISTOGRAM_HIGH - 1) + 0.5
-    e = torch.where((a > 0) & torch.isfinite(a), e, HISTOGRAM_LOW - 8.0)  # out of range: not counted
-    return torch.histc(e.flatten(), bins=HISTOGRAM_BINS, min=HISTOGRAM_LOW, max=HISTOGRAM_HIGH)
+    """int64 counts of ``floor(log2|g|)`` per bin, exact at any size (see the module docstring)."""
+    return torch.stack([_log2_hist_chunk(c) for c in _magnitude(g).flatten().split(_HISTC_CHUNK)]).sum(0)
+
+
+def _log2_hist_chunk(a: torch.Tensor) -> torch.Tensor:
+    _, exponent = torch.frexp(a)  # a = m * 2**exponent, m in [0.5, 1): floor(log2 a) = exponent - 1, exactly
+    e = (exponent - 1).clamp_(HISTOGRAM_LOW, HISTOGRAM_HIGH - 1).float().add_(0.5)  # bin centres, exact
+    e = torch.where((a > 0) & torch.isfinite(a), e, HISTOGRAM_LOW - 8.0)  # zeros, inf, NaN: not counted
+    return torch.histc(e, bins=HISTOGRAM_BINS, min=HISTOGRAM_LOW, max=HISTOGRAM_HIGH).long()  # <= 2**24: exact
 
 
 def _compute(
     grads: list[torch.Tensor], weights: list[torch.Tensor], scale: torch.Tensor, config: Telemetry, groups: list[str]
 ) -> tuple[torch.Tensor, ...]:
-    """Per group (in ``_group_order`` order): a float32 vector of the scalars, and its histogram."""
-    per_leaf = [_leaf_stats(g, w, scale, config.formats) for g, w in zip(grads, weights)]
+    """Per group (in ``_group_order`` order): a float32 vector of the scalars, and its int64 histogram."""
+    scale = scale.double()
+    limits = {dtype: _limits(config.formats, scale, dtype) for dtype in dict.fromkeys(map(_magnitude_dtype, grads))}
+    per_leaf = [_leaf_stats(g, w, limits[_magnitude_dtype(g)]) for g, w in zip(grads, weights)]
     hists = [_log2_hist(g) for g in grads] if config.histogram else []
     out = []
     for members in _group_members(groups).values():
         amax = torch.stack([per_leaf[i][0] for i in members]).amax(0)
         counts = torch.stack([per_leaf[i][1] for i in members]).sum(0)
         n = sum(grads[i].numel() for i in members)
-        fractions = counts.float() / max(n, 1)
-        log2_amax = torch.log2(scale) + torch.log2(amax[0])
-        heads = [math.log2(FORMATS[f].max_finite) - log2_amax for f in config.formats]
-        out.append(torch.cat([amax, fractions, torch.stack(heads).reshape(-1)]))
+        fractions = counts.double() / max(n, 1)  # exact int64 counts, one rounding to float32 below
+        # log2(max_finite / (scale * amax)) in float64: finite for every finite amax > 0 (subnormal too)
+        heads = [math.log2(FORMATS[f].max_finite) - torch.log2(scale) - torch.log2(amax[0]) for f in config.formats]
+        out.append(torch.cat([amax, fractions, *(h.reshape(1) for h in heads)]).float())
         if config.histogram:
             out.append(torch.stack([hists[i] for i in members]).sum(0))
     return tuple(out)
@@ -265,13 +320,13 @@ def telemetry_metrics(
     Args:
       grads: the unscaled gradients, a pytree with the structure of ``params``.
       params: the parameters (their names give the groups; ``weight_amax`` reads them).
-      loss_scale: the loss scale the step used, a 0-d float32 tensor (1.0 for none).
+      loss_scale: the loss scale the step used, a 0-d float32 tensor > 0 (1.0 for none).
       config: a :class:`Telemetry`.
       active: a 0-d bool tensor: compute now (True) or return zeros (False), with :func:`torch.cond`
         when compiling (eagerly: a Python branch, one host read); ``None``: always compute.
     Returns:
       ``{"numerics/active": 0-d bool, "numerics/<group>/<name>": 0-d float32 or, for
-      ``grad_log2_hist``, a float32 vector of :data:`HISTOGRAM_BINS` counts}``, on the gradients'
+      ``grad_log2_hist``, an int64 vector of :data:`HISTOGRAM_BINS` counts}``, on the gradients'
       device; the names are listed in the module docstring.
     Raises:
       ValueError: if ``grads`` and ``params`` have different numbers of floating leaves.
@@ -316,5 +371,5 @@ def _zeros_like_compute(config: Telemetry, groups: list[str], device: torch.devi
     for _ in _group_members(groups):
         out.append(torch.zeros(n, dtype=torch.float32, device=device))
         if config.histogram:
-            out.append(torch.zeros(HISTOGRAM_BINS, dtype=torch.float32, device=device))
+            out.append(torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device))
     return tuple(out)

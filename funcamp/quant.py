@@ -1,32 +1,39 @@
 """Int8 weight-only storage of frozen matrices: per-output-channel absmax scales, dequantized to compute.
 
 A frozen weight ``W`` (a Linear's ``[out, in]``, Hugging Face ``Conv1D``'s ``[in, out]``, an Embedding's
-``[num, dim]``) is stored as ``qdata = round(W * (127 / absmax))`` in int8 and ``scale = absmax / 127``
-in float32, one ``absmax = max |W|`` per output channel (a Linear's row, a ``Conv1D``'s column, an
-embedding's row): symmetric quantization, as bitsandbytes' ``Linear8bitLt`` (``load_in_8bit=True``:
-``CB`` int8 and ``SCB`` float32 absmax) and torchao's ``Int8WeightOnlyConfig`` store it. Inside
-``apply_fn`` it is dequantized, ``qdata`` times ``scale`` in float32 and rounded once to the compute
-dtype of the module using it (float32 for an embedding, which looks up in float32 by default:
-:func:`funcamp.nn.float32_lookup`), so the forward computes with ``W`` up to the quantization error
-and gradients flow to the trainable tensors through the dequantized weight. The int8 weights
-themselves are never trained.
+``[num, dim]``) is stored as ``qdata = round(W / absmax * 127)`` in int8 and ``absmax`` in float32,
+one ``absmax = max |W|`` per output channel (a Linear's row, a ``Conv1D``'s column, an embedding's row):
+symmetric quantization, as bitsandbytes' ``Linear8bitLt`` (``load_in_8bit=True``: ``CB`` int8 and
+``SCB`` float32 absmax) and torchao's ``Int8WeightOnlyConfig`` store it; the quantization step is
+``absmax / 127``. Inside ``apply_fn`` it is dequantized, ``(qdata / 127) * absmax`` in float32 and
+rounded once to the compute dtype of the module using it (float32 for an embedding, which looks up in
+float32 by default: :func:`funcamp.nn.float32_lookup`), so the forward computes with ``W`` up to the
+quantization error and gradients flow to the trainable tensors through the dequantized weight. The
+int8 weights themselves are never trained.
 
-Error bound (per element, dequantized in float32): ``|W - deq(W)| <= scale / 2``, up to float32 round-off
-(``scale * (1/2 + 2**-16)`` covers it: the reciprocal, the product and the rounding tie are each within
-a few float32 units of ``127 * scale``). For ``y = x @ W.T`` (a Linear, ``x`` of shape ``[..., in]``) it
-follows that ``|y[..., i] - y_deq[..., i]| <= scale[i] / 2 * sum_j |x[..., j]|``: channel ``i``'s error is
-its half-step times the input's l1 norm. Layers compose: after a 1-Lipschitz activation the next
-layer's error is ``|W2_deq| @ e1 + scale2 / 2 * ||h||_1``.
+Error bound (per element, dequantized in float32), with ``step = absmax / 127``: ``|W - deq(W)| <=
+step / 2``, up to float32 round-off, which ``step * (1/2 + 2**-16) + 2**-149`` covers: ``qdata`` is the
+rounding of ``W / absmax * 127`` computed in float64 (exact but for float64's own rounding), and the
+two float32 roundings of the dequantization add at most ``2**-23 * absmax`` (``127 * 2**-23 <
+2**-16`` steps), or, where the result is subnormal, ``2**-24 * absmax + 2**-150``. This holds for every
+finite absmax, tiny and subnormal ones included: the step is never formed on its own in float32, where
+it underflows (``absmax / 127`` is 0 for ``absmax = 2**-149``), and neither is ``127 / absmax``, which
+overflows to inf below ``absmax = 3.7e-37``. For ``y = x @ W.T`` (a Linear, ``x`` of shape ``[..., in]``)
+it follows that ``|y[..., i] - y_deq[..., i]| <= step[i] / 2 * sum_j |x[..., j]|``: channel ``i``'s error
+is its half-step times the input's l1 norm. Layers compose: after a 1-Lipschitz activation the next
+layer's error is ``|W2_deq| @ e1 + step2 / 2 * ||h||_1``.
 
-funcamp differs from bitsandbytes in four ways: it quantizes the weight as it is (bitsandbytes first
-rounds a float32 weight to float16; for a float16 weight both give the same int8 values, bit for bit);
-the forward is the model's own (``F.linear`` on the dequantized weight, in the policy's compute dtype),
-not an int8 matmul with outlier decomposition (``llm_int8_threshold``; funcamp has none), so during a
-call the dequantized copy exists as any compute-dtype copy does; the scale stored is ``absmax / 127``
-(bitsandbytes stores ``absmax`` and divides at each use); and funcamp counts the scales in its
-footprints (transformers' ``get_memory_footprint`` does not see ``SCB``, 4 bytes per output channel).
-From torchao it differs in storing the scale in float32 whatever the weight's dtype (torchao keeps it
-in the weight's dtype).
+funcamp differs from bitsandbytes in two ways: it quantizes the weight as it is (bitsandbytes first
+rounds a float32 weight to float16; for a float16 weight both give the same int8 values, except where
+bitsandbytes' own rounding of ``127 / absmax`` and of the product moves a value within that round-off
+of a half-integer across it: funcamp rounds the exact quotient); and the forward is the model's own
+(``F.linear`` on the dequantized weight, in the policy's compute dtype), not an int8 matmul with
+outlier decomposition (``llm_int8_threshold``; funcamp has none), so during a call the dequantized copy
+exists as any compute-dtype copy does. Like bitsandbytes it stores ``absmax`` itself (``SCB``) and
+divides by 127 at each use; unlike transformers' ``get_memory_footprint``, which does not see ``SCB``,
+funcamp counts those 4 bytes per output channel in its footprints. From torchao it differs in storing
+``absmax`` in float32 whatever the weight's dtype (torchao stores ``absmax / 127`` in the weight's
+dtype).
 """
 
 from __future__ import annotations
@@ -43,16 +50,18 @@ __all__ = ["Int8Weight", "Int8WeightOnlyConfig", "dequantize_int8", "quantize_in
 
 
 class Int8Weight(NamedTuple):
-    """A weight stored as int8 with one float32 scale per output channel (a pytree of two tensors).
+    """A weight stored as int8 with one float32 absmax per output channel (a pytree of two tensors).
 
-    ``qdata``: int8, the weight's shape, values in ``[-127, 127]``. ``scale``: float32, the weight's
+    ``qdata``: int8, the weight's shape, values in ``[-127, 127]``. ``absmax``: float32, the weight's
     shape with size 1 on every dimension but the output channel's (``[out, 1]`` for a Linear,
-    ``[1, out]`` for a ``Conv1D``), so that ``qdata * scale`` broadcasts; ``absmax / 127`` of the channel
-    (0 for an all-zero channel). ``qdata.numel() + 4 * scale.numel()`` bytes.
+    ``[1, out]`` for a ``Conv1D``), so that ``qdata / 127 * absmax`` broadcasts; ``max |W|`` of the
+    channel (bitsandbytes' ``SCB``; 0 for an all-zero channel). The quantization step is
+    ``absmax / 127``; it is not stored, since in float32 it underflows for channels below 1.5e-36.
+    ``qdata.numel() + 4 * absmax.numel()`` bytes.
     """
 
     qdata: torch.Tensor
-    scale: torch.Tensor
+    absmax: torch.Tensor
 
     @property
     def shape(self) -> torch.Size:
@@ -72,10 +81,15 @@ class Int8Weight(NamedTuple):
 def quantize_int8(weight: torch.Tensor, channel_dim: int = 0) -> Int8Weight:
     """Store a 2-d floating weight as int8 with per-output-channel symmetric absmax scales.
 
-    ``absmax[c] = max |weight|`` over channel ``c`` (dimension ``channel_dim`` indexes channels),
-    computed in float32; ``qdata = round(weight * (127 / absmax))`` (round half to even) in int8 and
-    ``scale = absmax / 127`` in float32. An all-zero channel gets ``qdata = 0`` and ``scale = 0``. For a
-    float16 weight ``qdata`` equals bitsandbytes' ``CB`` (``int8_vectorwise_quant``: the same formula).
+    ``absmax[c] = max |weight|`` over channel ``c`` (dimension ``channel_dim`` indexes channels), stored
+    in float32 (exact for float16, bfloat16 and float32 weights; a float64 one is rounded up, so that
+    ``|weight| <= absmax`` holds); ``qdata = round(weight / absmax * 127)`` (round half to even),
+    computed in float64, where it is exact up to float64's own rounding for every finite ``absmax > 0``:
+    tiny and subnormal channels get the same integers as any other (``[1e-37, -0.5e-37, 0.3e-37, 0]``
+    gives ``[127, -64, 38, 0]``). An all-zero channel gets ``qdata = 0`` and ``absmax = 0``. The float64
+    copy is made one block of channels at a time (at most 2**22 elements), on ``weight``'s device. For a
+    float16 weight ``qdata`` is bitsandbytes' ``CB`` (``int8_vectorwise_quant``: the same formula, up to
+    its round-off near ties, see the module docstring) and ``absmax`` its ``SCB``.
 
     Args:
       weight: a 2-d float16, bfloat16, float32 or float64 tensor, all finite, on any device.
@@ -85,11 +99,12 @@ def quantize_int8(weight: torch.Tensor, channel_dim: int = 0) -> Int8Weight:
       An :class:`Int8Weight` on ``weight``'s device (detached: no gradient flows to ``weight``).
     Raises:
       TypeError: if ``weight`` is not a floating-point tensor.
-      ValueError: if ``weight`` is not 2-d, ``channel_dim`` is not 0 or 1, or ``weight`` holds NaN or inf.
+      ValueError: if ``weight`` is not 2-d, ``channel_dim`` is not 0 or 1, ``weight`` holds NaN or inf,
+        or (float64) a channel's absmax exceeds float32's largest value, 3.4e38.
 
     Example:
       >>> q = quantize_int8(torch.tensor([[1.0, -0.5], [0.0, 0.0]]))
-      >>> q.qdata.tolist(), (q.scale * 127).flatten().tolist()  # -63.5 rounds half to even
+      >>> q.qdata.tolist(), q.absmax.flatten().tolist()  # -63.5 rounds half to even
       ([[127, -64], [0, 0]], [1.0, 0.0])
     """
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
@@ -102,26 +117,53 @@ def quantize_int8(weight: torch.Tensor, channel_dim: int = 0) -> Int8Weight:
     w = weight.detach()
     if not torch.isfinite(w).all():
         raise ValueError("quantize_int8: the weight holds NaN or inf; int8 absmax scales need finite weights")
-    reduce_dim = 1 - channel_dim
-    absmax = w.abs().amax(dim=reduce_dim, keepdim=True).float()
-    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
-    qdata = torch.round(w * inv).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(qdata, absmax / 127.0)
+    absmax = _absmax_float32(w.abs().amax(dim=1 - channel_dim, keepdim=True))
+    denominator = torch.where(absmax > 0, absmax, torch.ones_like(absmax)).double()  # a zero channel: 0 / 1
+    rows = max(1, _BLOCK // max(1, w.shape[1 - channel_dim]))
+    blocks = zip(w.split(rows, dim=channel_dim), denominator.split(rows, dim=channel_dim))
+    qdata = torch.cat([_round_quotient(wb, db) for wb, db in blocks], dim=channel_dim)
+    return Int8Weight(qdata, absmax)
+
+
+_BLOCK = 2**22  # elements of the float64 copy quantize_int8 makes at a time (32 MiB)
+
+
+def _absmax_float32(absmax: torch.Tensor) -> torch.Tensor:
+    """``absmax`` in float32, rounded up (exact unless float64); raises past float32's range."""
+    if absmax.dtype != torch.float64:
+        return absmax.float()
+    up = absmax.float()
+    up = torch.where(up.double() < absmax, torch.nextafter(up, torch.full_like(up, torch.inf)), up)
+    if torch.isinf(up).any():
+        raise ValueError(
+            f"quantize_int8: a channel's absmax is {absmax.max().item():.6g}, above float32's largest value "
+            f"{torch.finfo(torch.float32).max:.6g}; int8 absmax scales are float32. Scale the weight down first"
+        )
+    return up
+
+
+def _round_quotient(w: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """``round(w / absmax * 127)`` in float64 (``absmax`` float64 > 0), as int8."""
+    q = torch.div(w.to(torch.float64), absmax).mul_(127).round_()  # a new tensor: w itself is never written
+    return q.clamp_(-127, 127).to(torch.int8)  # |w| <= absmax: the clamp changes nothing
 
 
 def dequantize_int8(weight: Int8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``qdata * scale`` computed in float32, then rounded once to ``dtype``.
+    """``(qdata / 127) * absmax`` computed in float32, then rounded once to ``dtype``.
 
-    Traceable (no host sync, no branch on values): ``apply_fn`` calls it inside the compiled step.
+    In this order no intermediate overflows (``qdata * absmax`` is inf for ``absmax`` above 2.7e36) or
+    underflows (``absmax / 127`` is 0 for ``absmax = 2**-149``). Traceable (no host sync, no branch on
+    values): ``apply_fn`` calls it inside the compiled step.
 
     Args:
       weight: an :class:`Int8Weight`.
       dtype: the floating dtype to return (the compute dtype of the module using the weight).
     Returns:
-      A tensor of ``weight.shape`` in ``dtype`` on ``weight``'s device, within ``scale / 2`` of the
-      original weight per element (up to float32 round-off, and the rounding to ``dtype``).
+      A tensor of ``weight.shape`` in ``dtype`` on ``weight``'s device, within half a step
+      (``absmax / 254``) of the original weight per element, up to float32 round-off (see the module
+      docstring) and the rounding to ``dtype``.
     """
-    return (weight.qdata.to(torch.float32) * weight.scale).to(dtype)
+    return (weight.qdata.to(torch.float32) / 127 * weight.absmax).to(dtype)
 
 
 # --- which modules ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ OCP casts JAX uses) where it is installed, and against its definition otherwise.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -175,3 +176,52 @@ def test_get_format_names() -> None:
 def test_bad_input(call, error, match) -> None:
     with pytest.raises(error, match=match):
         call()
+
+
+# --- amax magnitudes (issue 26, item 2): tiny, subnormal and zero inputs, rounded exactly -------------------
+
+#: The magnitudes of the int8 and telemetry sweeps: zero, float32's smallest subnormal, subnormals, around
+#: the smallest normal, 3.7e-37 (where 127 / amax overflows in float32), ordinary, close to float32's max.
+MAGNITUDES = [0.0, 1e-45, 1e-40, 1e-39, 1e-38, 1e-37, 3.7e-37, 1e-30, 1.0, 1e30, 3e38]
+
+
+def nearest_value(x: float, fmt: Format, saturate: bool) -> float:
+    """The float64 oracle: the nearest value of ``fmt`` by search over all its values (ties to the even bit
+    pattern), overflow past ``max + ulp(max) / 2``, zeros keeping the sign of ``x``."""
+    if fmt.is_integer:
+        return float(min(max(round(x), -128), 127)) + 0.0  # Python's round: half to even, in float64
+    if fmt.name == "float32":
+        np = pytest.importorskip("numpy")
+        with np.errstate(over="ignore"):
+            y = float(np.float32(x))  # IEEE round to nearest even from float64
+        return max(min(y, fmt.max), fmt.min) if saturate else y
+    bits = torch.arange(2 ** (8 * fmt.dtype.itemsize), dtype=torch.int32)
+    values = all_values(fmt).double()
+    keep = torch.isfinite(values) & (values >= 0)
+    values, bits = values[keep], bits[keep]
+    top = values.max().item()
+    ulp_top = 2.0 ** (math.frexp(top)[1] - 1 - fmt.mantissa_bits)
+    if abs(x) >= top + ulp_top / 2:
+        if saturate:
+            return math.copysign(top, x)
+        return math.copysign(math.inf, x) if fmt.has_inf else math.nan
+    dist = (values - abs(x)).abs()
+    best = dist.min()
+    ties = (dist == best).nonzero().flatten()
+    pick = ties[(bits[ties] % 2 == 0).nonzero().flatten()[0]] if len(ties) > 1 else ties[0]
+    return math.copysign(values[pick].item(), x)
+
+
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("name", [*FLOATS, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_amax_magnitudes_round_as_the_float64_oracle(dtype, name, saturate) -> None:
+    fmt = FORMATS[name]
+    if fmt.is_integer and not saturate:
+        pytest.skip("int8 has only the saturating mode")
+    rest = torch.rand(12, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 2 - 1
+    pattern = torch.cat([torch.tensor([1.0, -0.5, 0.3, 0.0], dtype=torch.float64), rest])
+    x = torch.cat([pattern * m for m in MAGNITUDES]).to(dtype)
+    got = quantize_to(x, fmt, saturate=saturate)
+    expected = torch.tensor([nearest_value(v, fmt, saturate) for v in x.double().tolist()], dtype=torch.float32)
+    same_bits(got, expected)

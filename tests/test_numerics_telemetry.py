@@ -116,11 +116,11 @@ def test_histogram_counts_binades_and_leaves_out_zeros_and_non_finite():
     hist = telemetry_metrics({"w": g}, {"w": g}, torch.tensor(1.0), Telemetry())["numerics/all/grad_log2_hist"]
     edges = numerics.histogram_edges()
     assert hist.shape == (numerics.HISTOGRAM_BINS,) and len(edges) == numerics.HISTOGRAM_BINS + 1
-    expected = torch.zeros(numerics.HISTOGRAM_BINS)
+    expected = torch.zeros(numerics.HISTOGRAM_BINS, dtype=torch.int64)
     for value in (1.0, 1.5, 2.0, 0.25, 2.0**-60, 2.0**20, 3.0):  # bin of [2**k, 2**(k+1)), ends clamped
         k = min(max(math.floor(math.log2(value)), numerics.HISTOGRAM_LOW), numerics.HISTOGRAM_HIGH - 1)
         expected[k - numerics.HISTOGRAM_LOW] += 1
-    assert torch.equal(hist, expected)
+    assert hist.dtype == torch.int64 and torch.equal(hist, expected)  # exact integer counts
 
 
 def test_groups_by_module_prefix_and_all():
@@ -250,3 +250,183 @@ def test_eager_step_gives_the_compiled_metrics(runs):
         state, m = step(state, _batch(i))
     for k, v in m.items():
         torch.testing.assert_close(v, compiled[EVERY - 1][k], rtol=0, atol=0, equal_nan=True, msg=k)
+
+
+# --- exact counts at any size (issue 26, item 3) ---------------------------------------------------------
+
+
+def _bin(value: float) -> int:
+    """The histogram bin of a finite nonzero value, from its float64 exponent (math.frexp: exact)."""
+    k = math.frexp(abs(value))[1] - 1  # floor(log2 |value|)
+    return min(max(k, numerics.HISTOGRAM_LOW), numerics.HISTOGRAM_HIGH - 1) - numerics.HISTOGRAM_LOW
+
+
+def test_twenty_million_gradient_elements_are_all_counted():
+    # Before: torch.histc per leaf counted in float32, so bin 0 read 16,777,216 (2**24) instead of
+    # 19,000,000 and the bins summed to 17,777,216.
+    g = torch.full((20_000_000,), 1.5)  # 19,000,000 in [1, 2): bin 0
+    g[19_000_000:19_500_000] = 2.0**-30  # 500,000: bin -30, flushed by float16
+    g[19_500_000:19_800_000] = 2.0**17  # 300,000: the last bin (2**16 and above), overflow in float16
+    g[19_800_000:] = 3.0  # 200,000: bin 1
+    m = telemetry_metrics({"w": g}, {"w": g}, torch.tensor(1.0), Telemetry(formats=("float16",)))
+    hist = m["numerics/all/grad_log2_hist"]
+    assert hist.dtype == torch.int64
+    expected = torch.zeros(numerics.HISTOGRAM_BINS, dtype=torch.int64)
+    for value, count in ((1.5, 19_000_000), (2.0**-30, 500_000), (2.0**17, 300_000), (3.0, 200_000)):
+        expected[_bin(value)] += count
+    assert hist.tolist() == expected.tolist() and int(hist.sum()) == 20_000_000
+    assert hist[_bin(1.5)].item() == 19_000_000
+    assert m["numerics/all/float16/underflow"].item() == torch.tensor(500_000 / 20_000_000).item()
+    assert m["numerics/all/float16/overflow"].item() == torch.tensor(300_000 / 20_000_000).item()
+    assert m["numerics/all/grad_zeros"].item() == 0.0
+
+
+#: What one element of the count sweep is: its value, and the counts it adds (float16, before and after a
+#: loss scale of 2**-8). "tiny" underflows both ways, "huge" overflows both ways (2**17 * 2**-8 = 2**9
+#: does not overflow: 2**25 is used), "ordinary" neither.
+KINDS = {"zero": 0.0, "tiny": 2.0**-30, "huge": 2.0**25, "ordinary": 1.5}
+
+
+def _count_case(kind: str, n: int) -> tuple[dict, dict, int]:
+    """Two leaves: ``a.w`` of ``n - 1000`` elements and ``b.w`` of 1000; each holds three of every other
+    kind and ``kind`` elsewhere. Returns the metrics, the exact counts of each kind, and ``n``."""
+    leaves, counts = {}, dict.fromkeys(KINDS, 0)
+    for name, size in (("a.w", n - 1000), ("b.w", 1000)):
+        g = torch.full((size,), KINDS[kind])
+        others = [k for k in KINDS if k != kind]
+        for i, other in enumerate(others):
+            g[3 * i : 3 * i + 3] = KINDS[other]
+            counts[other] += 3
+        counts[kind] += size - 3 * len(others)
+        leaves[name] = g
+    config = Telemetry(group_depth=1, formats=("float16",))
+    m = telemetry_metrics(
+        leaves, {k: torch.ones(1).expand_as(v) for k, v in leaves.items()}, torch.tensor(2.0**-8), config
+    )
+    return m, counts, n
+
+
+@pytest.fixture(scope="module", params=[2**24 + 10, 20_000_010], ids=["2**24+10", "20M"])
+def count_cases(request):
+    """The sweep's metrics for every dominant kind at one size (the gradients are freed after each)."""
+    return {kind: _count_case(kind, request.param) for kind in KINDS}
+
+
+COUNT_SITES = ["grad_log2_hist", "grad_zeros", "underflow", "overflow", "underflow_scaled", "overflow_scaled"]
+
+
+@pytest.mark.parametrize("site", COUNT_SITES)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_sweep_counts_past_2_24_are_exact(count_cases, kind, site):
+    m, counts, n = count_cases[kind]
+    key = "numerics/all/" + (site if site.startswith("grad") else f"float16/{site}")
+    got = m[key]
+    if site == "grad_log2_hist":
+        expected = torch.zeros(numerics.HISTOGRAM_BINS, dtype=torch.int64)
+        for k, value in KINDS.items():
+            if value != 0:
+                expected[_bin(value)] += counts[k]
+        assert got.tolist() == expected.tolist()
+        assert int(got.sum()) == n - counts["zero"] and got.dtype == torch.int64
+        return
+    count = {"grad_zeros": counts["zero"], "underflow": counts["tiny"], "overflow": counts["huge"]}
+    count["underflow_scaled"], count["overflow_scaled"] = count["underflow"], count["overflow"]
+    # The fraction of an exact count, rounded once (float64 division, then float32).
+    assert got.item() == torch.tensor(count[site] / n, dtype=torch.float64).float().item(), (count[site], n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_sweep_histogram_bins_at_every_power_of_two(dtype):
+    """2**k and the largest value below it, for every k the dtype holds, go to the bins of their exact
+    exponent (before: float32 floor(log2(x)) put the value below 2**k in bin k for most k)."""
+    info = torch.finfo(dtype)
+    lo, hi = math.frexp(info.smallest_normal * info.eps)[1] - 1, math.frexp(info.max)[1] - 1
+    powers = torch.tensor([2.0**k for k in range(lo, hi + 1)], dtype=torch.float64).to(dtype)
+    below = torch.nextafter(powers[1:], torch.zeros_like(powers[1:]))
+    extremes = [1e-300, 1e300] if dtype == torch.float64 else []  # beyond float32: still finite, still counted
+    g = torch.cat([powers, below, -below, torch.tensor(extremes, dtype=dtype)])
+    m = telemetry_metrics({"w": g}, {"w": g}, torch.tensor(1.0), Telemetry(formats=("float16",)))
+    hist = m["numerics/all/grad_log2_hist"]
+    expected = torch.zeros(numerics.HISTOGRAM_BINS, dtype=torch.int64)
+    for value in g.double().tolist():
+        expected[_bin(value)] += 1
+    assert hist.tolist() == expected.tolist()
+
+
+# --- tiny, subnormal and zero amax, and any loss scale (issue 26, item 2) ---------------------------------
+
+MAGNITUDES = [0.0, 1e-45, 1e-40, 1e-39, 1e-38, 1e-37, 3.7e-37, 1e-30, 1.0, 1e30, 3e38]
+SCALES = [1.0, 2.0**15, 2.0**-20, 3.0, 1000.0]  # powers of two, and scales whose products round
+
+
+def _exact_fractions(g: torch.Tensor, scale: float, name: str) -> dict[str, float]:
+    """Underflow/overflow fractions from exact rational arithmetic (fractions.Fraction) on every element."""
+    from fractions import Fraction
+
+    fmt = FORMATS[name]
+    half_sub, thr = Fraction(fmt.smallest_subnormal) / 2, Fraction(fmt.overflow_threshold)
+    out = dict.fromkeys(("underflow", "overflow", "underflow_scaled", "overflow_scaled"), 0)
+    for v in g.double().tolist():
+        for suffix, s in (("", Fraction(1)), ("_scaled", Fraction(scale))):
+            if not math.isfinite(v):
+                out[f"overflow{suffix}"] += 1
+                continue
+            x = abs(Fraction(v)) * s
+            out[f"underflow{suffix}"] += 0 < x <= half_sub
+            out[f"overflow{suffix}"] += x >= thr
+    return {k: torch.tensor(c / g.numel(), dtype=torch.float64).float().item() for k, c in out.items()}
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("m", MAGNITUDES)
+def test_sweep_magnitudes_against_exact_arithmetic(m, dtype, scale):
+    """Every site that divides by an amax or a scale: the headroom ``log2(max / (scale * amax))``, and the
+    underflow/overflow counts of ``g * scale`` (compared as ``|g|`` against the threshold over the scale)."""
+    rest = torch.rand(12, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 2 - 1
+    g = (torch.cat([torch.tensor([1.0, -0.5, 0.3, 0.0], dtype=torch.float64), rest]) * m).to(dtype)
+    m_ = telemetry_metrics({"w": g}, {"w": g}, torch.tensor(scale), Telemetry(formats=ALL_FORMATS))
+    amax = g.double().abs().max().item()
+    assert m_["numerics/all/grad_amax"].item() == torch.tensor(amax).float().item()
+    for name in ALL_FORMATS:
+        for key, value in _exact_fractions(g, scale, name).items():
+            assert m_[f"numerics/all/{name}/{key}"].item() == value, (name, key)
+        head = m_[f"numerics/all/{name}/headroom_log2"].item()
+        if amax == 0:
+            assert head == math.inf
+            continue
+        expected = math.log2(FORMATS[name].max_finite) - math.log2(scale) - math.log2(amax)  # float64
+        assert math.isfinite(head) and abs(head - expected) <= abs(expected) * 2**-24 + 1e-12, (name, head, expected)
+
+
+@pytest.mark.parametrize("scale", [3.0, 1000.0, 2.0**-20 * 3])
+@pytest.mark.parametrize("name", ALL_FORMATS)
+def test_scaled_counts_at_the_threshold_over_the_scale(name, scale):
+    """The float32 neighbours of ``half_sub / scale`` and ``threshold / scale`` are counted as their exact
+    products say (before: the float32 product g * scale rounded some across the threshold)."""
+    fmt = FORMATS[name]
+    points = []
+    for t in (fmt.smallest_subnormal / 2, fmt.overflow_threshold):
+        x = torch.tensor(t / scale, dtype=torch.float32)
+        for _ in range(3):
+            x = torch.nextafter(x, torch.tensor(0.0))
+        for _ in range(7):
+            points.append(x.item())
+            x = torch.nextafter(x, torch.tensor(math.inf))
+    g = torch.tensor(points)
+    m = telemetry_metrics({"w": g}, {"w": g}, torch.tensor(scale), Telemetry(formats=(name,)))
+    for key, value in _exact_fractions(g, scale, name).items():
+        assert m[f"numerics/all/{name}/{key}"].item() == value, key
+
+
+def test_no_formats_gives_amaxes_zeros_and_the_histogram():
+    # Before: torch.stack of the empty list of headrooms raised.
+    g = torch.tensor([0.0, 1.0, -3.0])
+    m = telemetry_metrics({"w": g}, {"w": g}, torch.tensor(1.0), Telemetry(formats=()))
+    assert sorted(k.rsplit("/", 1)[1] for k in m if k.startswith("numerics/all/")) == [
+        "grad_amax",
+        "grad_log2_hist",
+        "grad_zeros",
+        "weight_amax",
+    ]
+    assert m["numerics/all/grad_zeros"].item() == pytest.approx(1 / 3) and m["numerics/all/grad_amax"].item() == 3.0

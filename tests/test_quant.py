@@ -1,7 +1,8 @@
 """funcamp.quant: int8 weight-only storage of frozen matrices (issue 13, item 2).
 
 References: bitsandbytes' ``int8_vectorwise_quant`` (golden values below; compared live when bitsandbytes
-is importable), the error bound ``|W - deq(W)| <= scale / 2`` and the bound it implies for ``x @ W.T``
+is importable), the error bound ``|W - deq(W)| <= step / 2`` (``step = absmax / 127``) and the bound it
+implies for ``x @ W.T``
 (module docstring of funcamp.quant), a float64 recomputation, and the same model with its weights
 replaced by their dequantized values (gradients bitwise equal). GPT-2 124M footprints are checked
 against hand arithmetic and against transformers' ``get_memory_footprint`` of the same layout.
@@ -25,7 +26,7 @@ from funcamp.nn import functionalize
 from funcamp.quant import Int8Weight, Int8WeightOnlyConfig, dequantize_int8, quantize_int8
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-SLACK = 2.0**-16  # float32 round-off in the reciprocal, product and rounding tie, relative to the scale
+SLACK = 2.0**-16  # float32 round-off of the dequantization (two roundings, 127 * 2**-23 steps), in steps
 
 
 # --- quantize / dequantize ------------------------------------------------------------------------------
@@ -33,7 +34,7 @@ SLACK = 2.0**-16  # float32 round-off in the reciprocal, product and rounding ti
 
 def test_matches_bitsandbytes_golden():
     # Golden: bitsandbytes 0.50.2, bnb.functional.int8_vectorwise_quant(w) on CPU (the same w, float16):
-    # CB (int8) and SCB (float32 absmax per row). funcamp stores scale = SCB / 127.
+    # CB (int8) and SCB (float32 absmax per row); funcamp stores absmax = SCB.
     w = ((torch.arange(18, dtype=F32).reshape(3, 6) - 7.3) / 3.1).contiguous()
     w[2] *= 1e-3
     w = w.half()
@@ -41,8 +42,8 @@ def test_matches_bitsandbytes_golden():
     scb = [2.35546875, 1.193359375, 0.0031299591064453125]
     q = quantize_int8(w)
     assert q.qdata.dtype == torch.int8 and q.qdata.tolist() == cb
-    assert q.scale.dtype == F32 and q.scale.shape == (3, 1)
-    assert torch.equal(q.scale.flatten(), torch.tensor(scb) / 127)
+    assert q.absmax.dtype == F32 and q.absmax.shape == (3, 1)
+    assert torch.equal(q.absmax.flatten(), torch.tensor(scb))
 
 
 def test_matches_bitsandbytes_live():
@@ -53,7 +54,7 @@ def test_matches_bitsandbytes_live():
         cb, scb, _ = bnb.functional.int8_vectorwise_quant(w)
         q = quantize_int8(w)
         assert torch.equal(q.qdata, cb)
-        torch.testing.assert_close(q.scale.flatten() * 127, scb, rtol=2**-23, atol=0)
+        assert torch.equal(q.absmax.flatten(), scb)
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, torch.float64])
@@ -63,12 +64,13 @@ def test_elementwise_error_within_half_a_step(dtype, channel_dim):
     w = (torch.randn(96, 80) * torch.logspace(-3, 2, 80)).to(dtype)  # channels of very different ranges
     q = quantize_int8(w, channel_dim)
     expected_scale_shape = (96, 1) if channel_dim == 0 else (1, 80)
-    assert q.scale.shape == expected_scale_shape and q.qdata.shape == w.shape
+    assert q.absmax.shape == expected_scale_shape and q.qdata.shape == w.shape
     absmax = w.double().abs().amax(dim=1 - channel_dim, keepdim=True)
-    torch.testing.assert_close(q.scale.double(), absmax / 127, rtol=2**-23, atol=0)
+    torch.testing.assert_close(q.absmax.double(), absmax, rtol=2**-23, atol=0)  # float64: rounded up
+    assert (q.absmax.double() >= absmax).all()
     assert int(q.qdata.abs().max()) == 127 and int(q.qdata.min()) >= -127
     err = (w.double() - dequantize_int8(q, F32).double()).abs()
-    bound = q.scale.double() * (0.5 + SLACK)
+    bound = q.absmax.double() / 127 * (0.5 + SLACK)
     assert (err <= bound).all()
     assert (err / bound).max() > 0.9  # the bound is attained (within round-off): it is the right one
 
@@ -76,7 +78,7 @@ def test_elementwise_error_within_half_a_step(dtype, channel_dim):
 def test_dequantize_rounds_once_into_the_compute_dtype():
     torch.manual_seed(1)
     q = quantize_int8(torch.randn(32, 16))
-    full = q.qdata.float() * q.scale
+    full = q.qdata.float() / 127 * q.absmax
     for dtype in (F16, BF16, F32):
         assert torch.equal(dequantize_int8(q, dtype), full.to(dtype))
         assert torch.equal(q.dequantize(dtype), full.to(dtype))
@@ -85,7 +87,7 @@ def test_dequantize_rounds_once_into_the_compute_dtype():
 
 def test_zero_channel_and_bad_input():
     q = quantize_int8(torch.tensor([[0.0, 0.0], [3.0, -1.5]]))
-    assert q.qdata.tolist() == [[0, 0], [127, -64]] and q.scale[0].item() == 0.0
+    assert q.qdata.tolist() == [[0, 0], [127, -64]] and q.absmax[0].item() == 0.0
     assert torch.isfinite(q.dequantize()).all()
     with pytest.raises(ValueError, match="NaN or inf"):
         quantize_int8(torch.tensor([[1.0, float("nan")]]))
@@ -105,16 +107,139 @@ def test_int8_weight_is_a_pytree_of_two_tensors():
     assert len(leaves) == 2 and isinstance(torch.utils._pytree.tree_unflatten(leaves, spec), Int8Weight)
 
 
+# --- tiny, subnormal and zero channels (issue 26, item 2) -------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1e-37, 1e-39])  # normal (below 3.7e-37, where 127 / absmax is inf) and subnormal
+def test_tiny_channel_gets_the_integers_of_any_other(m):
+    # Before: [127, -127, 127, 0]: 127 / absmax overflowed to inf, and the 0 was a NaN (0 * inf) cast to int8.
+    w = torch.tensor([[m, -0.5 * m, 0.3 * m, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    q = quantize_int8(w)
+    assert q.qdata.tolist() == [[127, -64, 38, 0], [0, 0, 0, 0]]  # -63.5 ties to even; 0.3 * 127 = 38.1
+    assert q.absmax.flatten().tolist() == [w[0, 0].item(), 0.0]  # finite: the zero row's absmax is 0
+    deq = q.dequantize().double()
+    step = w[0, 0].double() / 127
+    assert deq[1].tolist() == [0.0] * 4
+    # Within half a step of the weight (-0.5 * m is exactly half a step from -64), up to float32 round-off
+    # (2**-149 where the result is subnormal), and within round-off of the float64 dequantization.
+    assert ((w[0].double() - deq[0]).abs() <= step * (0.5 + SLACK) + 2.0**-149).all()
+    exact = torch.tensor([127, -64, 38, 0], dtype=torch.float64) / 127 * w[0, 0].double()
+    assert ((deq[0] - exact).abs() <= exact.abs() * 2**-23 + 2**-150).all()
+
+
+#: Channel magnitudes (absmax) of the sweep: zero, float32's smallest subnormal, subnormals, the smallest
+#: normal's neighbourhood, 3.7e-37 (where 127 / absmax overflows), ordinary, and close to float32's max.
+MAGNITUDES = [0.0, 1e-45, 1e-40, 1e-39, 1e-38, 1e-37, 3.7e-37, 1e-30, 1.0, 1e30, 3e38]
+
+
+def _channels(m: float, dtype: torch.dtype, channel_dim: int) -> torch.Tensor:
+    """Three channels of 16: ``m * [1, -0.5, 0.3, 0, 12 values in (-1, 1)]``, its negation scaled by 0.7,
+    and zeros; in ``dtype`` (values it cannot hold round, down to 0)."""
+    rest = torch.rand(12, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 2 - 1
+    row = torch.cat([torch.tensor([1.0, -0.5, 0.3, 0.0], dtype=torch.float64), rest]) * m
+    w = torch.stack([row, -0.7 * row, torch.zeros(16, dtype=torch.float64)]).to(dtype)
+    return w if channel_dim == 0 else w.T.contiguous()
+
+
+def _oracle(w: torch.Tensor, channel_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(absmax as stored, qdata) in float64: absmax exact (float64 weights: rounded up to float32), qdata
+    ``round(x / absmax * 127)`` computed in float64 (0 for a zero channel)."""
+    x = w.double()
+    absmax = x.abs().amax(dim=1 - channel_dim, keepdim=True)
+    stored = absmax.float().double()
+    stored = torch.where(stored < absmax, torch.nextafter(stored.float(), torch.tensor(math.inf)).double(), stored)
+    q = torch.where(stored > 0, torch.round(x / torch.where(stored > 0, stored, 1.0) * 127), 0.0)
+    return stored, q
+
+
+def _stored_absmax(q: Int8Weight) -> torch.Tensor:
+    return q.absmax
+
+
+SWEEP_ERR: dict[tuple, tuple[float, float]] = {}  # case -> largest |W - deq(W)| in steps, and / bound
+
+
+@pytest.mark.parametrize("channel_dim", [0, 1])
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.float64])
+@pytest.mark.parametrize("m", MAGNITUDES)
+def test_sweep_channel_magnitudes_against_float64(m, dtype, channel_dim):
+    w = _channels(m, dtype, channel_dim)
+    q = quantize_int8(w, channel_dim)
+    stored, expected = _oracle(w, channel_dim)
+    absmax = _stored_absmax(q)
+    assert absmax.dtype == F32 and torch.isfinite(absmax).all()
+    assert torch.equal(absmax.double(), stored)
+    mismatch = int((q.qdata.double() != expected).sum())
+    assert mismatch == 0, f"{mismatch} of {w.numel()} int8 values differ from round(x / absmax * 127) in float64"
+    # Dequantized: within half a step plus float32 round-off (2**-149 where the result is subnormal).
+    step = stored / 127
+    deq = dequantize_int8(q, F32).double()
+    err = (w.double() - deq).abs()
+    bound = step * (0.5 + SLACK) + 2.0**-149
+    assert torch.isfinite(deq).all() and (err <= bound).all()
+    # ... and the float64 dequantization rounded to float32, within float32 round-off.
+    exact = expected / 127 * stored
+    assert ((deq - exact).abs() <= exact.abs() * 2**-23 + 2**-150).all()
+    for out in (F16, BF16):  # a compute dtype: the float32 result rounded once
+        assert torch.equal(dequantize_int8(q, out), deq.float().to(out))
+    nonzero = step > 0
+    if nonzero.any():
+        in_steps = err / torch.where(nonzero, step, 1.0)
+        SWEEP_ERR[(m, dtype, channel_dim)] = (float(in_steps[nonzero.expand_as(err)].max()), float((err / bound).max()))
+
+
+def test_sweep_summary():
+    """Print the sweep's largest errors (run with -s): in steps (absmax / 127) and as a fraction of the bound."""
+    if not SWEEP_ERR:
+        pytest.skip("run with the sweep")
+    print()
+    for m in sorted({k[0] for k in SWEEP_ERR}):
+        steps = max(v[0] for k, v in SWEEP_ERR.items() if k[0] == m)
+        of_bound = max(v[1] for k, v in SWEEP_ERR.items() if k[0] == m)
+        print(f"int8 sweep, absmax {m:g}: largest |W - deq(W)| {steps:.6f} steps, {of_bound:.4f} of the bound")
+    assert max(v[0] for (m, *_), v in SWEEP_ERR.items() if m >= 1e-30) <= 0.5 + SLACK
+
+
+def test_float64_weights_beyond_float32_are_refused():
+    with pytest.raises(ValueError, match="above float32's largest value"):
+        quantize_int8(torch.tensor([[1e39, 1.0]], dtype=torch.float64))
+    # Rounded up, so that no value exceeds 127 steps: 1 + 2**-30 is not a float32.
+    q = quantize_int8(torch.tensor([[1 + 2**-30, -1.0]], dtype=torch.float64))
+    assert q.absmax.item() == 1 + 2**-23 and q.qdata.tolist() == [[127, -127]]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, torch.float64])
+def test_quantize_leaves_the_weight_alone(dtype):
+    w = torch.randn(5, 7).to(dtype)
+    before = w.clone()
+    quantize_int8(w)
+    quantize_int8(w, 1)
+    assert torch.equal(w, before)
+
+
+def test_large_weight_is_quantized_in_blocks(monkeypatch):
+    import funcamp.quant as quant
+
+    torch.manual_seed(8)
+    w = torch.randn(37, 11) * torch.logspace(-38, 30, 11)
+    whole = [quantize_int8(w, d) for d in (0, 1)]
+    monkeypatch.setattr(quant, "_BLOCK", 20)  # blocks of one or two channels
+    for d in (0, 1):
+        q = quantize_int8(w, d)
+        assert torch.equal(q.qdata, whole[d].qdata) and torch.equal(q.absmax, whole[d].absmax)
+        assert torch.equal(q.qdata.double(), _oracle(w, d)[1])
+
+
 # --- the bound for y = x @ W.T, and a model's output within it --------------------------------------------
 
 
 def test_linear_output_within_the_implied_bound():
-    """|y_i - y_deq_i| <= scale_i / 2 * ||x||_1 (float64, exact up to the per-element slack)."""
+    """|y_i - y_deq_i| <= step_i / 2 * ||x||_1 (float64, exact up to the per-element slack)."""
     torch.manual_seed(2)
     w, x = torch.randn(48, 64), torch.randn(20, 64) * 3
     q = quantize_int8(w)
     y, y_deq = x.double() @ w.double().T, x.double() @ q.dequantize().double().T
-    bound = q.scale.double().T * (0.5 + SLACK) * x.double().abs().sum(-1, keepdim=True)
+    bound = q.absmax.double().T / 127 * (0.5 + SLACK) * x.double().abs().sum(-1, keepdim=True)
     assert ((y - y_deq).abs() <= bound).all()
 
 
@@ -133,7 +258,7 @@ def test_conv1d_output_channel_is_dim_1():
     (name, dim), *_ = Int8WeightOnlyConfig(targets=conv1d).select(layer).items()
     assert (name, dim) == ("weight", 1)
     q = quantize_int8(layer.weight, dim)
-    assert q.scale.shape == (1, 24)  # one scale per output channel (column)
+    assert q.absmax.shape == (1, 24)  # one scale per output channel (column)
     assert torch.equal(q.qdata.T, quantize_int8(linear.weight, 0).qdata)
 
 
@@ -147,7 +272,7 @@ def mlp():
 
 
 def test_model_output_within_the_composed_bound(mlp):
-    """Linear -> ReLU -> Linear in float32: |dy_k| <= sum_j |W2_deq[k, j]| e1_j + scale2_k / 2 * ||h||_1."""
+    """Linear -> ReLU -> Linear in float32: |dy_k| <= sum_j |W2_deq[k, j]| e1_j + step2_k / 2 * ||h||_1."""
     model = copy.deepcopy(mlp).requires_grad_(False)
     apply_fn, params = functionalize(model, "float32", quantize=Int8WeightOnlyConfig())
     assert params == {} and sorted(apply_fn.frozen) == ["0.bias", "0.weight", "2.bias", "2.weight"]
@@ -157,8 +282,9 @@ def test_model_output_within_the_composed_bound(mlp):
     xd, (w1, b1, w2, b2) = x.double(), (p.double() for p in mlp.parameters())
     h = torch.relu(xd @ w1.T + b1)
     y = h @ w2.T + b2
-    e1 = q1.scale.double().T * (0.5 + SLACK) * xd.abs().sum(-1, keepdim=True)
-    bound = e1 @ q2.dequantize().double().abs().T + q2.scale.double().T * (0.5 + SLACK) * h.abs().sum(-1, keepdim=True)
+    e1 = q1.absmax.double().T / 127 * (0.5 + SLACK) * xd.abs().sum(-1, keepdim=True)
+    half_step2 = q2.absmax.double().T / 127 * (0.5 + SLACK)
+    bound = e1 @ q2.dequantize().double().abs().T + half_step2 * h.abs().sum(-1, keepdim=True)
     # float32 arithmetic of the forward itself: a few units of float32 times the magnitudes involved
     roundoff = 64 * 2**-24 * ((xd.abs() @ w1.abs().T + b1.abs()) @ w2.abs().T + b2.abs()).max()
     err = (out.double() - y).abs()
@@ -407,7 +533,7 @@ def test_gpt2_int8_footprint_by_hand(gpt2):
     assert frozen["transformer.h.0.ln_1.weight"].dtype == F32 and frozen["transformer.ln_f.weight"].dtype == F32
     for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
         q = frozen[f"transformer.h.3.{name}.weight"]
-        assert isinstance(q, Int8Weight) and q.qdata.dtype == torch.int8 and q.scale.shape == (1, q.shape[1])
+        assert isinstance(q, Int8Weight) and q.qdata.dtype == torch.int8 and q.absmax.shape == (1, q.shape[1])
     expected = _gpt2_bytes(ln_bytes=4, rest_bytes=2, scales=True)
     assert expected == 164_353_536
     assert memory_footprint(params, apply_fn=apply_fn) == expected
