@@ -1,0 +1,260 @@
+"""What one train step adds to memory over the state at rest: torch.amp against funcamp, with and without donation.
+
+    python benchmarks/bench_memory.py                         # the state-dominated MLP and the GPT small
+    python benchmarks/bench_memory.py --models mlp,gpt,gpt2   # and GPT-2 124M (slow to compile on a CPU)
+
+Each (model, variant) runs in a fresh process: two warm-up steps (the first compiles), then ``--steps`` measured
+steps. At rest (between steps) the process holds the parameters and the optimizer state (torch: ``.grad`` set
+to None at the end of each step; funcamp: the state it was handed back). A step's peak is the live tensor bytes
+before it plus the profiler's peak of CPU-allocator bytes during it (CUDA: ``max_memory_allocated``); the table
+gives ``peak - rest`` ("adds"), the rest, and ratios against the compiled in-place torch step and eager torch.
+
+Variants (bfloat16 compute by default, ``--dtype``):
+
+- ``torch_eager``: ``torch.autocast`` + ``torch.optim.AdamW(foreach=True)``, ``zero_grad(set_to_none=True)``;
+- ``torch_compiled_opt``: the same with ``torch.compile(optimizer.step)`` (an in-place compiled update);
+- ``funcamp_eager`` / ``funcamp_eager_donate``: ``make_train_step(compile=False)``, without / with ``donate=True``;
+- ``funcamp_compiled`` / ``funcamp_compiled_donate``: ``make_train_step`` (inductor), without / with ``donate``.
+
+Models: ``mlp`` (8 x ``Linear(2048, 2048)``, 33.6M parameters, batch 8: the state dominates), ``gpt``
+(``examples/gpt.py`` ``small``, batch 32 x 128: activations matter), ``gpt2`` (GPT-2 124M shape, batch 8 x 256).
+Results: ``--out FILE.json`` and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+from bench_train_step import _trim, live_tensor_bytes, profiled_step  # noqa: E402
+from gpt import GPT, SIZES, GPTConfig  # noqa: E402
+
+import funcamp as fa  # noqa: E402
+from funcamp import optim  # noqa: E402
+
+VARIANTS = (
+    "torch_eager",
+    "torch_compiled_opt",
+    "funcamp_eager",
+    "funcamp_eager_donate",
+    "funcamp_compiled",
+    "funcamp_compiled_donate",
+)
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, width: int = 2048, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def make(model_name: str, device: torch.device, seed: int = 0) -> tuple[torch.nn.Module, Any, Any]:
+    """``(model, batches(n), loss(output, batch))``."""
+    torch.manual_seed(seed)
+    if model_name == "mlp":
+        model = MLP().to(device)
+
+        def batches(n: int) -> list[dict[str, torch.Tensor]]:
+            g = torch.Generator(device="cpu").manual_seed(seed + 1)
+            return [{"x": torch.randn(8, 2048, generator=g).to(device)} for _ in range(n)]
+
+        return model, batches, lambda out, b: out.float().square().mean()
+    config = (
+        SIZES["small"]
+        if model_name == "gpt"
+        else GPTConfig(vocab_size=50304, block_size=256, n_layer=12, n_head=12, n_embd=768, bias=True)
+    )
+    batch, block = (32, 128) if model_name == "gpt" else (8, 256)
+    model = GPT(config).to(device)
+
+    def batches(n: int) -> list[dict[str, torch.Tensor]]:
+        g = torch.Generator(device="cpu").manual_seed(seed + 1)
+        out = []
+        for _ in range(n):
+            tokens = torch.randint(0, config.vocab_size, (batch, block + 1), generator=g).to(device)
+            out.append({"x": tokens[:, :-1], "y": tokens[:, 1:]})
+        return out
+
+    return model, batches, lambda out, b: F.cross_entropy(out.flatten(0, 1).float(), b["y"].flatten())
+
+
+def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, backend: str):
+    device = next(model.parameters()).device
+    if variant.startswith("torch"):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True)
+        update = torch.compile(opt.step, backend=backend) if variant == "torch_compiled_opt" else opt.step
+
+        def torch_step(batch: dict[str, torch.Tensor]) -> None:
+            with torch.autocast(device.type, dtype=dtype):
+                value = loss(model(batch["x"]), batch)
+            value.backward()
+            update()
+            opt.zero_grad(set_to_none=True)
+
+        return torch_step
+    policy = fa.get_policy(f"params=float32,compute={str(dtype).split('.')[1]},output=float32")
+    apply_fn, params = fa.nn.functionalize(model, policy)
+    params = {k: v.detach().clone() for k, v in params.items()}  # the state owns its tensors
+    opt = optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
+    box = [fa.TrainState.create(params, opt)]
+    step = fa.make_train_step(
+        lambda p, b: loss(apply_fn(p, b["x"]), b),
+        opt,
+        compile="compiled" in variant,
+        backend=backend,
+        donate=variant.endswith("donate"),
+    )
+
+    def funcamp_step(batch: dict[str, torch.Tensor]) -> None:
+        box[0], _ = step(box[0], batch)
+
+    return funcamp_step
+
+
+def probe(args: argparse.Namespace) -> dict[str, Any]:
+    """One variant in this fresh process."""
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    _trim()
+    before = live_tensor_bytes(device)
+    model, batches, loss = make(args.model, device)
+    data = iter(batches(2 + 2 * args.steps))
+    step = build(args.variant, model, loss, dtype, args.backend)
+    del model
+    for _ in range(2):
+        step(next(data))
+    _trim()
+    peaks, rests = [], []
+    for _ in range(args.steps):
+        rest = live_tensor_bytes(device) - before
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            step(next(data))
+            torch.cuda.synchronize()
+            peak = rest + torch.cuda.max_memory_allocated(device) - base
+        else:
+            peak = rest + profiled_step(lambda: step(next(data)))[0]
+        peaks.append(peak)
+        rests.append(rest)
+    return {
+        "model": args.model,
+        "variant": args.variant,
+        "rest_mb": max(rests) / 2**20,
+        "peak_mb": max(peaks) / 2**20,
+        "adds_mb": max(p - r for p, r in zip(peaks, rests)) / 2**20,
+    }
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        cpu = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "",
+    }
+
+
+def markdown(rows: list[dict[str, Any]], info: dict[str, str], argv: list[str]) -> str:
+    lines = [
+        f"`python benchmarks/bench_memory.py {' '.join(argv)}`; {info['cpu']} "
+        f"({info['capability']}), torch {info['torch']}{(', ' + info['gpu']) if info['gpu'] else ''}.",
+        "",
+        "| model | variant | state at rest MB | step adds MB | vs compiled torch.optim | vs eager torch |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        by = {r["variant"]: r for r in rows if r["model"] == model}
+        ref_c, ref_e = by.get("torch_compiled_opt"), by.get("torch_eager")
+        for name, r in by.items():
+            vc = f"{r['adds_mb'] / ref_c['adds_mb']:.2f}x" if ref_c else "-"
+            ve = f"{r['adds_mb'] / ref_e['adds_mb']:.2f}x" if ref_e else "-"
+            lines.append(f"| {model} | {name} | {r['rest_mb']:.1f} | {r['adds_mb']:.1f} | {vc} | {ve} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt, gpt2 (default mlp,gpt)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--steps", type=int, default=2, help="measured steps per variant (default 2)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None, help="write the rows and the machine as JSON here")
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--probe-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.variant:  # a child process
+        result = probe(args)
+        Path(args.probe_out).write_text(json.dumps(result))
+        return [result]
+    rows = []
+    for model in args.models.split(","):
+        for variant in args.variants.split(","):
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                out = f.name
+            cmd = [
+                sys.executable,
+                __file__,
+                "--model",
+                model,
+                "--variant",
+                variant,
+                "--probe-out",
+                out,
+                "--dtype",
+                args.dtype,
+                "--device",
+                args.device,
+                "--backend",
+                args.backend,
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+            ]
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+            subprocess.run(cmd, check=True, env=env)
+            rows.append(json.loads(Path(out).read_text()))
+            os.unlink(out)
+            print(f"{model} {variant}: adds {rows[-1]['adds_mb']:.1f} MB over {rows[-1]['rest_mb']:.1f} MB", flush=True)
+    info = machine()
+    print(markdown(rows, info, argv if argv is not None else sys.argv[1:]))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
