@@ -477,15 +477,13 @@ def functionalize(
             elif name not in fresh:  # from the stored tensor (the dequantized one for int8), rounded once
                 source = tensors[name] if name in int8 else frozen[name] if name in frozen else params[name]
                 tensors[alias] = _to_forward(source, forward_dtypes[alias])
+        bound = {**fresh, **{alias: fresh[name] for alias, name in plan.aliases.items() if name in fresh}}
         call = None
         if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
             call = _remat._Call(
-                skeleton, tensors, functools.partial(_fresh_buffers, plan, state, forward_dtypes), op_mode
+                skeleton, tensors, functools.partial(_fresh_buffers, plan, state, forward_dtypes), op_mode, bound
             )
-        tensors.update(fresh)
-        for alias, name in plan.aliases.items():
-            if name in fresh:
-                tensors[alias] = fresh[name]
+        tensors.update(bound)
         with _remat.inside(call) if call is not None else contextlib.nullcontext(), op_mode():
             if autocast:
                 half = policy.compute_dtype in _HALF
