@@ -34,13 +34,14 @@ range. Each matmul equals the exact emulation within the float32 accumulation bo
 to the output dtype (float32 stays float32, for rowwise too).
 
 Against torchao 0.18 on the CPU, outputs and gradients of the tensorwise and rowwise recipes are equal
-bit for bit (the same scale arithmetic, saturating casts and ``_scaled_mm`` calls) for bfloat16
-outputs and for every amax from 1e-12 up. Differences: the per-tensor recipes keep the fp8 casts of
-``x`` and ``W`` for the backward (torchao keeps the high-precision tensors and casts them again, to the
-same values); under :data:`MODULE_POLICIES` the weight is cast to fp8 from its float32 master;
-torchao makes rowwise float32 and float16 outputs in bfloat16 (2**-9 relative off), funcamp in
-float32; torchao floors amaxes at 1e-12, so that a tensor whose amax is below about 1e-17 casts to
-zeros, where funcamp keeps it (above).
+bit for bit (the same scale arithmetic, saturating casts and ``_scaled_mm`` calls) for every amax
+from 1e-12 up, rowwise for bfloat16 outputs (its float32 ones, rounded to bfloat16, are torchao's).
+Differences: the per-tensor recipes keep the fp8 casts of ``x`` and ``W`` for the backward (torchao
+keeps the high-precision tensors and casts them again, to the same values); under
+:data:`MODULE_POLICIES` the weight is cast to fp8 from its float32 master; torchao makes rowwise
+float32 and float16 outputs in bfloat16 (2**-9 relative off), funcamp in float32; torchao floors
+amaxes at 1e-12, so that a tensor whose amax is below about 1e-17 casts to zeros, where funcamp keeps
+it (above).
 
 Composition. ``torch.func.grad`` and ``torch.compile(fullgraph=True)`` (aot_eager and inductor) trace
 the layer; gradient accumulation passes the delayed state through every micro-batch. Under
@@ -482,10 +483,13 @@ def fp8_linear(
       weight: ``(N, K)``, any of those dtypes; ``K`` and ``N`` multiples of 16 on CUDA.
       bias: ``(N,)`` or None; added in the output dtype after the fp8 matmul, as torchao.
       recipe: a :class:`Recipe` or its name.
-      scales: for the delayed recipe, the float32 0-d multipliers of ``x`` and ``weight``.
+      scales: for the delayed recipe, the float32 0-d multipliers of ``x`` and ``weight``, finite and in
+        ``[2**-126, 2**126]`` as the layer's state holds them (so that their inverses are exact normal
+        float32 numbers; not checked, which would need a host sync).
     Returns:
       ``(..., N)`` in ``x``'s dtype (the autocast dtype under ``torch.autocast``); the gradients of ``x``
-      and ``weight`` come back in their own dtypes.
+      and ``weight`` come back in their own dtypes. Each of the three products equals the exact
+      product of the fp8 operands within the float32 accumulation bound and one rounding to its dtype.
     Raises:
       TypeError: if ``x`` or ``weight`` is not float32, bfloat16 or float16.
       ValueError: if the last dimension of ``x`` is not ``weight``'s second, or ``scales`` is given for
