@@ -340,3 +340,46 @@ def test_remat_recomputes_each_call_with_its_own_scales(recipe, remat, calls, co
     if recipe == "delayed":  # the state advanced once per call: `calls` amaxes per step
         history = ref[-1][1][f"{tower}fc.fp8_amax_history_input"]
         assert (history[: 2 * calls] > 0).all() and (history[2 * calls :] == 0).all()
+
+
+class Counter(nn.Module):
+    """Scales its input by a count it advances in place at each call (a buffer written, not reassigned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("count", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1.0)
+        return self.lin(x) * self.count.clone()  # a copy for autograd: the next call writes the buffer again
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.counter = Counter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.counter(self.counter(x))
+
+
+def test_remat_recompute_sees_buffers_written_in_place() -> None:
+    """The same rule for a buffer written in place: the recompute of the second call multiplies by the
+    count that call saw (3), not the count at the forward's start (2); gradients and the new buffer
+    equal the run without remat bit for bit (the recompute's own writes land in copies)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    results = []
+    for remat in (None, Counter):
+        apply_fn, params, buffers = fa.nn.functionalize(Twice(), "f32", remat=remat)
+
+        def loss(p, b=buffers, f=apply_fn):
+            out, new = f(p, b, x)
+            return out.square().sum(), new
+
+        grads, (_, new), _ = fa.grad_and_value(loss, fa.NoOpLossScale(), has_aux=True)(params)
+        results.append((grads, new))
+    (g0, b0), (g1, b1) = results
+    assert b0["counter.count"] == b1["counter.count"] == 3
+    assert all(torch.equal(g0[k], g1[k]) for k in g0)
