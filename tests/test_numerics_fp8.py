@@ -383,3 +383,41 @@ def test_remat_recompute_sees_buffers_written_in_place() -> None:
     (g0, b0), (g1, b1) = results
     assert b0["counter.count"] == b1["counter.count"] == 3
     assert all(torch.equal(g0[k], g1[k]) for k in g0)
+
+
+class Mixed(nn.Module):
+    """Reassigns its count at the first call and writes it in place at the second (both read it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("count", torch.ones(()))
+
+    def forward(self, x: torch.Tensor, reassign: bool) -> torch.Tensor:
+        if reassign:
+            self.count = self.count + 1.0
+        else:
+            self.count.add_(1.0)
+        return self.lin(x) * self.count.clone()
+
+
+class MixedTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixed = Mixed()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mixed(self.mixed(x, True), False)
+
+
+def test_remat_refuses_a_buffer_reassigned_then_written_in_place() -> None:
+    """The one case the recompute cannot replay (the value a region saw is gone) is an error naming the
+    buffer and the fix, not a wrong gradient."""
+    apply_fn, params, buffers = fa.nn.functionalize(MixedTwice(), "f32", remat=Mixed)
+
+    def loss(p):
+        out, new = apply_fn(p, buffers, torch.ones(2, 8))
+        return out.sum(), new
+
+    with pytest.raises(RuntimeError, match="'mixed.count' was reassigned in the forward before a checkpointed"):
+        fa.grad_and_value(loss, fa.NoOpLossScale(), has_aux=True)(params)

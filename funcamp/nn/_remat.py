@@ -90,26 +90,42 @@ class _Call:
     def region(self) -> _Call:
         """This call as a checkpointed region starting now must see it again when it is recomputed.
 
-        Buffers the forward has changed so far (reassigned, as the fp8 delayed state of a layer called
-        before in this forward, or written in place, as running statistics) are copied as they are now;
-        the recompute gets fresh copies of those copies, and the others from ``make_buffers`` as before.
-        Without this, the recompute of a layer's second call would see the state of the call's start,
-        the one its first call saw (TransformerEngine's rule: recompute with the forward's own scales).
+        Buffers the forward has changed so far are taken as they are now: a reassigned one (the fp8
+        delayed state of a layer called before in this forward) by reference, a written one (running
+        statistics) as a copy, since later calls write it again. The recompute gets fresh copies of
+        those, and the others from ``make_buffers`` as before. Without this, the recompute of a layer's
+        second call would see the state of the call's start, the one its first call saw
+        (TransformerEngine's rule: recompute with the forward's own scales).
         """
-        changed: dict[str, torch.Tensor] = {}
+        held: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (the buffer as the region begins, version)
         copies: dict[int, torch.Tensor] = {}  # a tied buffer (two names, one tensor) stays one tensor
         for name, (tensor, version) in self.start.items():
             now = self.skeleton.get_buffer(name)
-            if isinstance(now, torch.Tensor) and (now is not tensor or now._version != version):
-                changed[name] = copies.setdefault(id(now), now.clone())
-        if not changed:
+            if not isinstance(now, torch.Tensor) or (now is tensor and now._version == version):
+                continue
+            if now is tensor:
+                if id(now) not in copies:
+                    copies[id(now)] = now.clone()
+                now = copies[id(now)]
+            held[name] = (now, now._version)
+        if not held:
             return self
         base = self.make_buffers
 
         def make_buffers() -> dict[str, torch.Tensor]:
             fresh = dict(base())
             again: dict[int, torch.Tensor] = {}
-            fresh.update({name: again.setdefault(id(t), t.clone()) for name, t in changed.items()})
+            for name, (tensor, version) in held.items():
+                if tensor._version != version:
+                    raise RuntimeError(
+                        f"funcamp remat: the buffer {name!r} was reassigned in the forward before a checkpointed "
+                        "region began and written in place after that, so its recompute cannot see the value the "
+                        "region saw; reassign the buffer (module.name = new_tensor) instead of writing it in "
+                        "place, or leave the module that writes it out of remat"
+                    )
+                if id(tensor) not in again:
+                    again[id(tensor)] = tensor.clone()
+                fresh[name] = again[id(tensor)]
             return fresh
 
         return _Call(self.skeleton, self.tensors, make_buffers, self.mode)
