@@ -14,7 +14,8 @@ Recipes (:class:`Recipe`, :func:`get_recipe`):
   matmul (the contraction dimension is reduced), powers of two, e4m3 for gradients too; torchao's
   ``rowwise`` recipe.
 - ``"delayed"``: input and weight scales from a history of past amaxes,
-  ``scale = fp8_max / (max(amax_history) * 2**margin)`` (TransformerEngine's ``DelayedScaling``); the
+  ``scale = fp8_max / (max(amax_history) * 2**margin)`` (TransformerEngine's ``DelayedScaling``), and
+  from the current amax while the history holds none (TransformerEngine casts with scale 1 there); the
   state is a :class:`DelayedScalingState` per tensor, carried as persistent buffers of the layer and
   so returned by :func:`funcamp.nn.functionalize`'s ``apply_fn``, carried, checkpointed and restored on
   skipped steps by :class:`funcamp.TrainState`. Gradients use current (dynamic, tensorwise) scaling:
@@ -25,11 +26,22 @@ Non-finite values. A saturating cast would turn an inf into ``fp8_max`` and hide
 where an amax is inf or NaN the scale is NaN, so that layer's output (or gradient) is NaN and the train
 step skips. An inf or NaN amax never enters a delayed history (:func:`update_delayed_state`).
 
+Tiny values. Every scale lies in ``[2**-126, 2**126]``, so that it and the inverse scale
+``torch._scaled_mm`` takes are finite normal float32 numbers whatever the amax (zero and subnormal
+included): a tensor is cast with its own ``fp8_max / amax`` down to an amax of about 5.3e-36, and
+below that with ``2**126``, which keeps every value above ``2**-136`` (e4m3), under float32's normal
+range. Each matmul equals the exact emulation within the float32 accumulation bound and one rounding
+to the output dtype (float32 stays float32, for rowwise too).
+
 Against torchao 0.18 on the CPU, outputs and gradients of the tensorwise and rowwise recipes are equal
-bit for bit (the same scale arithmetic, saturating casts and ``_scaled_mm`` calls, including its
-bfloat16 products for rowwise). Differences: the per-tensor recipes keep the fp8 casts of ``x`` and
-``W`` for the backward (torchao keeps the high-precision tensors and casts them again, to the same
-values), and under :data:`MODULE_POLICIES` the weight is cast to fp8 from its float32 master.
+bit for bit (the same scale arithmetic, saturating casts and ``_scaled_mm`` calls) for every amax
+from 1e-12 up, rowwise for bfloat16 outputs (its float32 ones, rounded to bfloat16, are torchao's).
+Differences: the per-tensor recipes keep the fp8 casts of ``x`` and ``W`` for the backward (torchao
+keeps the high-precision tensors and casts them again, to the same values); under
+:data:`MODULE_POLICIES` the weight is cast to fp8 from its float32 master; torchao makes rowwise
+float32 and float16 outputs in bfloat16 (2**-9 relative off), funcamp in float32; torchao floors
+amaxes at 1e-12, so that a tensor whose amax is below about 1e-17 casts to zeros, where funcamp keeps
+it (above).
 
 Composition. ``torch.func.grad`` and ``torch.compile(fullgraph=True)`` (aot_eager and inductor) trace
 the layer; gradient accumulation passes the delayed state through every micro-batch. Under
@@ -106,7 +118,11 @@ __all__ = [
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-_EPS = 1e-12  # torchao's floor on amax, so that an all-zero tensor gets a finite scale
+# Every scale lies in [2**-126, 2**126], so that it and its inverse (what _scaled_mm multiplies by) are finite,
+# normal float32 numbers, exact powers of two at the ends: `fp8_max / amax` overflows float32 for amax below
+# ~1.3e-36 (e4m3) and is inf for a zero or subnormal amax. torchao floors the amax at 1e-12 instead, which flushes
+# a tensor whose amax is below ~1e-17 to zero (448 / 1e-12 times 1e-17 is below e4m3's smallest subnormal).
+_SCALE_MIN, _SCALE_MAX = 2.0**-126, 2.0**126
 _HIGH = (torch.float32, torch.bfloat16, torch.float16)
 _MAX = {dtype: get_format(dtype).max for dtype in (E4M3, E5M2)}  # a plain dict: torch.compile traces it
 
@@ -193,17 +209,45 @@ def get_recipe(recipe: Recipe | str) -> Recipe:
 
 
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, round_scales_to_power_of_2: bool = False) -> torch.Tensor:
-    """``fp8_max / max(amax, 1e-12)``, divided in float64 and returned in float32, as torchao.
+    """``fp8_max / amax``, divided in float64, kept within ``[2**-126, 2**126]`` and returned in float32.
+
+    The division is torchao's (float64, then float32), and equal to it bit for bit for every amax from
+    1e-12 up. Where ``fp8_max / amax`` is above ``2**126`` (a zero, subnormal or tiny amax: below about
+    5.3e-36 for e4m3) the scale is ``2**126``, so that it and its inverse stay finite normal float32
+    numbers: a tensor is then cast exactly but for values below ``2**-136`` (e4m3; ``2**-143`` e5m2),
+    under float32's normal range, which flush to zero. torchao instead floors the amax at 1e-12, which
+    flushes every tensor whose amax is below about 1e-17 to zero.
 
     Args:
-      amax: the largest magnitude (any shape, any floating dtype).
+      amax: the largest magnitude (any shape, any floating dtype), >= 0.
       dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
       round_scales_to_power_of_2: round the scale down to a power of two.
     Returns:
-      float32 scales of ``amax``'s shape; a non-finite amax gives 0 (inf) or NaN (NaN).
+      float32 scales of ``amax``'s shape, in ``[2**-126, 2**126]``; an inf amax gives ``2**-126`` and a
+      NaN amax NaN (the casts turn both into a NaN scale, see the module docstring).
     """
-    scale = (_MAX[dtype] / amax.to(torch.float64).clamp(min=_EPS)).to(torch.float32)
-    return torch.exp2(torch.floor(torch.log2(scale))) if round_scales_to_power_of_2 else scale
+    scale = (_MAX[dtype] / amax.to(torch.float64)).clamp(_SCALE_MIN, _SCALE_MAX).to(torch.float32)
+    return _pow2(scale) if round_scales_to_power_of_2 else scale
+
+
+def _pow2(scale: torch.Tensor) -> torch.Tensor:
+    """The power of two at or below ``scale`` (torchao's rounding); stays in ``[2**-126, 2**126]``."""
+    return torch.exp2(torch.floor(torch.log2(scale)))
+
+
+def _delayed_scale(amax: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_max / amax / 2**margin`` in float32 (TransformerEngine's ``_default_sf_compute``), kept within
+    ``[2**-126, 2**126]`` as :func:`amax_to_scale` (in float32 a subnormal amax gives inf), then rounded
+    down to a power of two if the recipe asks. A zero amax gives ``2**126``. The division is a true one,
+    correctly rounded (``float / tensor`` would multiply by a rounded reciprocal: one more rounding)."""
+    amax = amax.to(torch.float32)
+    scale = (torch.full_like(amax, _MAX[dtype]) / amax / 2.0**recipe.margin).clamp(_SCALE_MIN, _SCALE_MAX)
+    return _pow2(scale) if recipe.round_scales_to_power_of_2 else scale
+
+
+def _holds_amax(history: torch.Tensor) -> torch.Tensor:
+    """0-d bool: ``history`` holds a finite amax above 0 (a fresh history holds zeros only)."""
+    return ((history > 0) & torch.isfinite(history)).any()
 
 
 class DelayedScalingState(NamedTuple):
@@ -211,7 +255,8 @@ class DelayedScalingState(NamedTuple):
 
     Attributes:
       amax_history: ``(amax_history_len,)`` float32, newest first; zeros before the first step.
-      scale: ``()`` float32, the multiplier of the next cast to fp8 (1 before any amax was seen).
+      scale: ``()`` float32, the multiplier of the next cast to fp8, in ``[2**-126, 2**126]`` (1 before
+        any amax was seen; a layer whose history holds no amax above 0 casts with its current amax instead).
     """
 
     amax_history: torch.Tensor
@@ -221,7 +266,11 @@ class DelayedScalingState(NamedTuple):
 def init_delayed_state(
     recipe: Recipe | str = "delayed", device: torch.device | str | None = None
 ) -> DelayedScalingState:
-    """A fresh state: a zero history and scale 1 (TransformerEngine's start)."""
+    """A fresh state: a zero history and scale 1 (TransformerEngine's start).
+
+    Unlike TransformerEngine, an fp8 layer does not cast with that scale 1: while its history holds no
+    amax above 0 it scales from the current amax (see :class:`Float8Linear`).
+    """
     r = get_recipe(recipe)
     return DelayedScalingState(
         torch.zeros(r.amax_history_len, dtype=torch.float32, device=device),
@@ -236,8 +285,9 @@ def update_delayed_state(
 
     The history rolls by one and ``amax`` enters at index 0; the scale becomes
     ``fp8_max / (a * 2**margin)`` with ``a`` the history's maximum (``amax_compute_algo="max"``) or
-    ``amax`` itself (``"most_recent"``), in float32 (TransformerEngine's ``_default_sf_compute``). Where
-    ``a`` is 0 the scale stays as it was. A non-finite ``amax`` (inf, NaN) changes nothing: the old
+    ``amax`` itself (``"most_recent"``), in float32 (TransformerEngine's ``_default_sf_compute``), kept
+    within ``[2**-126, 2**126]`` (a subnormal or tiny ``a`` would give inf, as in TransformerEngine).
+    Where ``a`` is 0 the scale stays as it was. A non-finite ``amax`` (inf, NaN) changes nothing: the old
     state is returned, so one overflow cannot poison the history (TransformerEngine lets it in and
     keeps only the scale).
 
@@ -262,10 +312,7 @@ def update_delayed_state(
     finite = torch.isfinite(amax)
     history = torch.cat([amax.reshape(1), state.amax_history[:-1]])
     a = history.max() if r.amax_compute_algo == "max" else amax
-    scale = _MAX[dtype] / a / 2.0**r.margin
-    if r.round_scales_to_power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    scale = torch.where(a > 0, scale, state.scale)
+    scale = torch.where(a > 0, _delayed_scale(a, r, dtype), state.scale)
     return DelayedScalingState(
         torch.where(finite, history, state.amax_history), torch.where(finite, scale, state.scale)
     )
@@ -305,31 +352,38 @@ def _poison(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 def _scaled_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype, fast: bool
 ) -> torch.Tensor:
-    """``(a * scale_a) @ (b * scale_b)`` in ``out_dtype`` by ``torch._scaled_mm``, as torchao calls it.
+    """``(a * scale_a) @ (b * scale_b)`` in ``out_dtype`` by ``torch._scaled_mm``, rounded once to ``out_dtype``.
 
     ``a`` is made row-major and ``b`` column-major (CUDA's rule); ``scale_*`` are the inverse scales, 0-d,
-    or ``(M, 1)`` and ``(1, N)`` (rowwise). As torchao (``addmm_float8_unwrapped``): a rowwise product
-    without fast accumulation runs the per-tensor kernel with unit scales and multiplies by
-    ``scale_a * scale_b`` after, in the output dtype (CUDA's rowwise kernel is slow without fast
-    accumulation); and a rowwise product for a float32 or float16 output is computed in bfloat16 and
-    cast (CUDA's rowwise ``_scaled_mm`` has no float32 output, pytorch#156771).
+    or ``(M, 1)`` and ``(1, N)`` (rowwise). A rowwise product runs CUDA's rowwise kernel only where it
+    serves, with fast accumulation into a bfloat16 output; otherwise (without fast accumulation, where
+    CUDA's rowwise kernel is slow, or for a float32 or float16 output, which it cannot make,
+    pytorch#156771) it runs the per-tensor kernel with unit scales into float32 and multiplies by
+    ``scale_a`` and then ``scale_b`` in float32 (exact for the powers of two of torchao's rowwise
+    recipe), before the one rounding to ``out_dtype``. torchao (``addmm_float8_unwrapped``) makes the
+    float32 and float16 outputs in bfloat16 and scales the bfloat16 product: 2**-9 relative off a
+    float32 result, where this is within the float32 accumulation bound.
     """
-    rowwise = scale_a.ndim == 2
-    post = None
-    if rowwise and not fast:
-        post, scale_a, scale_b = scale_a * scale_b, scale_a.new_ones(()), scale_b.new_ones(())
-    mm_dtype = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
+    if scale_a.ndim == 2 and not (fast and out_dtype == torch.bfloat16):
+        one = scale_a.new_ones(())
+        out = torch._scaled_mm(
+            a.contiguous(),
+            b.t().contiguous().t(),
+            scale_a=one,
+            scale_b=one,
+            out_dtype=torch.float32,
+            use_fast_accum=fast,
+        )
+        return (out * scale_a * scale_b).to(out_dtype)
     out = torch._scaled_mm(
         a.contiguous(),
         b.t().contiguous().t(),
         scale_a=scale_a.contiguous(),
         scale_b=scale_b.contiguous(),
-        out_dtype=mm_dtype,
+        out_dtype=out_dtype,
         use_fast_accum=fast,
     )
-    if post is not None:
-        out = out.mul_(post)
-    return out.to(out_dtype)
+    return out
 
 
 def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
@@ -429,10 +483,13 @@ def fp8_linear(
       weight: ``(N, K)``, any of those dtypes; ``K`` and ``N`` multiples of 16 on CUDA.
       bias: ``(N,)`` or None; added in the output dtype after the fp8 matmul, as torchao.
       recipe: a :class:`Recipe` or its name.
-      scales: for the delayed recipe, the float32 0-d multipliers of ``x`` and ``weight``.
+      scales: for the delayed recipe, the float32 0-d multipliers of ``x`` and ``weight``, finite and in
+        ``[2**-126, 2**126]`` as the layer's state holds them (so that their inverses are exact normal
+        float32 numbers; not checked, which would need a host sync).
     Returns:
       ``(..., N)`` in ``x``'s dtype (the autocast dtype under ``torch.autocast``); the gradients of ``x``
-      and ``weight`` come back in their own dtypes.
+      and ``weight`` come back in their own dtypes. Each of the three products equals the exact
+      product of the fp8 operands within the float32 accumulation bound and one rounding to its dtype.
     Raises:
       TypeError: if ``x`` or ``weight`` is not float32, bfloat16 or float16.
       ValueError: if the last dimension of ``x`` is not ``weight``'s second, or ``scales`` is given for
@@ -545,8 +602,9 @@ class _Float8Layer(nn.Module):
                 )
 
     def _fp8(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``fp8_linear(x, weight, bias)``, ``weight`` ``(out, in)``; delayed: cast with the stored scales,
-        then reassign the buffers to the updated state (new tensors, never written in place)."""
+        """``fp8_linear(x, weight, bias)``, ``weight`` ``(out, in)``; delayed: cast with the stored scales
+        (with the current amax's while the history holds no amax), then reassign the buffers to the updated
+        state (new tensors, never written in place)."""
         if self.recipe.scaling != "delayed":
             return fp8_linear(x, weight, bias, self.recipe)
         self._check_state()
@@ -554,7 +612,11 @@ class _Float8Layer(nn.Module):
         for role, t in (("input", x), ("weight", weight)):
             state = self.delayed_state(role)
             amax = _amax(t, None)
-            scales.append(_poison(state.scale.clone(), amax))  # this call casts with the stored scale
+            # The stored scale once the history holds an amax; before (the first call, or only zero inputs so
+            # far) the scale update_delayed_state gives for the current amax: scale 1 would saturate every value
+            # above 448 and flush those below 2**-10. A select, not a branch: one graph for both.
+            scale = torch.where(_holds_amax(state.amax_history), state.scale, _delayed_scale(amax, self.recipe, E4M3))
+            scales.append(_poison(scale, amax))
             new = update_delayed_state(state, amax, self.recipe, E4M3)
             # Reassigned, not written in place: functional_call hands the new tensors out, and under vmap they
             # are per sample (an in-place write of a batched value into an unbatched buffer is refused).
@@ -574,7 +636,14 @@ class Float8Linear(nn.Linear, _Float8Layer):
     the stored scales and then reassigns the four buffers to the updated state (new tensors; the old
     ones are not written, unlike BatchNorm's running statistics, so ``torch.func.vmap`` works):
     :func:`funcamp.nn.functionalize` hands them out as ``new_buffers``, and a skipped step keeps the
-    old ones.
+    old ones. While a history holds no amax above 0 (the first call, or only all-zero tensors so far)
+    that tensor is cast with the scale of its current amax (``fp8_max / (amax * 2**margin)``, as
+    :func:`update_delayed_state` computes it), within the tensorwise recipe's error; TransformerEngine casts with the
+    initial scale 1 there, which saturates values above 448 and flushes those below ``2**-10``. The
+    choice is a ``torch.where``, so the first and later calls are one compiled graph. A layer called
+    several times in one forward (shared, or in a block applied twice) advances its state at each
+    call; under ``functionalize(..., remat=...)`` the recompute of each call casts with the scales that
+    call used (:mod:`funcamp.nn._remat`), as TransformerEngine's activation recompute does.
 
     Unlike torchao, the input is cast from the dtype it arrives in; under
     ``functionalize(..., module_policies=MODULE_POLICIES)`` that is float32, so the weight is cast

@@ -3,9 +3,9 @@
 The emulation rounds each operand with :func:`funcamp.formats.quantize_to` (itself tested bitwise
 against torch's casts), multiplies in float64 and applies the inverse scales; the fp8 result must lie
 within the float32 accumulation bound ``(K + 2) * 2**-24 * sum_k |a_ik| |b_kj|`` (products of fp8
-values are exact in float32, each of the K additions rounds once) plus the rounding of the output
-dtype (twice for the rowwise backward, which scales after the product as torchao does). fp8 rounding
-errors are ~2**-4 relative, far above that bound, so a missing or wrong quantization fails.
+values are exact in float32, each of the K additions rounds once) plus one rounding to the output
+dtype, for every recipe and output dtype. fp8 rounding errors are ~2**-4 relative, far above that
+bound, so a missing or wrong quantization fails.
 """
 
 from __future__ import annotations
@@ -34,23 +34,26 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def emulated_cast(t, dtype, dim=None, pow2=False, scale=None):
-    """(exactly rounded values as float32, inverse scale): torchao's scale rule, rounding by quantize_to."""
+    """(exactly rounded values as float32, inverse scale): torchao's scale rule (kept within [2**-126,
+    2**126], funcamp's bound for tiny and zero amaxes), rounding by quantize_to."""
     if scale is None:
         amax = t.abs().amax() if dim is None else t.abs().amax(dim, keepdim=True)
-        scale = (get_format(dtype).max / amax.double().clamp(min=1e-12)).float()
+        scale = (get_format(dtype).max / amax.double()).clamp(2.0**-126, 2.0**126).float()
         if pow2:
             scale = torch.exp2(torch.floor(torch.log2(scale)))
     return quantize_to(t.float() * scale, dtype, saturate=True), scale.reciprocal()
 
 
 def check_product(got, a, ia, b, ib, out_dtype, roundings=1):
-    """``got`` equals ``(a @ b) * ia * ib`` (a, b exact fp8 values) within the accumulation bound."""
+    """``got`` equals ``(a @ b) * ia * ib`` (a, b exact fp8 values) within the accumulation bound and
+    ``roundings`` roundings to the output dtype (half an ulp each, or half its smallest subnormal)."""
     k = a.shape[1]
     inv = ia.double() * ib.double()
     ref = (a.double() @ b.double()) * inv
     accumulation = (k + 2) * 2.0**-24 * (a.double().abs() @ b.double().abs()) * inv.abs()
     unit = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[got.dtype]
-    bound = accumulation + roundings * unit * (ref.abs() + accumulation)
+    tiny = get_format(got.dtype).smallest_subnormal / 2
+    bound = accumulation + roundings * (unit * (ref.abs() + accumulation) + tiny)
     err = (got.double() - ref).abs()
     assert got.dtype == out_dtype
     assert (err <= bound).all(), f"max error {err.max().item():.3g}, bound there {bound.flatten()[err.argmax()]:.3g}"
@@ -72,41 +75,75 @@ def three_matmuls(recipe, x, w, g, scales=None):
     return y, gx, gw
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+#: Every recipe, and rowwise without power-of-two scales (a Recipe the class accepts), whose scalings round.
+SWEEP = {
+    "tensorwise": fp8.get_recipe("tensorwise"),
+    "rowwise": fp8.get_recipe("rowwise"),
+    "rowwise-exact-scales": fp8.Recipe("rowwise", fp8_format="E4M3"),
+    "delayed": fp8.get_recipe("delayed"),
+}
+
+
 @pytest.mark.parametrize("m", [48, 40])  # 40: the token dimension is padded to 48 for grad_weight
-def test_tensorwise_three_matmuls_equal_emulation(dtype, m) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(SWEEP))
+def test_every_matmul_equals_the_emulation(name, dtype, m) -> None:
+    """Issue 26 item 6: the output and both gradients of every recipe, for every output dtype, equal the
+    exact emulation within the float32 accumulation bound and one rounding to the output dtype. Before:
+    rowwise made float32 and float16 outputs in bfloat16 (2**-9 relative off, as torchao), and scaled
+    its backward products after rounding them (a second rounding where scales are not powers of two).
+
+    Tensorwise and delayed scale per tensor (the delayed recipe with scales from a state, gradients
+    current, e5m2: HYBRID); rowwise scales every operand along its contracted dimension: y = x w.T with x
+    per row and w per output feature, grad_x = g w with g per row and w per column, grad_weight = g.T x
+    with g and x per column, gradients in e4m3.
+    """
+    recipe = SWEEP[name]
     x, w, g = data(m=m, dtype=dtype)
-    y, gx, gw = three_matmuls("tensorwise", x, w, g)
-    qx, ix = emulated_cast(x, E4M3)
-    qw, iw = emulated_cast(w, E4M3)
-    qg, ig = emulated_cast(g, E5M2)  # HYBRID: gradients in e5m2
-    ref, bound = check_product(y, qx, ix, qw.t(), iw, dtype)
-    check_product(gx, qg, ig, qw, iw, dtype)
-    check_product(gw, qg.t(), ig, qx, ix, dtype)
+    pow2 = recipe.round_scales_to_power_of_2
+    if recipe.scaling == "delayed":
+        sx, sw = torch.tensor(448.0) / (x.float().abs().amax() * 1.5), torch.tensor(448.0) / w.float().abs().amax()
+        y, gx, gw = three_matmuls(recipe, x, w, g, scales=(sx, sw))
+        (qx, ix), (qw, iw) = emulated_cast(x, E4M3, scale=sx), emulated_cast(w, E4M3, scale=sw)
+    else:
+        y, gx, gw = three_matmuls(recipe, x, w, g)
+    if recipe.scaling == "rowwise":
+        qx, ix = emulated_cast(x, E4M3, dim=1, pow2=pow2)
+        qw, iw = emulated_cast(w, E4M3, dim=1, pow2=pow2)
+        ref, bound = check_product(y, qx, ix, qw.t(), iw.t(), dtype)
+        qg, ig = emulated_cast(g, E4M3, dim=1, pow2=pow2)
+        qwc, iwc = emulated_cast(w, E4M3, dim=0, pow2=pow2)
+        check_product(gx, qg, ig, qwc, iwc, dtype)
+        qgc, igc = emulated_cast(g, E4M3, dim=0, pow2=pow2)
+        qxc, ixc = emulated_cast(x, E4M3, dim=0, pow2=pow2)
+        check_product(gw, qgc.t(), igc.t(), qxc, ixc, dtype)
+        if pow2:
+            for scales in (ix, iw, ig, iwc, igc, ixc):
+                assert torch.equal(torch.frexp(scales)[0].abs(), torch.full_like(scales, 0.5))
+    else:
+        if recipe.scaling == "tensorwise":
+            qx, ix = emulated_cast(x, E4M3)
+            qw, iw = emulated_cast(w, E4M3)
+        qg, ig = emulated_cast(g, recipe.grad_dtype)
+        ref, bound = check_product(y, qx, ix, qw.t(), iw, dtype)
+        check_product(gx, qg, ig, qw, iw, dtype)
+        check_product(gw, qg.t(), ig, qx, ix, dtype)
     # the bound is tight enough to see fp8 at all: the plain product is far outside it
     plain = x.double() @ w.double().t()
     assert ((plain - ref).abs() > 10 * bound).any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [48, 40])
-def test_rowwise_three_matmuls_equal_emulation(dtype, m) -> None:
-    """torchao's rowwise: every operand scaled along its contracted dimension, powers of two, e4m3
-    gradients; the products for float32 outputs are made in bfloat16 (CUDA has no float32 rowwise)."""
-    x, w, g = data(m=m, dtype=dtype)
-    y, gx, gw = three_matmuls("rowwise", x, w, g)
-    qx, ix = emulated_cast(x, E4M3, dim=1, pow2=True)  # per row of x
-    qw, iw = emulated_cast(w, E4M3, dim=1, pow2=True)  # per output feature
-    check_product(y.to(torch.bfloat16), qx, ix, qw.t(), iw.t(), torch.bfloat16)
-    assert torch.equal(y, y.to(torch.bfloat16).to(dtype))
-    qg, ig = emulated_cast(g, E4M3, dim=1, pow2=True)  # grad_input: g per row, w per column
-    qwc, iwc = emulated_cast(w, E4M3, dim=0, pow2=True)
-    check_product(gx.to(torch.bfloat16), qg, ig, qwc, iwc, torch.bfloat16, roundings=2)
-    qgc, igc = emulated_cast(g, E4M3, dim=0, pow2=True)  # grad_weight: g per column, x per column
-    qxc, ixc = emulated_cast(x, E4M3, dim=0, pow2=True)
-    check_product(gw.to(torch.bfloat16), qgc.t(), igc.t(), qxc, ixc, torch.bfloat16, roundings=2)
-    for scales in (ix, iw, ig, iwc, igc, ixc):  # powers of two
-        assert torch.equal(torch.frexp(scales)[0].abs(), torch.full_like(scales, 0.5))
+def test_rowwise_float32_output_is_not_rounded_to_bfloat16() -> None:
+    """Issue 26 item 6's value: a float32 rowwise output was bfloat16 values (the issue: 2.2e-3 relative
+    off the exact emulation; here 1.7e-3 normwise, 3.8e-3 at worst); now it is float32-accurate
+    (measured: 4.6e-9 normwise, 2.4e-7 at worst, an element of cancelling terms)."""
+    x, w, g = data()
+    y, _, _ = three_matmuls("rowwise", x, w, g)
+    qx, ix = emulated_cast(x, E4M3, dim=1, pow2=True)
+    qw, iw = emulated_cast(w, E4M3, dim=1, pow2=True)
+    ref = (qx.double() @ qw.double().t()) * ix.double() * iw.double().t()
+    assert not torch.equal(y, y.to(torch.bfloat16).float())
+    assert ((y.double() - ref).abs() / ref.abs()).max() < 2**-20
 
 
 def test_delayed_casts_with_the_given_scales_and_saturates() -> None:
@@ -209,9 +246,9 @@ def test_recipes() -> None:
 
 def test_amax_to_scale() -> None:
     """448 / 3.5 = 128 and 57344 / 7 = 8192 exactly; 448 / 3 rounds to float32; power of two rounds down
-    (149.33 -> 128); an all-zero tensor gets 448 / 1e-12 (torchao's floor)."""
+    (149.33 -> 128); an all-zero tensor gets 2**126, the largest scale (torchao: 448 / 1e-12)."""
     amax = torch.tensor([3.5, 3.0, 0.0])
-    assert fp8.amax_to_scale(amax, E4M3).tolist() == [128.0, torch.tensor(448 / 3).item(), torch.tensor(4.48e14).item()]
+    assert fp8.amax_to_scale(amax, E4M3).tolist() == [128.0, torch.tensor(448 / 3).item(), 2.0**126]
     assert fp8.amax_to_scale(torch.tensor(7.0), E5M2).item() == 8192.0
     assert fp8.amax_to_scale(torch.tensor(3.0), E4M3, True).item() == 128.0
 
@@ -242,14 +279,17 @@ def test_non_finite_amax_does_not_enter_history(bad) -> None:
 
 
 def test_float8_linear_delayed_buffers() -> None:
-    """The first call casts with scale 1, then the stored scale comes from the history; the buffers
-    follow update_delayed_state step by step."""
+    """The first call casts with the scale of its current amax (the history holds none yet), later ones
+    with the stored scale from the history; the buffers follow update_delayed_state step by step."""
     lin = fp8.Float8Linear(64, 32, bias=False, recipe="delayed")
     x, _, _ = data()
     state_x, state_w = fp8.init_delayed_state(), fp8.init_delayed_state()
     for i in range(3):
         xi = x * (i + 1)
-        expected = fp8.fp8_linear(xi, lin.weight.detach(), recipe="delayed", scales=(state_x.scale, state_w.scale))
+        scales = (state_x.scale, state_w.scale)
+        if i == 0:  # 448 / amax, as update_delayed_state computes it from a history of one amax
+            scales = tuple(torch.tensor(448.0) / t.detach().abs().amax() for t in (xi, lin.weight))
+        expected = fp8.fp8_linear(xi, lin.weight.detach(), recipe="delayed", scales=scales)
         assert torch.equal(lin(xi).detach(), expected)
         state_x = fp8.update_delayed_state(state_x, xi.abs().amax())
         state_w = fp8.update_delayed_state(state_w, lin.weight.detach().abs().amax())
@@ -363,13 +403,16 @@ def test_convert_filters_and_fallback() -> None:
 
 def test_torchao_reference() -> None:
     """Bitwise equal to torchao's Float8Linear (tensorwise and rowwise recipes) on the CPU, where
-    torchao installs (optional: pip install torchao)."""
+    torchao installs (optional: pip install torchao). Rowwise with float32 outputs: torchao makes them
+    in bfloat16 (issue 26 item 6), funcamp in float32; rounded to bfloat16 they are torchao's (without
+    a bias, which torchao adds after its rounding)."""
     pytest.importorskip("torchao.float8")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     for name in ("tensorwise", "rowwise"):
         for dtype in (torch.float32, torch.bfloat16):
-            lin = torch.nn.Sequential(torch.nn.Linear(64, 32).to(dtype))
+            rounded = name == "rowwise" and dtype == torch.float32
+            lin = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=not rounded).to(dtype))
             ref = convert_to_float8_training(copy.deepcopy(lin), config=Float8LinearConfig.from_recipe_name(name))
             mine = fp8.convert(lin, name, filter=lambda m, n: True)
             x, _, g = data(m=40, dtype=dtype)
@@ -378,7 +421,10 @@ def test_torchao_reference() -> None:
                 xx = x.clone().requires_grad_()
                 y = module(xx)
                 y.backward(g)
-                results.append([y, xx.grad, module[0].weight.grad, module[0].bias.grad])
+                results.append([y, xx.grad, module[0].weight.grad] + ([] if rounded else [module[0].bias.grad]))
+            if rounded:
+                assert not torch.equal(results[0][0], results[1][0])
+                results[1] = [t.bfloat16().float() for t in results[1]]
             assert all(torch.equal(a, b) for a, b in zip(*results)), (name, dtype)
 
 

@@ -380,14 +380,17 @@ def functionalize(
         ``apply_activation_checkpointing(check_fn=...)``, ``jax.checkpoint`` and flax's ``nn.remat``.
         Each chosen module's forward (on the internal copy, casts included) runs through
         ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: its activations are dropped
-        after the forward and recomputed in the backward (RNG replayed, buffers as at the call's start).
+        after the forward and recomputed in the backward (RNG replayed, buffers as they were when that
+        module ran: a module run twice in one forward, such as an fp8 layer whose delayed state advances
+        at each call, is recomputed with the state each call saw).
         Only the outermost chosen modules are wrapped (a module inside a chosen one is recomputed with
         it); the root module and containers without a forward (``ModuleList``, ``ModuleDict``)
         are never candidates. Gradients equal those without ``remat``, bitwise, in
         both casting modes. Memory is saved only where torch can checkpoint: eager plain autograd
         (:func:`funcamp.grad_and_value` called eagerly, ``make_train_step(compile=False)``). Under
         ``torch.func`` transforms and in the compiled step torch 2.13 cannot (see above): the modules
-        run as is, keeping their activations, with a :class:`RematInactiveWarning`. With gradients
+        run as is, keeping their activations, with a :class:`RematInactiveWarning` (under
+        ``torch.compile`` a module holding buffers runs as is without it). With gradients
         off (``torch.no_grad``) the forward runs as is. Unlike Hugging Face's
         ``gradient_checkpointing_enable()`` this does not touch your module.
     Returns:
@@ -495,15 +498,13 @@ def functionalize(
             elif name not in fresh:  # from the stored tensor (the dequantized one for int8), rounded once
                 source = tensors[name] if name in int8 else frozen[name] if name in frozen else params[name]
                 tensors[alias] = _to_forward(source, forward_dtypes[alias])
+        bound = {**fresh, **{alias: fresh[name] for alias, name in plan.aliases.items() if name in fresh}}
         call = None
         if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
             call = _remat._Call(
-                skeleton, tensors, functools.partial(_fresh_buffers, plan, state, forward_dtypes), op_mode
+                skeleton, tensors, functools.partial(_fresh_buffers, plan, state, forward_dtypes), op_mode, bound
             )
-        tensors.update(fresh)
-        for alias, name in plan.aliases.items():
-            if name in fresh:
-                tensors[alias] = fresh[name]
+        tensors.update(bound)
         with _remat.inside(call) if call is not None else contextlib.nullcontext(), op_mode():
             if autocast:
                 half = policy.compute_dtype in _HALF

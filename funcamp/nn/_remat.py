@@ -9,9 +9,11 @@ forward saw:
 
 - Non-reentrant checkpoints (``use_reentrant=False``, ``checkpoint_sequential``, Hugging Face's
   ``gradient_checkpointing_enable()``): a checkpoint taken inside ``apply_fn`` records the call's
-  tensors, and its recompute runs with them swapped in again (buffers as they were when the call
-  began, in fresh copies, so running statistics are not updated twice). The gradients are those of
-  the same model without checkpointing, bitwise.
+  tensors, and its recompute runs with them swapped in again, buffers as they were when the region
+  began in the forward (in fresh copies, so running statistics are not updated twice): a module run
+  more than once in one forward, such as an fp8 layer whose delayed-scaling state advances at each
+  call, is recomputed with the state each call saw. The gradients are those of the same model
+  without checkpointing, bitwise.
 - Reentrant checkpoints (``use_reentrant=True``) cannot work with ``torch.autograd.grad`` or
   ``torch.func`` (which funcamp differentiates with: torch refuses ``.grad()`` there), so inside
   ``apply_fn`` they run as non-reentrant ones: the same gradients, and no lost parameter gradients
@@ -65,7 +67,10 @@ class _Call:
     """What a recompute needs from one ``apply_fn`` call: the module copy and the tensors it ran with.
 
     ``tensors`` are the forward-dtype parameters (the very tensors of the call's graph); buffers are
-    re-made from ``buffers`` (the caller's, never written) by ``make_buffers`` at each recompute.
+    re-made by ``make_buffers`` at each recompute, in fresh copies: from ``buffers`` (the caller's, never
+    written) as the call began, or, for a region that began later in the forward, as they were then
+    (:meth:`region`). ``start`` holds the buffers bound when this run of the forward (or of a
+    recompute) began, with their version counters, to see which ones the run has changed so far.
     """
 
     def __init__(
@@ -74,16 +79,63 @@ class _Call:
         tensors: Mapping[str, torch.Tensor],
         make_buffers: Callable[[], Mapping[str, torch.Tensor]],
         mode: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        start: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.skeleton = skeleton
         self.tensors = dict(tensors)
         self.make_buffers = make_buffers
         self.mode = mode  # the call's per-op precision (funcamp.ops.OpPolicies), re-entered to recompute
+        self.start = {name: (t, t._version) for name, t in (start or {}).items()}
+
+    def region(self) -> _Call:
+        """This call as a checkpointed region starting now must see it again when it is recomputed.
+
+        Buffers the forward has changed so far are taken as they are now: a reassigned one (the fp8
+        delayed state of a layer called before in this forward) by reference, a written one (running
+        statistics) as a copy, since later calls write it again. The recompute gets fresh copies of
+        those, and the others from ``make_buffers`` as before. Without this, the recompute of a layer's
+        second call would see the state of the call's start, the one its first call saw
+        (TransformerEngine's rule: recompute with the forward's own scales).
+        """
+        held: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (the buffer as the region begins, version)
+        copies: dict[int, torch.Tensor] = {}  # a tied buffer (two names, one tensor) stays one tensor
+        for name, (tensor, version) in self.start.items():
+            now = self.skeleton.get_buffer(name)
+            if not isinstance(now, torch.Tensor) or (now is tensor and now._version == version):
+                continue
+            if now is tensor:
+                if id(now) not in copies:
+                    copies[id(now)] = now.clone()
+                now = copies[id(now)]
+            held[name] = (now, now._version)
+        if not held:
+            return self
+        base = self.make_buffers
+
+        def make_buffers() -> dict[str, torch.Tensor]:
+            fresh = dict(base())
+            again: dict[int, torch.Tensor] = {}
+            for name, (tensor, version) in held.items():
+                if tensor._version != version:
+                    raise RuntimeError(
+                        f"funcamp remat: the buffer {name!r} was reassigned in the forward before a checkpointed "
+                        "region began and written in place after that, so its recompute cannot see the value the "
+                        "region saw; reassign the buffer (module.name = new_tensor) instead of writing it in "
+                        "place, or leave the module that writes it out of remat"
+                    )
+                if id(tensor) not in again:
+                    again[id(tensor)] = tensor.clone()
+                fresh[name] = again[id(tensor)]
+            return fresh
+
+        return _Call(self.skeleton, self.tensors, make_buffers, self.mode)
 
     @contextlib.contextmanager
     def bound(self) -> Iterator[None]:
-        tensors = {**self.tensors, **self.make_buffers()}
-        token = _CALL.set(self)
+        buffers = self.make_buffers()
+        tensors = {**self.tensors, **buffers}
+        # A region nested in this one (recomputed inside it) starts from what this recompute changes.
+        token = _CALL.set(_Call(self.skeleton, self.tensors, self.make_buffers, self.mode, buffers))
         try:
             with _reparametrize_module(self.skeleton, tensors, tie_weights=False, strict=False), self.mode():
                 yield
@@ -134,10 +186,10 @@ def _wrap_generator(original: Callable[..., Any]) -> Callable[..., Any]:
             return
         call = _CALL.get()
         if call is not None:
-            inner = fn
+            inner, region = fn, call.region()  # the buffers as this region begins, for its recompute
 
             def fn(*args: Any, **kw: Any) -> Any:
-                with call.bound():
+                with region.bound():
                     return inner(*args, **kw)
 
         yield from original(fn, *rest, **kwargs)
@@ -278,18 +330,32 @@ _CHECKPOINT_KEYWORDS = frozenset(
 )
 
 
+def _holds_buffers(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule has a persistent buffer (state that ``apply_fn`` passes in and out)."""
+    return any(
+        name not in m._non_persistent_buffers_set
+        for m in module.modules()
+        for name, b in m._buffers.items()
+        if b is not None
+    )
+
+
 def wrap_forward(module: nn.Module) -> None:
     """Run ``module``'s forward through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 
     Set on the internal copy, over the casting wrapper if any (the input cast is recomputed too). With
     gradients off (inference, ``torch.no_grad``) the forward runs as is. RNG state is preserved
-    (dropout masks are replayed), as torch's default.
+    (dropout masks are replayed), as torch's default. Under ``torch.compile`` a module holding
+    persistent buffers runs as is too: dynamo's activation-checkpoint operator refuses a forward that
+    reassigns a buffer ("HOP: Unsafe side effect"; the fp8 delayed state is reassigned at each call),
+    and funcamp's compiled steps differentiate with ``torch.func``, where no region is recomputed anyway.
     """
     forward = module.forward
+    stateful = _holds_buffers(module)
 
     @functools.wraps(forward)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or stateful and torch.compiler.is_compiling():
             return forward(*args, **kwargs)
         if _CHECKPOINT_KEYWORDS.isdisjoint(kwargs):
             return torch_checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
