@@ -363,3 +363,27 @@ def test_meta_module_state_dict_keeps_the_values_for_assign():
     assert all(v.device.type == "cpu" for v in sd.values())
     model.load_state_dict(sd, strict=True, assign=True)
     assert_module_holds(model, MLP_PARAMS)
+
+
+def test_hf_gpt2_example_saves_the_trained_model(tmp_path, capsys):
+    """examples/hf_gpt2.py --save DIR: trained tensors in, the frozen ones exactly the base model's."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    import pathlib
+
+    from transformers import GPT2LMHeadModel
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "hf_gpt2.py"
+    spec = importlib.util.spec_from_file_location("hf_gpt2_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = ["--tiny", "--steps", "1", "--seq-len", "16", "--trainable", "lm_head", "--save", str(tmp_path)]
+    example.main(args)
+    assert f"saved to {tmp_path}" in capsys.readouterr().out
+    torch.manual_seed(0)
+    base = example.build_gpt2(True, "sdpa").state_dict()
+    saved = GPT2LMHeadModel.from_pretrained(tmp_path).state_dict()
+    assert saved.keys() == base.keys()
+    for k, v in saved.items():
+        trained = k in ("transformer.wte.weight", "lm_head.weight")  # trainable="lm_head": the tied table
+        assert v.dtype == base[k].dtype and torch.equal(v, base[k]) != trained, k
