@@ -75,6 +75,16 @@ def test_values_take_the_module_dtype_and_share_memory_when_they_can():
     assert not any(v.requires_grad for v in state_dict(mlp(0), grad_tracking).values())  # detached
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_values_go_to_the_module_device():
+    _, params = functionalize(mlp(0), "float32")
+    on_gpu = load_into(mlp(1).cuda(), bumped(params))  # CPU params into a CUDA module
+    assert all(t.is_cuda for t in on_gpu.state_dict().values())
+    assert_module_holds(on_gpu.cpu(), bumped(params))
+    sd = state_dict(mlp(1), {k: v.cuda() for k, v in params.items()})  # CUDA params for a CPU module
+    assert all(t.device.type == "cpu" for t in sd.values())
+
+
 def test_batchnorm_buffers_round_trip_through_a_train_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))

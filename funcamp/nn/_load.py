@@ -81,7 +81,7 @@ def state_dict(
       TypeError: if a floating value is given for an integer (or bool) tensor of the module, or the
         reverse, or an integer value of another integer dtype (``num_batches_tracked`` is int64).
       ValueError: if a name is in two of ``params``, ``buffers`` and ``frozen``, or the names do not
-        match the module's (missing ones, unexpected ones, a tied name given besides its first one),
+        match the module's (missing ones, unexpected ones, a further name of a tied tensor),
         naming them and saying where they belong.
       ValueError: if a value's shape differs from the module's tensor, naming the key and both shapes.
 
@@ -105,7 +105,7 @@ def state_dict(
     given, source = _gather(params, buffers, frozen)
     for name in [n for n in given if n not in target and source[n] == "buffers" and _fp8_state_of_plain(model, n)]:
         del given[name]
-    _check_names(model, target, aliases, given, source, buffers is None, frozen is None)
+    _check_names(model, target, aliases, given, buffers is None, frozen is None)
     values = {key: _value(key, given[key], own, source[key]) for key, own in target.items() if key not in aliases}
     return {key: values[aliases.get(key, key)] for key in target}  # a tied name: its first name's tensor
 
@@ -210,7 +210,6 @@ def _check_names(
     target: Mapping[str, torch.Tensor],
     aliases: Mapping[str, str],
     given: Mapping[str, Any],
-    source: Mapping[str, str],
     no_buffers: bool,
     no_frozen: bool,
 ) -> None:
