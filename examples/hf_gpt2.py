@@ -12,11 +12,14 @@ embedding), and trains a few steps on random tokens with funcamp's compiled-or-n
     python examples/hf_gpt2.py --compile           # torch.compile(fullgraph=True) of the whole step
     python examples/hf_gpt2.py --tiny --checkpointing --trainable "transformer.h.1.*" "lm_head"
                                                    # activation checkpointing; fine-tune chosen tensors
+    python examples/hf_gpt2.py --tiny --save runs/gpt2-tuned   # then GPT2LMHeadModel.from_pretrained(...)
 
 ``--checkpointing`` turns on Hugging Face's activation checkpointing (``torch.utils.checkpoint`` per
 block): the eager step recomputes each block in the backward; the compiled step runs the blocks as
 they are (torch.func cannot checkpoint in torch 2.13). ``--trainable`` keeps only the matching
 tensors in the train state; the others are frozen, held by ``apply_fn`` in the compute dtype.
+``--save DIR`` puts the trained tensors back into a GPT-2 module (``funcamp.nn.load_into``: the tied LM
+head under its own name too, each tensor in the module's dtype) and writes it with ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     parser.add_argument(
         "--trainable", nargs="+", default=None, help="name patterns of the tensors to train (default: all)"
     )
+    parser.add_argument("--save", default=None, help="save_pretrained the trained model into this folder")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -83,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     torch.manual_seed(args.seed)
     # torch 2.13 cannot differentiate SDPA with dropout under torch.func.grad and CPU autocast; GPT-2's
     # "eager" attention (matmul, softmax, dropout) has no such problem.
-    model = build_gpt2(args.tiny, "eager" if args.autocast else "sdpa").to(device)
+    attn_implementation = "eager" if args.autocast else "sdpa"
+    model = build_gpt2(args.tiny, attn_implementation).to(device)
     print(f"GPT-2: {model.num_parameters():,} parameters")
     print_footprints(model)
 
@@ -117,6 +122,16 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
             f"step {i}: loss {metrics['loss'].item():.4f}  grad_norm {metrics['grad_norm'].item():.3f}  "
             f"loss_scale {metrics['loss_scale'].item():g}  finite {bool(metrics['grads_finite'])}"
         )
+    if args.save:
+        # The way back: a module with the base weights (from_pretrained of it, in a real fine-tune; here the same
+        # seed), the trained tensors loaded into it, its own exact frozen ones kept (apply_fn holds them in the
+        # compute dtype: frozen=apply_fn.frozen would write those roundings).
+        torch.manual_seed(args.seed)
+        model = build_gpt2(args.tiny, attn_implementation).to(device)
+        own = {k: v for k, v in model.state_dict().items() if k in apply_fn.frozen}
+        fa.nn.load_into(model, state.params, frozen=own)
+        model.save_pretrained(args.save)
+        print(f"saved to {args.save}: GPT2LMHeadModel.from_pretrained({args.save!r})")
     return metrics
 
 

@@ -22,11 +22,18 @@ the per-module casting wrappers on that copy, and runs it with the tensors passe
 ``functionalize(..., remat=...)`` checkpoints chosen submodules (by type, name pattern or predicate)
 without editing the model; memory is saved where torch can recompute (eager plain autograd).
 
+The way back: :func:`load_into` ``(model, state.params, state.buffers, frozen=apply_fn.frozen)`` writes
+trained tensors into the module (``load_state_dict(strict=True)``: tied weights under each name, int8
+weights dequantized, fp8 layers mapped back, each value in the module's dtype); :func:`state_dict` builds
+that state dict without loading it (for ``save_pretrained(dir, state_dict=...)`` or ``torch.save``).
+
 Layout: ``_plan`` (which policy each module and tensor follows), ``_functionalize`` (the pure
-function, the trainable/frozen split), ``_remat`` (activation checkpointing inside ``apply_fn``, and ``remat=``).
+function, the trainable/frozen split), ``_remat`` (activation checkpointing inside ``apply_fn``, and
+``remat=``), ``_load`` (the way back into the module).
 """
 
 from funcamp.nn._functionalize import functionalize
+from funcamp.nn._load import load_into, state_dict
 from funcamp.nn._plan import EMBEDDING_TYPES, NORM_TYPES, float32_lookup, keep_in_float32, param_policies
 from funcamp.nn._remat import RematInactiveWarning
 
@@ -37,5 +44,7 @@ __all__ = [
     "float32_lookup",
     "functionalize",
     "keep_in_float32",
+    "load_into",
     "param_policies",
+    "state_dict",
 ]

@@ -18,7 +18,7 @@ import torch
 from funcamp import numerics, sharding
 from funcamp.optim import GradientTransformation
 from funcamp.policy import Policy
-from funcamp.train import _donate, _layout, _loss, _probes, _stages
+from funcamp.train import _donate, _hints, _layout, _loss, _probes, _stages
 from funcamp.train._state import TrainState
 
 __all__ = ["EAGER_RERUN_NOTE", "make_train_step"]
@@ -309,7 +309,8 @@ def _with_eager_errors(
     to ``cross_entropy``, a wrong feature size). The step is pure, so on any dynamo error it is run once
     eagerly: what that raises is raised instead, as itself, with :data:`EAGER_RERUN_NOTE` added and
     the fake-tensor log lines of the failed trace dropped. If the eager step succeeds, dynamo's error
-    is re-raised and the held log lines are emitted. The arguments' types are checked first.
+    is re-raised (with a note saying what to do where :mod:`funcamp.train._hints` knows the failure) and
+    the held log lines are emitted. The arguments' types are checked first.
     """
 
     def compiled_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
@@ -327,6 +328,7 @@ def _with_eager_errors(
                 held.records.clear()  # the fake-tensor traceback of the same error: noise
                 error.add_note(EAGER_RERUN_NOTE)
                 raise error from None
+            _hints.add_known_fix(dynamo_error)  # a compile failure with a known fix (transformers' logging)
             raise dynamo_error
         finally:
             logger.removeFilter(held)

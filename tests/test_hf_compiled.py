@@ -1,0 +1,109 @@
+"""A Hugging Face model called with ``labels=`` inside the compiled step (the first-contact error).
+
+transformers 5.x: ``GPT2LMHeadModel``'s ``loss_function`` logs "loss_type=None was set in the config but it
+is unrecognized" (``logger.warning_once``) at every call with ``labels=``, and dynamo refuses logging calls
+under ``fullgraph=True`` ("logging.Logger method not supported for non-export cases"). The step's error
+then carries a note saying what to do; each of the three fixes it names compiles to one graph and trains
+on the loss the eager step computes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import funcamp as fa
+from funcamp import optim
+from funcamp.nn import functionalize
+
+transformers = pytest.importorskip("transformers")
+OPT = optim.sgd(0.1)
+
+
+def gpt2(loss_type: str | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    if loss_type is not None:
+        model.loss_type = loss_type  # before functionalize: apply_fn runs a copy of the module
+    return model
+
+
+IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def labels_step(model: torch.nn.Module, **kwargs):
+    apply_fn, params = functionalize(model, "float32")
+
+    def loss_fn(p, ids):
+        return apply_fn(p, input_ids=ids, labels=ids, use_cache=False).loss
+
+    return fa.make_train_step(loss_fn, OPT, **kwargs), fa.TrainState.create(params, OPT)
+
+
+def logits_step(model: torch.nn.Module, **kwargs):
+    apply_fn, params = functionalize(model, "float32")
+
+    def loss_fn(p, ids):
+        logits = apply_fn(p, input_ids=ids, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    return fa.make_train_step(loss_fn, OPT, **kwargs), fa.TrainState.create(params, OPT)
+
+
+@pytest.fixture(scope="module")
+def eager_losses():
+    step, state = labels_step(gpt2(), compile=False)
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, IDS)
+        losses.append(metrics["loss"])
+    return losses
+
+
+def test_labels_in_the_compiled_step_says_what_to_do():
+    step, state = labels_step(gpt2(), backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="logging.Logger method not supported") as info:
+        step(state, IDS)
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "transformers' loss_function logs a warning" in note
+    assert "compute the loss outside the model from the logits" in note
+    assert "model.loss_type = 'ForCausalLM'" in note
+    assert "torch._dynamo.config.ignore_logging_functions.add(logging.Logger.warning_once)" in note
+
+
+@pytest.mark.parametrize("fix", ["loss_type", "logits", "ignore_logging"])
+def test_each_fix_compiles_to_one_graph(fix, eager_losses):
+    counter = CompileCounterWithBackend("aot_eager")
+    if fix == "logits":
+        step, state = logits_step(gpt2(), backend=counter)
+    else:
+        step, state = labels_step(gpt2("ForCausalLM" if fix == "loss_type" else None), backend=counter)
+    ignored = {logging.Logger.warning_once} if fix == "ignore_logging" else set()
+    with torch._dynamo.config.patch(ignore_logging_functions=ignored):
+        for expected in eager_losses:
+            state, metrics = step(state, IDS)
+            torch.testing.assert_close(metrics["loss"], expected, rtol=1e-6, atol=0)  # the loss the eager step has
+    assert counter.frame_count == 1  # one graph, no recompile on the second step
+
+
+def test_another_logger_gets_the_general_note(caplog):
+    log = logging.getLogger("user.model")
+
+    def loss_fn(p, x):
+        log.warning("inside the loss")
+        return (x @ p["w"]).square().mean()
+
+    params = {"w": torch.ones(3, 2)}
+    step = fa.make_train_step(loss_fn, OPT, backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        step(fa.TrainState.create(params, OPT), torch.ones(4, 3))
+    note = "\n".join(info.value.__notes__)
+    assert "the step calls user.model's warning(), which torch.compile(fullgraph=True) cannot trace" in note
+    assert "ignore_logging_functions.add(logging.Logger.warning)" in note
