@@ -624,7 +624,7 @@ def test_hf_gradient_checkpointing(use_reentrant, how):
         assert torch.equal(grads[k], expected[k]), k
 
 
-def test_hf_gpt2_example_checkpointing_and_trainable():
+def test_hf_gpt2_example_checkpointing_and_trainable(capsys):
     """examples/hf_gpt2.py --tiny --checkpointing --trainable ...: trains the chosen tensors only."""
     pytest.importorskip("transformers")
     import importlib.util
@@ -634,6 +634,8 @@ def test_hf_gpt2_example_checkpointing_and_trainable():
     spec = importlib.util.spec_from_file_location("hf_gpt2_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    first = example.main(["--tiny", "--steps", "1", "--seq-len", "16"])
-    metrics = example.main(["--tiny", "--steps", "3", "--seq-len", "16", "--checkpointing", "--trainable", "lm_head"])
-    assert bool(metrics["grads_finite"]) and metrics["loss"] < first["loss"]
+    # One run on one batch: the loss of step 2 (after two updates of lm_head alone) is below the loss of step 0.
+    # (It compared with another run's step 0, whose dropout draws differ: that passed or failed by the draw.)
+    metrics = example.main(["--tiny", "--seq-len", "16", "--checkpointing", "--trainable", "lm_head", "--steps", "3"])
+    losses = [float(line.split()[3]) for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and bool(metrics["grads_finite"]) and losses[2] < losses[0]
