@@ -52,6 +52,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from funcamp import _regions
+
 __all__ = ["RematInactiveWarning"]
 
 #: A value of ``functionalize(..., remat=...)``: ``None``; an ``nn.Module`` subclass; an fnmatch pattern of
@@ -330,33 +332,26 @@ _CHECKPOINT_KEYWORDS = frozenset(
 )
 
 
-def _holds_buffers(module: nn.Module) -> bool:
-    """Whether ``module`` or a submodule has a persistent buffer (state that ``apply_fn`` passes in and out)."""
-    return any(
-        name not in m._non_persistent_buffers_set
-        for m in module.modules()
-        for name, b in m._buffers.items()
-        if b is not None
-    )
-
-
 def wrap_forward(module: nn.Module) -> None:
     """Run ``module``'s forward through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 
     Set on the internal copy, over the casting wrapper if any (the input cast is recomputed too). With
     gradients off (inference, ``torch.no_grad``) the forward runs as is. RNG state is preserved
-    (dropout masks are replayed), as torch's default. Under ``torch.compile`` a module holding
-    persistent buffers runs as is too: dynamo's activation-checkpoint operator refuses a forward that
-    reassigns a buffer ("HOP: Unsafe side effect"; the fp8 delayed state is reassigned at each call),
-    and funcamp's compiled steps differentiate with ``torch.func``, where no region is recomputed anyway.
+    (dropout masks are replayed), as torch's default. Under ``torch.compile`` the forward runs as is,
+    its nodes tagged (:func:`funcamp._regions.remat_region`): the compiled train step's graph pass
+    recomputes them for the backward (inductor), and dynamo's activation-checkpoint operator, which
+    refuses a forward that reassigns a buffer ("HOP: Unsafe side effect", the fp8 delayed state), is
+    never used.
     """
     forward = module.forward
-    stateful = _holds_buffers(module)
 
     @functools.wraps(forward)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or stateful and torch.compiler.is_compiling():
+        if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        if torch.compiler.is_compiling():  # tagged for the compiled step's recompute pass (funcamp._regions)
+            with _regions.remat_region():
+                return forward(*args, **kwargs)
         if _CHECKPOINT_KEYWORDS.isdisjoint(kwargs):
             return torch_checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return torch_checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from funcamp import numerics, sharding
+from funcamp import _regions, numerics, sharding
 from funcamp.optim import GradientTransformation
 from funcamp.policy import Policy
 from funcamp.train import _donate, _hints, _layout, _loss, _probes, _stages
@@ -199,15 +199,16 @@ def _inductor_options() -> dict[str, Any] | None:
     """
     from torch._inductor import config as inductor_config
 
+    remat = {"post_grad_custom_pre_pass": _regions.RematPass()}  # functionalize(remat=) regions recomputed
     if not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # older torch: no such option
-        return None
+        return remat
     methods = (getattr(torch.Tensor, name, None) for name in _PYTHON_TENSOR_MATH)
     names = sorted(
         f"{fn.__module__}.{fn.__name__}"
         for fn in methods
         if isinstance(fn, types.FunctionType) and fn.__module__ == "torch._tensor"
     )
-    return {"unsafe_marked_cacheable_functions": dict.fromkeys(names, torch.__version__)}
+    return {"unsafe_marked_cacheable_functions": dict.fromkeys(names, torch.__version__), **remat}
 
 
 #: Tensor methods that torch writes in Python and that only compute (no hooks, no autograd or storage

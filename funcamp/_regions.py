@@ -1,0 +1,137 @@
+"""Activation checkpointing inside the one compiled graph: regions tagged while tracing, recomputed by a graph pass.
+
+``torch.utils.checkpoint`` cannot recompute under ``torch.func`` gradient transforms (saved-tensor hooks are
+disabled there), and the compiled train step differentiates with ``torch.func``: without this module a
+checkpointed region keeps its activations once compiled. Instead, while ``torch.compile`` traces,
+
+- :func:`phase` tags the nodes of the differentiated function's forward (``"forward"``) and of the gradient
+  computation around it (``"backward"``), in :mod:`funcamp.grad`;
+- :func:`remat_region` tags the nodes of a checkpointed module's forward (``functionalize(remat=...)``);
+
+with ``torch.fx.traceback.annotate``, whose tags reach the graph inductor compiles. :class:`RematPass`, an
+inductor ``post_grad_custom_pre_pass``, then gives every backward use of a tagged forward node a copy of it
+(and of the tagged nodes it depends on) placed just before that use, so the forward's copy dies after its last
+forward use: only the region's inputs live on to the backward, as with ``torch.utils.checkpoint``. The copies
+compute the same ops on the same inputs, so gradients are bitwise those without remat. Random ops (dropout
+masks) and ops that write to their inputs are never copied: their results are kept, so masks are replayed.
+Where torch has no ``annotate`` (before 2.9) nothing is tagged and the pass does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any
+
+import torch
+
+__all__ = ["RematPass", "phase", "remat_region"]
+
+_PHASE, _REMAT = "funcamp_phase", "funcamp_remat"
+
+
+def _annotate(tags: dict[str, Any]) -> Any:
+    annotate = getattr(torch.fx.traceback, "annotate", None)
+    if annotate is None or not torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return annotate(tags)
+
+
+def phase(name: str) -> Any:
+    """A context that tags the nodes traced inside it as ``name`` (``"forward"`` or ``"backward"``)."""
+    return _annotate({_PHASE: name})
+
+
+def remat_region() -> Any:
+    """A context that tags the nodes traced inside it as recomputable for the backward."""
+    return _annotate({_REMAT: True})
+
+
+def _tags(node: torch.fx.Node) -> dict[str, Any]:
+    return node.meta.get("custom") or {}
+
+
+def _recomputable(node: torch.fx.Node) -> bool:
+    tags = _tags(node)
+    if node.op != "call_function" or not tags.get(_REMAT) or tags.get(_PHASE) != "forward":
+        return False
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None and (
+        schema.is_mutable or any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
+    ):
+        return False
+    tags_of_op = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
+
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _Base
+except ImportError:  # older torch: a plain callable
+    _Base = object
+
+
+class RematPass(_Base):  # type: ignore[misc, valid-type]
+    """The inductor graph pass that recomputes :func:`remat_region` nodes for their backward uses (see module)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        copies: dict[torch.fx.Node, torch.fx.Node] = {}
+        aten = torch.ops.aten
+
+        def call(op: Any, *args: Any) -> torch.fx.Node:
+            """A new node of ``op``, with the fake value later passes read (``meta["val"]``)."""
+            node = graph.call_function(op, args)
+            vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+            with vals[0].fake_mode:
+                node.meta["val"] = op(*vals)
+            node.meta["custom"] = {_PHASE: "backward"}
+            return node
+
+        def gate(before: torch.fx.Node) -> torch.fx.Node | None:
+            """A 0-d bool made from one of ``before``'s backward inputs: what the copies wait for."""
+            for inp in before.all_input_nodes:
+                val = inp.meta.get("val")
+                if _tags(inp).get(_PHASE) == "backward" and hasattr(val, "fake_mode") and val.numel():
+                    with graph.inserting_before(before):
+                        first = inp
+                        for _ in range(val.ndim):  # its first element, a 0-d view
+                            first = call(aten.select.int, first, 0, 0)
+                        return call(aten.eq.Tensor, first, first)
+            return None
+
+        def copy(node: torch.fx.Node, before: torch.fx.Node, flag: torch.fx.Node | None) -> torch.fx.Node:
+            if node in copies:
+                return copies[node]
+            for dep in node.all_input_nodes:
+                if _recomputable(dep):
+                    copy(dep, before, flag)
+
+            def arg(n: torch.fx.Node) -> torch.fx.Node:
+                if n in copies:
+                    return copies[n]
+                val = n.meta.get("val")
+                if flag is None or not hasattr(val, "fake_mode") or val.is_complex():
+                    return n
+                # where(flag, n, n) is n, bitwise, but makes the copy wait for the backward: inductor cannot
+                # fuse it into the forward's kernel (which would keep its result alive until the backward)
+                return call(aten.where.self, flag, n, n)
+
+            with graph.inserting_before(before):
+                dup = graph.node_copy(node, arg)
+            dup.meta["custom"] = {**_tags(node), _PHASE: "backward"}
+            copies[node] = dup
+            return dup
+
+        for node in list(graph.nodes):
+            if _tags(node).get(_PHASE) != "backward" or _recomputable(node):
+                continue
+            deps = [dep for dep in node.all_input_nodes if _recomputable(dep)]
+            if deps:
+                flag = gate(node)
+                for dep in deps:
+                    node.replace_input_with(dep, copy(dep, node, flag))
+
+    def uuid(self) -> bytes:
+        """The pass's identity for inductor's caches: a hash of this module's source."""
+        with open(__file__, "rb") as f:
+            return hashlib.sha256(f.read()).digest()
