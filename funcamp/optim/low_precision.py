@@ -192,7 +192,8 @@ def stochastic_rounding(
     ``(t - lo) / (hi - lo)``: a random 16-bit integer is added to the low 16 bits of ``t``'s float32
     bit pattern (sign and magnitude apart) and those bits are cut off, as torchao's
     ``_fp32_to_bf16_sr`` and llm.c do. So ``E[p'] = t`` and small updates add up on average: 100
-    updates of -6e-4 on 1.0 give 0.9401 in the mean over elements (``1 - 100 * bf16(6e-4)``).
+    updates of -6e-4 on 1.0 give 0.9401 in expectation (``1 - 100 * bf16(6e-4)``); the mean of the
+    4096 elements of the example below is 0.94056 (within 3 standard errors of it).
     Non-finite targets are rounded to nearest; a finite target above the largest bfloat16 rounds to
     ``inf`` with the probability of rounding up. The returned update is ``u' = p' - p`` in float32,
     which ``apply_updates`` turns into ``p'`` (module docstring).
@@ -251,7 +252,7 @@ def stochastic_rounding(
       >>> for _ in range(100):
       ...     updates, state = opt.update({"w": torch.full((4096,), 6e-4, dtype=torch.bfloat16)}, state, params)
       ...     params = optim.apply_updates(params, updates)
-      >>> round(params["w"].float().mean().item(), 3)
+      >>> round(params["w"].float().mean().item(), 2)
       0.94
     """
     fn = "stochastic_rounding"
