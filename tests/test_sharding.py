@@ -306,23 +306,31 @@ def test_stochastic_rounding_layout_errors():
         opt.update(params, opt.init(params), params)
 
 
-def test_one_rank_sharded_rounding_step_is_the_plain_step():
-    """The sharded step of one rank with ``stochastic_rounding(layout=)``: bitwise the plain step (eager)."""
+def test_one_rank_sharded_rounding_step_compiled_is_the_plain_step():
+    """The sharded step of one rank with ``stochastic_rounding(layout=)``, compiled (aot_eager): one graph
+    over 4 steps, no host sync, bitwise the plain eager step."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     params = _rounding_params()
     layout = sharding.shard_layout(params, None)
     make = lambda lay: optim.stochastic_rounding(optim.adamw(1e-2), seed=9, layout=lay)  # noqa: E731
     loss_fn = lambda p, batch: sum((p[k].float() * batch[k]).sum() for k in sorted(p))  # noqa: E731
     a = fa.TrainState.create(params, make(layout), shard=layout)
     b = fa.TrainState.create(params, make(None))
-    step_a = fa.make_train_step(loss_fn, make(layout), shard=layout, compile=False)
+    torch._dynamo.reset()  # the step's code is shared with other tests' compiled steps: count from here
+    counter = CompileCounterWithBackend("aot_eager")
+    step_a = fa.make_train_step(loss_fn, make(layout), shard=layout, backend=counter)
     step_b = fa.make_train_step(loss_fn, make(None), compile=False)
-    for i in range(4):
-        batch = {k: v.float() for k, v in _rounding_grads(params, i).items()}
-        a, _ = step_a(a, batch)
-        b, _ = step_b(b, batch)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(4):
+            batch = {k: v.float() for k, v in _rounding_grads(params, i).items()}
+            a, _ = step_a(a, batch)
+            b, _ = step_b(b, batch)
     whole = sharding.unshard_params(a.params, layout, None)
     assert all(torch.equal(whole[k], b.params[k]) for k in params)
     assert not torch.equal(b.params["w"], params["w"])
+    code = counter.graphs[0].code
+    assert counter.frame_count == 1 and "_local_scalar_dense" not in code and ".item()" not in code
 
 
 def test_state_and_wire_bytes_from_shapes():
