@@ -314,12 +314,13 @@ def make_policy(policy: fa.Policy, master_weights: str) -> fa.Policy:
 
 
 def make_optimizer(
-    args: argparse.Namespace, decay_mask: dict[str, bool], shard_group: Any = None
+    args: argparse.Namespace, decay_mask: dict[str, bool], shard_group: Any = None, layout: Any = None
 ) -> optim.GradientTransformation:
     """Clipping and AdamW on a warmup-cosine schedule, wrapped for ``--master-weights bfloat16-kahan|-sr``.
 
     With ``--shard`` the clipping norm is taken over the shards of all ranks of ``shard_group``
-    (``funcamp.sharding.clip_by_global_norm``; None for one process)."""
+    (``funcamp.sharding.clip_by_global_norm``; None for one process), and stochastic rounding takes the
+    step's ``layout`` (its noise hashes each element's index in the whole tensor)."""
     schedule = optim.warmup_cosine_decay(args.lr, warmup=args.warmup, total=args.steps, end_value=args.lr / 10)
     moment_dtype = getattr(torch, args.moment_dtype)
     optimizer = optim.chain(
@@ -331,7 +332,7 @@ def make_optimizer(
     if args.master_weights == "bfloat16-kahan":  # the wrappers must be outermost
         return optim.kahan_summation(optimizer)
     if args.master_weights == "bfloat16-sr":
-        return optim.stochastic_rounding(optimizer, seed=args.seed)
+        return optim.stochastic_rounding(optimizer, seed=args.seed, layout=layout)
     return optimizer
 
 
@@ -446,7 +447,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     decay_mask = {name: p.ndim >= 2 for name, p in params.items()}  # no decay of norms and biases
     group = parallel.resolve_group(world_size > 1)  # None in one process
     layout = sharding.shard_layout(params, group) if args.shard else None  # --shard: rows of dim 0 per rank
-    optimizer = make_optimizer(args, decay_mask, group)
+    optimizer = make_optimizer(args, decay_mask, group, layout)
     loss_scale = make_loss_scale(args.loss_scale, policy, args.init_scale, args.scale_period)
     state = fa.TrainState.create(params, optimizer, loss_scale=loss_scale, buffers=buffers, shard=layout)
 

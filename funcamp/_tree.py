@@ -271,9 +271,35 @@ def same_structure(spec_a: optree.PyTreeSpec, spec_b: optree.PyTreeSpec, n_a: in
 
 
 def tree_paths(tree: Any) -> list[str]:
-    """A dotted name for each leaf of ``tree``, in leaf order (``"layer.weight"``, ``"0.bias"``)."""
+    """A dotted name for each leaf of ``tree``, in leaf order (``"layer.weight"``, ``"0.bias"``).
+
+    Dict entries are named by their key, sequence and NamedTuple entries by their index (``None``
+    entries count: they are skipped but keep their index), as optree's ``tree_flatten_with_path``.
+    """
+    if torch.compiler.is_compiling():  # the fast path's skeleton: no optree polyfill to trace
+        flat = _fast_flatten(tree, (), strict=True)
+        if flat is not None:
+            paths: list[str] = []
+            _skeleton_paths(flat[2], (), paths)
+            return paths
     paths, _, _ = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     return [".".join(str(k) for k in path) for path in paths]
+
+
+def _skeleton_paths(skeleton: Any, prefix: tuple[str, ...], out: list[str]) -> None:
+    """Append the dotted path of every leaf of ``skeleton`` (from :func:`_fast_flatten`) to ``out``."""
+    if skeleton == _LEAF:
+        out.append(".".join(prefix))
+        return
+    if skeleton == _NONE:
+        return
+    if skeleton[0] == _DICT:
+        _, keys, _, children = skeleton
+        named = zip(keys, children)
+    else:
+        named = ((str(i), child) for i, child in enumerate(skeleton[2]))
+    for name, child in named:
+        _skeleton_paths(child, (*prefix, name), out)
 
 
 def tree_structure(tree: Any) -> optree.PyTreeSpec:

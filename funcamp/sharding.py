@@ -45,6 +45,13 @@ own norm, and ``make_train_step`` refuses it wherever the optimizer keeps it (``
 another group than the step's (``None`` in a multi-rank step would clip each shard by its own norm)
 and this module's clip with a group in a step without ``shard=``.
 
+Stochastic rounding must see where each shard lies in its whole tensor: build
+``optim.stochastic_rounding(inner, seed, layout=layout)`` with the step's layout, whose
+:meth:`ShardLayout.element_offsets` give each shard's first element index; its noise then hashes each
+element's index in the whole tensor, so the shards never share noise and the sharded run rounds as
+the unsharded one, on any number of ranks. ``make_train_step`` refuses the wrapper without that layout
+(over more than one rank) or with another one.
+
 Every rank must start from the same parameters: ``TrainState.create(params, optimizer, shard=layout)``
 checks it (float64 sum and sum of squares of each parameter, one ``all_gather_object`` over the
 layout's group) and names the first parameter that differs; a sharded step started from different
@@ -126,6 +133,21 @@ class ShardLayout:
     def for_rank(self, rank: int) -> ShardLayout:
         """The same layout as rank ``rank`` sees it."""
         return dataclasses.replace(self, rank=rank)
+
+    def element_offsets(self) -> dict[str, int]:
+        """Each parameter's name -> the row-major index, in the whole tensor, of this rank's first element.
+
+        Rank ``r``'s shard of a ``(d0, *rest)`` parameter starts at row ``r * c``, so element ``j`` of the
+        flattened shard is element ``r * c * prod(rest) + j`` of the flattened whole tensor (past its
+        end for padding). ``optim.stochastic_rounding(..., layout=layout)`` hashes that index, so that
+        the shards draw the noise of the whole tensor.
+
+        Example:
+          >>> lay = ShardLayout(world_size=2, rank=1, names=("w", "s"), shapes=((5, 3), ()))
+          >>> lay.element_offsets()  # w: rows 3..5 of 5 (one of padding); s: rank 1 holds only padding
+          {'w': 9, 's': 1}
+        """
+        return {name: self.rank * self.rows(i) * _numel(_rest(self.shapes[i])) for i, name in enumerate(self.names)}
 
 
 def _dim0(shape: tuple[int, ...]) -> int:
@@ -515,9 +537,8 @@ def clip_by_global_norm(max_norm: float, group: Any = True) -> GradientTransform
     return GradientTransformation(empty_init, update)
 
 
-def _norm_clips(obj: Any, seen: set[int] | None = None) -> list[Any]:
-    """The global-norm clips inside ``obj`` (an optimizer): ``"optim"`` for ``funcamp.optim``'s, the
-    resolved group (a ProcessGroup or None) for each of this module's.
+def _functions(obj: Any, seen: set[int] | None = None) -> list[types.FunctionType]:
+    """The functions reachable from ``obj`` (an optimizer), in walk order.
 
     The walk goes through every container the optimizer combinators keep transforms in: tuples and
     lists (``chain``, NamedTuples such as ``GradientTransformation``), dicts (``multi_transform``'s
@@ -528,7 +549,7 @@ def _norm_clips(obj: Any, seen: set[int] | None = None) -> list[Any]:
     if id(obj) in seen or obj is None or isinstance(obj, (torch.Tensor, str, bytes, int, float, type)):
         return []
     seen.add(id(obj))
-    found: list[Any] = []
+    found: list[types.FunctionType] = []
     children: list[Any] = []
     if isinstance(obj, dict):
         children = list(obj.values())
@@ -539,11 +560,7 @@ def _norm_clips(obj: Any, seen: set[int] | None = None) -> list[Any]:
     elif isinstance(obj, types.MethodType):
         children = [obj.__func__, obj.__self__]
     elif isinstance(obj, types.FunctionType):
-        if getattr(obj, "__qualname__", "") == "clip_by_global_norm.<locals>.update":
-            if obj.__module__ == "funcamp.optim.transforms":
-                found.append("optim")
-            elif hasattr(obj, "_funcamp_clip_group"):
-                found.append(obj._funcamp_clip_group)
+        found.append(obj)
         for cell in obj.__closure__ or ():
             try:
                 children.append(cell.cell_contents)
@@ -553,8 +570,26 @@ def _norm_clips(obj: Any, seen: set[int] | None = None) -> list[Any]:
     elif not isinstance(obj, types.ModuleType) and (callable(obj) or dataclasses.is_dataclass(obj)):
         children = list(getattr(obj, "__dict__", {}).values())
     for x in children:
-        found += _norm_clips(x, seen)
+        found += _functions(x, seen)
     return found
+
+
+def _norm_clips(obj: Any) -> list[Any]:
+    """The global-norm clips inside ``obj`` (an optimizer, walked by :func:`_functions`): ``"optim"`` for
+    ``funcamp.optim``'s, the resolved group (a ProcessGroup or None) for each of this module's."""
+    found: list[Any] = []
+    for fn in _functions(obj):
+        if getattr(fn, "__qualname__", "") == "clip_by_global_norm.<locals>.update":
+            if fn.__module__ == "funcamp.optim.transforms":
+                found.append("optim")
+            elif hasattr(fn, "_funcamp_clip_group"):
+                found.append(fn._funcamp_clip_group)
+    return found
+
+
+def _rounding_layouts(obj: Any) -> list[ShardLayout | None]:
+    """The ``layout`` of each ``funcamp.optim.stochastic_rounding`` inside ``obj`` (an optimizer)."""
+    return [fn._funcamp_rounding_layout for fn in _functions(obj) if hasattr(fn, "_funcamp_rounding_layout")]
 
 
 def _same_group(a: Any, b: Any) -> bool:
@@ -572,8 +607,10 @@ def _describe(pg: Any) -> str:
     return f"a group of ranks {dist.get_process_group_ranks(pg)}"
 
 
-def check_optimizer(optimizer: GradientTransformation, group: Any = None, *, sharded: bool = True) -> None:
-    """Refuse an optimizer whose global-norm clipping would not see exactly the step's gradients.
+def check_optimizer(
+    optimizer: GradientTransformation, group: Any = None, *, sharded: bool = True, layout: ShardLayout | None = None
+) -> None:
+    """Refuse an optimizer whose global-norm clipping or stochastic rounding would not see the step's tensors.
 
     With ``sharded`` (a ``shard=`` step over ``group``): ``funcamp.optim.clip_by_global_norm`` would clip
     each rank's shard by that shard's norm, and this module's :func:`clip_by_global_norm` built for
@@ -581,11 +618,21 @@ def check_optimizer(optimizer: GradientTransformation, group: Any = None, *, sha
     (an unsharded step, ``group`` its data-parallel group or None): this module's clip with a group
     would add up the norms of every rank's whole (identical) gradients, sqrt(N) times too large.
 
+    ``funcamp.optim.stochastic_rounding`` hashes each element's index in the whole tensor, which it
+    knows from its ``layout=``: with ``sharded`` and ``layout`` (the step's, over more than one rank)
+    each one must have a layout of the same parameters and ranks (without one, every rank's shard
+    would draw the noise of rank 0's rows); the layout's rank is compared with the step's by
+    :func:`check_consistent` (every rank raises alike), or here for one process. Without ``sharded``,
+    a ``layout=`` over more than one rank is refused (its offsets are a shard's).
+
     Raises:
       ValueError: naming the clip and the groups, if one of them is found (nested anywhere: ``chain``,
         ``multi_transform``, ``masked``, ``kahan_summation``...).
+      ValueError: naming what differs, if a ``stochastic_rounding``'s layout does not match the step's.
     """
     pg = _resolve(group)
+    for found in _rounding_layouts(optimizer):
+        _check_rounding_layout(found, layout if sharded else None, one_process=pg is None)
     for clip in _norm_clips(optimizer):
         if sharded and clip == "optim":
             raise ValueError(
@@ -608,13 +655,57 @@ def check_optimizer(optimizer: GradientTransformation, group: Any = None, *, sha
             )
 
 
-def check_consistent(layout: ShardLayout, group: Any, **config: Any) -> None:
+def _check_rounding_layout(found: ShardLayout | None, layout: ShardLayout | None, *, one_process: bool) -> None:
+    """Refuse a ``stochastic_rounding`` layout ``found`` in a step of ``layout`` (None: an unsharded step)."""
+    what = "make_train_step: funcamp.optim.stochastic_rounding"
+    if found is not None and not isinstance(found, ShardLayout):
+        raise ValueError(
+            f"{what}'s layout= is a {type(found).__name__}, not a funcamp.sharding.ShardLayout; pass the layout "
+            "given to shard= (shard_layout(params, group))"
+        )
+    if layout is None:
+        if found is not None and found.world_size > 1:
+            raise ValueError(
+                f"{what} was given a layout over {found.world_size} ranks, in a step without shard=: its element "
+                "offsets are those of a shard, not of the whole tensors the step updates; drop layout= (or build "
+                "the step with shard=layout)"
+            )
+        return
+    if found is None:
+        if layout.world_size > 1:
+            raise ValueError(
+                f"{what} has no layout= in a step sharded over {layout.world_size} ranks: each rank would hash its "
+                "shard's own element indices, so the ranks' shards would draw the same noise and the run would "
+                "not round as the unsharded one; build it with optim.stochastic_rounding(inner, seed, "
+                "layout=layout), the layout given to shard="
+            )
+        return
+    mine, step = (found.world_size, found.names, found.shapes), (layout.world_size, layout.names, layout.shapes)
+    if mine != step:
+        raise ValueError(
+            f"{what}'s layout differs from the step's shard= layout (given first) in "
+            f"{_first_difference('layout', (*step, ''), (*mine, ''))}; pass the layout given to shard= "
+            "(optim.stochastic_rounding(inner, seed, layout=layout))"
+        )
+    if one_process and found.rank != layout.rank:
+        raise ValueError(
+            f"{what}'s layout is for rank {found.rank}, the step's shard= for rank {layout.rank}; pass the layout "
+            "given to shard="
+        )
+
+
+def check_consistent(
+    layout: ShardLayout, group: Any, *, optimizer: GradientTransformation | None = None, **config: Any
+) -> None:
     """Check (host side, one ``all_gather_object``) that every rank has the same layout and configuration.
 
     ``make_train_step`` calls it with the policy and the wire dtype, so that ranks built with other
-    policies fail here, at build time, instead of exchanging mismatched buffers.
+    policies fail here, at build time, instead of exchanging mismatched buffers; and with the
+    optimizer, whose ``stochastic_rounding`` layouts must be for this rank (as ``layout``).
 
     Raises:
+      ValueError: if rank ``r``'s layout (or a ``stochastic_rounding``'s in ``optimizer``) is not for
+        rank ``r`` of the group's size, saying which rank it is for (every rank raises alike).
       ValueError: naming the first rank whose layout (a parameter's name or shape, the world size,
         the gather dtype) or configuration differs from rank 0's, and what differs.
     """
@@ -625,10 +716,19 @@ def check_consistent(layout: ShardLayout, group: Any, **config: Any) -> None:
         "layout": (layout.world_size, layout.names, layout.shapes, str(layout.gather_dtype)),
         **{k: str(v) for k, v in config.items()},
     }
+    rounding = [(f.rank, f.world_size) for f in _rounding_layouts(optimizer) if f is not None]
     everyone: list[Any] = [None] * pg.size()
-    dist.all_gather_object(everyone, (mine, (layout.rank, layout.world_size)), group=pg)
-    _check_claims([claim for _, claim in everyone], "sharding")
-    everyone = [m for m, _ in everyone]
+    dist.all_gather_object(everyone, (mine, (layout.rank, layout.world_size), rounding), group=pg)
+    _check_claims([claim for _, claim, _ in everyone], "sharding")
+    for r, (_, _, claims) in enumerate(everyone):
+        for rank, world in claims:
+            if (rank, world) != (r, len(everyone)):
+                raise ValueError(
+                    f"sharding: on rank {r} of {len(everyone)} in the group, funcamp.optim.stochastic_rounding's "
+                    f"layout is for rank {rank} of {world}; build it with the layout given to shard= "
+                    "(shard_layout(params, group) on every rank)"
+                )
+    everyone = [m for m, _, _ in everyone]
     ref = everyone[0]
     for r, other in enumerate(everyone):
         if other == ref:

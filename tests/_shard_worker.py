@@ -294,6 +294,77 @@ def _clip(group: Any, rank: int) -> dict[str, Any]:
     return {"sharded": sharded["records"], "plain": plain["records"]}
 
 
+ROUNDING_STEPS = 8
+
+
+def rounding_params() -> dict[str, torch.Tensor]:
+    """bfloat16 masters of :func:`init_params`' awkward shapes, plus ``twin``: 8 rows, one (2, 16) block 4 times, so
+    that every rank's shard of it (2 and 4 ranks) holds the same values."""
+    g = torch.Generator().manual_seed(5)
+    params = {k: v.to(torch.bfloat16) for k, v in init_params().items()}
+    params["twin"] = torch.randn(2, 16, generator=g).to(torch.bfloat16).repeat(4, 1)
+    return params
+
+
+def rounding_batches() -> list[dict[str, torch.Tensor]]:
+    """Per step, a bfloat16-exact coefficient per parameter (the same on every rank), twin's 4 blocks equal."""
+    g = torch.Generator().manual_seed(6)
+    out = []
+    for _ in range(ROUNDING_STEPS):
+        batch = {k: torch.randn(v.shape, generator=g).to(torch.bfloat16).float() for k, v in rounding_params().items()}
+        batch["twin"] = batch["twin"][:2].repeat(4, 1)
+        out.append(batch)
+    return out
+
+
+def rounding_loss(params: Any, batch: Any) -> torch.Tensor:
+    """``sum_k <p_k, c_k>``: the gradient is exactly ``c_k`` (8 significant bits), so its mean over 2 or 4 ranks
+    is exact in any order, and a sharded run can equal the unsharded one bitwise on 4 ranks too."""
+    return sum((params[k].float() * batch[k]).sum() for k in sorted(params))
+
+
+def rounding_optimizer(layout: Any) -> optim.GradientTransformation:
+    return optim.stochastic_rounding(optim.adamw(1e-2, weight_decay=0.1), seed=11, layout=layout)
+
+
+def _rounding(group: Any, rank: int, *, with_layout: bool = True) -> dict[str, Any]:
+    """bfloat16 masters with stochastic rounding (issue 26 item 11): sharded (``layout=`` the step's layout)
+    and unsharded data parallel, ``ROUNDING_STEPS`` steps of exact gradients; the whole parameters per step.
+    ``with_layout=False`` builds the wrapper without the layout (each rank hashes its shard's own indices)
+    and skips the step's check of it: what the code before the fix did."""
+    del rank
+    params = rounding_params()
+    layout = sharding.shard_layout(params, group)
+    out: dict[str, Any] = {}
+    for sharded in (True, False):
+        opt = rounding_optimizer(layout if sharded and with_layout else None)
+        lay = layout if sharded else None
+        state = fa.TrainState.create(params, opt, shard=lay)
+        if sharded and not with_layout:
+            from unittest import mock
+
+            with mock.patch.object(sharding, "check_optimizer"):
+                step = fa.make_train_step(rounding_loss, opt, data_parallel=group, shard=lay, compile=False)
+        else:
+            step = fa.make_train_step(rounding_loss, opt, data_parallel=group, shard=lay, compile=False)
+        records = []
+        for batch in rounding_batches():
+            state, m = step(state, batch)
+            assert bool(m["grads_finite"])
+            whole = sharding.unshard_params(state.params, layout, group) if sharded else state.params
+            records.append({k: v.clone() for k, v in whole.items()})
+        out["sharded" if sharded else "plain"] = records
+    if with_layout:  # the step refuses the wrapper without its layout, or with another rank's, on every rank alike
+        out["no_layout"] = _catch(
+            lambda: fa.make_train_step(rounding_loss, rounding_optimizer(None), data_parallel=group, shard=layout)
+        )
+        other = layout.for_rank((layout.rank + 1) % layout.world_size)
+        out["other_rank"] = _catch(
+            lambda: fa.make_train_step(rounding_loss, rounding_optimizer(other), data_parallel=group, shard=layout)
+        )
+    return out
+
+
 def _catch(fn: Any) -> str:
     """``fn()``'s error as ``"Type: message"``, or ``"ok"``."""
     try:
@@ -384,6 +455,7 @@ def main(out: str) -> None:
         }
     results["errors"] = _errors(pair, i)
     results["fixes"] = _fixes(out, pair, i, rank // 2)
+    results["rounding_pair"] = _rounding(pair, i)
     if rank < 2:
         from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -405,6 +477,8 @@ def main(out: str) -> None:
             "sharded": run(name, group, rank, sharded=True),
             "plain": run(name, group, rank, sharded=False),
         }
+    results["rounding_world"] = _rounding(group, rank)
+    results["rounding_world_no_layout"] = _rounding(group, rank, with_layout=False)  # the negative control
     torch.save(results, f"{out}/rank{rank}.pt")
     parallel.shutdown()
 

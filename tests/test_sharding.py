@@ -198,6 +198,141 @@ def test_one_rank_sharded_step_is_the_plain_step():
     assert int(a.skipped_steps) == 1
 
 
+# --- stochastic rounding under sharding (issue 26 item 11), one process: each rank's update emulated -------
+
+
+def _rounding_params() -> dict[str, torch.Tensor]:
+    """bfloat16 leaves whose rows do not divide by 2, 3 or 4 (and a float32 one that passes through)."""
+    g = torch.Generator().manual_seed(3)
+    shapes = {"w": (7, 5), "b": (5,), "row": (1, 3), "s": (), "cube": (9, 2, 3)}
+    params = {k: torch.randn(shape, generator=g).to(torch.bfloat16) for k, shape in shapes.items()}
+    params["f32"] = torch.randn(6, 2, generator=g)
+    params["twin"] = torch.randn(1, 64, generator=g).to(torch.bfloat16).repeat(12, 1)  # 12 equal rows
+    return params
+
+
+def _rounding_grads(params: dict, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    grads = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in params.items()}
+    grads["twin"] = grads["twin"][:1].repeat(12, 1)
+    return grads
+
+
+def _gather_rows(shards: list, layout, i: int) -> torch.Tensor:
+    """The whole tensor ``i`` from every rank's shard (rows concatenated, padding cut)."""
+    shape = layout.shapes[i]
+    rows = torch.cat([x.reshape(layout.rows(i), -1) for x in shards])
+    return rows[: shape[0] if shape else 1].reshape(shape)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_stochastic_rounding_of_shards_is_the_whole_tensors_rounding(world):
+    """Every rank's ``stochastic_rounding(..., layout=its layout)`` on its shard, 3 AdamW steps: the shards,
+    put together, are the unsharded run's parameters bitwise (uneven rows: 7, 5, 1, 9 and 0-d, padding).
+
+    ``twin`` has 12 equal rows and equal gradients: the ranks' shards hold the same values, and round
+    differently (about 70% of elements equal after one step, never all).
+    """
+    params = _rounding_params()
+    whole_layout = sharding.shard_layout(params, None)
+
+    def make(layout):
+        return optim.stochastic_rounding(optim.adamw(1e-2, weight_decay=0.1), seed=5, layout=layout)
+
+    ref = make(None)
+    ref_params, ref_state = params, ref.init(params)
+    layouts = [dataclasses.replace(whole_layout, world_size=world, rank=r) for r in range(world)]
+    opts = [make(lay) for lay in layouts]
+    shards = [sharding.shard_params(params, lay) for lay in layouts]
+    states = [opt.init(x) for opt, x in zip(opts, shards)]
+    for step in range(3):
+        grads = _rounding_grads(params, step)
+        updates, ref_state = ref.update(grads, ref_state, ref_params)
+        ref_params = optim.apply_updates(ref_params, updates)
+        for r, (lay, opt) in enumerate(zip(layouts, opts)):
+            updates, states[r] = opt.update(sharding.shard_params(grads, lay), states[r], shards[r])
+            shards[r] = sharding.zero_padding(optim.apply_updates(shards[r], updates), lay)
+        for i, name in enumerate(whole_layout.names):
+            got = _gather_rows([x[name] for x in shards], layouts[0], i)
+            assert torch.equal(got, ref_params[name]), (world, step, name)
+    if world > 1:  # rank 0's and rank 1's shards of twin start equal and get equal updates, yet round apart
+        c = layouts[0].rows(whole_layout.names.index("twin"))
+        first = [x["twin"][:c] for x in _one_step_shards(params, layouts, make)]
+        assert torch.equal(_rounding_params()["twin"][:c], _rounding_params()["twin"][c : 2 * c])
+        assert 0.5 < _equal_fraction(first[0], first[1]) < 0.9
+
+
+def _one_step_shards(params, layouts, make):
+    grads = _rounding_grads(params, 0)
+    out = []
+    for lay in layouts:
+        opt, x = make(lay), sharding.shard_params(params, lay)
+        updates, _ = opt.update(sharding.shard_params(grads, lay), opt.init(x), x)
+        out.append(optim.apply_updates(x, updates))
+    return out
+
+
+def test_stochastic_rounding_layout_errors():
+    """The step refuses a wrapper whose layout is not its own; the wrapper refuses what is not a layout."""
+    params = _rounding_params()
+    one = sharding.shard_layout(params, None)
+    two = dataclasses.replace(one, world_size=2)
+    sr = optim.stochastic_rounding
+    nested = optim.multi_transform({"a": sr(optim.sgd(0.1)), "b": sr(optim.sgd(0.1), layout=two)}, _all_params("a"))
+    with pytest.raises(ValueError, match="stochastic_rounding has no layout= in a step sharded over 2 ranks"):
+        sharding.check_optimizer(nested, None, sharded=True, layout=two)
+    other = sharding.shard_layout({**params, "extra": torch.zeros(2)}, None)
+    with pytest.raises(
+        ValueError, match=r"differs from the step's shard= layout \(given first\) in the world size: 2 vs 1"
+    ):
+        sharding.check_optimizer(sr(optim.sgd(0.1), layout=one), None, sharded=True, layout=two)
+    with pytest.raises(ValueError, match=r"in the parameter names: \['extra'\]"):
+        sharding.check_optimizer(sr(optim.sgd(0.1), layout=dataclasses.replace(other, world_size=2)), None, layout=two)
+    with pytest.raises(ValueError, match="layout is for rank 1, the step's shard= for rank 0"):
+        sharding.check_optimizer(sr(optim.sgd(0.1), layout=two.for_rank(1)), None, sharded=True, layout=two)
+    loss_fn = lambda p, batch: sum((v.float() * batch).sum() for v in p.values())  # noqa: E731
+    with pytest.raises(ValueError, match="given a layout over 2 ranks, in a step without shard="):
+        fa.make_train_step(loss_fn, optim.chain(optim.identity(), sr(optim.sgd(0.1), layout=two)), compile=False)
+    # a layout of one rank: all offsets 0, accepted with or without shard=, and so is no layout
+    for opt in (sr(optim.sgd(0.1)), sr(optim.sgd(0.1), layout=one)):
+        fa.make_train_step(loss_fn, opt, shard=one, compile=False)
+        fa.make_train_step(loss_fn, opt, compile=False)
+    with pytest.raises(TypeError, match="layout must be None or a funcamp.sharding.ShardLayout"):
+        sr(optim.sgd(0.1), layout="rows")
+    opt = sr(optim.sgd(0.1), layout=sharding.shard_layout({"w": params["w"]}, None))
+    with pytest.raises(
+        ValueError, match=r"parameter 'b' is not in the layout given as layout= \(its parameters: \['w'\]\)"
+    ):
+        opt.update(params, opt.init(params), params)
+
+
+def test_one_rank_sharded_rounding_step_compiled_is_the_plain_step():
+    """The sharded step of one rank with ``stochastic_rounding(layout=)``, compiled (aot_eager): one graph
+    over 4 steps, no host sync, bitwise the plain eager step."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    params = _rounding_params()
+    layout = sharding.shard_layout(params, None)
+    make = lambda lay: optim.stochastic_rounding(optim.adamw(1e-2), seed=9, layout=lay)  # noqa: E731
+    loss_fn = lambda p, batch: sum((p[k].float() * batch[k]).sum() for k in sorted(p))  # noqa: E731
+    a = fa.TrainState.create(params, make(layout), shard=layout)
+    b = fa.TrainState.create(params, make(None))
+    torch._dynamo.reset()  # the step's code is shared with other tests' compiled steps: count from here
+    counter = CompileCounterWithBackend("aot_eager")
+    step_a = fa.make_train_step(loss_fn, make(layout), shard=layout, backend=counter)
+    step_b = fa.make_train_step(loss_fn, make(None), compile=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(4):
+            batch = {k: v.float() for k, v in _rounding_grads(params, i).items()}
+            a, _ = step_a(a, batch)
+            b, _ = step_b(b, batch)
+    whole = sharding.unshard_params(a.params, layout, None)
+    assert all(torch.equal(whole[k], b.params[k]) for k in params)
+    assert not torch.equal(b.params["w"], params["w"])
+    code = counter.graphs[0].code
+    assert counter.frame_count == 1 and "_local_scalar_dense" not in code and ".item()" not in code
+
+
 def test_state_and_wire_bytes_from_shapes():
     params = {"w": torch.zeros(7, 5), "b": torch.zeros(5), "s": torch.zeros(())}
     adam = optim.adam(1e-3)
@@ -360,6 +495,38 @@ def test_against_fsdp2_fully_shard(ranks, name):
         assert got["fsdp2"].keys() == got["funcamp"].keys()
         assert _max_diff(got["funcamp"], got["fsdp2"]) <= FSDP2_BOUND[name]
         assert _max_diff(got["fsdp2"], got["initial"]) > 0.05  # both trained
+
+
+def _equal_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a == b).double().mean().item()
+
+
+@pytest.mark.parametrize("where", ["rounding_pair", "rounding_world"])
+def test_sharded_stochastic_rounding_equals_unsharded_bitwise(ranks, where):
+    """Issue 26 item 11: with ``layout=``, the noise hashes each element's index in the whole tensor.
+
+    bfloat16 masters, AdamW with weight decay under ``stochastic_rounding(seed=11, layout=layout)``, 8 steps
+    of exact gradients (``W.rounding_loss``) on 2 and 4 gloo ranks; every parameter's rows split unevenly
+    (7, 5, 1 and 0-d rows over 2 and 4 ranks). Every step's whole parameters are the unsharded run's, bitwise.
+    ``twin`` repeats one block so that every rank's shard holds the same values: its copies round
+    independently (the shards do not share noise). Without the layout (the code before the fix, the
+    negative control of the 4 ranks) the sharded run differs.
+    """
+    group = ranks[:2] if where == "rounding_pair" else ranks
+    for r in group:
+        sharded, plain = r[where]["sharded"], r[where]["plain"]
+        for step, (s, p) in enumerate(zip(sharded, plain, strict=True), start=1):
+            assert all(torch.equal(s[k], p[k]) and s[k].dtype == torch.bfloat16 for k in p), (where, step)
+        assert _max_diff(plain[-1], W.rounding_params()) > 0.01  # it trained
+        twin = plain[0]["twin"]  # after one step: 4 copies of one block, the same target, each its own noise
+        copies = twin.view(4, 2, 16)
+        assert all(_equal_fraction(copies[0], copies[j]) < 0.9 for j in (1, 2, 3)), twin
+        assert "has no layout= in a step sharded over" in r[where]["no_layout"], r[where]["no_layout"]
+        assert "stochastic_rounding's layout is for rank" in r[where]["other_rank"], r[where]["other_rank"]
+    for r in ranks:  # the negative control: each rank hashing its shard's own indices is not the unsharded run
+        sharded, plain = r["rounding_world_no_layout"]["sharded"][-1], r["rounding_world_no_layout"]["plain"][-1]
+        assert not all(torch.equal(sharded[k], plain[k]) for k in plain)
+        assert torch.equal(sharded["row"], plain["row"])  # one row: rank 0 holds it whole, so its noise was right
 
 
 def test_bad_input_names_the_rank(ranks):

@@ -1,6 +1,7 @@
 """Tree utilities: all_finite, select_tree, global_norm, casting, bytes, paths."""
 
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -122,6 +123,27 @@ def test_tree_bytes_and_paths():
     }
     assert fa.tree_bytes(tree) == 2 * 3 * 4 + 4 * 2 + 2 * 8
     assert _tree.tree_paths({"b": {"w": 1}, "a": [1, 2]}) == ["a.0", "a.1", "b.w"]
+
+
+class _Pair(NamedTuple):
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+def test_tree_paths_while_tracing_are_optrees():
+    """The tracing fast path names the leaves as optree does: sorted keys, indices, None entries counted."""
+    t = torch.ones(1)
+    tree = {"z": {"y": t, "x": [t, (t, None, t)]}, "a": _Pair(t, t), "n": None, "k": [None, {"q": t}]}
+    want = ["a.0", "a.1", "k.1.q", "z.x.0", "z.x.1.0", "z.x.1.2", "z.y"]
+    assert _tree.tree_paths(tree) == want
+    seen = []
+
+    def fn(tree):
+        seen.append(_tree.tree_paths(tree))
+        return _tree.tree_leaves(tree)[0] + 1
+
+    torch.compile(fn, fullgraph=True, backend="eager")(tree)
+    assert seen == [want]
 
 
 def test_cast_floating_leaves_others_alone():

@@ -184,10 +184,11 @@ class Sharded(DataParallel):
         return f"Sharded({self.shard.world_size} ranks, reduce_dtype={self.reduce_dtype})"
 
     def check_optimizer(self, optimizer: Any) -> None:
-        """Build time: refuse per-shard norms, and check that every rank has the same layout and policy."""
-        sharding.check_optimizer(optimizer, self.group, sharded=True)
+        """Build time: refuse per-shard norms and a ``stochastic_rounding`` without this layout, and check that
+        every rank has the same layout, policy and rounding layout."""
+        sharding.check_optimizer(optimizer, self.group, sharded=True, layout=self.shard)
         if self.group is not None:
-            sharding.check_consistent(self.shard, self.group, policy=self._policy)
+            sharding.check_consistent(self.shard, self.group, optimizer=optimizer, policy=self._policy)
 
     def check_state(self, state: Any) -> None:
         """Nothing more: ``TrainState.create(shard=)`` checked the whole parameters where it had them."""

@@ -101,7 +101,9 @@ def make_train_step(
         one ``grads_finite`` and takes ``grad_norm`` over all shards, and updates only this rank's
         shards. The metrics are the unsharded step's (``grad_norm`` to float32 round-off). The
         optimizer must not contain ``funcamp.optim.clip_by_global_norm`` (use
-        ``funcamp.sharding.clip_by_global_norm`` built for the same group). Building the step checks
+        ``funcamp.sharding.clip_by_global_norm`` built for the same group), and an
+        ``optim.stochastic_rounding`` in it takes ``layout=`` the same layout (its noise then hashes
+        each element's index in the whole tensor: the unsharded run's noise). Building the step checks
         (one ``all_gather_object``) that every rank has the same layout and policy; that every rank
         starts from the same parameters is checked by ``TrainState.create(shard=layout)``, where the
         whole parameters are at hand.
@@ -134,8 +136,10 @@ def make_train_step(
         ``data_parallel`` is missing (and the layout is for more than one rank), the layout's world
         size or rank is not the group's, ranks differ in layout or policy (the message names the rank),
         ``telemetry`` is set, or the optimizer clips by a per-shard global norm or by
-        ``funcamp.sharding.clip_by_global_norm`` of another group. Without ``shard``: if the optimizer
-        holds ``funcamp.sharding.clip_by_global_norm`` with a group. At the first call: if the state
+        ``funcamp.sharding.clip_by_global_norm`` of another group, or holds ``optim.stochastic_rounding``
+        without ``layout=`` (over more than one rank) or with another layout. Without ``shard``: if the
+        optimizer holds ``funcamp.sharding.clip_by_global_norm`` with a group, or
+        ``optim.stochastic_rounding`` with a layout over more than one rank. At the first call: if the state
         is sharded and the step is not, or (data parallel) the parameters differ between ranks.
 
     Example:
