@@ -6,14 +6,16 @@
 # 2. benchmarks/bench_fp8_cuda.py on gpt2-124m: torch.amp bf16 + compile(model), funcamp's compiled bf16
 #    step and fp8 tensorwise (tokens/s, MFU, first call);
 # 3. benchmarks/bench_train_step.py on gpt2-124m in float16 (torch.amp eager and compiled against funcamp's
-#    compiled step), then in bfloat16 if time is left (set T_BF16=0 to skip).
+#    compiled step), then in bfloat16 if time is left (set T_BF16=0 to skip);
+# 4. benchmarks/bench_memory.py on the state-dominated MLP: what a step adds over the state at rest,
+#    compiled torch.optim against funcamp compiled with and without donate=True (T_MEM=0 to skip).
 # Each part has its own time limit, so that a slow or failing part does not take the others with it.
 set -u
 OUT=${1:?usage: run_cuda.sh OUT_DIR}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/funcamp_inductor_cache}
-T_TESTS=${T_TESTS:-90} T_FP8=${T_FP8:-220} T_FP16=${T_FP16:-230} T_BF16=${T_BF16:-200}
+T_TESTS=${T_TESTS:-90} T_FP8=${T_FP8:-220} T_FP16=${T_FP16:-230} T_BF16=${T_BF16:-200} T_MEM=${T_MEM:-150}
 FP8_VARIANTS=${FP8_VARIANTS:-amp_bf16,funcamp_bf16,fp8_tensorwise}
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -29,4 +31,7 @@ timeout "$T_FP16" python3 benchmarks/bench_train_step.py "${common[@]}" --dtype 
   --json "$OUT/bench_train_step_fp16.json" --markdown "$OUT/bench_train_step_fp16.md" 2>&1 | tee "$OUT/bench_fp16.log"
 [ "$T_BF16" -gt 0 ] && timeout "$T_BF16" python3 benchmarks/bench_train_step.py "${common[@]}" --dtype bfloat16 \
   --json "$OUT/bench_train_step_bf16.json" --markdown "$OUT/bench_train_step_bf16.md" 2>&1 | tee "$OUT/bench_bf16.log"
+[ "$T_MEM" -gt 0 ] && timeout "$T_MEM" python3 benchmarks/bench_memory.py --device cuda --models mlp \
+  --variants torch_eager,torch_compiled_opt,funcamp_compiled,funcamp_compiled_donate --out "$OUT/bench_memory.json" \
+  2>&1 | tee "$OUT/bench_memory.log"
 date -u | tee -a "$OUT/machine.txt"
