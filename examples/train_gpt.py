@@ -769,6 +769,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "logdir": args.logdir,
         "checkpoint": ckpt_path,
         "policy": str(policy),
+        "policy_choice": choice,  # --policy auto: fa.tune.ComputeDtypeChoice (None for an explicit --policy)
         "sample": None,
     }
     final_params = whole_params() if end == args.steps and args.sample_bytes > 0 else None
