@@ -826,7 +826,7 @@ def _timing_text(t: StepTiming) -> str:
     if t.seconds is None:
         return f"{_label(t.dtype)} {t.refused}"
     text = f"{_label(t.dtype)} {1e3 * t.seconds:.4g} ms"
-    return text if t.dtype == torch.float32 else f"{text} ({t.ratio:.3g}x)"
+    return text if t.dtype == torch.float32 else f"{text} (median per-round ratio {t.ratio:.3g}x)"
 
 
 def _cpu_model() -> str:

@@ -705,7 +705,7 @@ def test_a_clearly_faster_half_dtype_is_chosen_from_the_step_times(cpu_facts, tm
     assert "faster by 30.0%, more than the spread (0.0%) and the margin (2%)" in c.reason
     line = c.explain()
     assert line.startswith("float16 compute on CPU (AVX512)") and "measured now (9 interleaved rounds" in line
-    assert "float32 1000 ms, bfloat16 800 ms (0.8x), float16 700 ms (0.7x)" in line
+    assert "float32 1000 ms, bfloat16 800 ms (median per-round ratio 0.8x), float16 700 ms (median" in line
     assert f"saved to {c.cache_path}" in line and c.cache_path.name.startswith("compute-dtype-")
 
 
