@@ -11,9 +11,13 @@ The model is a plain ``nn.Module`` (``examples/gpt.py``); ``funcamp.nn.functiona
 function of float32 master parameters that computes in the policy's half dtype; the whole train step
 (loss scaling, gradients, finite check, clipping, AdamW, skip on overflow, loss-scale update) is one
 ``torch.compile`` graph. Default (``--policy auto``): float32 params and outputs, computing in the dtype
-``funcamp.half_dtype(device)`` finds fast on this machine (bfloat16 on AMX CPUs and Ampere+ GPUs, float16
-with a dynamic loss scale on older GPUs, float32 on CPUs without fast half precision, such as AVX2-only
-ones); the header says which and why.
+``funcamp.tune.choose_compute_dtype`` finds faster for this very step: torch's report decides where it can
+(bfloat16 on Ampere+ GPUs, float16 with a dynamic loss scale on older ones, float32 on CPUs without oneDNN
+half kernels, such as AVX2-only ones); elsewhere (AVX-512 and AMX CPUs) the compiled step of each
+candidate dtype is timed in interleaved rounds, float32 unless a half dtype is faster by more than the
+rounds' spread, and the decision is cached (``$FUNCAMP_CACHE_DIR/tune`` or ``~/.cache/funcamp/tune``) so
+that every later run on the machine makes the same choice; ``--retune`` times again. The header says
+which, why, and where the decision came from.
 
 ``--telemetry-every N`` adds ``funcamp.numerics``' precision telemetry every N steps (per block: gradient
 and weight amax, the share of gradient elements that would underflow or overflow in float16 and
@@ -56,6 +60,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -121,7 +126,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: min(50, steps // 10))")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices (default: 0.1)")
     p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (default: 1.0)")
-    p.add_argument("--policy", default="auto", help="precision policy string, or auto (default: per device)")
+    p.add_argument(
+        "--policy",
+        default="auto",
+        help="precision policy string, or auto: the compute dtype whose compiled train step is faster here,\n"
+        "timed once per model, batch shape, settings and machine and cached (default: auto)",
+    )
+    p.add_argument(
+        "--retune",
+        action="store_true",
+        help="--policy auto: time the candidate dtypes' steps again instead of reading the cached decision",
+    )
     p.add_argument(
         "--master-weights",
         default="float32",
@@ -199,6 +214,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--fp8 with --master-weights {args.master_weights}: the fp8 layers keep float32 master weights "
             "(funcamp.fp8.MODULE_POLICIES), so bfloat16 ones would apply to the other layers only; use one of the two"
         )
+    if args.retune and args.policy != "auto":
+        p.error(f"--retune measures --policy auto's choice again; it does nothing with --policy {args.policy}")
     if args.warmup is None:
         args.warmup = min(50, args.steps // 10)
     if args.warmup < 0 or args.warmup >= args.steps:
@@ -272,10 +289,119 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def default_policy(device: torch.device) -> str:
-    """float32 params and outputs, compute in the dtype the device is fast in (``fa.half_dtype``)."""
-    half = str(fa.half_dtype(device)).removeprefix("torch.")
-    return f"params=float32,compute={half},output=float32"
+def auto_policy_for(dtype: torch.dtype, master_weights: str) -> fa.Policy:
+    """``--policy auto``'s policy computing in ``dtype``: float32 params (or ``--master-weights``) and outputs."""
+    half = str(dtype).removeprefix("torch.")
+    return make_policy(fa.get_policy(f"params=float32,compute={half},output=float32"), master_weights)
+
+
+def build_run(
+    args: argparse.Namespace, policy: fa.Policy, model: torch.nn.Module, device: torch.device, *, distributed: bool
+) -> SimpleNamespace:
+    """The functional model, loss, optimizer, first state and train step of ``model`` under ``policy``.
+
+    ``distributed``: parameters broadcast from rank 0 and gradients averaged over the ranks (sharded under
+    ``--shard``); False builds this process's step alone (no collective), as ``--policy auto`` times it."""
+    functional = fa.nn.functionalize(model, policy, module_policies=fp8.MODULE_POLICIES if args.fp8 else None)
+    apply_fn, params = functional[:2]  # float32 masters (or --master-weights), LayerNorms in float32
+    buffers = functional[2] if len(functional) == 3 else None  # --fp8 delayed: amax histories and scales
+    if distributed:
+        params = parallel.broadcast_params(params)  # every rank starts from rank 0's parameters
+    loss_fn = make_loss_fn(apply_fn, stateful=buffers is not None)
+    decay_mask = {name: p.ndim >= 2 for name, p in params.items()}  # no decay of norms and biases
+    group = parallel.resolve_group(distributed)  # None in one process
+    layout = sharding.shard_layout(params, group) if args.shard else None  # --shard: rows of dim 0 per rank
+    optimizer = make_optimizer(args, decay_mask, group, layout)
+    loss_scale = make_loss_scale(args.loss_scale, policy, args.init_scale, args.scale_period)
+    state = fa.TrainState.create(params, optimizer, loss_scale=loss_scale, buffers=buffers, shard=layout)
+    train_step = fa.make_train_step(
+        loss_fn,
+        optimizer,
+        max_consecutive_skips=args.max_consecutive_skips,
+        compile=args.compile,
+        backend=args.backend,
+        data_parallel=distributed,  # gradients averaged over the ranks in policy.reduce_dtype
+        policy=policy,
+        telemetry=args.telemetry_every or None,  # numerics/... metrics every N steps, in the same graph
+        shard=layout,
+    )
+    return SimpleNamespace(
+        policy=policy,
+        apply_fn=apply_fn,
+        params=params,
+        buffers=buffers,
+        loss_fn=loss_fn,
+        group=group,
+        layout=layout,
+        optimizer=optimizer,
+        loss_scale=loss_scale,
+        state=state,
+        train_step=train_step,
+    )
+
+
+# What the step's speed depends on beyond the model, the batch's shapes and the machine (the cache key).
+_STEP_KEYS = (
+    "compile",
+    "backend",
+    "fp8",
+    "master_weights",
+    "moment_dtype",
+    "loss_scale",
+    "telemetry_every",
+    "shard",
+    "clip",
+    "weight_decay",
+)
+
+
+def auto_policy(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    train: torch.Tensor,
+) -> tuple[SimpleNamespace, fa.tune.ComputeDtypeChoice]:
+    """``--policy auto``: the compute dtype whose train step runs faster here, and that step.
+
+    ``fa.tune.choose_compute_dtype``: torch's report where it decides (CUDA compute capability; float32 on
+    a CPU without oneDNN half kernels); else the decision cached for this model, batch shape, settings and
+    machine; else each candidate's real step (compiled as training will be) timed in interleaved rounds,
+    float32 unless a half dtype is faster by more than the rounds' spread. In one process the winner's
+    measured step is the one that trains (compiled once). Under torchrun rank 0 decides on its own step
+    alone (no collectives while timing) and every rank takes its decision."""
+    batch = get_batch(train, 0, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed, device=device)
+    distributed = world_size > 1
+    built: dict[torch.dtype, SimpleNamespace] = {}
+
+    def make_step(dtype: torch.dtype) -> Any:
+        label = str(dtype).removeprefix("torch.")
+        compiles = " (the first call compiles it)" if args.compile else ""
+        print(f"policy auto: timing the {label} train step{compiles}", flush=True)
+        run = built[dtype] = build_run(
+            args, auto_policy_for(dtype, args.master_weights), model, device, distributed=False
+        )
+        return functools.partial(run.train_step, run.state, batch)
+
+    choice = None
+    if rank == 0:
+        key = {name: getattr(args, name) for name in _STEP_KEYS}
+        key["world_size"] = world_size
+        # Timing runs the step; the global RNG is left as it was, so that a run that measures trains exactly
+        # like one that reads the cache.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            choice = fa.tune.choose_compute_dtype(make_step, model, batch, device=device, key=key, retune=args.retune)
+    if distributed:  # one decision for all ranks: rank 0's
+        shared = [choice]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        choice = shared[0]
+    if not distributed and choice.dtype in built:
+        return built[choice.dtype], choice  # the measured step trains: no second compile
+    built.clear()
+    return build_run(
+        args, auto_policy_for(choice.dtype, args.master_weights), model, device, distributed=distributed
+    ), choice
 
 
 def make_loss_scale(kind: str, policy: fa.Policy, init_scale: float, period: int) -> fa.LossScale:
@@ -428,43 +554,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = config_for(args.model, vocab_size=256, block_size=args.block_size)
     args.block_size = cfg.block_size
     train, val = split(data, cfg.block_size)
-    try:
-        policy = fa.get_policy(default_policy(device) if args.policy == "auto" else args.policy)
-    except ValueError as e:
-        raise SystemExit(f"--policy: {e}") from None
-    policy = make_policy(policy, args.master_weights)  # params=bfloat16 for --master-weights bfloat16*
+    policy = None
+    if args.policy != "auto":
+        try:
+            policy = make_policy(fa.get_policy(args.policy), args.master_weights)  # params=bf16 for bfloat16*
+        except ValueError as e:
+            raise SystemExit(f"--policy: {e}") from None
 
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
     if args.fp8:  # every Linear but blocks.0.attn.qkv and the tied lm_head (fp8 layers: float32 weights and
         # inputs, cast to fp8 inside, output in the compute dtype: fp8.MODULE_POLICIES)
         model = fp8.convert(model, args.fp8)
-    functional = fa.nn.functionalize(model, policy, module_policies=fp8.MODULE_POLICIES if args.fp8 else None)
-    apply_fn, params = functional[:2]  # float32 masters (or --master-weights), LayerNorms in float32
-    buffers = functional[2] if len(functional) == 3 else None  # --fp8 delayed: amax histories and scales
-    params = parallel.broadcast_params(params)  # every rank starts from rank 0's parameters
-    loss_fn = make_loss_fn(apply_fn, stateful=buffers is not None)
-    decay_mask = {name: p.ndim >= 2 for name, p in params.items()}  # no decay of norms and biases
-    group = parallel.resolve_group(world_size > 1)  # None in one process
-    layout = sharding.shard_layout(params, group) if args.shard else None  # --shard: rows of dim 0 per rank
-    optimizer = make_optimizer(args, decay_mask, group, layout)
-    loss_scale = make_loss_scale(args.loss_scale, policy, args.init_scale, args.scale_period)
-    state = fa.TrainState.create(params, optimizer, loss_scale=loss_scale, buffers=buffers, shard=layout)
+    choice = None
+    if policy is None:  # --policy auto: timed on the step itself (or torch's report), the decision cached
+        run, choice = auto_policy(args, model, device, rank, world_size, train)
+    else:
+        run = build_run(args, policy, model, device, distributed=world_size > 1)
+    policy, apply_fn, params, loss_fn, train_step = run.policy, run.apply_fn, run.params, run.loss_fn, run.train_step
+    group, layout, optimizer, state = run.group, run.layout, run.optimizer, run.state
+    del run
 
     def whole_params() -> dict[str, torch.Tensor]:  # every rank must call it under --shard (an all-gather)
         return state.params if layout is None else sharding.unshard_params(state.params, layout, group)
-
-    train_step = fa.make_train_step(
-        loss_fn,
-        optimizer,
-        max_consecutive_skips=args.max_consecutive_skips,
-        compile=args.compile,
-        backend=args.backend,
-        data_parallel=world_size > 1,  # gradients averaged over the ranks in policy.reduce_dtype
-        policy=policy,
-        telemetry=args.telemetry_every or None,  # numerics/... metrics every N steps, in the same graph
-        shard=layout,
-    )
 
     ckpt_path = args.checkpoint or os.path.join(args.logdir, "checkpoint" if args.shard else "checkpoint.pt")
     config = {k: v for k, v in vars(args).items() if k in _RESUME_KEYS}
@@ -552,8 +664,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{'compiled (' + args.backend + ')' if args.compile else 'eager'} | steps {start}->{args.steps}",
             flush=True,
         )
-        if args.policy == "auto":
-            print(f"policy auto: {fa.hardware.probe(device).explain()}", flush=True)
+        if choice is not None:
+            again = " (--retune measures again)" if choice.source != "capability" else ""
+            print(f"policy auto: {choice.explain()}{again}", flush=True)
         if args.telemetry_every:
             print(f"telemetry: numerics/... every {args.telemetry_every} steps (funcamp.numerics)", flush=True)
 
@@ -657,6 +770,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "logdir": args.logdir,
         "checkpoint": ckpt_path,
         "policy": str(policy),
+        "policy_choice": choice,  # --policy auto: fa.tune.ComputeDtypeChoice (None for an explicit --policy)
         "sample": None,
     }
     final_params = whole_params() if end == args.steps and args.sample_bytes > 0 else None

@@ -15,8 +15,13 @@ a scalar loop that is 20-40x slower than float32. :func:`probe` decides, once pe
 
 "Fast" means a matmul in that dtype takes at most :data:`FAST_RATIO` times as long as in float32.
 Unlike ``torch.amp`` (which autocasts to bfloat16 on every CPU) and jmp (whose ``half_dtype`` is
-float16 off TPU), funcamp's :func:`funcamp.half_dtype` and the main job's ``--policy auto`` use this
-probe and compute in float32 where no half dtype is fast.
+float16 off TPU), funcamp's :func:`funcamp.half_dtype` uses this probe and computes in float32 where no
+half dtype is fast.
+
+:func:`capability` is the part of it that times nothing: the facts alone (CUDA compute capability; a CPU
+without oneDNN half kernels), and otherwise the half dtypes worth measuring. The main job's ``--policy
+auto`` starts from it and, where the facts do not decide, times the real train step
+(:func:`funcamp.tune.choose_compute_dtype`) instead of a matmul.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAST_RATIO", "DtypeSpeed", "HardwareReport", "probe"]
+__all__ = ["FAST_RATIO", "Capability", "DtypeSpeed", "HardwareReport", "capability", "probe"]
 
 #: A half dtype is "fast" when its matmul takes at most this many times float32's.
 FAST_RATIO = 1.1
@@ -95,11 +100,11 @@ class HardwareReport:
         return f"{str(chosen).removeprefix('torch.')} compute on {self.name}: {verdict.reason}"
 
 
-def _normalize(device: str | torch.device | None) -> torch.device:
+def _normalize(device: str | torch.device | None, fn: str = "probe") -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"probe: device must be a str, a torch.device or None, got {type(device).__name__}")
+        raise TypeError(f"{fn}: device must be a str, a torch.device or None, got {type(device).__name__}")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
@@ -219,3 +224,89 @@ def _matmul_seconds(dtype: torch.dtype, device: torch.device) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """What torch reports about a device's half dtypes, with nothing timed.
+
+    Attributes:
+      device: the device asked about (``cpu``, ``cuda:0``, ...).
+      name: as :attr:`HardwareReport.name`: the CPU capability (and AMX), or the GPU's name and compute capability.
+      decided: the compute dtype when the facts alone decide (CUDA: by compute capability, as :func:`probe`;
+        a CPU whose oneDNN has neither bfloat16 nor float16 kernels: float32), else None.
+      candidates: when undecided, the half dtypes worth timing against float32 (on a CPU those oneDNN has
+        kernels for; elsewhere bfloat16 and float16); ``()`` when decided.
+      reason: one line: why the facts decide, or which facts leave the choice to a measurement.
+    """
+
+    device: torch.device
+    name: str
+    decided: torch.dtype | None
+    candidates: tuple[torch.dtype, ...]
+    reason: str
+
+
+def capability(device: str | torch.device | None = None) -> Capability:
+    """What torch's facts alone say about computing in a half dtype on ``device`` (nothing is timed).
+
+    * **CUDA**: the compute capability decides, as in :func:`probe` (bfloat16 from 8.0, float16 on 7.x and
+      6.0, else float32).
+    * **CPU**: a half dtype without oneDNN kernels (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` /
+      ``_is_mkldnn_fp16_supported()`` False, as on AVX2-only CPUs) is out at once; when both are out, float32
+      is decided. Otherwise (AVX-512 with bfloat16, AMX) the half dtypes with kernels are left to a
+      measurement: fast matmuls do not make the whole step faster (CPU attention can be several times slower
+      in bfloat16).
+    * **meta**: the CPU's facts (as :func:`probe`). **Other devices** (MPS, XPU, ...): bfloat16 and float16
+      are left to a measurement.
+
+    Args:
+      device: a device or its name; ``None`` means CUDA when available, else CPU.
+    Returns:
+      A :class:`Capability`; ``.decided`` is None when only a measurement can choose among ``.candidates``.
+    Raises:
+      TypeError: if ``device`` is not a str, torch.device or None.
+      RuntimeError: if ``device`` names a device type torch does not know.
+
+    Example:
+      >>> capability("cpu").device
+      device(type='cpu')
+    """
+    device = _normalize(device, "capability")
+    if device.type == "cuda":
+        report = _probe(device)  # compute capability: no measurement on CUDA
+        chosen = report.half_dtype
+        verdict = {torch.bfloat16: report.bfloat16, torch.float16: report.float16}.get(chosen)
+        why = verdict.reason if verdict is not None else f"{report.bfloat16.reason}; {report.float16.reason}"
+        return Capability(device, report.name, chosen, (), why)
+    if device.type in ("cpu", "meta"):
+        return dataclasses.replace(_capability_cpu(_cpu_facts()), device=device)
+    return Capability(
+        device,
+        device.type,
+        None,
+        (torch.bfloat16, torch.float16),
+        f"no facts about half dtypes on {device.type}: to be measured",
+    )
+
+
+def _capability_cpu(facts: dict[str, Any]) -> Capability:
+    cap = facts["capability"]
+    name = f"CPU ({cap}{', AMX' if facts['amx'] else ''})"
+    kernels = [d for d, key in ((torch.bfloat16, "mkldnn_bf16"), (torch.float16, "mkldnn_fp16")) if facts[key]]
+    if not kernels:
+        return Capability(
+            torch.device("cpu"),
+            name,
+            torch.float32,
+            (),
+            f"oneDNN has no bfloat16 or float16 kernels for this CPU ({cap})",
+        )
+    have = " and ".join(str(d).removeprefix("torch.") for d in kernels)
+    return Capability(
+        torch.device("cpu"),
+        name,
+        None,
+        tuple(kernels),
+        f"oneDNN has {have} kernels for this CPU ({cap}{', AMX' if facts['amx'] else ''}): to be measured",
+    )

@@ -26,11 +26,19 @@ a cache hit included (one forward+backward per unit and candidate, no timing).
 
 No library in the field measures this per module; torch.amp's op lists and jmp's policies are fixed by
 hand, and torchtitan filters small matmuls out of fp8 by shape only.
+
+:func:`choose_compute_dtype` answers the coarser question a program asks first (the main job's
+``--policy auto``): which one compute dtype for the whole step. It times the step itself (the compiled
+step, as it will run) in each candidate dtype, interleaved, medians over rounds, refuses a half dtype
+whose gain is inside the spread of the rounds, and caches the decision per model structure, shapes,
+device and torch version in the same directory, so every fresh process on a machine makes the same
+choice whatever the load.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as _dt
 import hashlib
 import json
 import math
@@ -38,6 +46,7 @@ import os
 import platform
 import statistics
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -54,9 +63,12 @@ from funcamp.policy import Policy, get_policy
 
 __all__ = [
     "DEFAULT_RTOL",
+    "ComputeDtypeChoice",
+    "StepTiming",
     "TuneCandidate",
     "TuneResult",
     "TuneRow",
+    "choose_compute_dtype",
     "default_cache_dir",
     "median_seconds",
     "tune_policy",
@@ -359,16 +371,15 @@ def _default_candidates(device: torch.device) -> tuple[torch.dtype, ...]:
     return _CANDIDATES
 
 
-def _check_candidates(candidates: Any) -> tuple[torch.dtype, ...]:
+def _check_candidates(candidates: Any, fn: str = "tune_policy") -> tuple[torch.dtype, ...]:
     if isinstance(candidates, (str, torch.dtype)) or not isinstance(candidates, Sequence):
-        raise TypeError(f"tune_policy: candidates must be a list of dtypes, got {candidates!r}")
+        raise TypeError(f"{fn}: candidates must be a list of dtypes, got {candidates!r}")
     out = []
     for c in candidates:
         dtype = getattr(torch, c, None) if isinstance(c, str) else c
         if dtype not in _CANDIDATES:
             raise ValueError(
-                f"tune_policy: candidate {c!r} is not a compute dtype funcamp tunes; choose from float32, "
-                "bfloat16, float16"
+                f"{fn}: candidate {c!r} is not a compute dtype funcamp tunes; choose from float32, bfloat16, float16"
             )
         out.append(dtype)
     if torch.float32 not in out:
@@ -681,7 +692,7 @@ def _policies(rows: Sequence[TuneRow], base: Policy) -> dict[str, Policy]:
 # --- the cache -----------------------------------------------------------------------------------------------
 
 
-def _cache_path(cache: Any, key_doc: dict) -> Path | None:
+def _cache_path(cache: Any, key_doc: dict, fn: str = "tune_policy", prefix: str = "") -> Path | None:
     if cache is False or cache is None:
         return None
     if cache is True:
@@ -689,9 +700,21 @@ def _cache_path(cache: Any, key_doc: dict) -> Path | None:
     elif isinstance(cache, (str, os.PathLike)):
         directory = Path(cache)
     else:
-        raise TypeError(f"tune_policy: cache must be True, False or a directory, got {cache!r}")
+        raise TypeError(f"{fn}: cache must be True, False or a directory, got {cache!r}")
     digest = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:32]
-    return directory / f"{digest}.json"
+    return directory / f"{prefix}{digest}.json"
+
+
+def _write_json(path: Path, doc: dict, fn: str) -> None:
+    """Write ``doc`` to ``path`` atomically (a reader sees the old file or the new one); warn if it cannot."""
+    text = json.dumps(doc, indent=1, default=str)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            f.write(text)
+        os.replace(f.name, path)
+    except OSError as error:
+        warnings.warn(f"{fn}: could not write the cache file {path}: {error}", stacklevel=4)
 
 
 def _save(path: Path, result: TuneResult, key_doc: dict) -> None:
@@ -704,14 +727,7 @@ def _save(path: Path, result: TuneResult, key_doc: dict) -> None:
         }
         for r in result.table
     ]
-    text = json.dumps({"key": key_doc, "rows": rows}, indent=1, default=str)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            f.write(text)
-        os.replace(f.name, path)  # atomic: a reader sees the old file or the new one
-    except OSError as error:
-        warnings.warn(f"tune_policy: could not write the cache file {path}: {error}", stacklevel=3)
+    _write_json(path, {"key": key_doc, "rows": rows}, "tune_policy")
 
 
 def _load(path: Path) -> list[TuneRow]:
@@ -730,3 +746,400 @@ def _load(path: Path) -> list[TuneRow]:
         )
         return []
     return rows
+
+
+# --- one compute dtype for the whole step: choose_compute_dtype ----------------------------------------------
+
+_CHOICE_FORMAT = 1  # version of the compute-dtype cache files' layout
+_CHOICE_PREFIX = "compute-dtype-"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """One candidate compute dtype's timings of the whole step, from :func:`choose_compute_dtype`.
+
+    Attributes:
+      dtype: the compute dtype.
+      samples: wall seconds of one step in each round, in round order (``()`` when it did not run).
+      seconds: the median of ``samples`` (None when it did not run).
+      ratio: the median over rounds of this candidate's seconds over float32's in the same round (1.0 for
+        float32; None when it did not run).
+      low: the lower quartile of those per-round ratios.
+      high: the upper quartile; ``high - low`` is the spread the difference ``1 - ratio`` is held against.
+      first_s: seconds of the first call (compilation included); None when it raised.
+      refused: why this half dtype was not chosen (``""`` for float32 and for the chosen one): slower,
+        within the spread, within the margin, slower than another half dtype, or the error it raised.
+    """
+
+    dtype: torch.dtype
+    samples: tuple[float, ...]
+    seconds: float | None
+    ratio: float | None
+    low: float | None
+    high: float | None
+    first_s: float | None
+    refused: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeDtypeChoice:
+    """The compute dtype :func:`choose_compute_dtype` chose for a step, and where the choice came from.
+
+    Attributes:
+      dtype: the compute dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
+      source: ``"capability"`` (torch's facts decided, nothing timed), ``"measured"`` (timed in this call)
+        or ``"cache"`` (read from ``cache_path``, nothing timed).
+      reason: one line: why this dtype.
+      device: the device (``cpu``, ``cuda:0``, ...).
+      machine: the device's name: CPU capability and model, cores and torch threads; or the GPU's name.
+      timings: one :class:`StepTiming` per candidate, float32 first (``()`` when the facts decided).
+      rounds: interleaved timing rounds behind ``timings``.
+      cache_path: the cache file written or read (None when caching is off or the facts decided).
+      measured_at: when the timings were taken (ISO 8601, UTC), None when nothing was timed.
+    """
+
+    dtype: torch.dtype
+    source: str
+    reason: str
+    device: str
+    machine: str
+    timings: tuple[StepTiming, ...] = ()
+    rounds: int = 0
+    cache_path: Path | None = None
+    measured_at: str | None = None
+
+    def explain(self) -> str:
+        """One line: the dtype, where the choice came from (the facts, a measurement now, the cache file) and why."""
+        head = f"{_label(self.dtype)} compute on {self.machine}"
+        if self.source == "capability":
+            return f"{head}: {self.reason} (torch's report decides; nothing timed)"
+        table = ", ".join(_timing_text(t) for t in self.timings)
+        measured = f"{self.rounds} interleaved rounds of the step, medians: {table}"
+        if self.source == "cache":
+            where = f"from the cache file {self.cache_path} (measured {self.measured_at}, {measured})"
+            return f"{head}: {where}; {self.reason}"
+        saved = f"; saved to {self.cache_path}" if self.cache_path is not None else ""
+        return f"{head}: measured now ({measured}); {self.reason}{saved}"
+
+
+def _timing_text(t: StepTiming) -> str:
+    if t.seconds is None:
+        return f"{_label(t.dtype)} {t.refused}"
+    text = f"{_label(t.dtype)} {1e3 * t.seconds:.4g} ms"
+    return text if t.dtype == torch.float32 else f"{text} (median per-round ratio {t.ratio:.3g}x)"
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere), or ``""``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _step_machine(device: torch.device, cap: hardware.Capability) -> str:
+    if device.type == "cpu":
+        model = _cpu_model()
+        return (
+            f"{cap.name}{', ' + model if model else ''}, {platform.machine()}, {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} threads"
+        )
+    return cap.name
+
+
+def _synchronize(device: torch.device) -> Callable[[], None]:
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu, torch.cpu
+    return getattr(backend, "synchronize", None) or (lambda: None)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:160]
+
+
+def _time_steps(
+    make_step: Callable[[torch.dtype], Callable[[], Any]],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+    rounds: int,
+    warmup: int,
+    timer: Callable[[Callable[[], Any]], float] | None,
+) -> list[StepTiming]:
+    """Build each candidate's step, call it ``warmup`` times (the first compiles), then time it in
+    ``rounds`` interleaved rounds, the order rotated each round (A B, B A, ...)."""
+    sync = _synchronize(device)
+
+    def one_call(fn: Callable[[], Any]) -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    runs: dict[torch.dtype, Callable[[], Any]] = {}
+    first: dict[torch.dtype, float] = {}
+    raised: dict[torch.dtype, str] = {}
+    for dtype in dtypes:
+        fn = None
+        try:
+            fn = make_step(dtype)
+            if callable(fn):
+                first[dtype] = one_call(fn)
+                for _ in range(warmup - 1):
+                    fn()
+        except (RuntimeError, NotImplementedError, TypeError) as error:  # no kernel, or no compile, for this dtype
+            if dtype == torch.float32:
+                raise
+            raised[dtype] = f"raised: {_first_line(error)}"
+            continue
+        if not callable(fn):
+            raise TypeError(
+                f"choose_compute_dtype: make_step({_label(dtype)}) must return a function of no arguments that "
+                f"runs one step, got {type(fn).__name__}"
+            )
+        fn.dtype = dtype  # type: ignore[attr-defined]  # for a timer that wants to know (tests)
+        runs[dtype] = fn
+    samples: dict[torch.dtype, list[float]] = {dtype: [] for dtype in runs}
+    order = list(runs)
+    for r in range(rounds):
+        k = r % len(order)
+        for dtype in order[k:] + order[:k]:
+            seconds = float(timer(runs[dtype])) if timer is not None else one_call(runs[dtype])
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"choose_compute_dtype: the timer returned {seconds!r} seconds; it must be > 0")
+            samples[dtype].append(seconds)
+    out = []
+    for dtype in dtypes:
+        if dtype in raised:
+            out.append(StepTiming(dtype, (), None, None, None, None, None, raised[dtype]))
+            continue
+        s = samples[dtype]
+        ratios = [a / b for a, b in zip(s, samples[torch.float32])]
+        low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
+        median, ratio = statistics.median(s), statistics.median(ratios)
+        out.append(StepTiming(dtype, tuple(s), median, ratio, low, high, first[dtype]))
+    return out
+
+
+def _decide(timings: Sequence[StepTiming], margin: float) -> tuple[torch.dtype, str, tuple[StepTiming, ...]]:
+    """The fastest half dtype whose gain over float32 exceeds both the spread and ``margin``, else float32."""
+    judged: list[StepTiming] = []
+    for t in timings:
+        if t.dtype == torch.float32 or t.refused:
+            judged.append(t)
+            continue
+        gain, spread = 1 - t.ratio, t.high - t.low
+        if t.ratio >= 1:
+            why = f"slower: its step takes {t.ratio:.3g}x float32's"
+        elif gain <= spread:
+            why = (
+                f"its step takes {t.ratio:.3g}x float32's, but the spread of the rounds' ratios "
+                f"({t.low:.3g}-{t.high:.3g}: {spread:.3g}) is wider than the difference ({gain:.3g})"
+            )
+        elif gain <= margin:
+            why = f"its step takes {t.ratio:.3g}x float32's: faster by less than the margin ({margin:.0%})"
+        else:
+            why = ""
+        judged.append(dataclasses.replace(t, refused=why))
+    winners = [t for t in judged if t.dtype != torch.float32 and not t.refused]
+    if not winners:
+        halves = "; ".join(f"{_label(t.dtype)}: {t.refused}" for t in judged if t.dtype != torch.float32)
+        noisy = any("is wider than the difference" in t.refused for t in judged)
+        lead = "float32: no half dtype on a measurement this noisy" if noisy else "float32: no half dtype is faster"
+        return torch.float32, f"{lead} ({halves})", tuple(judged)
+    best = min(winners, key=lambda t: t.ratio)
+    judged = [
+        dataclasses.replace(t, refused=f"slower than {_label(best.dtype)}") if t in winners and t is not best else t
+        for t in judged
+    ]
+    gain, spread = 1 - best.ratio, best.high - best.low
+    reason = (
+        f"{_label(best.dtype)}'s step takes {best.ratio:.3g}x float32's (quartiles of the rounds' ratios "
+        f"{best.low:.3g}-{best.high:.3g}): faster by {gain:.1%}, more than the spread ({spread:.1%}) and the "
+        f"margin ({margin:.0%})"
+    )
+    return best.dtype, reason, tuple(judged)
+
+
+def choose_compute_dtype(
+    make_step: Callable[[torch.dtype], Callable[[], Any]],
+    model: nn.Module,
+    example_batch: Any,
+    *,
+    device: str | torch.device | None = None,
+    key: Mapping[str, Any] | None = None,
+    candidates: Sequence[torch.dtype | str] | None = None,
+    rounds: int = 9,
+    warmup: int = 2,
+    margin: float = 0.02,
+    cache: bool | str | os.PathLike = True,
+    retune: bool = False,
+    timer: Callable[[Callable[[], Any]], float] | None = None,
+) -> ComputeDtypeChoice:
+    """Choose the one compute dtype of a train step by timing the step itself, once per machine, and cache it.
+
+    1. **Facts first** (:func:`funcamp.hardware.capability`, nothing timed, nothing cached): on CUDA the
+       compute capability decides (bfloat16 from 8.0, float16 on 7.x and 6.0, else float32); on a CPU
+       whose oneDNN has no bfloat16 and no float16 kernels (AVX2-only), float32 at once. A half dtype
+       without kernels is never timed.
+    2. **Cache**: otherwise, unless ``retune``, a decision cached for this key is returned without
+       building or timing anything. The key is a hash of the model's structure (every module's class,
+       parameter and buffer names, shapes, dtypes), ``example_batch``'s shapes and dtypes, the device and
+       its name (CPU capability, AMX, model name, cores and torch threads; or the GPU's name), the torch
+       and funcamp versions, the candidates, ``rounds``, ``warmup``, ``margin`` and ``key``.
+    3. **Measure**: ``make_step(dtype)`` for float32 and each remaining half dtype (the step as it will
+       run: compiled, if the program compiles it); ``warmup`` calls each (the first compiles; its seconds
+       are kept); then ``rounds`` rounds, each timing one call of every candidate, the order rotated each
+       round (interleaved: a load that comes and goes hits all candidates alike). Per half dtype, the
+       per-round ratios of its seconds over float32's in the same round: their median ``ratio`` and
+       quartiles ``low``-``high``.
+    4. **Decide**: the half dtype with the lowest ``ratio`` whose gain ``1 - ratio`` is larger than its
+       spread ``high - low`` and than ``margin``; if none is, float32, and the reason says which of the
+       three failed (slower, a spread wider than the difference: a measurement too noisy to trust, or
+       within the margin). The decision is written to the cache (float32 from a noisy measurement too,
+       so that every later process agrees; ``retune=True`` measures again).
+
+    Unlike ``torch.amp`` (bfloat16 on every CPU) and :func:`funcamp.hardware.probe` (one 256x256
+    matmul, three times), the measurement is of the whole step: on an AVX-512 CPU without AMX a bfloat16
+    matmul can be fast while bfloat16 attention is several times slower than float32.
+
+    Args:
+      make_step: ``make_step(dtype) -> run``: builds the step computing in ``dtype`` and returns ``run()``,
+        which runs one step to completion (its result is dropped; a pure step may be called again on the
+        same state). Called only when measuring, once per candidate. A half dtype whose ``make_step`` or
+        first calls raise ``RuntimeError``, ``NotImplementedError`` or ``TypeError`` is refused with the
+        error; float32's error is raised.
+      model: the model the step trains (its structure and shapes key the cache; it is not called).
+      example_batch: the step's batch, a pytree (its tensors' shapes and dtypes key the cache).
+      device: the device the step runs on; default the model's parameters' device (CPU if it has none).
+      key: anything else the step's speed depends on (optimizer, compile backend, flags), a JSON mapping.
+      candidates: half dtypes to consider (float32, the reference, is always one); default those
+        :func:`funcamp.hardware.capability` leaves to a measurement. Those it rules out are dropped.
+      rounds: interleaved timing rounds (>= 3: the quartiles need them).
+      warmup: untimed calls of each candidate before the rounds (>= 1; the first compiles).
+      margin: a half dtype must also be faster than float32 by more than this fraction (>= 0).
+      cache: True (:func:`default_cache_dir`, files ``compute-dtype-<hash>.json``), a directory, or False.
+      retune: measure even when the cache holds a decision, and overwrite it.
+      timer: ``timer(run) -> seconds`` of one call of ``run`` (tests); ``run.dtype`` is its candidate.
+        Default: wall seconds of one call, synchronising the device before and after.
+    Returns:
+      A :class:`ComputeDtypeChoice`; ``.explain()`` is one line for a program's header.
+    Raises:
+      TypeError: if ``make_step`` is not callable or returns something that is not, ``model`` is not an
+        ``nn.Module``, ``key`` is not a JSON-serialisable mapping, ``candidates`` is malformed, or
+        ``cache`` is not a bool or a path.
+      ValueError: if a candidate is not float32/bfloat16/float16, ``rounds < 3``, ``warmup < 1``,
+        ``margin < 0``, the device is ``meta``, or ``timer`` returns a time that is not positive.
+      RuntimeError: whatever float32's ``make_step`` or step raises.
+
+    Example:
+      >>> model = torch.nn.Linear(4, 4)
+      >>> choice = choose_compute_dtype(lambda dtype: lambda: None, model, torch.ones(2, 4), cache=False,
+      ...                               timer=lambda run: 1.0)   # equal times: no half dtype is faster
+      >>> choice.dtype, choice.source in ("capability", "measured")
+      (torch.float32, True)
+    """
+    fn = "choose_compute_dtype"
+    if not callable(make_step):
+        raise TypeError(f"{fn}: make_step must be a function dtype -> run, got {type(make_step).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if key is not None and not isinstance(key, Mapping):
+        raise TypeError(f"{fn}: key must be a mapping of JSON values (the step's settings), got {type(key).__name__}")
+    try:
+        extra = json.loads(json.dumps(dict(key or {}), sort_keys=True))
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{fn}: key must hold JSON values only (str, numbers, bools, lists, dicts): {error}") from None
+    for name, value, least in (("rounds", rounds, 3), ("warmup", warmup, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{fn}: {name} must be an int >= {least}, got {value!r}")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+        raise ValueError(f"{fn}: margin must be a number >= 0, got {margin!r}")
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError(f"{fn}: nothing runs on the meta device; pass the device the step runs on")
+    wanted = None if candidates is None else _check_candidates(candidates, fn)
+    cap = hardware.capability(device)
+    machine = _step_machine(device, cap)
+    if cap.decided is not None:
+        return ComputeDtypeChoice(cap.decided, "capability", cap.reason, str(device), machine)
+    halves = tuple(d for d in cap.candidates if wanted is None or d in wanted)
+    if not halves:
+        asked = ", ".join(_label(d) for d in (wanted or ()) if d != torch.float32) or "none"
+        why = f"no half dtype to measure (asked for: {asked}; {cap.reason})"
+        return ComputeDtypeChoice(torch.float32, "capability", why, str(device), machine)
+    dtypes = (torch.float32, *halves)
+
+    import funcamp  # the package's version: the step's code is funcamp's
+
+    key_doc = {
+        "format": _CHOICE_FORMAT,
+        "model": [[n, *_module_signature(m)] for n, m in model.named_modules()],
+        "batch": _signature(example_batch),
+        "device": str(device),
+        "machine": machine,
+        "torch": torch.__version__,
+        "funcamp": funcamp.__version__,
+        "candidates": [_label(d) for d in dtypes],
+        "rounds": rounds,
+        "warmup": warmup,
+        "margin": float(margin),
+        "key": extra,
+    }
+    path = _cache_path(cache, key_doc, fn, prefix=_CHOICE_PREFIX)
+    if path is not None and not retune:
+        hit = _load_choice(path, key_doc, dtypes)
+        if hit is not None:
+            return hit
+    timings = _time_steps(make_step, dtypes, device, rounds, warmup, timer)
+    dtype, reason, judged = _decide(timings, float(margin))
+    when = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    choice = ComputeDtypeChoice(dtype, "measured", reason, str(device), machine, judged, rounds, path, when)
+    if path is not None:
+        _save_choice(path, choice, key_doc)
+    return choice
+
+
+def _save_choice(path: Path, choice: ComputeDtypeChoice, key_doc: dict) -> None:
+    timings = [{**dataclasses.asdict(t), "dtype": _label(t.dtype)} for t in choice.timings]
+    doc = {
+        "key": key_doc,
+        "choice": _label(choice.dtype),
+        "reason": choice.reason,
+        "device": choice.device,
+        "machine": choice.machine,
+        "rounds": choice.rounds,
+        "measured_at": choice.measured_at,
+        "timings": timings,
+    }
+    _write_json(path, doc, "choose_compute_dtype")
+
+
+def _load_choice(path: Path, key_doc: dict, dtypes: tuple[torch.dtype, ...]) -> ComputeDtypeChoice | None:
+    """The decision a cache file holds for this key; None when there is none (a warning when it is unreadable)."""
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        if doc["key"] != json.loads(json.dumps(key_doc, sort_keys=True)):
+            raise ValueError("its key is not this step's")
+        dtype = getattr(torch, doc["choice"])
+        if dtype not in dtypes:
+            raise ValueError(f"its choice {doc['choice']!r} is not a candidate")
+        timings = tuple(
+            StepTiming(**{**t, "dtype": getattr(torch, t["dtype"]), "samples": tuple(t["samples"])})
+            for t in doc["timings"]
+        )
+        fields = (doc["reason"], doc["device"], doc["machine"], timings, doc["rounds"], path, doc["measured_at"])
+        return ComputeDtypeChoice(dtype, "cache", *fields)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        warnings.warn(
+            f"choose_compute_dtype: ignoring the unreadable cache file {path} ({error}); measuring again", stacklevel=3
+        )
+        return None

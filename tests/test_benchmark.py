@@ -160,3 +160,20 @@ def test_tuned_variant_reports_its_map_and_table(result: dict) -> None:
     assert "Variant 6's map (tune_policy, depth 2" in md and tune["table"] in md
     assert "Targets (issue 12), variant 6: step time" in md and "first step" in md and "(cold)" in md
     assert "Compile phases of the first step" in md and "Dynamo tracing" in md
+
+
+def test_auto_policy_benchmark_runs_on_the_tiny_gpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench_auto_policy.py``: the main job's decision, then every candidate's step timed interleaved (eager)."""
+    monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path / "cache"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_auto_policy
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    job = ["--model", "tiny", "--batch-size", "4", "--no-compile", "--quiet"]
+    out = bench_auto_policy.main(["--rounds", "3", "--steps", "1", "--json", str(tmp_path / "r.json"), "--", *job])
+    assert out["rows"][0]["dtype"] == "float32" and out["rows"][0]["ratio"] == 1.0
+    assert out["choice"] in [row["dtype"] for row in out["rows"]] and out["source"] in ("capability", "measured")
+    assert all(row["ms_per_step"] > 0 and row["q1"] <= row["ratio"] <= row["q3"] for row in out["rows"])
+    assert out["verdict"].startswith("the chosen dtype")  # speed is the benchmark's to measure, not the test's
+    assert json.loads((tmp_path / "r.json").read_text())["choice"] == out["choice"]

@@ -28,6 +28,18 @@ import gan  # noqa: E402
 import train_gpt  # noqa: E402
 
 TINY = ["--model", "tiny", "--batch-size", "4", "--quiet", "--sample-bytes", "0", "--eval-batches", "2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def auto_policy_cache(tmp_path_factory):
+    """--policy auto's decisions go to a directory of this module's (not ~/.cache); the runs share it, as the
+    runs of one machine do, so that a run and its --resume take the same dtype."""
+    with pytest.MonkeyPatch.context() as mp:
+        directory = tmp_path_factory.mktemp("funcamp-cache")
+        mp.setenv("FUNCAMP_CACHE_DIR", str(directory))
+        yield directory / "tune"
+
+
 F16 = "params=float32,compute=float16,output=float32"
 
 
@@ -44,7 +56,7 @@ def _assert_params_finite(state: fa.TrainState) -> None:
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """The default policy (CPU: fa.half_dtype's compute dtype, no loss scale), compiled with aot_eager, 6 steps."""
+    """The default policy (CPU: --policy auto's compute dtype, no loss scale), compiled with aot_eager, 6 steps."""
     torch._dynamo.reset()  # a fresh recompile budget for make_train_step's step, whatever ran before
     logdir = tmp_path_factory.mktemp("default")
     argv = [*TINY, "--steps", "6", "--log-every", "2", "--eval-every", "3", "--save-every", "3"]
@@ -68,8 +80,10 @@ def test_end_of_run_lines_name_the_mode_and_the_readme_command(default_run, tmp_
 
 def test_default_run_logs_every_tag_once_per_interval(default_run):
     results, logdir = default_run
-    # --policy auto: the device's fast compute dtype (bf16 on AMX CPUs, float32 on AVX2-only ones)
-    assert results["policy"] == f"params=float32,compute={fa.half_dtype('cpu')},output=float32".replace("torch.", "")
+    # --policy auto: the dtype choose_compute_dtype found (float32 on AVX2-only CPUs at once; measured elsewhere)
+    compute = str(results["policy_choice"].dtype).removeprefix("torch.")
+    assert results["policy"] == f"params=float32,compute={compute},output=float32"
+    assert f"policy auto: {compute} compute on CPU (" in results["stdout"]
     scalars = _scalars(logdir)
     for tag in (
         "amp/loss_scale",
@@ -107,6 +121,70 @@ def test_default_run_checkpoint_loads_weights_only(default_run):
     assert int(saved["state"].step) == 6 and saved["config"]["model"] == "tiny"
     for name, p in results["state"].params.items():
         assert torch.equal(saved["state"].params[name], p), name
+
+
+def test_policy_auto_measures_once_then_reads_the_cache_and_retune_measures_again(tmp_path, monkeypatch, capsys):
+    """An AVX-512 CPU with bfloat16 kernels (faked, so that every machine measures): the first run times the
+    float32 and bfloat16 steps and trains with the winner's (no third build); the second reads the decision
+    and builds one step; both train bit for bit alike (timing leaves the RNG as it was); --retune times again."""
+    from funcamp import hardware
+
+    facts = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": False, "amx": False}
+    monkeypatch.setattr(hardware, "_cpu_facts", lambda: dict(facts))
+    monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path / "cache"))
+    built = []
+    make_train_step = fa.make_train_step
+
+    def counted(*a, **k):
+        built.append(k["policy"].compute_dtype)
+        return make_train_step(*a, **k)
+
+    monkeypatch.setattr(train_gpt.fa, "make_train_step", counted)
+    argv = [*TINY, "--steps", "2", "--log-every", "1", "--no-compile", "--logdir", str(tmp_path / "run")]
+    first = train_gpt.main(argv)
+    out = capsys.readouterr().out
+    choice = first["policy_choice"]
+    assert choice.source == "measured" and built == [torch.float32, torch.bfloat16]
+    assert "policy auto: timing the float32 train step\npolicy auto: timing the bfloat16 train step\n" in out
+    assert ": measured now (9 interleaved rounds of the step, medians: float32 " in out
+    assert f"saved to {choice.cache_path} (--retune measures again)" in out
+    assert choice.cache_path.parent == tmp_path / "cache" / "tune"
+    compute = str(choice.dtype).removeprefix("torch.")
+    assert first["policy"] == f"params=float32,compute={compute},output=float32"
+
+    built.clear()
+    second = train_gpt.main(argv)
+    out = capsys.readouterr().out
+    assert second["policy_choice"].source == "cache" and built == [choice.dtype] and "timing the" not in out
+    assert f"policy auto: {compute} compute on CPU (AVX512), " in out
+    assert f": from the cache file {choice.cache_path} (measured {choice.measured_at}, " in out
+    assert second["history"]["train_loss"] == first["history"]["train_loss"]
+    for name, p in first["state"].params.items():
+        assert torch.equal(second["state"].params[name], p), name
+
+    built.clear()
+    third = train_gpt.main([*argv, "--retune"])
+    assert third["policy_choice"].source == "measured" and built[:2] == [torch.float32, torch.bfloat16]
+    assert "policy auto: timing the float32 train step" in capsys.readouterr().out
+
+
+def test_policy_auto_without_half_kernels_is_float32_at_once(tmp_path, monkeypatch, capsys):
+    from funcamp import hardware
+
+    facts = {"capability": "AVX2", "mkldnn_bf16": False, "mkldnn_fp16": False, "amx": False}
+    monkeypatch.setattr(hardware, "_cpu_facts", lambda: dict(facts))
+    results = train_gpt.main([*TINY, "--steps", "1", "--no-compile", "--logdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert results["policy"] == "params=float32,compute=float32,output=float32"
+    assert results["policy_choice"].source == "capability" and "timing the" not in out
+    line = "policy auto: float32 compute on CPU (AVX2), "
+    assert line in out and "oneDNN has no bfloat16 or float16 kernels for this CPU (AVX2) (torch's report" in out
+    assert "--retune" not in out
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args([*TINY, "--policy", "f32", "--retune"])
+    assert (
+        "--retune measures --policy auto's choice again; it does nothing with --policy f32" in capsys.readouterr().err
+    )
 
 
 def test_float16_with_dynamic_loss_scale_backs_off_then_grows(tmp_path):
@@ -183,7 +261,9 @@ def test_fp8_delayed_one_graph_and_only_training_steps_advance_the_amax_history(
     counters.clear()
     argv = [*TINY, "--steps", "3", "--log-every", "1", "--backend", "eager", "--fp8", "delayed", "--lint"]
     results = train_gpt.main([*argv, "--sample-bytes", "5", "--logdir", str(tmp_path)])
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    choice = results["policy_choice"]  # --policy auto: a graph per dtype it timed (the winner's trains), or one
+    graphs = sum(t.seconds is not None for t in choice.timings) if choice.source == "measured" else 1
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], (counters, choice)
     out = capsys.readouterr().out
     assert "| fp8 delayed |" in out and "funcamp lint:" in out  # the lint ran the stateful loss_fn
     state = results["state"]
@@ -211,7 +291,7 @@ def test_fp8_delayed_resume_is_bitwise_identical_buffers_included(tmp_path):
 def test_bfloat16_kahan_master_weights(tmp_path, capsys):
     argv = [*TINY, "--steps", "3", "--log-every", "1", "--no-compile", "--master-weights", "bfloat16-kahan"]
     results = train_gpt.main([*argv, "--logdir", str(tmp_path)])
-    compute = str(fa.half_dtype("cpu")).removeprefix("torch.")  # --policy auto: float32 on AVX2, bfloat16 on AMX
+    compute = str(results["policy_choice"].dtype).removeprefix("torch.")  # --policy auto's decision
     header = f"policy params=bfloat16,compute={compute},output=float32,reduce=float32 | master weights bfloat16-kahan"
     assert f"{header}, moments float32 |" in capsys.readouterr().out
     state = results["state"]

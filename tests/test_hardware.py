@@ -1,4 +1,4 @@
-"""The hardware probe behind ``half_dtype`` and ``--policy auto``: never a dtype the device computes slowly.
+"""The hardware probe behind ``half_dtype``, and ``capability``, the facts ``--policy auto`` starts from.
 
 The CPU facts (capability, oneDNN support, AMX) and the matmul timer are replaced by fakes, so each case
 runs the same on every machine; one test also runs the real probe on this machine and checks it agrees
@@ -117,20 +117,33 @@ def test_cuda_by_compute_capability(cc, expected):
     assert f"{cc[0]}.{cc[1]}" in report.name
 
 
-def test_main_job_auto_policy_follows_the_probe(fake_cpu):
-    import importlib
-    import sys
-    from pathlib import Path
+def test_capability_decides_only_from_facts(fake_cpu):
+    timed = fake_cpu(AVX2)
+    cap = hardware.capability("cpu")
+    assert (cap.decided, cap.candidates) == (torch.float32, ())
+    assert cap.reason == "oneDNN has no bfloat16 or float16 kernels for this CPU (AVX2)"
+    fake_cpu(AMX)  # AMX: fast matmuls, but the step decides (CPU attention can be slower in bfloat16)
+    cap = hardware.capability("cpu")
+    assert (cap.decided, cap.candidates, cap.name) == (None, (torch.bfloat16,), "CPU (AVX512, AMX)")
+    fake_cpu(AVX512)
+    cap = hardware.capability(torch.device("cpu"))
+    assert (cap.decided, cap.candidates) == (None, (torch.bfloat16, torch.float16))
+    assert "oneDNN has bfloat16 and float16 kernels for this CPU (AVX512): to be measured" == cap.reason
+    assert hardware.capability("meta").device == torch.device("meta") and timed == []
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    try:
-        train_gpt = importlib.import_module("train_gpt")
-    finally:
-        sys.path.pop(0)
-    fake_cpu(AVX2)
-    assert fa.get_policy(train_gpt.default_policy(torch.device("cpu"))).compute_dtype == torch.float32
-    fake_cpu(AMX)
-    assert fa.get_policy(train_gpt.default_policy(torch.device("cpu"))).compute_dtype == torch.bfloat16
+
+@pytest.mark.parametrize("cc, expected", [((9, 0), torch.bfloat16), ((7, 0), torch.float16), ((6, 1), torch.float32)])
+def test_capability_on_cuda_is_the_compute_capability(monkeypatch, cc, expected):
+    monkeypatch.setattr(hardware, "_probe", lambda device: hardware._probe_cuda(device, "GPU", cc))
+    cap = hardware.capability("cuda:0")
+    assert (cap.decided, cap.candidates) == (expected, ()) and f"{cc[0]}.{cc[1]}" in cap.name
+
+
+def test_real_capability_agrees_with_torch():
+    cap = hardware.capability("cpu")
+    kernels = [torch.ops.mkldnn._is_mkldnn_bf16_supported(), torch.ops.mkldnn._is_mkldnn_fp16_supported()]
+    assert (cap.decided == torch.float32) == (not any(kernels))
+    assert cap.candidates == tuple(d for d, k in zip((torch.bfloat16, torch.float16), kernels) if k)
 
 
 def test_real_probe_agrees_with_torch():
@@ -146,3 +159,5 @@ def test_real_probe_agrees_with_torch():
 def test_bad_device():
     with pytest.raises(TypeError, match="device must be"):
         hardware.probe(3)
+    with pytest.raises(TypeError, match="capability: device must be a str, a torch.device or None, got int"):
+        hardware.capability(3)

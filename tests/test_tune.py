@@ -3,6 +3,11 @@
 Machine-independent: no test asserts which dtype a real measurement picks (float32 on an AVX2-only CPU,
 possibly bfloat16 on an AMX CPU or a GPU); they assert that the choice follows the measured times, and
 use a scripted ``timer`` (or a module that sleeps in half precision) where a particular winner is needed.
+
+choose_compute_dtype (one dtype for the whole step, the main job's ``--policy auto``): the CPU facts are
+faked (``hardware._cpu_facts``) so that every machine measures, or not, as the test needs, and a scripted
+per-round timer drives the decision: spread against difference, paired rounds, cache hits that build and
+time nothing, ``retune``, the capability facts that time nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcamp as fa
-from funcamp import optim
+from funcamp import hardware, optim
 from funcamp.nn import functionalize
-from funcamp.tune import DEFAULT_RTOL, TuneResult, default_cache_dir, tune_policy
+from funcamp.tune import (
+    DEFAULT_RTOL,
+    ComputeDtypeChoice,
+    TuneResult,
+    choose_compute_dtype,
+    default_cache_dir,
+    tune_policy,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, config_for  # noqa: E402
@@ -615,3 +627,266 @@ def test_rounds_are_interleaved_and_the_median_is_kept() -> None:
     by = {c.dtype: c.seconds for c in result.table[0].candidates}
     assert by == {torch.float32: 1.0, torch.bfloat16: 0.5, torch.float16: 1.0}  # one spike each, dropped
     assert result.table[0].choice == torch.bfloat16
+
+
+# --- choose_compute_dtype: one compute dtype for the whole step, timed on the step ---------------------------
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+AVX512_BOTH = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": True, "amx": False}
+AVX512_BF16 = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": False, "amx": False}
+AVX2 = {"capability": "AVX2", "mkldnn_bf16": False, "mkldnn_fp16": False, "amx": False}
+
+
+@pytest.fixture
+def cpu_facts(monkeypatch: pytest.MonkeyPatch):
+    """Replace what torch reports about this CPU, so that a measurement happens (or not) on every machine."""
+
+    def install(facts: dict) -> None:
+        monkeypatch.setattr(hardware, "_cpu_facts", lambda: dict(facts))
+
+    install(AVX512_BOTH)
+    return install
+
+
+class FakeStep:
+    """``make_step`` for the tests: records what was built and how often each run was called."""
+
+    def __init__(self, raises: dict | None = None) -> None:
+        self.built: list[torch.dtype] = []
+        self.calls: list[torch.dtype] = []
+        self.raises = raises or {}
+
+    def __call__(self, dtype: torch.dtype):
+        self.built.append(dtype)
+        if dtype in self.raises:
+            raise self.raises[dtype]
+
+        def run() -> None:
+            self.calls.append(dtype)
+
+        return run
+
+
+def per_round(times: dict[torch.dtype, list[float] | float]):
+    """A timer: ``times[dtype][r]`` on a candidate's ``r``-th timed call (or a constant); records the order."""
+    seen: dict[torch.dtype, int] = {}
+    order: list[torch.dtype] = []
+
+    def timer(run) -> float:
+        run()
+        r = seen.get(run.dtype, 0)
+        seen[run.dtype] = r + 1
+        order.append(run.dtype)
+        t = times[run.dtype]
+        return t if isinstance(t, float) else t[r]
+
+    timer.order = order  # type: ignore[attr-defined]
+    return timer
+
+
+def toy() -> tuple[nn.Module, torch.Tensor]:
+    return nn.Sequential(nn.Linear(8, 8)), torch.randn(4, 8)
+
+
+def choose(step=None, timer=None, model_batch=None, **kw) -> ComputeDtypeChoice:
+    model, batch = model_batch or toy()
+    return choose_compute_dtype(step or FakeStep(), model, batch, timer=timer, **kw)
+
+
+def test_a_clearly_faster_half_dtype_is_chosen_from_the_step_times(cpu_facts, tmp_path: Path) -> None:
+    step, timer = FakeStep(), per_round({F32: 1.0, BF16: 0.8, F16: 0.7})
+    c = choose(step, timer, cache=tmp_path)
+    assert (c.dtype, c.source) == (F16, "measured")
+    assert step.built == [F32, BF16, F16]
+    t = {x.dtype: x for x in c.timings}
+    assert t[F16].ratio == pytest.approx(0.7) and t[F16].low == pytest.approx(0.7) == t[F16].high
+    assert t[F16].seconds == pytest.approx(0.7) and len(t[F16].samples) == 9 and t[F16].refused == ""
+    assert t[BF16].refused == "slower than float16" and t[F32].ratio == 1.0
+    assert "faster by 30.0%, more than the spread (0.0%) and the margin (2%)" in c.reason
+    line = c.explain()
+    assert line.startswith("float16 compute on CPU (AVX512)") and "measured now (9 interleaved rounds" in line
+    assert "float32 1000 ms, bfloat16 800 ms (median per-round ratio 0.8x), float16 700 ms (median" in line
+    assert f"saved to {c.cache_path}" in line and c.cache_path.name.startswith("compute-dtype-")
+
+
+def test_spread_wider_than_the_difference_refuses_the_half_dtype(cpu_facts) -> None:
+    # bfloat16's per-round ratios: median 0.95 (5% faster), quartiles 0.8-1.1 (inclusive method): spread 0.3.
+    noisy = [0.7, 1.2, 0.8, 1.1, 0.9, 1.05, 0.75, 1.15, 0.95]
+    cpu_facts(AVX512_BF16)
+    c = choose(timer=per_round({F32: 1.0, BF16: noisy}), cache=False)
+    assert c.dtype == F32 and c.source == "measured"
+    bf = c.timings[1]
+    assert (bf.ratio, bf.low, bf.high) == pytest.approx((0.95, 0.8, 1.1))
+    assert c.reason.startswith("float32: no half dtype on a measurement this noisy")
+    assert "the spread of the rounds' ratios (0.8-1.1: 0.3) is wider than the difference (0.05)" in c.reason
+    # The same gain measured steadily is taken.
+    assert choose(timer=per_round({F32: 1.0, BF16: 0.95}), cache=False).dtype == BF16
+
+
+def test_ratios_are_paired_per_round_so_a_load_on_both_cancels(cpu_facts) -> None:
+    # The machine's load changes 3x between rounds; bfloat16 is 0.8x float32 in every round.
+    load = [1.0, 3.0, 1.5, 2.5, 1.0, 2.0, 3.0, 1.2, 1.8]
+    cpu_facts(AVX512_BF16)
+    c = choose(timer=per_round({F32: load, BF16: [0.8 * x for x in load]}), cache=False)
+    assert c.dtype == BF16 and c.timings[1].high - c.timings[1].low == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "bf16, why",
+    [(1.3, "slower: its step takes 1.3x float32's"), (0.99, "faster by less than the margin (2%)")],
+)
+def test_slower_or_marginal_half_dtype_keeps_float32(cpu_facts, bf16: float, why: str) -> None:
+    cpu_facts(AVX512_BF16)
+    c = choose(timer=per_round({F32: 1.0, BF16: bf16}), cache=False)
+    assert c.dtype == F32 and why in c.reason and c.reason.startswith("float32: no half dtype is faster")
+
+
+def test_candidates_are_warmed_up_then_timed_interleaved(cpu_facts) -> None:
+    step = FakeStep()
+    timer = per_round({F32: 1.0, BF16: 1.0, F16: 1.0})
+    choose(step, timer, cache=False, rounds=4, warmup=2)
+    # warm-up: two untimed calls each (the first compiles), then rounds with the order rotated each round
+    assert step.calls[:6] == [F32, F32, BF16, BF16, F16, F16]
+    assert timer.order == [F32, BF16, F16, BF16, F16, F32, F16, F32, BF16, F32, BF16, F16]
+
+
+def test_cache_hit_decides_without_building_or_timing(cpu_facts, tmp_path: Path) -> None:
+    first = choose(timer=per_round({F32: 1.0, BF16: 0.8, F16: 1.2}), cache=tmp_path)
+    step = FakeStep()
+
+    def no_timer(run) -> float:
+        raise AssertionError("timed on a cache hit")
+
+    model, batch = toy()  # other weights, same structure and shapes: the same key
+    hit = choose_compute_dtype(step, model, batch, timer=no_timer, cache=tmp_path)
+    assert (hit.dtype, hit.source, hit.cache_path) == (BF16, "cache", first.cache_path) and step.built == []
+    assert hit.timings == first.timings and hit.reason == first.reason and hit.measured_at == first.measured_at
+    assert hit.explain().startswith("bfloat16 compute on CPU (AVX512), ")
+    assert f": from the cache file {first.cache_path} (measured {first.measured_at}, 9 interleaved" in hit.explain()
+
+
+def test_retune_measures_again_and_overwrites_the_decision(cpu_facts, tmp_path: Path) -> None:
+    choose(timer=per_round({F32: 1.0, BF16: 0.8, F16: 1.2}), cache=tmp_path)
+    step = FakeStep()
+    again = choose(step, per_round({F32: 1.0, BF16: 1.3, F16: 1.2}), cache=tmp_path, retune=True)
+    assert (again.dtype, again.source) == (F32, "measured") and step.built == [F32, BF16, F16]
+    assert choose(FakeStep(), per_round({}), cache=tmp_path).dtype == F32  # the new decision is the cached one
+
+
+def test_cache_key_covers_shapes_model_key_and_options(cpu_facts, tmp_path: Path) -> None:
+    times = {F32: 1.0, BF16: 0.5, F16: 2.0}
+    base = choose(timer=per_round(times), cache=tmp_path, key={"backend": "inductor"})
+    others = [
+        choose(timer=per_round(times), cache=tmp_path, key={"backend": "aot_eager"}),
+        choose(
+            timer=per_round(times),
+            cache=tmp_path,
+            key={"backend": "inductor"},
+            model_batch=(toy()[0], torch.ones(2, 8)),
+        ),
+        choose(
+            timer=per_round(times),
+            cache=tmp_path,
+            key={"backend": "inductor"},
+            model_batch=(nn.Sequential(nn.Linear(8, 4)), torch.ones(4, 8)),
+        ),
+        choose(timer=per_round(times), cache=tmp_path, key={"backend": "inductor"}, margin=0.1),
+    ]
+    assert all(c.source == "measured" for c in others)
+    assert len({base.cache_path, *(c.cache_path for c in others)}) == 5
+    doc = json.loads(base.cache_path.read_text())
+    assert doc["key"]["torch"] == torch.__version__ and doc["key"]["key"] == {"backend": "inductor"}
+    assert "AVX512" in doc["key"]["machine"] and f"{torch.get_num_threads()} threads" in doc["key"]["machine"]
+    assert doc["choice"] == "bfloat16" and doc["key"]["candidates"] == ["float32", "bfloat16", "float16"]
+
+
+def test_no_half_kernels_decides_float32_without_timing(cpu_facts, tmp_path: Path) -> None:
+    cpu_facts(AVX2)
+    step = FakeStep()
+    c = choose(step, per_round({}), cache=tmp_path)
+    assert (c.dtype, c.source, c.cache_path, c.timings) == (F32, "capability", None, ())
+    assert step.built == [] and not any(tmp_path.iterdir())
+    assert c.explain().startswith("float32 compute on CPU (AVX2)")
+    assert "oneDNN has no bfloat16 or float16 kernels for this CPU (AVX2) (torch's report decides; nothing timed)" in (
+        c.explain()
+    )
+
+
+def test_a_half_dtype_without_kernels_is_not_timed(cpu_facts) -> None:
+    cpu_facts(AVX512_BF16)
+    step = FakeStep()
+    c = choose(step, per_round({F32: 1.0, BF16: 1.0}), cache=False)
+    assert step.built == [F32, BF16] and [t.dtype for t in c.timings] == [F32, BF16]
+    asked = choose(FakeStep(), per_round({}), cache=False, candidates=["float16"])
+    assert (asked.dtype, asked.source) == (F32, "capability") and "asked for: float16" in asked.reason
+
+
+@pytest.mark.parametrize("cc, expected", [((9, 0), BF16), ((7, 5), F16), ((6, 1), F32)])
+def test_cuda_compute_capability_decides_without_timing(monkeypatch: pytest.MonkeyPatch, cc, expected) -> None:
+    monkeypatch.setattr(hardware, "_probe", lambda device: hardware._probe_cuda(device, "GPU", cc))
+    step = FakeStep()
+    c = choose(step, per_round({}), device="cuda:0", cache=False)
+    assert (c.dtype, c.source) == (expected, "capability") and step.built == []
+    assert f"compute capability {cc[0]}.{cc[1]}" in c.explain()
+
+
+def test_a_half_dtype_whose_step_raises_is_refused_float32_raises(cpu_facts) -> None:
+    step = FakeStep(raises={F16: RuntimeError('"addmm" not implemented for Half\nmore')})
+    c = choose(step, per_round({F32: 1.0, BF16: 1.5}), cache=False)
+    assert c.dtype == F32 and c.timings[2].refused == 'raised: "addmm" not implemented for Half'
+    assert c.timings[2].seconds is None and 'float16 raised: "addmm" not implemented for Half' in c.explain()
+    with pytest.raises(RuntimeError, match="broken float32"):
+        choose(FakeStep(raises={F32: RuntimeError("broken float32")}), per_round({}), cache=False)
+
+
+def test_unreadable_choice_cache_warns_and_measures_again(cpu_facts, tmp_path: Path) -> None:
+    first = choose(timer=per_round({F32: 1.0, BF16: 0.8, F16: 1.2}), cache=tmp_path)
+    first.cache_path.write_text("{not json")
+    step = FakeStep()
+    with pytest.warns(UserWarning, match="choose_compute_dtype: ignoring the unreadable cache file"):
+        again = choose(step, per_round({F32: 1.0, BF16: 0.8, F16: 1.2}), cache=tmp_path)
+    assert again.source == "measured" and step.built == [F32, BF16, F16]
+    assert json.loads(first.cache_path.read_text())["choice"] == "bfloat16"  # rewritten
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        ({"make_step": 3}, TypeError, "make_step must be a function dtype -> run, got int"),
+        ({"model": "gpt"}, TypeError, "model must be a torch.nn.Module, got str"),
+        ({"key": ["inductor"]}, TypeError, "key must be a mapping"),
+        ({"key": {"x": object()}}, TypeError, "key must hold JSON values only"),
+        ({"rounds": 2}, ValueError, "rounds must be an int >= 3, got 2"),
+        ({"warmup": 0}, ValueError, "warmup must be an int >= 1, got 0"),
+        ({"margin": -0.1}, ValueError, "margin must be a number >= 0, got -0.1"),
+        ({"device": "meta"}, ValueError, "nothing runs on the meta device"),
+        ({"candidates": ["int8"]}, ValueError, "candidate 'int8' is not a compute dtype funcamp tunes"),
+        ({"candidates": "bfloat16"}, TypeError, "candidates must be a list of dtypes"),
+        ({"cache": 3}, TypeError, "cache must be True, False or a directory, got 3"),
+        ({"make_step": lambda dtype: 3}, TypeError, r"make_step\(float32\) must return a function of no arguments"),
+        ({"timer": lambda run: 0.0}, ValueError, "the timer returned 0.0 seconds; it must be > 0"),
+    ],
+)
+def test_choose_compute_dtype_bad_input(cpu_facts, kw: dict, error: type, match: str) -> None:
+    model, batch = toy()
+    args = {"make_step": FakeStep(), "model": model, "example_batch": batch, "cache": False, "timer": lambda r: 1.0}
+    args.update(kw)
+    with pytest.raises(error, match=match):
+        choose_compute_dtype(args.pop("make_step"), args.pop("model"), args.pop("example_batch"), **args)
+
+
+def test_real_timing_of_a_small_step() -> None:
+    """The default timer on this machine: a tiny float32 / half MLP step (no fake facts: AVX2 decides at once)."""
+    model, batch = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)), torch.randn(16, 32)
+
+    def make_step(dtype):
+        m, x = copy.deepcopy(model).to(dtype), batch.to(dtype)
+        return lambda: torch.autograd.grad(m(x).float().square().sum(), list(m.parameters()))
+
+    c = choose_compute_dtype(make_step, model, batch, cache=False, rounds=3)
+    assert c.dtype in (F32, BF16, F16)
+    if c.source == "measured":
+        assert all(t.seconds > 0 and len(t.samples) == 3 for t in c.timings if t.seconds is not None)
+        assert c.timings[0].first_s > 0
+    else:
+        assert c.source == "capability" and c.timings == ()
