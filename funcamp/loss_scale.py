@@ -64,6 +64,11 @@ def _initial_value(x: Any) -> float | None:
         return None
 
 
+def _as_float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (inf stays inf)."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
 def _scalar_tensor(x: Any, name: str, dtype: torch.dtype) -> Any:
     """A Python number becomes a 0-d tensor of ``dtype``; a tensor is checked (metadata only).
 
@@ -295,7 +300,10 @@ class DynamicLossScale(LossScale):
         number, or a CPU tensor outside tracing), and by :meth:`funcamp.TrainState.create` for a device tensor.
         """
         cap = _F32_MAX if self.max_loss_scale is None else min(self.max_loss_scale, _F32_MAX)
-        if value is not None and not (self.min_loss_scale <= value <= cap):
+        # Compared as float32, the scale's dtype: adjust clamps to the float32 nearest the cap or floor, which
+        # may lie just outside the Python number (the cap 25422235.0 is 25422236.0 in float32), and a Python
+        # number is stored as its nearest float32.
+        if value is not None and not (_as_float32(self.min_loss_scale) <= _as_float32(value) <= _as_float32(cap)):
             upper = f"<= max_loss_scale={self.max_loss_scale}" if cap < _F32_MAX else f"finite in float32 (<= {cap})"
             raise ValueError(
                 f"DynamicLossScale: loss_scale must be >= min_loss_scale={self.min_loss_scale} and {upper}, got {value}"
