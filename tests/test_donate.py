@@ -164,3 +164,22 @@ def test_tensors_that_must_not_be_written_are_refused():
     with pytest.raises(ValueError, match=r"'params.b1' is an nn.Parameter"):
         step(owned, S._batches(False)[0])
     assert torch.equal(params["w1"], w)  # nothing was written
+
+
+def test_every_call_checks_its_state():
+    """Found by a newcomer: only the first call was checked, so a later state holding one tensor twice was
+    written twice, silently. Each call is checked now."""
+    step = fa.make_train_step(S.mean_loss(torch.float32), optim.sgd(0.1), compile=False, donate=True)
+    step(fa.TrainState.create(S._params(), optim.sgd(0.1)), S._batches(False)[0])  # the first call passes
+    w = torch.randn(6, 8)
+    twice = fa.TrainState.create(dict(S._params(), w1=w, b1=w[0]), optim.sgd(0.1))
+    with pytest.raises(ValueError, match="share storage"):
+        step(twice, S._batches(False)[1])
+
+
+def test_state_of_another_optimizer_is_named():
+    """Found by a newcomer: a state made by chain(clip, adamw) stepped with sgd failed deep inside torch."""
+    state = S._state(False)  # chain(clip_by_global_norm, adamw)
+    step = fa.make_train_step(S.mean_loss(torch.float32), optim.sgd(0.1), compile=False)
+    with pytest.raises(TypeError, match="state.opt_state was not made by this step's optimizer"):
+        step(state, S._batches(False)[0])

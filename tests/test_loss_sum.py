@@ -216,3 +216,47 @@ def test_two_ranks_assembled_step_equals_the_reference_bitwise(ranks, layout):
         assert got["equal"]
         assert got["donated_equal"]  # issue 21: donate=True, bitwise, data parallel and sharded
         assert int(got["skipped"]) == 1
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fractional_counts_give_the_weighted_mean(k):
+    """Found by a newcomer: counts below 1 (a weighted mean) were differentiated as total / max(count, 1),
+    wrong by up to 0.46 in the update. Oracle: autograd of sum(w * l) / sum(w) in float64."""
+    batch = W.global_batch()
+    w = torch.rand(W.WORLD * W.ROWS, generator=torch.Generator().manual_seed(5)) * 0.2
+    batch["w"] = w
+
+    def weighted(params, b):
+        logits = b["x"][:, 0] @ params["w"] + params["b"]
+        losses = torch.nn.functional.cross_entropy(logits, b["labels"][:, 0].clamp(min=0), reduction="none")
+        return fa.LossSum((losses * b["w"]).sum(), b["w"].sum())
+
+    new, m = fa.make_train_step(weighted, optim.sgd(1.0), accumulation_steps=k, compile=False)(_state(), batch)
+    p = {n: v.double().requires_grad_() for n, v in W.init_params().items()}
+    logits = batch["x"][:, 0].double() @ p["w"] + p["b"]
+    losses = torch.nn.functional.cross_entropy(logits, batch["labels"][:, 0].clamp(min=0), reduction="none")
+    want = (losses * w.double()).sum() / w.double().sum()
+    value = float(want.detach())
+    grads = dict(zip(p, torch.autograd.grad(want, list(p.values()))))
+    for n, p0 in W.init_params().items():
+        torch.testing.assert_close((p0 - new.params[n]).double(), grads[n], rtol=2.0**-18, atol=2.0**-20)
+    assert abs(float(m["loss"]) - value) <= 2.0**-18 * value
+
+
+def test_negative_total_count_skips():
+    """A negative count (gradient ascent, silently, before) has no mean: skipped like an empty batch."""
+    new, m = fa.make_train_step(lambda p, b: fa.LossSum(W.token_loss(p, b).total, -8), optim.sgd(1.0), compile=False)(
+        _state(), W.global_batch()
+    )
+    assert not bool(m["grads_finite"]) and torch.isnan(m["loss"])
+    assert all(torch.equal(new.params[k], v) for k, v in W.init_params().items())
+
+
+def test_has_aux_without_aux_is_named():
+    """Found by a newcomer: a LossSum alone under has_aux=True was unpacked as (loss=total, aux=count)."""
+    step = fa.make_train_step(W.token_loss, optim.sgd(1.0), has_aux=True, compile=False)
+    with pytest.raises(TypeError, match=r"with has_aux=True, loss_fn must return \(loss, aux\), got a LossSum alone"):
+        step(_state(), W.global_batch())
+    step = fa.make_train_step(lambda p, b: W.token_loss(p, b).total, optim.sgd(1.0), has_aux=True, compile=False)
+    with pytest.raises(TypeError, match=r"must return \(loss, aux\), got Tensor"):
+        step(_state(), W.global_batch())

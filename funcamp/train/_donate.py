@@ -49,7 +49,7 @@ def check_not_donated(state: Any, fn: str) -> None:
 
 
 def check_donatable(state: Any) -> None:
-    """A donating step's first call: refuse tensors that the step must not write into.
+    """Before each call of a donating step: refuse tensors that the step must not write into (host side).
 
     Raises:
       ValueError: if two state leaves share storage (one tensor twice, or views of one tensor), or a leaf is an
@@ -114,6 +114,8 @@ def returning_state(run: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+        if not getattr(state, _DONATED, False):  # a donated one: run's own check names donation
+            check_donatable(state)  # every call: each state may hold other tensors
         metrics = run(state, batch)
         new_state = dataclasses.replace(state)
         mark_donated(state)

@@ -35,8 +35,10 @@ class LossSum(NamedTuple):
     which weighs items unequally when micro-batches hold different numbers of them.
 
     Each micro-batch is differentiated as ``total / max(count, 1)`` (the magnitude of a mean, so the loss
-    scale fits as it does for a mean loss); its float32 gradient is then weighted by ``count``. A batch
-    whose total count is 0 has no mean: its loss is NaN and the step is skipped.
+    scale fits as it does for a mean loss); its float32 gradient is then weighted by ``count``. Counts may be
+    fractional (a weighted mean: ``LossSum((w * l).sum(), w.sum())``). A batch whose total count is not
+    positive (0: nothing but padding; negative) has no mean: its loss and gradients are NaN and the step is
+    skipped like an overflow (a dynamic loss scale backs off).
 
     Attributes:
       total: 0-d floating tensor, the sum of the per-item losses (any floating dtype; summed in float64).
@@ -75,7 +77,8 @@ def differentiated(loss: Any, fn: str) -> tuple[torch.Tensor, tuple[Any, ...]]:
     total, count = loss
     count = torch.as_tensor(count, device=total.device)
     full = torch.promote_types(total.dtype, torch.float32)
-    mean = total.to(full) / torch.clamp(count.to(full), min=1)
+    count = count.to(full)
+    mean = total.to(full) / torch.where(count > 0, count, torch.ones_like(count))  # weighted by count after
     return mean, (total.detach().double(), count.detach().double())
 
 
@@ -107,6 +110,12 @@ def call(loss_fn: Callable[..., Any], params: Any, buffers: Any, batch: Any, *, 
                 f"make_train_step: with state.buffers, loss_fn(params, buffers, batch) must return {form}; got {got}"
             )
         out, new_buffers = returned
+    if has_aux and (isinstance(out, LossSum) or not (isinstance(out, tuple) and len(out) == 2)):
+        got = "a LossSum alone" if isinstance(out, LossSum) else type(out).__name__
+        raise TypeError(
+            f"make_train_step: with has_aux=True, loss_fn must return (loss, aux), got {got}; return "
+            "(loss, aux) with loss a 0-d tensor or a funcamp.LossSum, or build the step with has_aux=False"
+        )
     loss, aux = out if has_aux else (out, ())
     return loss, new_buffers, aux
 

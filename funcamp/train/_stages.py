@@ -125,8 +125,9 @@ def gradients(
     if sums:  # sum(total) / sum(count) over micro-batches and ranks: one float64 all_reduce of two numbers
         summed = layout.sum(sum(sums[1:], sums[0]))
         # The layout's reduction below divides by the ranks again.
-        total = _tree.tree_map(lambda g: g * (layout.size / summed[1]).to(g.dtype), total)
-        loss = (summed[0] / summed[1]).float()
+        count = torch.where(summed[1] > 0, summed[1], torch.full_like(summed[1], float("nan")))  # no mean: skip
+        total = _tree.tree_map(lambda g: g * (layout.size / count).to(g.dtype), total)
+        loss = (summed[0] / count).float()
     elif accumulation_steps > 1:  # the mean of the micro-batch means (then of the rank means, below)
         total = _tree.tree_map(lambda g: g / accumulation_steps, total)
     scale = None if isinstance(loss_scale, NoOpLossScale) else loss_scale.loss_scale

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _regions, numerics, sharding
+from funcamp import _regions, _tree, numerics, sharding
 from funcamp.optim import GradientTransformation
 from funcamp.policy import Policy
 from funcamp.train import _donate, _hints, _layout, _loss, _probes, _stages
@@ -115,8 +115,10 @@ def make_train_step(
     new tensors are made first. Every state leaf and metric is bitwise the undonated step's; a skipped step
     leaves every value as it was. The given state is consumed: using it again (a step,
     ``TrainState.replace``, ``funcamp.checkpoint.save``) raises :class:`funcamp.train.DonatedStateError`, and
-    the tensors you kept from it hold the new values. Its first call refuses state leaves that share storage
-    or are a module's ``nn.Parameter``.
+    the tensors you kept from it hold the new values. Each call refuses state leaves that share storage or
+    are a module's ``nn.Parameter``. ``TrainState.create`` keeps the tensors you give it, so a donating step
+    overwrites the ``params`` dict's tensors you built the state from, and a loss-scale object shared with
+    another state: clone them to keep them.
 
     The first call (host side, before anything is traced) checks the state: a sharded state (made by
     ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) given to a step built without
@@ -178,7 +180,7 @@ def make_train_step(
             metrics.update(probe(record))
         return record.new_state, metrics
 
-    first_call = _first_call_check(layout, loss_fn, donate)
+    first_call = _first_call_check(layout, loss_fn, optimizer)
     body = _donate.donating(step) if donate else step  # donating: (state, batch) -> metrics, state written
     if compile:
         backend = backend or "inductor"
@@ -238,7 +240,9 @@ _PYTHON_TENSOR_MATH = (
 )
 
 
-def _first_call_check(layout: Any, loss_fn: Callable[..., Any], donate: bool) -> Callable[[Any], None]:
+def _first_call_check(
+    layout: Any, loss_fn: Callable[..., Any], optimizer: GradientTransformation
+) -> Callable[[Any], None]:
     """The host-side check of the state at a step's first call (later calls do nothing)."""
     done = [False]
 
@@ -248,12 +252,30 @@ def _first_call_check(layout: Any, loss_fn: Callable[..., Any], donate: bool) ->
         message = _loss.arity_error(loss_fn, state.buffers is not None)
         if message is not None:
             raise TypeError(message)
+        _check_opt_state(state, optimizer)
         layout.check_state(state)
-        if donate:
-            _donate.check_donatable(state)
         done[0] = True
 
     return check
+
+
+def _check_opt_state(state: TrainState, optimizer: GradientTransformation) -> None:
+    """Refuse an optimizer state made by another optimizer (its structure differs from ``optimizer.init``'s).
+
+    ``init`` runs on shape-only (meta) copies of the parameters: nothing is allocated. An ``init`` that cannot
+    run there is not checked.
+    """
+    meta = _tree.tree_map(lambda p: p.to("meta") if isinstance(p, torch.Tensor) else p, state.params)
+    try:
+        expected = _tree.tree_structure(optimizer.init(meta))
+    except Exception:  # noqa: BLE001 (an init that needs real values: let the step itself decide)
+        return
+    if expected != _tree.tree_structure(state.opt_state):
+        raise TypeError(
+            "train_step: state.opt_state was not made by this step's optimizer (its structure differs from "
+            "optimizer.init(params)'s); build the state with TrainState.create(params, optimizer) using the "
+            "optimizer given to make_train_step"
+        )
 
 
 def _check_step_args(state: Any, batch: Any) -> None:
