@@ -404,6 +404,13 @@ def auto_policy(
     ), choice
 
 
+def default_policy(device: torch.device) -> str:
+    """float32 params and outputs, compute in the dtype ``fa.half_dtype`` names for the device (the other examples'
+    ``auto``; this job's ``--policy auto`` times the step instead: :func:`auto_policy`)."""
+    half = str(fa.half_dtype(device)).removeprefix("torch.")
+    return f"params=float32,compute={half},output=float32"
+
+
 def make_loss_scale(kind: str, policy: fa.Policy, init_scale: float, period: int) -> fa.LossScale:
     if kind == "auto":
         kind = "dynamic" if policy.compute_dtype == torch.float16 else "none"
