@@ -265,6 +265,8 @@ def _check_opt_state(state: TrainState, optimizer: GradientTransformation) -> No
     ``init`` runs on shape-only (meta) copies of the parameters: nothing is allocated. An ``init`` that cannot
     run there is not checked.
     """
+    if _tree.first_non_floating(state.params) is not None:  # the step names that leaf itself
+        return
     meta = _tree.tree_map(lambda p: p.to("meta") if isinstance(p, torch.Tensor) else p, state.params)
     try:
         expected = _tree.tree_structure(optimizer.init(meta))
@@ -272,9 +274,9 @@ def _check_opt_state(state: TrainState, optimizer: GradientTransformation) -> No
         return
     if expected != _tree.tree_structure(state.opt_state):
         raise TypeError(
-            "train_step: state.opt_state was not made by this step's optimizer (its structure differs from "
-            "optimizer.init(params)'s); build the state with TrainState.create(params, optimizer) using the "
-            "optimizer given to make_train_step"
+            "train_step: state.opt_state was not made by this step's optimizer for these parameters (its structure "
+            "differs from optimizer.init(state.params)'s); build the state with TrainState.create(params, optimizer) "
+            "using the optimizer given to make_train_step"
         )
 
 
