@@ -376,9 +376,10 @@ def markdown(result: dict[str, Any]) -> str:
                 if f"{kind}_phases_s" in r:
                     phases = ", ".join(f"{bench.COMPILE_PHASES[k]} {v:.1f}" for k, v in r[f"{kind}_phases_s"].items())
                     lines.append(f"- {name}, {kind}: {phases}")
-        for name, r in rows.items():
-            for message in r["compile_cache"]:
-                lines.append(f"- {name}, file, round 1: {message}")
+        messages = [(name, m) for name, r in rows.items() for m in r["compile_cache"]]
+        if messages:
+            lines += ["", "The file runs of round 1:"]
+            lines += [f"- {name}: {message}" for name, message in messages]
     if result.get("main_job"):
         j = result["main_job"]
         lines += [
