@@ -1,7 +1,8 @@
 """Benchmark: time to the first train step (compilation included), funcamp against torch.compile(model).
 
-    python benchmarks/bench_first_step.py --config tiny --threads 1 --repeats 3
-    python benchmarks/bench_first_step.py --config tiny --threads 1 --repeats 3 --main-job-steps 400
+    python benchmarks/bench_first_step.py --models tiny,main-small --threads 1 --repeats 3
+    python benchmarks/bench_first_step.py --models main-small,nanogpt-6l,gpt2-124m --repeats 3 --steps 2 --warmup 1
+    python benchmarks/bench_first_step.py --models tiny --threads 1 --repeats 3 --main-job-steps 400
 
 What a user waits for before training starts. Two variants of ``benchmarks/bench_train_step.py`` on the same
 GPT, batch and dtype (bfloat16 compute by default):
@@ -11,13 +12,22 @@ GPT, batch and dtype (bfloat16 compute by default):
 * ``funcamp_compile``: ``funcamp.make_train_step`` compiled whole (``fullgraph=True``): forward, backward,
   unscale, finite check, AdamW and the skip logic in one graph.
 
+Models (``--models``, :data:`MODELS`): ``tiny`` (the tests' GPT), ``main-small`` (the main job's default GPT and
+batch), ``nanogpt-6l`` (the shape of nanoGPT's 6-layer shakespeare-char model: 6 layers, 6 heads, width 384,
+context 256, no biases; byte vocabulary) and ``gpt2-124m`` (OpenAI's GPT-2 small, 124M parameters, context
+1024, GPT-2's vocabulary; batch 1 on the CPU).
+
 Each run is a fresh process that builds the variant (deep copy of the model, ``functionalize``,
 ``torch.compile``'s wrapper) and times, on the wall clock, building it plus its first step (``first step s``),
-then ``--steps`` more steps one by one after ``--warmup`` (``ms/step``: their median). ``cold``: a fresh, empty
-inductor cache (``TORCHINDUCTOR_CACHE_DIR``); ``warm``: a second process on the cache the cold one filled (FX
-graph and kernel caches hit). ``--repeats`` rounds, the variants' order rotated each round; reported: the
-median and the min-max spread of each figure, and the ratio of medians funcamp / torch.compile(model). The
-machine may be shared: only ratios of runs made in the same rounds are compared.
+then ``--steps`` more steps one by one after ``--warmup`` (``ms/step``: their median). Kinds (``--kinds``):
+``cold``, a fresh, empty inductor cache (``TORCHINDUCTOR_CACHE_DIR``), after which the run saves a
+``funcamp.compile_cache`` file; ``warm``, a second process on the cache the cold one filled (FX graph,
+AOTAutograd and kernel caches hit: the same machine); ``file``, a process on another fresh, empty inductor cache
+that first loads the cold run's ``funcamp.compile_cache`` file (load time included: a new machine or container
+with the file). ``--repeats`` rounds; in each round, each model and each variant in turn (the variants' order
+rotated each round), all kinds of one variant back to back. Reported per model: the median and the min-max
+spread of each figure, and per kind the median (spread) of the rounds' own ratios funcamp / torch.compile(model):
+the machine may be shared, and only runs made in the same round are compared.
 
 ``--main-job-steps N`` also times, cold, the main job ``examples/train_gpt.py`` (its defaults on this device,
 ``--steps N``) from process start to exit, against a plain loop of N steps of ``torch.compile(model)`` and
@@ -46,13 +56,26 @@ import bench_train_step as bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("amp_compile", "funcamp_compile")
+KINDS = ("cold", "warm", "file")
+#: The ``examples/gpt.py`` size names accepted for the models they are.
+ALIASES = {"small": "main-small", "medium": "nanogpt-6l"}
+#: ``--models``: name -> (``examples/gpt.py`` size, batch size on the CPU, what it stands for).
+MODELS: dict[str, tuple[str, int, str]] = {
+    "tiny": ("tiny", 8, "the tests' GPT: 2 layers, width 32, context 32"),
+    "main-small": ("small", 32, "the main job's default GPT and batch: 4 layers, width 128, context 128, batch 32"),
+    "nanogpt-6l": ("medium", 8, "nanoGPT's shakespeare-char shape: 6 layers, 6 heads, width 384, context 256"),
+    "gpt2-124m": ("gpt2-124m", 1, "GPT-2 small: 12 layers, width 768, context 1024, vocabulary 50257"),
+}
 #: The variant funcamp_compile run with the funcamp of ``--baseline`` (on PYTHONPATH).
 BASELINE = "funcamp_compile@base"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="tiny", choices=sorted(bench.SIZES), help="GPT size of examples/gpt.py")
+    p.add_argument("--models", default="tiny", help=f"comma-separated, of {', '.join(MODELS)} (default: tiny)")
+    p.add_argument("--config", default=None, choices=sorted([*MODELS, *ALIASES]), help="one model (as --models)")
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of cold,warm,file")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: per model)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="compute dtype")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads in each run")
     p.add_argument("--repeats", type=int, default=3, help="rounds of (cold, warm) runs per variant")
@@ -70,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default="benchmarks/results/bench_first_step.json")
     p.add_argument("--markdown", default="benchmarks/results/bench_first_step.md")
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one variant in this process
+    p.add_argument("--save-cache", default=None, help=argparse.SUPPRESS)  # internal: compile_cache file to write
+    p.add_argument("--load-cache", default=None, help=argparse.SUPPRESS)  # internal: compile_cache file to read
     p.add_argument("--torch-loop", type=int, default=0, help=argparse.SUPPRESS)  # internal: the main job's baseline
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -77,6 +102,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for v in args.variants:
         if v not in VARIANTS:
             p.error(f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    args.models = [args.config] if args.config else [m.strip() for m in args.models.split(",") if m.strip()]
+    args.models = [ALIASES.get(m, m) for m in args.models]
+    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"--models: unknown model {m!r}; choose from {', '.join(MODELS)}")
+    if not args.kinds or "cold" not in args.kinds or any(k not in KINDS for k in args.kinds):
+        p.error(f"--kinds: a comma-separated subset of {', '.join(KINDS)} with cold in it, got {args.kinds}")
     for name in ("repeats", "steps", "warmup", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
@@ -87,14 +120,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _bench_args(args: argparse.Namespace) -> argparse.Namespace:
-    return bench.parse_args(["--config", args.config, "--dtype", args.dtype, "--threads", str(args.threads)])
+def _bench_args(args: argparse.Namespace, model: str) -> argparse.Namespace:
+    config, batch, _ = MODELS[model]
+    batch = args.batch_size or batch
+    return bench.parse_args(
+        ["--config", config, "--dtype", args.dtype, "--threads", str(args.threads), "--batch-size", str(batch)]
+    )
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """In this fresh process: build ``args.run``, time it to the end of its first step, then steady steps."""
     torch.set_num_threads(args.threads)
-    bargs = _bench_args(args)
+    (model_name,) = args.models
+    bargs = _bench_args(args, model_name)
     args.run = args.run.removesuffix("@base")  # the same variant; which funcamp is PYTHONPATH's business
     device = torch.device("cpu")
     n = 1 + args.warmup + args.steps
@@ -102,7 +140,14 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         n, batch_size=bargs.batch_size, block_size=bench.block_size(bargs), seed=0, device=device
     )
     model = bench.make_model(bargs, device)
+    cache = None
+    if args.save_cache or args.load_cache:
+        from funcamp import compile_cache
+
+        key = compile_cache.step_key(batches[0], extra={"bench": "first_step", "model": model_name, "run": args.run})
+        cache = compile_cache, key
     t0 = time.perf_counter()
+    loaded = cache[0].load(args.load_cache, cache[1]) if args.load_cache else None  # timed: part of the start
     step = bench.build_variant(args.run, model, bargs)
     loss = step(batches[0])
     first = time.perf_counter() - t0
@@ -115,8 +160,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         loss = step(b)
         float(loss)  # the step's end (a host read after it, outside any compiled region)
         samples.append((time.perf_counter() - s) * 1e3)
+    saved = cache[0].save(args.save_cache, cache[1]) if args.save_cache else None
     return {
         "first_step_s": first,
+        "compile_cache": str(loaded or saved or ""),
         "ms_per_step": statistics.median(samples),
         "ms_samples": samples,
         "graphs_first_step": graphs,
@@ -159,12 +206,13 @@ def torch_loop(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _subprocess(
-    extra: list[str], args: argparse.Namespace, cache: str, pythonpath: str | None = None
+    extra: list[str], args: argparse.Namespace, cache: str, pythonpath: str | None = None, model: str = "tiny"
 ) -> tuple[dict[str, Any], float]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    common = ["--config", args.config, "--dtype", args.dtype, "--threads", str(args.threads)]
+    common = ["--models", model, "--dtype", args.dtype, "--threads", str(args.threads)]
     common += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    common += ["--batch-size", str(args.batch_size)] if args.batch_size else []
     cmd = [sys.executable, str(Path(__file__).resolve()), *common, *extra, "--out", out]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
     if pythonpath:
@@ -207,113 +255,165 @@ def _spread(values: list[float], spec: str) -> str:
     return f"{format(min(values), spec)}-{format(max(values), spec)}"
 
 
-def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
+Runs = dict[str, dict[str, list[dict[str, Any]]]]  # variant -> kind -> one result per round
+
+
+def summarize(runs: Runs) -> dict[str, dict[str, Any]]:
     rows = {}
-    for variant, by_cache in runs.items():
+    for variant, by_kind in runs.items():
         row: dict[str, Any] = {}
-        for cache, results in by_cache.items():
+        by_kind = {kind: results for kind, results in by_kind.items() if results}
+        for kind, results in by_kind.items():
             first = [r["first_step_s"] for r in results]
-            row[f"{cache}_first_step_s"] = statistics.median(first)
-            row[f"{cache}_first_step_spread"] = _spread(first, ".1f")
+            row[f"{kind}_first_step_s"] = statistics.median(first)
+            row[f"{kind}_first_step_spread"] = _spread(first, ".1f")
             phases = {}
             for key in results[0]["compile_phases_s"]:
                 phases[key] = statistics.median(r["compile_phases_s"].get(key, 0.0) for r in results)
-            row[f"{cache}_phases_s"] = phases
-        steady = [r["ms_per_step"] for rs in by_cache.values() for r in rs]
+            row[f"{kind}_phases_s"] = phases
+        steady = [r["ms_per_step"] for rs in by_kind.values() for r in rs]
         row["ms_per_step"] = statistics.median(steady)
         row["ms_per_step_spread"] = _spread(steady, ".1f")
-        row["recompiles"] = max(r["recompiles"] for rs in by_cache.values() for r in rs)
-        row["graphs_first_step"] = max(r["graphs_first_step"] for rs in by_cache.values() for r in rs)
-        row["final_loss"] = [r["final_loss"] for rs in by_cache.values() for r in rs][0]
-        row["funcamp"] = by_cache["cold"][0].get("funcamp")
+        row["recompiles"] = max(r["recompiles"] for rs in by_kind.values() for r in rs)
+        row["graphs_first_step"] = max(r["graphs_first_step"] for rs in by_kind.values() for r in rs)
+        row["final_loss"] = [r["final_loss"] for rs in by_kind.values() for r in rs][0]
+        row["funcamp"] = by_kind["cold"][0].get("funcamp")
+        row["compile_cache"] = [r.get("compile_cache", "") for r in by_kind.get("file", [])[:1]]
         rows[variant] = row
     return rows
 
 
-def paired_ratios(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, list[float]]]:
-    """Per round, each variant's first step over torch.compile(model)'s in the same round (a shared machine's
-    load changes between rounds more than within one)."""
+def paired_ratios(runs: Runs) -> dict[str, dict[str, list[float]]]:
+    """Per round, each variant's first step over torch.compile(model)'s in the same round and kind (a shared
+    machine's load changes between rounds more than within one); ``steady``: the ms/step of the cold runs."""
     if "amp_compile" not in runs:
         return {}
     base = runs["amp_compile"]
-    return {
-        name: {
-            cache: [r["first_step_s"] / b["first_step_s"] for r, b in zip(by_cache[cache], base[cache])]
-            for cache in ("cold", "warm")
+    out = {}
+    for name, by_kind in runs.items():
+        if name == "amp_compile":
+            continue
+        ratios = {
+            kind: [r["first_step_s"] / b["first_step_s"] for r, b in zip(results, base[kind])]
+            for kind, results in by_kind.items()
+            if results and base.get(kind)
         }
-        for name, by_cache in runs.items()
-        if name != "amp_compile"
-    }
+        ratios["steady"] = [r["ms_per_step"] / b["ms_per_step"] for r, b in zip(by_kind["cold"], base["cold"])]
+        out[name] = ratios
+    return out
+
+
+def _ratio(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}x ({_spread(values, '.2f')})" if values else "-"
 
 
 def markdown(result: dict[str, Any]) -> str:
-    m, rows = result["machine"], result["rows"]
+    m, args = result["machine"], result["args"]
     lines = [
         f"Command: `{result['command']}`",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores ({result['args']['threads']} torch threads, "
+        f"Machine: {m['cpu']}, {m['cores']} cores ({args['threads']} torch threads, "
         f"`torch.backends.cpu.get_cpu_capability()` = {m['cpu_capability']}); Python {m['python']}, "
-        f"torch {m['torch']}, funcamp {m['funcamp']}. Shared machine (load average at the start: {result['load']}).",
+        f"torch {m['torch']}, funcamp {m['funcamp']}. Shared machine (load average at the start: {result['load']}, "
+        f"at the end: {result.get('load_end', '?')}).",
         "",
-        f"GPT `{result['args']['config']}`, {result['args']['dtype']} compute, {result['args']['repeats']} rounds; "
-        "each figure the median over the rounds, with the min-max spread.",
-        "",
-        "| variant | first step s, cold | spread | first step s, warm | spread | ms/step | spread | graphs | "
-        "recompiles | final loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"{args['dtype']} compute, {args['repeats']} rounds; each figure the median over the rounds, with the "
+        "min-max spread. Ratios: the median (min-max) of the rounds' own ratios funcamp / torch.compile(model) "
+        "+ torch.amp + fused AdamW. cold: an empty inductor cache; warm: a second process on the cold one's "
+        "cache; file: an empty inductor cache and the cold run's `funcamp.compile_cache` file.",
     ]
-    for name, r in rows.items():
-        lines.append(
-            f"| {name} | {r['cold_first_step_s']:.1f} | {r['cold_first_step_spread']} | {r['warm_first_step_s']:.1f} | "
-            f"{r['warm_first_step_spread']} | {r['ms_per_step']:.1f} | {r['ms_per_step_spread']} | "
-            f"{r['graphs_first_step']} | {r['recompiles']} | {r['final_loss']:.4f} |"
-        )
-    ratios = result.get("paired_ratios", {})
-    for name in rows:
-        if name == "amp_compile" or "amp_compile" not in rows:
-            continue
-        a, f = rows["amp_compile"], rows[name]
-        paired = "; ".join(
-            f"{cache} {statistics.median(ratios[name][cache]):.2f}x ({_spread(ratios[name][cache], '.2f')})"
-            for cache in ("cold", "warm")
-        )
+    summary = ["", "| model | what | cold | warm | file | steady step |", "|---|---|---:|---:|---:|---:|"]
+    for model, block in result["models"].items():
+        for name, ratios in block["paired_ratios"].items():
+            summary.append(
+                f"| {model} ({name}) | {MODELS[model][2]} | {_ratio(ratios.get('cold', []))} | "
+                f"{_ratio(ratios.get('warm', []))} | {_ratio(ratios.get('file', []))} | "
+                f"{_ratio(ratios.get('steady', []))} |"
+            )
+    lines += summary
+    for model, block in result["models"].items():
+        rows = block["rows"]
+        config, batch, _ = MODELS[model]
         lines += [
             "",
-            f"{name} / torch.compile(model), ratio of medians: first step cold "
-            f"{f['cold_first_step_s'] / a['cold_first_step_s']:.2f}x (target <= 1.5x), warm "
-            f"{f['warm_first_step_s'] / a['warm_first_step_s']:.2f}x; steady step "
-            f"{f['ms_per_step'] / a['ms_per_step']:.2f}x. "
-            f"Median (spread) of the rounds' own ratios: {paired}.",
+            f"### {model}: GPT `{config}`, batch {args['batch_size'] or batch}",
+            "",
+            "| variant | first step s, cold | spread | warm | spread | file | spread | ms/step | spread | graphs | "
+            "recompiles | final loss |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-    if BASELINE in rows and "funcamp_compile" in rows:
-        b, f = rows[BASELINE], rows["funcamp_compile"]
+        for name, r in rows.items():
+            cells = []
+            for kind in KINDS:
+                if f"{kind}_first_step_s" in r:
+                    cells += [f"{r[f'{kind}_first_step_s']:.1f}", r[f"{kind}_first_step_spread"]]
+                else:
+                    cells += ["-", "-"]
+            lines.append(
+                f"| {name} | {' | '.join(cells)} | {r['ms_per_step']:.1f} | {r['ms_per_step_spread']} | "
+                f"{r['graphs_first_step']} | {r['recompiles']} | {r['final_loss']:.4f} |"
+            )
+        if BASELINE in rows and "funcamp_compile" in rows:
+            b, f = rows[BASELINE], rows["funcamp_compile"]
+            lines += [
+                "",
+                f"{BASELINE}: the same step with the funcamp of `{args['baseline']}` ({result.get('baseline_rev')}); "
+                f"funcamp now / then: first step cold {f['cold_first_step_s'] / b['cold_first_step_s']:.2f}x"
+                + (
+                    f", warm {f['warm_first_step_s'] / b['warm_first_step_s']:.2f}x"
+                    if "warm_first_step_s" in f and "warm_first_step_s" in b
+                    else ""
+                )
+                + f"; final losses equal: {f['final_loss'] == b['final_loss']}.",
+            ]
         lines += [
             "",
-            f"{BASELINE}: the same step with the funcamp of `{result['args']['baseline']}` "
-            f"({result.get('baseline_rev')}); funcamp now / then: first step cold "
-            f"{f['cold_first_step_s'] / b['cold_first_step_s']:.2f}x, warm "
-            f"{f['warm_first_step_s'] / b['warm_first_step_s']:.2f}x; final losses equal: "
-            f"{f['final_loss'] == b['final_loss']}.",
+            "Compile phases of the first step (s, medians; `torch._dynamo.utils.compile_times()`, nested, "
+            "summed over compile threads):",
         ]
-    lines += [
-        "",
-        "Compile phases of the first step (s, medians; `torch._dynamo.utils.compile_times()`, nested, "
-        "summed over compile threads):",
-    ]
-    for name, r in rows.items():
-        for cache in ("cold", "warm"):
-            phases = ", ".join(f"{bench.COMPILE_PHASES[k]} {v:.1f}" for k, v in r[f"{cache}_phases_s"].items())
-            lines.append(f"- {name}, {cache}: {phases}")
+        for name, r in rows.items():
+            for kind in KINDS:
+                if f"{kind}_phases_s" in r:
+                    phases = ", ".join(f"{bench.COMPILE_PHASES[k]} {v:.1f}" for k, v in r[f"{kind}_phases_s"].items())
+                    lines.append(f"- {name}, {kind}: {phases}")
+        messages = [(name, m) for name, r in rows.items() for m in r["compile_cache"]]
+        if messages:
+            lines += ["", "The file runs of round 1:"]
+            lines += [f"- {name}: {message}" for name, message in messages]
     if result.get("main_job"):
         j = result["main_job"]
         lines += [
             "",
-            f"Main job, cold cache, {result['args']['main_job_steps']} steps (`examples/train_gpt.py` defaults, whole "
+            f"Main job, cold cache, {args['main_job_steps']} steps (`examples/train_gpt.py` defaults, whole "
             f"process): {j['funcamp_main_job_s']:.1f} s; a torch.compile(model) + torch.optim.AdamW loop of the same "
             f"steps on the same GPT and batch in {j['torch_loop']['compute_dtype']} (no validation, checkpoints or "
             f"logging), whole process: {j['torch_loop_s']:.1f} s; ratio {j['ratio']:.2f}x.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _round(args: argparse.Namespace, r: int, model: str, runs: Runs, tmp: str) -> None:
+    """One round of one model: each variant in turn (rotated by the round), its kinds back to back."""
+    order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
+    for v in order:
+        base = args.baseline if v == BASELINE else None
+        with tempfile.TemporaryDirectory(prefix=f"funcamp-first-{v}-", dir=tmp) as cache:
+            file = str(Path(cache) / "compile-cache.bin")
+            with_file = "file" in args.kinds and v != BASELINE  # the baseline's funcamp may lack compile_cache
+            for kind in args.kinds:
+                if kind == "file" and not with_file:
+                    continue
+                extra = ["--run", v]
+                extra += ["--save-cache", file] if kind == "cold" and with_file else []
+                extra += ["--load-cache", file] if kind == "file" else []
+                inductor = cache if kind != "file" else str(Path(cache) / "fresh")
+                result, _ = _subprocess(extra, args, inductor, base, model)
+                runs[v][kind].append(result)
+                print(
+                    f"round {r + 1}: {model}: {v} {kind}: first step {result['first_step_s']:.1f} s, "
+                    f"{result['ms_per_step']:.1f} ms/step",
+                    flush=True,
+                )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,27 +423,22 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result))
         return 0
     load = os.getloadavg()[0]
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {v: {"cold": [], "warm": []} for v in args.variants}
-    for r in range(args.repeats):
-        order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
-        for v in order:
-            with tempfile.TemporaryDirectory(prefix=f"funcamp-first-{v}-") as cache:
-                for kind in ("cold", "warm"):
-                    result, _ = _subprocess(["--run", v], args, cache, args.baseline if v == BASELINE else None)
-                    runs[v][kind].append(result)
-                    print(
-                        f"round {r + 1}: {v} {kind}: first step {result['first_step_s']:.1f} s, "
-                        f"{result['ms_per_step']:.1f} ms/step",
-                        flush=True,
-                    )
+    runs: dict[str, Runs] = {m: {v: {k: [] for k in KINDS} for v in args.variants} for m in args.models}
+    with tempfile.TemporaryDirectory(prefix="funcamp-first-") as tmp:
+        for r in range(args.repeats):
+            for model in args.models:
+                _round(args, r, model, runs[model], tmp)
+    internal = ("run", "out", "torch_loop", "save_cache", "load_cache")
     result = {
         "command": "python " + " ".join([str(Path(sys.argv[0]).as_posix()), *sys.argv[1:]]),
         "machine": bench.machine(),
         "load": f"{load:.1f}",
-        "args": {k: v for k, v in vars(args).items() if k not in ("run", "out", "torch_loop")},
-        "runs": runs,
-        "rows": summarize(runs),
-        "paired_ratios": paired_ratios(runs),
+        "load_end": f"{os.getloadavg()[0]:.1f}",
+        "args": {k: v for k, v in vars(args).items() if k not in internal},
+        "models": {
+            m: {"runs": runs[m], "rows": summarize(runs[m]), "paired_ratios": paired_ratios(runs[m])}
+            for m in args.models
+        },
     }
     if args.baseline:
         rev = subprocess.run(["git", "-C", args.baseline, "log", "-1", "--format=%h"], capture_output=True, text=True)

@@ -33,6 +33,11 @@ bfloat16 (LayerNorms stay float32) and wraps the optimizer in ``optim.kahan_summ
 ``--max-consecutive-skips`` steps in a row are skipped, the error ends with ``funcamp.debug``'s replay
 of the last one: the first op whose output was not finite.
 
+The compiled step is saved after the first step to ``~/.cache/funcamp/compile`` (``--cache-dir DIR``:
+``DIR/compile``; ``funcamp.compile_cache``: torch's compile artifacts and, on the CPU, the C++ kernels, in one
+checked file per step and settings) and loaded by the next run with the same settings, whose first step then
+skips AOTAutograd, inductor and the C++ compiler; one line says which (``--no-compile-cache``: off).
+
 Every step's batch is a function of ``(seed, step)``, so ``--resume`` continues bit-for-bit from the
 last checkpoint (saved every ``--save-every`` steps, atomically, with ``funcamp.checkpoint``).
 Logging and checkpoint writes happen only where ``is_main`` (rank 0 under data parallelism).
@@ -199,6 +204,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="root of funcamp's caches; the compiled step's in DIR/compile (default: $FUNCAMP_CACHE_DIR or\n"
+        "~/.cache/funcamp)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="load the compiled step from the cache before the first step and save it after (funcamp.compile_cache;\n"
+        "default: on)",
+    )
     args = p.parse_args(argv)
     for name in ("batch_size", "steps", "log_every", "eval_every", "eval_batches", "save_every"):
         if getattr(args, name) < 1:
@@ -543,6 +561,40 @@ def distributed_info(device: torch.device) -> tuple[int, int, torch.device]:
     return rank, world_size, local if device.type == "cuda" else device
 
 
+#: The settings the compiled step's graph depends on, beside the state's and the batch's trees.
+_COMPILE_CACHE_KEYS = (
+    "model",
+    "lr",
+    "warmup",
+    "steps",
+    "weight_decay",
+    "clip",
+    "master_weights",
+    "moment_dtype",
+    "fp8",
+    "backend",
+    "max_consecutive_skips",
+    "telemetry_every",
+    "shard",
+    "threads",
+    "seed",
+)
+
+
+def compile_cache_for(
+    args: argparse.Namespace, state: Any, batch: Any, policy: fa.Policy, rank: int, world_size: int
+) -> tuple[Path, fa.compile_cache.CacheKey] | None:
+    """``(file, key)`` of the compiled step in ``--cache-dir`` (funcamp.compile_cache), or None when it is off
+    (``--no-compile-cache``, ``--no-compile``, or a backend that writes no artifacts)."""
+    if not (args.compile and args.compile_cache and args.backend == "inductor"):
+        return None
+    extra = {k: getattr(args, k) for k in _COMPILE_CACHE_KEYS}
+    extra.update(job="examples/train_gpt.py", policy=str(policy), rank=rank, world_size=world_size)
+    key = fa.compile_cache.step_key(state, batch, extra=extra)
+    root = Path(args.cache_dir) / "compile" if args.cache_dir else fa.compile_cache.default_dir()
+    return fa.compile_cache.path(root, key), key
+
+
 # --- the run --------------------------------------------------------------------------------------------
 
 
@@ -718,6 +770,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if is_main:
             bar.write(f"step 0: val loss {val_loss:.4f}")
         eval0_s = time.perf_counter() - t0
+    cache = compile_cache_for(args, state, train_batch(start + 1), policy, rank, world_size) if end > start else None
+    if cache is not None:  # a warm start: the compiled step of an earlier run with the same key
+        loaded = fa.compile_cache.load(*cache)
+        if is_main:
+            bar.write(str(loaded))
     for step in range(start + 1, end + 1):
         batch = train_batch(step)
         prev_state = state  # a reference (steps never mutate a state): replayed if the run fails on skips
@@ -726,6 +783,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sync(device)
             t_first = time.perf_counter()
             compile_s = t_first - t_start - eval0_s - lint_s  # setup and the first step (compilation)
+            if cache is not None:  # not training: out of tokens/s
+                saved = fa.compile_cache.save(*cache)
+                if is_main and saved.action != "unchanged":
+                    bar.write(str(saved))
+                other_s += time.perf_counter() - t_first
+                logger.restart_clock()
         else:
             steps_timed += 1
         written = logger.log(metrics, step=step)

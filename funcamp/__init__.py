@@ -7,6 +7,7 @@ step composes these with optax-style optimizers and compiles whole with ``torch.
 
 from funcamp import (
     checkpoint,
+    compile_cache,
     debug,
     formats,
     fp8,
@@ -61,6 +62,7 @@ __all__ = [
     "cast_to_half",
     "check_skips",
     "checkpoint",
+    "compile_cache",
     "debug",
     "formats",
     "fp8",

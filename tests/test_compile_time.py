@@ -236,3 +236,28 @@ def test_compiled_step_graph_is_cacheable_by_aot_autograd() -> None:
     with inductor_config.patch(unsafe_marked_cacheable_functions=marked):
         for n in nodes:
             check_node_safe(n)
+
+
+# --- nested compile regions (issue 24 item 1) ------------------------------------------------------------
+
+
+def test_nested_compile_region_does_not_compose_with_the_steps_gradient():
+    """One marked block, differentiated with torch.func inside one compiled graph, as funcamp's step does.
+
+    torch 2.13: Dynamo's tracing of the region (``invoke_subgraph``) assumes plain fake tensors at its inputs;
+    inside ``torch.func.grad_and_value`` they are functorch wrappers (see
+    ``benchmarks/results/nested_compile_region_torch_2_13.md``). When this test fails because the step compiles,
+    torch has lifted the limit: funcamp can then mark its repeated blocks as nested compile regions.
+    """
+    torch._dynamo.reset()
+    block = torch.compiler.nested_compile_region(lambda w, x: torch.tanh(x @ w) + x)
+
+    def loss(params, x):
+        for w in params:
+            x = block(w, x)
+        return x.sum()
+
+    params, x = [torch.randn(4, 4) for _ in range(2)], torch.randn(2, 4)
+    step = torch.compile(lambda p, x: torch.func.grad_and_value(loss)(p, x), fullgraph=True, backend="aot_eager")
+    with pytest.raises(AssertionError, match="Expected FakeTensor"):
+        step(params, x)

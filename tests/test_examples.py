@@ -440,3 +440,20 @@ def test_gan_scales_are_independent(tmp_path):
         states, metrics = step(states, gan.ring_batch(0, i, 64))
     assert int(states["d"].skipped_steps) > 0 and float(states["d"].loss_scale.loss_scale) < 2.0**40
     assert int(states["g"].skipped_steps) == 0 and float(states["g"].loss_scale.loss_scale) == 2.0 ** (15 + 1)
+
+
+def test_compile_cache_of_the_main_job(tmp_path, monkeypatch):
+    """Where the main job keeps its compiled step (funcamp.compile_cache), when it does not, and what keys it."""
+    state, batch, policy = {"w": torch.zeros(2)}, {"inputs": torch.zeros(1, 4, dtype=torch.long)}, fa.get_policy("f32")
+
+    def cache(*argv: str) -> tuple | None:
+        return train_gpt.compile_cache_for(train_gpt.parse_args(list(argv)), state, batch, policy, 0, 1)
+
+    file, key = cache("--cache-dir", str(tmp_path))
+    assert file.parent == tmp_path / "compile" and key.fields["extra"]["policy"] == str(policy)
+    assert cache("--cache-dir", str(tmp_path)) == (file, key)
+    assert cache("--cache-dir", str(tmp_path), "--lr", "1e-3")[1].digest != key.digest
+    monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path / "env"))
+    assert cache()[0].parent == tmp_path / "env" / "compile"
+    for off in (["--no-compile-cache"], ["--no-compile"], ["--backend", "aot_eager"]):
+        assert cache(*off) is None, off

@@ -1,0 +1,269 @@
+"""funcamp.compile_cache: the step key, the checked file, and a warm start in a second process.
+
+The format tests stand torch's mega-cache in with fakes (no compilation); the subprocess test compiles a small
+step with inductor in a fresh process and loads it in another one with an empty inductor cache. Speed is not
+timed here (benchmarks/bench_first_step.py does): the second process must report the loaded artifacts, hit
+torch's caches, build no C++ library, and end in bitwise the first one's state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import funcamp as fa
+from funcamp import compile_cache, optim
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _state(shape=(3, 2), dtype=torch.float32):
+    params = {"w": torch.zeros(shape, dtype=dtype), "b": torch.zeros(shape[-1], dtype=dtype)}
+    return fa.TrainState.create(params, optim.adamw(1e-3), loss_scale=fa.DynamicLossScale(2.0**15))
+
+
+def _batch(n=4):
+    return {"x": torch.zeros(n, 3), "y": torch.zeros(n, dtype=torch.long)}
+
+
+# --- the key ---------------------------------------------------------------------------------------------
+
+
+def test_step_key_is_stable_and_names_what_it_covers():
+    a, b = compile_cache.step_key(_state(), _batch()), compile_cache.step_key(_state(), _batch())
+    assert a == b and len(a.digest) == 64
+    assert set(a.fields) == {"trees", "devices", "torch", "python", "funcamp", "extra"}
+    assert a.fields["torch"] == torch.__version__
+    assert a.fields["devices"] == [f"cpu {os.uname().machine} {torch.backends.cpu.get_cpu_capability()}"]
+    assert "DynamicLossScale" in a.fields["trees"][0]["structure"]  # with its static configuration
+    assert compile_cache.path("d", a) == Path("d") / f"step-{a.digest[:24]}.bin"
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda: (_state(shape=(4, 2)), _batch()),  # a shape
+        lambda: (_state(dtype=torch.bfloat16), _batch()),  # a dtype
+        lambda: (_state(), _batch(n=8)),  # the batch's shape
+        lambda: (_state(), {**_batch(), "extra": torch.zeros(1)}),  # the batch's structure
+        lambda: (_state(), {"x": torch.zeros(3, 4).t(), "y": torch.zeros(4, dtype=torch.long)}),  # strides
+        lambda: (_state(), {**_batch(), "k": 3}),  # a Python constant (Dynamo specializes on it)
+        lambda: (
+            fa.TrainState.create(
+                _state().params, optim.adamw(1e-3), loss_scale=fa.DynamicLossScale(2.0**15, period=10)
+            ),
+            _batch(),
+        ),  # a loss scale's static configuration
+    ],
+    ids=["shape", "dtype", "batch-shape", "batch-structure", "strides", "constant", "static-field"],
+)
+def test_step_key_changes_with_what_the_graph_depends_on(other):
+    base = compile_cache.step_key(_state(), _batch(), extra={"k": 3})
+    assert compile_cache.step_key(*other(), extra={"k": 3}).digest != base.digest
+
+
+def test_step_key_extra():
+    base = compile_cache.step_key(_state())
+    assert compile_cache.step_key(_state(), extra={"backend": "inductor"}).digest != base.digest
+    assert compile_cache.step_key(_state(), extra={}).digest == base.digest
+    with pytest.raises(TypeError, match="extra must be JSON-able"):
+        compile_cache.step_key(_state(), extra={"f": object()})
+    with pytest.raises(TypeError, match="extra must be a mapping"):
+        compile_cache.step_key(_state(), extra=["inductor"])
+
+
+def test_default_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path))
+    assert compile_cache.default_dir() == tmp_path / "compile"
+    monkeypatch.delenv("FUNCAMP_CACHE_DIR")
+    assert compile_cache.default_dir() == Path.home() / ".cache" / "funcamp" / "compile"
+
+
+# --- the file, with torch's mega-cache stood in --------------------------------------------------------------
+
+TORCH_BYTES = b"torch's serialized artifacts \x00\x01\x02" * 10
+KERNEL = b"\x7fELF a kernel library" * 20
+KERNEL_NAME = "ab/cabcdefghijklmnopqrstuvwxyz0123456789.main.so"
+
+
+@pytest.fixture
+def fake_torch(monkeypatch, tmp_path):
+    """torch.compiler's save/load stood in; one kernel library in a fake inductor cache (TORCHINDUCTOR_CACHE_DIR)."""
+    inductor = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    info = SimpleNamespace(artifacts={"inductor": ["i1"], "aot_autograd": ["a1"]})
+    loads: list[bytes] = []
+
+    def load_artifacts(payload):
+        loads.append(payload)
+        return info if payload == TORCH_BYTES else None
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (TORCH_BYTES, info))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", load_artifacts)
+    lib = inductor / KERNEL_NAME
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(KERNEL)
+    monkeypatch.setattr(compile_cache, "_kernel_files", lambda: [(KERNEL_NAME, lib)])
+    key = compile_cache.step_key(_state(), _batch())
+    return SimpleNamespace(key=key, file=tmp_path / "cache" / "step.bin", loads=loads, lib=lib)
+
+
+def test_save_then_load(fake_torch):
+    saved = compile_cache.save(fake_torch.file, fake_torch.key)
+    assert (saved.action, saved.artifacts) == ("saved", 3)
+    assert str(saved) == f"compile cache: saved 3 artifacts to {fake_torch.file}"
+    fake_torch.lib.unlink()  # a fresh inductor cache: the library comes from the file
+    loaded = compile_cache.load(fake_torch.file, fake_torch.key)
+    assert (loaded.action, loaded.artifacts) == ("loaded", 3)
+    assert str(loaded) == f"compile cache: loaded 3 artifacts from {fake_torch.file}"
+    assert fake_torch.loads == [TORCH_BYTES]
+    assert fake_torch.lib.read_bytes() == KERNEL
+    again = compile_cache.save(fake_torch.file, fake_torch.key)
+    assert again.action == "unchanged", again
+
+
+def test_load_missing(fake_torch):
+    result = compile_cache.load(fake_torch.file, fake_torch.key)
+    assert result.action == "missing" and "none yet" in str(result) and fake_torch.loads == []
+
+
+def _corrupt(kind: str, data: bytes) -> bytes:
+    magic, header, payload = data.split(b"\n", 2)
+    if kind == "empty":
+        return b""
+    if kind == "garbage":
+        return os.urandom(len(data))
+    if kind == "magic":
+        return b"funcamp compile cache 9\n" + header + b"\n" + payload
+    if kind == "header-json":
+        return magic + b"\n" + header[:-7] + b"\n" + payload
+    if kind == "truncated":
+        return data[:-5]
+    if kind == "payload-byte":
+        i = len(data) - len(KERNEL) - 3  # a byte of torch's part
+        return data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :]
+    if kind == "kernel-byte":
+        return data[:-3] + bytes([data[-3] ^ 1]) + data[-2:]
+    fields = json.loads(header)
+    if kind == "kernel-name":  # a path out of the inductor cache, with a matching checksum
+        fields["kernels"][0][0] = "../../evil.so"
+    if kind == "header-type":
+        fields["kernels"] = "none"
+    return magic + b"\n" + json.dumps(fields).encode() + b"\n" + payload
+
+
+CORRUPTIONS = [
+    "empty",
+    "garbage",
+    "magic",
+    "header-json",
+    "truncated",
+    "payload-byte",
+    "kernel-byte",
+    "kernel-name",
+    "header-type",
+]
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_corrupt_file_is_ignored(fake_torch, kind):
+    compile_cache.save(fake_torch.file, fake_torch.key)
+    fake_torch.lib.unlink()
+    fake_torch.file.write_bytes(_corrupt(kind, fake_torch.file.read_bytes()))
+    result = compile_cache.load(fake_torch.file, fake_torch.key)
+    assert result.action == "ignored" and result.reason.startswith("corrupt"), result
+    message = str(result)
+    assert "\n" not in message and message.startswith(f"compile cache: ignored {fake_torch.file} (corrupt")
+    assert fake_torch.loads == [] and not fake_torch.lib.exists()  # nothing reached torch or the inductor cache
+    assert not (fake_torch.file.parent.parent / "evil.so").exists()
+    fake_torch.lib.write_bytes(KERNEL)
+    assert compile_cache.save(fake_torch.file, fake_torch.key).action == "saved"  # and the next save repairs it
+
+
+def test_file_of_another_key_is_ignored(fake_torch):
+    compile_cache.save(fake_torch.file, fake_torch.key)
+    other = compile_cache.step_key(_state(shape=(5, 2)), _batch())
+    result = compile_cache.load(fake_torch.file, other)
+    assert result.action == "ignored" and fake_torch.loads == []
+    assert result.reason == "made for another step: its key differs in trees"
+
+
+@pytest.mark.parametrize("refusal", ["none", "raises"])
+def test_file_torch_refuses_is_ignored(fake_torch, monkeypatch, refusal):
+    compile_cache.save(fake_torch.file, fake_torch.key)
+
+    def refuse(payload):
+        if refusal == "raises":
+            raise RuntimeError("unpickling failed\nsecond line")
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", refuse)
+    result = compile_cache.load(fake_torch.file, fake_torch.key)
+    assert result.action == "ignored" and "torch refused it" in result.reason and "\n" not in str(result)
+
+
+def test_nothing_to_save(fake_torch, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    result = compile_cache.save(fake_torch.file, fake_torch.key)
+    assert result.action == "nothing" and not fake_torch.file.exists()
+
+
+def test_unreadable_file_is_ignored(fake_torch):
+    fake_torch.file.mkdir(parents=True)  # a directory where the file should be
+    result = compile_cache.load(fake_torch.file, fake_torch.key)
+    assert result.action == "ignored" and "cannot read it" in result.reason
+
+
+# --- a warm start in a second process (inductor) ---------------------------------------------------------
+
+
+def _worker(tmp_path: Path, name: str, inductor: Path) -> tuple[dict, list[torch.Tensor]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(inductor), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / name
+    cmd = [sys.executable, str(ROOT / "tests" / "_compile_cache_worker.py"), str(tmp_path / "cache"), str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(Path(f"{out}.json").read_text()), torch.load(f"{out}.pt", weights_only=True)
+
+
+def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) > 0 and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_second_process_loads_the_step(tmp_path):
+    first, first_state = _worker(tmp_path, "first", tmp_path / "inductor-1")
+    assert first["load"]["action"] == "missing" and first["save"]["action"] == "saved"
+    assert first["inductor"].get("fxgraph_cache_miss") == 1
+    (file,) = (tmp_path / "cache").glob("step-*.bin")
+    header = json.loads(file.read_bytes().split(b"\n", 2)[1])
+    carried = {name for name, _, _ in header["kernels"]}
+    assert any(name.endswith(".main.so") for name in carried)  # the step's C++ kernels
+
+    # A fresh process on a fresh machine's (empty) inductor cache: loads, hits, compiles nothing.
+    second, second_state = _worker(tmp_path, "second", tmp_path / "inductor-2")
+    assert second["load"]["action"] == "loaded" and second["load"]["artifacts"] == first["save"]["artifacts"] > 0
+    assert second["load"]["message"] == f"compile cache: loaded {first['save']['artifacts']} artifacts from {file}"
+    assert second["inductor"].get("fxgraph_cache_hit") == 1 and "fxgraph_cache_miss" not in second["inductor"]
+    assert second["aot_autograd"].get("autograd_cache_hit") == 1
+    assert set(second["libraries"]) <= carried, set(second["libraries"]) - carried  # no C++ library built
+    assert second["save"]["action"] == "unchanged"
+    assert _bitwise_equal(first_state, second_state)
+
+    # A corrupt file: ignored with one line, the step compiles (here on the first inductor cache) and trains.
+    data = bytearray(file.read_bytes())
+    data[-100] ^= 0xFF
+    file.write_bytes(bytes(data))
+    third, third_state = _worker(tmp_path, "third", tmp_path / "inductor-1")
+    assert third["load"]["action"] == "ignored"
+    assert third["load"]["message"] == f"compile cache: ignored {file} (corrupt: checksum mismatch); compiling instead"
+    assert third["save"]["action"] == "saved"  # the file is written anew
+    assert _bitwise_equal(first_state, third_state)
+    assert hashlib.sha256(file.read_bytes()).hexdigest() != hashlib.sha256(bytes(data)).hexdigest()
