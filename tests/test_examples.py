@@ -11,6 +11,7 @@ import io
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,10 @@ def test_resume_after_interruption_is_bitwise_identical(tmp_path, compiled):
     run = [*common, "--logdir", str(tmp_path / "cut")]
     cut = train_gpt.main([*run, "--stop-after", "5"])  # "killed" after step 5: the checkpoint is step 4's
     assert int(cut["state"].step) == 5
+    # TensorBoard reads a directory's event files in name order, and a name holds the second it was made and
+    # this process's writer count: in one second the 10th writer sorts before the 9th. A new process always
+    # starts in a later second; here, the resumed run waits for the next one.
+    time.sleep(1.01 - time.time() % 1)
     resumed = train_gpt.main([*run, "--resume"])
     assert resumed["history"]["train_loss"] == full["history"]["train_loss"][4:]  # steps 5 and 6
     assert resumed["val_loss"] == full["val_loss"]
