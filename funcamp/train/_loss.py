@@ -34,11 +34,11 @@ class LossSum(NamedTuple):
     is that mean. A plain loss (a 0-d tensor) keeps its meaning: the mean of micro-batch (and rank) means,
     which weighs items unequally when micro-batches hold different numbers of them.
 
-    Each micro-batch is differentiated as ``total / max(count, 1)`` (the magnitude of a mean, so the loss
-    scale fits as it does for a mean loss); its float32 gradient is then weighted by ``count``. Counts may be
-    fractional (a weighted mean: ``LossSum((w * l).sum(), w.sum())``). A batch whose total count is not
-    positive (0: nothing but padding; negative) has no mean: its loss and gradients are NaN and the step is
-    skipped like an overflow (a dynamic loss scale backs off).
+    Each micro-batch is differentiated as ``total / count`` (``total`` where the count is 0: the magnitude
+    of a mean, so the loss scale fits as it does for a mean loss); its float32 gradient is then weighted by
+    ``count``. Counts may be fractional (a weighted mean: ``LossSum((w * l).sum(), w.sum())``). A batch
+    whose total count is not positive (0: nothing but padding; negative) has no mean: its loss and
+    gradients are NaN and the step is skipped like an overflow (a dynamic loss scale backs off).
 
     Attributes:
       total: 0-d floating tensor, the sum of the per-item losses (any floating dtype; summed in float64).
@@ -69,16 +69,12 @@ def check_loss_sum(loss: LossSum, fn: str) -> None:
 
 
 def differentiated(loss: Any, fn: str) -> tuple[torch.Tensor, tuple[Any, ...]]:
-    """``(value to differentiate, record)``: a plain loss and ``()``, or ``total / max(count, 1)`` (float32
-    at least) and ``(total, count)`` as float64 0-d tensors."""
+    """``(value to differentiate, record)``: a plain loss and ``()``, or ``total / count`` (``total`` where the
+    count is 0; float32 at least) and ``(total, count)`` as float64 0-d tensors."""
     if not isinstance(loss, LossSum):
         return loss, ()
-    check_loss_sum(loss, fn)
-    total, count = loss
-    count = torch.as_tensor(count, device=total.device)
-    full = torch.promote_types(total.dtype, torch.float32)
-    count = count.to(full)
-    mean = total.to(full) / torch.where(count > 0, count, torch.ones_like(count))  # weighted by count after
+    total, count = _full_precision(loss, fn)
+    mean = total / torch.where(count > 0, count, torch.ones_like(count))  # weighted by count after
     return mean, (total.detach().double(), count.detach().double())
 
 
@@ -86,9 +82,16 @@ def as_mean(loss: Any, fn: str) -> Any:
     """A plain loss as it is; a :class:`LossSum` as ``total / count`` (for host-side tools such as debug)."""
     if not isinstance(loss, LossSum):
         return loss
+    total, count = _full_precision(loss, fn)
+    return total / count
+
+
+def _full_precision(loss: LossSum, fn: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``loss`` checked, its total and count as tensors of the total's dtype, at least float32, on its device."""
     check_loss_sum(loss, fn)
     total, count = loss
-    return total / torch.as_tensor(count, device=total.device).to(torch.promote_types(total.dtype, torch.float32))
+    full = torch.promote_types(total.dtype, torch.float32)
+    return total.to(full), torch.as_tensor(count, device=total.device).to(full)
 
 
 def call(loss_fn: Callable[..., Any], params: Any, buffers: Any, batch: Any, *, has_aux: bool) -> tuple[Any, Any, Any]:
