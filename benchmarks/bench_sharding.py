@@ -2,6 +2,8 @@
 
     python benchmarks/bench_sharding.py              # shapes: GPT "small" (the main job's) and GPT-2 124M
     python benchmarks/bench_sharding.py --measure    # also measured: GPT "small" under torchrun, 2 and 4 gloo ranks
+    python benchmarks/bench_sharding.py --memory --worlds 2,4 --out benchmarks/results/sharding_memory.json
+                                                     # what a step adds per rank: FSDP2 vs funcamp (see below)
 
 Computed from shapes (``meta`` tensors, nothing allocated), for N = 2 and 4 ranks, with float32 master
 parameters and AdamW (``optim.adamw``: two float32 moments, 0-d counters):
@@ -38,11 +40,26 @@ Results on an AMD EPYC (AVX2, ``torch.backends.cpu.get_cpu_capability()`` = ``AV
 
 The state per rank is 1/N of the unsharded state plus padding (under 0.01 MB here); the measured
 state bytes and collective payloads equal the computed ones.
+
+``--memory``: per rank, what one train step adds over the state at rest (as ``bench_memory.py`` measures it:
+the profiler's peak of CPU-allocator bytes during a step, after two warm-up steps, the larger of two
+measured steps) and the median step time over ``--time-steps`` steps, under ``torchrun`` with N gloo ranks
+on one CPU, for 8 x ``Linear(2048, 2048)`` with ReLU, a batch of 8 x 2048 per rank, AdamW, bfloat16 compute,
+float32 master parameters and gradient reduction:
+
+- ``fsdp2``: ``fully_shard`` on each Linear and the root, ``MixedPrecisionPolicy(param_dtype=bfloat16)``,
+  ``torch.optim.AdamW`` (foreach), ``zero_grad(set_to_none=True)``; eager.
+- ``funcamp`` / ``funcamp_donate``: ``make_train_step(..., shard=shard_layout(params, group,
+  gather_dtype=bfloat16))`` compiled with inductor, without / with ``donate=True``. The loss applies the
+  layers through the step's ``param_at_use`` hook (``funcamp.nn.functionalize``'s), so with a funcamp that
+  gathers at use each weight is gathered where it is used and its gradient reduce-scattered as it is made;
+  with one that does not (run this script with ``PYTHONPATH`` at an older checkout) it gathers up front.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import subprocess
@@ -186,13 +203,184 @@ def measure() -> dict[int, dict[str, int]]:
     return results
 
 
+# --- memory and time of one step per rank: FSDP2 vs funcamp -----------------------------------------
+
+WIDTH, DEPTH, BATCH = 2048, 8, 8
+MEMORY_VARIANTS = ("fsdp2", "funcamp", "funcamp_donate")
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def _at_use(params: Any, name: str) -> torch.Tensor:
+    """``params[name]`` as ``funcamp.nn.functionalize`` materializes it at its module's use."""
+    from funcamp import _scope
+
+    hook = getattr(_scope.current(), "param_at_use", None)
+    return params[name] if hook is None else hook(name, params[name])
+
+
+def _funcamp_mlp_loss(params: Any, batch: Any) -> torch.Tensor:
+    x = batch["x"].to(torch.bfloat16)
+    for i in range(DEPTH):
+        w = _at_use(params, f"layers.{i}.weight").to(torch.bfloat16)
+        b = _at_use(params, f"layers.{i}.bias").to(torch.bfloat16)
+        x = torch.relu(torch.nn.functional.linear(x, w, b))
+    return x.float().square().mean()
+
+
+def memory_worker(variant: str, out: str, time_steps: int) -> None:
+    import statistics
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_train_step import _trim, live_tensor_bytes, profiled_step
+
+    torch.set_num_threads(1)
+    rank, world, _ = parallel.setup_from_env("gloo")
+    group = parallel.resolve_group(True)
+    device = torch.device("cpu")
+    _trim()
+    before = live_tensor_bytes(device)
+    torch.manual_seed(0)
+    model = MLP()
+    g = torch.Generator().manual_seed(1 + rank)
+    data = [{"x": torch.randn(BATCH, WIDTH, generator=g)} for _ in range(4 + time_steps)]
+    if variant == "fsdp2":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = DeviceMesh.from_group(group, "cpu")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for m in (*model.layers, model):
+            fully_shard(m, mesh=mesh, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+        def step(batch: Any) -> None:
+            model(batch["x"]).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    else:
+        params = parallel.broadcast_params({k: v.detach().clone() for k, v in model.named_parameters()})
+        del model
+        policy = fa.get_policy("params=float32,compute=bfloat16,output=float32")
+        layout = sharding.shard_layout(params, group, gather_dtype=torch.bfloat16)
+        fopt = optim.adamw(1e-3, weight_decay=0.1)
+        box = [fa.TrainState.create(params, fopt, shard=layout)]
+        del params
+        train_step = fa.make_train_step(
+            _funcamp_mlp_loss, fopt, data_parallel=group, policy=policy, shard=layout, donate=variant.endswith("donate")
+        )
+
+        def step(batch: Any) -> None:
+            box[0], _ = train_step(box[0], batch)
+
+    it = iter(data)
+    for _ in range(2):
+        step(next(it))
+    _trim()
+    adds, rests = [], []
+    for _ in range(2):
+        rest = live_tensor_bytes(device) - before
+        adds.append(profiled_step(lambda: step(next(it)))[0])
+        rests.append(rest)
+    times = []
+    for batch in it:
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - t0)
+    everyone: list[Any] = [None] * world
+    mine = {"adds": max(adds), "rest": max(rests), "step_s": statistics.median(times)}
+    torch.distributed.all_gather_object(everyone, mine)
+    if rank == 0:
+        Path(out).write_text(json.dumps(everyone))
+    parallel.shutdown()
+
+
+def memory(worlds: list[int], variants: list[str], time_steps: int) -> list[dict[str, Any]]:
+    import tempfile
+
+    rows = []
+    for n in worlds:
+        for variant in variants:
+            with tempfile.TemporaryDirectory() as d:
+                out = os.path.join(d, "m.json")
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+                cmd += [__file__, "--memory-worker", variant, out, "--time-steps", str(time_steps)]
+                subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                ranks = json.loads(Path(out).read_text())
+            row = {
+                "world": n,
+                "variant": variant,
+                "adds_mb": max(r["adds"] for r in ranks) / 2**20,
+                "rest_mb": max(r["rest"] for r in ranks) / 2**20,
+                "step_s": max(r["step_s"] for r in ranks),
+            }
+            print(f"N={n} {variant}: adds {row['adds_mb']:.1f} MB over {row['rest_mb']:.1f} MB, {row['step_s']:.3f} s")
+            rows.append(row)
+    return rows
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| ranks | variant | state at rest MB | step adds MB | vs FSDP2 | step s | vs FSDP2 |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ref = next((x for x in rows if x["world"] == r["world"] and x["variant"] == "fsdp2"), None)
+        vm = f"{r['adds_mb'] / ref['adds_mb']:.2f}x" if ref else "-"
+        vt = f"{r['step_s'] / ref['step_s']:.2f}x" if ref else "-"
+        lines.append(
+            f"| {r['world']} | {r['variant']} | {r['rest_mb']:.1f} | {r['adds_mb']:.1f} | {vm} | "
+            f"{r['step_s']:.3f} | {vt} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--measure", action="store_true", help="also measure GPT small under torchrun (2 and 4 ranks)")
+    p.add_argument("--memory", action="store_true", help="what a step adds per rank: FSDP2 vs funcamp (MLP)")
+    p.add_argument("--worlds", default="2", help="with --memory: comma-separated rank counts (default 2)")
+    p.add_argument("--variants", default=",".join(MEMORY_VARIANTS), help="with --memory: " + ",".join(MEMORY_VARIANTS))
+    p.add_argument("--time-steps", type=int, default=5, help="with --memory: timed steps (default 5)")
+    p.add_argument("--label", default="", help="with --memory: a label stored with each row (e.g. before, after)")
+    p.add_argument("--out", default=None, help="with --memory: write the rows and the machine as JSON here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--memory-worker", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args.worker)
+        return
+    if args.memory_worker:
+        memory_worker(*args.memory_worker, args.time_steps)
+        return
+    if args.memory:
+        import funcamp
+
+        info = {
+            "cpu": machine(),
+            "funcamp": str(Path(funcamp.__file__).parent),
+            "argv": sys.argv[1:],
+        }
+        rows = memory([int(n) for n in args.worlds.split(",")], args.variants.split(","), args.time_steps)
+        for r in rows:
+            r["label"] = args.label
+        print(memory_table(rows))
+        if args.out:
+            old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {"runs": []}
+            old["runs"].append({"machine": info, "rows": rows})
+            Path(args.out).write_text(json.dumps(old, indent=1))
         return
     print(f"machine: {machine()}")
     print("float32 master parameters, AdamW (two float32 moments); per rank; MB = 1e6 bytes; ring collectives")

@@ -27,7 +27,7 @@ import torch
 
 __all__ = ["RematPass", "phase", "remat_region"]
 
-_PHASE, _REMAT = "funcamp_phase", "funcamp_remat"
+_PHASE, _REMAT, _GATHER = "funcamp_phase", "funcamp_remat", "funcamp_gather"
 
 
 def _annotate(tags: dict[str, Any]) -> Any:
@@ -47,13 +47,18 @@ def remat_region() -> Any:
     return _annotate({_REMAT: True})
 
 
+def gather_region() -> Any:
+    """A context that tags the nodes traced inside it as a parameter gather, re-gathered for the backward."""
+    return _annotate({_GATHER: True})
+
+
 def _tags(node: torch.fx.Node) -> dict[str, Any]:
     return node.meta.get("custom") or {}
 
 
 def _recomputable(node: torch.fx.Node) -> bool:
     tags = _tags(node)
-    if node.op != "call_function" or not tags.get(_REMAT) or tags.get(_PHASE) != "forward":
+    if node.op != "call_function" or not (tags.get(_REMAT) or tags.get(_GATHER)) or tags.get(_PHASE) != "forward":
         return False
     target = node.target
     schema = getattr(target, "_schema", None)
@@ -63,6 +68,77 @@ def _recomputable(node: torch.fx.Node) -> bool:
         return False
     tags_of_op = getattr(target, "tags", ())
     return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
+
+
+def recompute_for_backward(graph: torch.fx.Graph, recomputable: Any) -> None:
+    """Give every backward use of a ``recomputable(node)`` forward node a copy of it (and of the recomputable
+    nodes it depends on) placed before that use, made to wait for a backward value (see the module)."""
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    aten = torch.ops.aten
+
+    def call(op: Any, *args: Any) -> torch.fx.Node:
+        """A new node of ``op``, with the fake value later passes read (``meta["val"]``)."""
+        node = graph.call_function(op, args)
+        vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+        with vals[0].fake_mode:
+            node.meta["val"] = op(*vals)
+        node.meta["custom"] = {_PHASE: "backward"}
+        return node
+
+    def gate(before: torch.fx.Node) -> torch.fx.Node | None:
+        """A 0-d bool made from one of ``before``'s backward inputs: what the copies wait for."""
+        for inp in before.all_input_nodes:
+            val = inp.meta.get("val")
+            if _tags(inp).get(_PHASE) == "backward" and hasattr(val, "fake_mode") and val.numel():
+                with graph.inserting_before(before):
+                    first = inp
+                    for _ in range(val.ndim):  # its first element, a 0-d view
+                        first = call(aten.select.int, first, 0, 0)
+                    return call(aten.eq.Tensor, first, first)
+        return None
+
+    def copy(node: torch.fx.Node, before: torch.fx.Node, flag: torch.fx.Node | None) -> torch.fx.Node:
+        if node in copies:
+            return copies[node]
+        for dep in node.all_input_nodes:
+            if recomputable(dep):
+                copy(dep, before, flag)
+
+        def arg(n: torch.fx.Node) -> torch.fx.Node:
+            if n in copies:
+                return copies[n]
+            val = n.meta.get("val")
+            if flag is None or not hasattr(val, "fake_mode") or val.is_complex():
+                return n
+            # where(flag, n, n) is n, bitwise, but makes the copy wait for the backward: inductor cannot
+            # fuse it into the forward's kernel (which would keep its result alive until the backward)
+            return call(aten.where.self, flag, n, n)
+
+        with graph.inserting_before(before):
+            dup = graph.node_copy(node, arg)
+        dup.meta["custom"] = {**_tags(node), _PHASE: "backward"}
+        copies[node] = dup
+        return dup
+
+    for node in list(graph.nodes):
+        if _tags(node).get(_PHASE) != "backward" or recomputable(node):
+            continue
+        deps = [dep for dep in node.all_input_nodes if recomputable(dep)]
+        if deps:
+            flag = gate(node)
+            for dep in deps:
+                node.replace_input_with(dep, copy(dep, node, flag))
+
+
+def _drop_unused_gathers(graph: torch.fx.Graph) -> None:
+    """Erase the :func:`gather_region` nodes nothing uses (an up-front gather that every use gathered again).
+
+    A functional collective is not a side effect to ``torch.fx``, but inductor may keep one whose result is
+    unused; every rank traces the same graph, so every rank drops the same collectives.
+    """
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and _tags(node).get(_GATHER) and not node.users:
+            graph.erase_node(node)
 
 
 try:
@@ -75,61 +151,8 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
     """The inductor graph pass that recomputes :func:`remat_region` nodes for their backward uses (see module)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        copies: dict[torch.fx.Node, torch.fx.Node] = {}
-        aten = torch.ops.aten
-
-        def call(op: Any, *args: Any) -> torch.fx.Node:
-            """A new node of ``op``, with the fake value later passes read (``meta["val"]``)."""
-            node = graph.call_function(op, args)
-            vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-            with vals[0].fake_mode:
-                node.meta["val"] = op(*vals)
-            node.meta["custom"] = {_PHASE: "backward"}
-            return node
-
-        def gate(before: torch.fx.Node) -> torch.fx.Node | None:
-            """A 0-d bool made from one of ``before``'s backward inputs: what the copies wait for."""
-            for inp in before.all_input_nodes:
-                val = inp.meta.get("val")
-                if _tags(inp).get(_PHASE) == "backward" and hasattr(val, "fake_mode") and val.numel():
-                    with graph.inserting_before(before):
-                        first = inp
-                        for _ in range(val.ndim):  # its first element, a 0-d view
-                            first = call(aten.select.int, first, 0, 0)
-                        return call(aten.eq.Tensor, first, first)
-            return None
-
-        def copy(node: torch.fx.Node, before: torch.fx.Node, flag: torch.fx.Node | None) -> torch.fx.Node:
-            if node in copies:
-                return copies[node]
-            for dep in node.all_input_nodes:
-                if _recomputable(dep):
-                    copy(dep, before, flag)
-
-            def arg(n: torch.fx.Node) -> torch.fx.Node:
-                if n in copies:
-                    return copies[n]
-                val = n.meta.get("val")
-                if flag is None or not hasattr(val, "fake_mode") or val.is_complex():
-                    return n
-                # where(flag, n, n) is n, bitwise, but makes the copy wait for the backward: inductor cannot
-                # fuse it into the forward's kernel (which would keep its result alive until the backward)
-                return call(aten.where.self, flag, n, n)
-
-            with graph.inserting_before(before):
-                dup = graph.node_copy(node, arg)
-            dup.meta["custom"] = {**_tags(node), _PHASE: "backward"}
-            copies[node] = dup
-            return dup
-
-        for node in list(graph.nodes):
-            if _tags(node).get(_PHASE) != "backward" or _recomputable(node):
-                continue
-            deps = [dep for dep in node.all_input_nodes if _recomputable(dep)]
-            if deps:
-                flag = gate(node)
-                for dep in deps:
-                    node.replace_input_with(dep, copy(dep, node, flag))
+        recompute_for_backward(graph, _recomputable)
+        _drop_unused_gathers(graph)
 
     def uuid(self) -> bytes:
         """The pass's identity for inductor's caches: a hash of this module's source."""

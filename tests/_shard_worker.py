@@ -441,6 +441,11 @@ def _fixes(out: str, group: Any, i: int, pair: int) -> dict[str, Any]:
     return res
 
 
+def _codes(graph: Any) -> str:
+    """The code of a Dynamo graph and of its subgraphs (an autograd.Function's forward and backward are some)."""
+    return "\n".join(m.code for m in graph.modules() if isinstance(m, torch.fx.GraphModule))
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)
     rank, world, device = parallel.setup_from_env(timeout_s=120)
@@ -461,7 +466,7 @@ def main(out: str) -> None:
 
         counter = CompileCounterWithBackend("aot_eager")
         results["compiled"] = run("f16", pair, i, sharded=True, compile_backend=counter)["records"]
-        results["compile"] = {"frame_count": counter.frame_count, "code": [g.code for g in counter.graphs]}
+        results["compile"] = {"frame_count": counter.frame_count, "code": [_codes(g) for g in counter.graphs]}
     else:
         results["clip"] = _clip(pair, i)
         results["fsdp2"] = _fsdp2(pair, i)

@@ -16,11 +16,13 @@ name and torchtitan's train loop does not know which parallelisms were applied.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from funcamp import _tree, parallel, sharding
+from funcamp import _at_use, _scope, _tree, parallel, sharding
 from funcamp.policy import Policy, get_policy
 
 __all__ = ["DataParallel", "Sharded", "SingleProcess", "layout_from"]
@@ -58,6 +60,17 @@ class SingleProcess:
     def gather(self, params: Any) -> Any:
         """The parameters to differentiate: ``params`` themselves."""
         return params
+
+    def around_loss(self, fun: Callable[..., Any], loss_scale: torch.Tensor | None) -> Callable[..., Any]:
+        """``fun(params, *rest)`` (the function :func:`funcamp.train.gradients` differentiates) run within this
+        layout (:func:`funcamp._scope.within`), given what :meth:`gather` returned; ``loss_scale``: the 0-d
+        float32 scale the loss is multiplied by, or None."""
+        del loss_scale
+        return functools.partial(_scope.within, self, fun)
+
+    def weigh(self, grads: Any, count: torch.Tensor) -> Any:
+        """A :class:`funcamp.LossSum` micro-batch's gradients (of its mean) weighted by its ``count`` (0-d)."""
+        return _tree.tree_map(lambda g: g * count.to(g.dtype), grads)
 
     def reduce_gradients(self, grads: Any, loss_scale: torch.Tensor | None) -> Any:
         """This process's float32 gradients as they are (``loss_scale``: the scale, for a narrow wire)."""
@@ -195,14 +208,64 @@ class Sharded(DataParallel):
         del state
 
     def gather(self, params: Any) -> Any:
-        """The whole parameters, all-gathered once (the collective is not differentiated)."""
+        """The parameters to differentiate: compiling, the shards themselves (gathered inside the differentiated
+        function, :meth:`around_loss`); eager, the whole parameters, all-gathered once (not differentiated)."""
+        if torch.compiler.is_compiling():
+            return params
         return sharding.all_gather_params(params, self.shard, self.group)
 
+    def around_loss(self, fun: Callable[..., Any], loss_scale: torch.Tensor | None) -> Callable[..., Any]:
+        """Compiling: ``fun`` differentiated with respect to the shards, which it sees as whole parameters.
+
+        Each shard gets a reduce point and an up-front gather (:class:`funcamp._at_use.Uses`) that the loss
+        is handed; :meth:`param_at_use` (``funcamp.nn.functionalize``'s hook) gathers a parameter again where
+        its module uses it, so the up-front gather is dead code in the compiled graph wherever every use goes
+        through it, and :class:`funcamp._regions.RematPass` drops it. Each gradient is reduce-scattered once,
+        in its backward. A :class:`funcamp.LossSum`'s micro-batch mean is differentiated times its count
+        (each rank's own weight must be applied before the reduction). Eager: as the other layouts.
+        """
+        if not torch.compiler.is_compiling():
+            return super().around_loss(fun, loss_scale)
+
+        def inner(shards: Any, *rest: Any) -> Any:
+            leaves = _tree.tree_leaves(shards)
+            uses = _at_use.Uses(leaves, self._specs(leaves), loss_scale)
+            whole = _tree.tree_unflatten(_tree.tree_structure(shards), uses.whole)
+            value, (new_buffers, aux, record) = _at_use.within(uses, _scope.within, self, fun, whole, *rest)
+            if record:  # the gradient of count * mean: weighted on this rank, before the reduction
+                value = value * record[1].to(value.dtype)
+            return value, (new_buffers, aux, record)
+
+        return inner
+
+    def param_at_use(self, name: str, stored: Any) -> Any:
+        """The whole parameter ``stored`` (a tensor the loss was handed) gathered again for this use, in the
+        compiled step; ``stored`` itself elsewhere (eager, or a tensor that is not one of the parameters).
+        ``name`` (the module's name for it) is not needed: the tensor is recognised by identity."""
+        del name
+        uses = _at_use.current()
+        return stored if uses is None else uses.at_use(stored)
+
+    def weigh(self, grads: Any, count: torch.Tensor) -> Any:
+        """Compiling: ``grads`` as they are (weighted in :meth:`around_loss`); eager: as the other layouts."""
+        return grads if torch.compiler.is_compiling() else super().weigh(grads, count)
+
     def reduce_gradients(self, grads: Any, loss_scale: torch.Tensor | None) -> Any:
-        """This rank's rows of the mean over ranks, by the same rule as ``mean_gradients``."""
+        """This rank's rows of the mean over ranks, by the same rule as ``mean_gradients`` (compiling: already
+        reduce-scattered in the backward, :mod:`funcamp._at_use`; eager: one ``reduce_scatter`` per dtype)."""
+        if torch.compiler.is_compiling():
+            return grads
         return sharding.reduce_scatter_gradients(
             grads, self.shard, self.group, self.reduce_dtype, loss_scale=loss_scale
         )
+
+    def _specs(self, shards: list[torch.Tensor]) -> list[_at_use.Spec]:
+        lay, group = self.shard, sharding._resolve(self.group) if self.shard.world_size > 1 else None
+        wire = self.reduce_dtype
+        return [
+            _at_use.Spec(lay.shapes[i], lay.rows(i), lay.world_size, lay.gather_dtype or x.dtype, wire, group)
+            for i, x in enumerate(shards)
+        ]
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks (``x`` itself for a one-rank layout)."""

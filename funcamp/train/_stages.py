@@ -111,14 +111,15 @@ def gradients(
       TypeError: if ``loss_fn`` returns the wrong form (see :func:`funcamp.make_train_step`).
     """
     with_buffers = buffers is not None
+    scale = None if isinstance(loss_scale, NoOpLossScale) else loss_scale.loss_scale
     fun = _loss.as_differentiable(loss_fn, has_aux=has_aux, with_buffers=with_buffers)
-    grad_fn = scaled_grad_and_value(fun, loss_scale, has_aux=True)
+    grad_fn = scaled_grad_and_value(layout.around_loss(fun, scale), loss_scale, has_aux=True)
     whole = layout.gather(params)
     new_buffers, total, losses, sums, aux = (buffers if with_buffers else ()), None, [], [], ()
     for mb in _loss.micro_batches(batch, accumulation_steps):
         grads32, (loss, (new_buffers, aux, record)) = grad_fn(whole, new_buffers, mb)
         if record:  # a LossSum: the gradient of this micro-batch's mean, weighted by its count
-            grads32 = _tree.tree_map(lambda g, c=record[1]: g * c.to(g.dtype), grads32)
+            grads32 = layout.weigh(grads32, record[1])
             sums.append(torch.stack(record))
         total = grads32 if total is None else _tree.tree_map(torch.add, total, grads32)
         losses.append(loss.float())
@@ -130,7 +131,6 @@ def gradients(
         loss = (summed[0] / count).float()
     elif accumulation_steps > 1:  # the mean of the micro-batch means (then of the rank means, below)
         total = _tree.tree_map(lambda g: g / accumulation_steps, total)
-    scale = None if isinstance(loss_scale, NoOpLossScale) else loss_scale.loss_scale
     total = layout.reduce_gradients(total, scale)
     if not sums:
         loss = layout.mean(torch.stack(losses).mean() if accumulation_steps > 1 else losses[0])

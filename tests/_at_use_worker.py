@@ -1,0 +1,235 @@
+"""Worker for tests/test_sharding.py's at-use cases: ``torchrun --standalone --nproc_per_node=2 _at_use_worker.py OUT``.
+
+Two gloo ranks. Each scenario trains a small model for ``STEPS`` steps from the same start twice: the compiled
+sharded step (``aot_eager``; the shards are gathered where the loss uses them and each gradient is
+reduce-scattered in its backward, :mod:`funcamp._at_use`) and the eager unsharded data-parallel step (the
+reference), and records the whole parameters and metrics of every step. The loss asks the step's layout for
+each parameter at its use (``param_at_use``, the hook ``funcamp.nn.functionalize`` calls) through
+:func:`at_use`, except in the ``direct`` scenario (parameters used directly: gathered up front) and the
+``mixed`` one (both). Also the op alone: eager, under ``torch.func.grad`` and plain autograd, against the
+mean of the whole gradients. Importing this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import funcamp as fa
+from funcamp import _at_use, _scope, optim, parallel, sharding
+
+B, F_IN, HIDDEN, CLASSES = 4, 7, 5, 3
+STEPS = 8
+POISON_STEP = 3
+
+
+def init_params() -> dict[str, torch.Tensor]:
+    """Awkward shapes: 7 and 5 rows (padding on 2 ranks), 1 row (rank 1 holds only padding), 0-d, a bf16 master."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w1": torch.randn(F_IN, HIDDEN, generator=g) / F_IN**0.5,
+        "b1": torch.zeros(HIDDEN),
+        "w2": torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN**0.5,  # used twice: a module called twice
+        "head": torch.randn(HIDDEN, CLASSES, generator=g) / HIDDEN**0.5,
+        "row": (torch.randn(1, CLASSES, generator=g) * 0.1).to(torch.bfloat16),  # mixed dtypes: bf16 master
+        "temp": torch.tensor(1.0),  # 0-d
+    }
+
+
+def batches(world: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(99)
+    out = []
+    for step in range(STEPS):
+        p = torch.zeros(world * B)
+        if step == POISON_STEP:
+            p[(world - 1) * B :] = 1e38  # one rank's gradient overflows: every rank skips
+        x = torch.randn(world * B, F_IN, generator=g)
+        y = torch.randint(0, CLASSES, (world * B,), generator=g)
+        out.append({"x": x, "y": y, "poison": p, "n": (torch.arange(world * B) % 3 != 0).float()})
+    return out
+
+
+def at_use(p: Any, name: str) -> torch.Tensor:
+    """``p[name]`` as ``funcamp.nn.functionalize`` materializes it at its module's use."""
+    hook = getattr(_scope.current(), "param_at_use", None)
+    return p[name] if hook is None else hook(name, p[name])
+
+
+def make_loss_fn(policy: fa.Policy, mode: str = "at_use"):
+    """An MLP; ``w2`` is applied twice (a module called twice) and ``head`` is tied to ``w1`` through ``head2``-less
+    reuse of ``w2`` in the logits; ``mode``: ``at_use`` (every use through the hook), ``direct`` (none),
+    ``mixed`` (the hook, plus an L2 term on the parameters as the loss was handed them), ``losssum``."""
+    get = (lambda p, k: p[k]) if mode == "direct" else at_use
+
+    def loss_fn(params: Any, batch: Any) -> Any:
+        c = policy.compute_dtype
+
+        def w(name: str) -> torch.Tensor:
+            return get(params, name).to(c)
+
+        x = batch["x"].to(c)
+        h = torch.tanh(x @ w("w1") + w("b1"))
+        h = torch.tanh(h @ w("w2"))
+        h = torch.tanh(h @ w("w2"))  # the same module again: gathered per call
+        logits = ((h @ w("head") + w("row")) * w("temp")).float()
+        trap = (w("b1") * batch["poison"].mean().to(c)).sum().float()
+        if mode == "losssum":
+            per = torch.nn.functional.cross_entropy(logits, batch["y"], reduction="none") * batch["n"]
+            return fa.LossSum(per.sum() + trap, batch["n"].sum())
+        loss = torch.nn.functional.cross_entropy(logits, batch["y"]) + trap
+        if mode == "mixed":  # weight decay written into the loss, on the parameters as handed to it
+            loss = loss + 1e-3 * sum(v.float().square().sum() for v in params.values())
+        return loss
+
+    return loss_fn
+
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # gathered in bf16 (FSDP2's param_dtype), reduced on a bf16 wire with the loss scale: the operations of
+    # mean_gradients on the gradients the unsharded step makes (a module's two uses added in float32): bitwise
+    "bf16": dict(policy="p=f32,c=bf16,o=f32,r=bf16", mode="at_use", k=1, gather=torch.bfloat16),
+    # f32 throughout: the scaled gradient reduced, then unscaled (a power-of-two scale: bitwise too)
+    "f32": dict(policy="p=f32,c=f32", mode="at_use", k=1),
+    # at use and directly (an L2 term on the parameters as handed to the loss): both gradients, reduced once
+    "mixed": dict(policy="p=f32,c=bf16,o=f32,r=bf16", mode="mixed", k=1),
+    # two micro-batches, a LossSum: reduced per micro-batch (not bitwise, see the test)
+    "losssum_k2": dict(policy="p=f32,c=f32", mode="losssum", k=2),
+}
+
+
+def run(name: str, group: Any, rank: int, *, sharded: bool) -> dict[str, Any]:
+    cfg = SCENARIOS[name]
+    policy = fa.get_policy(cfg["policy"])
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    params = init_params()
+    layout = sharding.shard_layout(params, group, gather_dtype=cfg.get("gather")) if sharded else None
+    state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=3), shard=layout)
+    counter = None
+    if sharded:
+        from torch._dynamo.testing import CompileCounterWithBackend
+
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+    step = fa.make_train_step(
+        make_loss_fn(policy, cfg["mode"]),
+        opt,
+        accumulation_steps=cfg["k"],
+        data_parallel=group,
+        policy=policy,
+        shard=layout,
+        compile=sharded,
+        backend=counter,
+    )
+    records = []
+    for batch in batches(group.size()):
+        mine = {k: v[rank * B : (rank + 1) * B] for k, v in batch.items()}
+        state, m = step(state, mine)
+        whole = sharding.unshard_params(state.params, layout, group) if sharded else state.params
+        records.append(
+            {
+                "params": {k: v.detach().clone() for k, v in whole.items()},
+                **{k: m[k].clone() for k in ("loss", "loss_scale", "grads_finite", "grad_norm", "skipped_steps")},
+            }
+        )
+    out: dict[str, Any] = {"records": records}
+    if counter is not None:
+        out["frame_count"] = counter.frame_count
+        out["code"] = "\n".join(
+            m.code for g in counter.graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)
+        )
+    return out
+
+
+def _inductor(group: Any, rank: int) -> dict[str, Any]:
+    """The ``bf16`` scenario compiled with inductor, 2 steps: the post-grad graph after funcamp's pass.
+
+    For each all-gather: its phase tag and whether a backward node uses the forward's gathered tensor."""
+    from torch._inductor import config as inductor_config
+
+    from funcamp import _regions
+
+    graphs: list[Any] = []
+
+    cfg = SCENARIOS["bf16"]
+    policy = fa.get_policy(cfg["policy"])
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    params = init_params()
+    layout = sharding.shard_layout(params, group, gather_dtype=cfg["gather"])
+    state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=3), shard=layout)
+    torch._dynamo.reset()
+    step = fa.make_train_step(make_loss_fn(policy), opt, data_parallel=group, policy=policy, shard=layout)
+    with inductor_config.patch(post_grad_custom_post_pass=graphs.append):
+        for batch in batches(group.size())[:2]:
+            state, m = step(state, {k: v[rank * B : (rank + 1) * B] for k, v in batch.items()})
+    graph = graphs[0]
+    gathers = []
+    for node in graph.nodes:
+        if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
+            gathers.append(_regions._tags(node).get(_regions._PHASE))
+    waits = [n for n in graph.nodes if n.target is torch.ops._c10d_functional.wait_tensor.default]
+    # a forward gather's result (and the views of it) used by a backward node: what the pass must prevent
+    leaks = 0
+    for w in waits:
+        if _regions._tags(w).get(_regions._PHASE) != "forward" or not _regions._tags(w).get(_regions._GATHER):
+            continue
+        todo, seen_nodes = [w], set()
+        while todo:
+            n = todo.pop()
+            for u in n.users:
+                if u in seen_nodes:
+                    continue
+                seen_nodes.add(u)
+                if _regions._tags(u).get(_regions._GATHER) and _regions._tags(u).get(_regions._PHASE) == "forward":
+                    todo.append(u)
+                elif _regions._tags(u).get(_regions._PHASE) == "backward":
+                    leaks += 1
+    whole = sharding.unshard_params(state.params, layout, group)
+    return {"gathers": gathers, "leaks": leaks, "params": whole, "finite": bool(m["grads_finite"])}
+
+
+def _op_alone(group: Any, rank: int) -> dict[str, Any]:
+    """The op on its own: eager ``torch.func.grad`` and plain autograd, a parameter used twice, vs the whole mean."""
+    world = group.size()
+    g = torch.Generator().manual_seed(5)
+    whole = torch.randn(5, 3, generator=g)
+    layout = sharding.shard_layout({"w": whole}, group)
+    shard = sharding.shard_params({"w": whole}, layout)["w"]
+    spec = _at_use.Spec((5, 3), layout.rows(0), world, torch.float32, None, group)
+    x = torch.randn(4, 5, generator=g) + rank
+
+    def loss(s: torch.Tensor) -> torch.Tensor:
+        uses = _at_use.Uses([s], [spec], None)
+        a, b = uses.at_use(uses.whole[0]), uses.at_use(uses.whole[0])
+        return (torch.tanh(x @ a) * (x @ b)).sum()
+
+    ref_w = whole.clone().requires_grad_()
+    (torch.tanh(x @ ref_w) * (x @ ref_w)).sum().backward()
+    mean = ref_w.grad.clone()
+    dist.all_reduce(mean, group=group)
+    mean = sharding.shard_params({"w": mean / world}, layout)["w"]
+    func = torch.func.grad(loss)(shard)
+    s = shard.clone().requires_grad_()
+    (auto,) = torch.autograd.grad(loss(s), s)
+    return {"mean": mean, "func": func, "autograd": auto}
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    rank, world, _ = parallel.setup_from_env("gloo", timeout_s=120)
+    group = parallel.resolve_group(True)
+    results: dict[str, Any] = {"rank": rank, "op": _op_alone(group, rank), "inductor": _inductor(group, rank)}
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SCENARIOS)
+    for name in names:
+        results[name] = {
+            "sharded": run(name, group, rank, sharded=True),
+            "plain": run(name, group, rank, sharded=False),
+        }
+    torch.save(results, f"{out}/rank{rank}.pt")
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
