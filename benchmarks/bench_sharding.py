@@ -45,10 +45,15 @@ state bytes and collective payloads equal the computed ones.
 the profiler's peak of CPU-allocator bytes during a step, after two warm-up steps, the larger of two
 measured steps) and the median step time over ``--time-steps`` steps, under ``torchrun`` with N gloo ranks
 on one CPU, for 8 x ``Linear(2048, 2048)`` with ReLU, a batch of 8 x 2048 per rank, AdamW, bfloat16 compute,
-float32 master parameters and gradient reduction:
+float32 master parameters, gradients reduced in bfloat16 (FSDP2's default when only ``param_dtype`` is given;
+funcamp's ``reduce=bfloat16``), no loss scale:
 
 - ``fsdp2``: ``fully_shard`` on each Linear and the root, ``MixedPrecisionPolicy(param_dtype=bfloat16)``,
   ``torch.optim.AdamW`` (foreach), ``zero_grad(set_to_none=True)``; eager.
+- ``funcamp_donate_bucket``, ``funcamp_donate_bucket_fsdp``, ``funcamp_donate_reorder``: ``funcamp_donate``
+  with inductor's bucketing of all-gathers and reduce-scatters (``bucket_all_gathers_fx="all"`` or
+  ``"only_fsdp"``, ``bucket_reduce_scatters_fx="all"``) or its compute/communication reordering
+  (``reorder_for_compute_comm_overlap=True``), see :data:`OVERLAP`.
 - ``funcamp`` / ``funcamp_donate``: ``make_train_step(..., shard=shard_layout(params, group,
   gather_dtype=bfloat16))`` compiled with inductor, without / with ``donate=True``. The loss applies the
   layers through the step's ``param_at_use`` hook (``funcamp.nn.functionalize``'s), so with a funcamp that
@@ -207,6 +212,12 @@ def measure() -> dict[int, dict[str, int]]:
 
 WIDTH, DEPTH, BATCH = 2048, 8, 8
 MEMORY_VARIANTS = ("fsdp2", "funcamp", "funcamp_donate")
+#: inductor's communication passes, tried on ``funcamp_donate`` (``--variants funcamp_donate_bucket,...``)
+OVERLAP = {
+    "bucket": {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"},
+    "bucket_fsdp": {"bucket_all_gathers_fx": "only_fsdp", "bucket_reduce_scatters_fx": "all"},
+    "reorder": {"reorder_for_compute_comm_overlap": True},
+}
 
 
 class MLP(torch.nn.Module):
@@ -272,13 +283,18 @@ def memory_worker(variant: str, out: str, time_steps: int) -> None:
     else:
         params = parallel.broadcast_params({k: v.detach().clone() for k, v in model.named_parameters()})
         del model
-        policy = fa.get_policy("params=float32,compute=bfloat16,output=float32")
+        # reduced in bfloat16, as FSDP2 reduces with only param_dtype given (reduce_dtype defaults to it)
+        policy = fa.get_policy("params=float32,compute=bfloat16,output=float32,reduce=bfloat16")
         layout = sharding.shard_layout(params, group, gather_dtype=torch.bfloat16)
         fopt = optim.adamw(1e-3, weight_decay=0.1)
         box = [fa.TrainState.create(params, fopt, shard=layout)]
         del params
+        from torch._inductor import config as inductor_config
+
+        overlap = OVERLAP.get(variant.split("_")[-1], {})
+        inductor_config.patch(overlap).__enter__()  # this process compiles once, with these passes
         train_step = fa.make_train_step(
-            _funcamp_mlp_loss, fopt, data_parallel=group, policy=policy, shard=layout, donate=variant.endswith("donate")
+            _funcamp_mlp_loss, fopt, data_parallel=group, policy=policy, shard=layout, donate="donate" in variant
         )
 
         def step(batch: Any) -> None:

@@ -7,6 +7,7 @@ checkpointed region keeps its activations once compiled. Instead, while ``torch.
 - :func:`phase` tags the nodes of the differentiated function's forward (``"forward"``) and of the gradient
   computation around it (``"backward"``), in :mod:`funcamp.grad`;
 - :func:`remat_region` tags the nodes of a checkpointed module's forward (``functionalize(remat=...)``);
+- :func:`gather_region` tags a sharded parameter's all-gather (:mod:`funcamp._at_use`);
 
 with ``torch.fx.traceback.annotate``, whose tags reach the graph inductor compiles. :class:`RematPass`, an
 inductor ``post_grad_custom_pre_pass``, then gives every backward use of a tagged forward node a copy of it
@@ -14,7 +15,10 @@ inductor ``post_grad_custom_pre_pass``, then gives every backward use of a tagge
 forward use: only the region's inputs live on to the backward, as with ``torch.utils.checkpoint``. The copies
 compute the same ops on the same inputs, so gradients are bitwise those without remat. Random ops (dropout
 masks) and ops that write to their inputs are never copied: their results are kept, so masks are replayed.
-Where torch has no ``annotate`` (before 2.9) nothing is tagged and the pass does nothing.
+A gathered parameter is recomputed the same way: its backward uses get a new all-gather (every rank compiles the
+same graph, so every rank runs the same collectives in the same order), and a gather nothing uses any more (an
+up-front gather every use gathered again) is dropped. Where torch has no ``annotate`` (before 2.9) nothing is
+tagged and the pass does nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RematPass", "phase", "remat_region"]
+__all__ = ["RematPass", "gather_region", "phase", "recompute_for_backward", "remat_region"]
 
 _PHASE, _REMAT, _GATHER = "funcamp_phase", "funcamp_remat", "funcamp_gather"
 

@@ -6,29 +6,44 @@ rank ``r`` holds rows ``[r * c, (r + 1) * c)`` of the tensor zero-padded to ``N 
 optimizer state is built from these shards (``optimizer.init(shards)``), so it is split the same way,
 and each rank stores about ``1 / N`` of the parameters and of the optimizer state.
 
-Inside the train step (``make_train_step(..., data_parallel=group, shard=layout)``):
+Inside the train step (``make_train_step(..., data_parallel=group, shard=layout)``), compiled (the default):
 
-1. :func:`all_gather_params`: one functional ``all_gather_single`` per dtype bucket rebuilds the whole
-   parameters, in their own dtype (exact; the default) or in ``layout.gather_dtype`` (FSDP2's
-   ``MixedPrecisionPolicy(param_dtype=...)``: half the bytes with a 16-bit compute dtype, and exact only
-   when the loss casts every parameter to that dtype before using it, see :func:`shard_layout`).
-2. The loss, its gradients, micro-batches: as in the unsharded step (``scaled_grad_and_value``).
-3. :func:`reduce_scatter_gradients`: the mean over ranks of the float32 gradients, each rank receiving
-   only its rows, in the policy's ``reduce_dtype``, with the loss scale applied on a narrower wire
-   and removed in float32 afterwards: the operations of :func:`funcamp.parallel.mean_gradients`, on
-   a ``reduce_scatter_single`` instead of an ``all_reduce``.
-4. :func:`global_stats`: one float64 ``all_reduce`` gives the global gradient norm (the sum of squares
+1. The differentiated function takes the shards (:mod:`funcamp._at_use`): each parameter is all-gathered
+   (one functional ``all_gather_single``, in ``layout.gather_dtype`` or its own dtype, padding cut) where
+   the loss uses it: ``funcamp.nn.functionalize`` asks the step's layout for each parameter at its
+   module's use (``param_at_use``), a module called twice gathers twice. The loss is also handed every
+   parameter gathered up front, so that a loss that uses ``params`` directly sees whole tensors; in the
+   compiled graph an up-front gather nothing uses is dead code, and funcamp's inductor pass drops it.
+2. Each parameter's gradient is reduce-scattered once, in its backward (as soon as its last use's backward
+   made it), in the policy's ``reduce_dtype`` with the loss scale on a narrower wire: the operations of
+   :func:`funcamp.parallel.mean_gradients` on a ``reduce_scatter_single``, each rank receiving its rows
+   (:func:`reduce_scatter_gradients` documents the arithmetic). With inductor, each backward use of a
+   parameter gathers it again (:class:`funcamp._regions.RematPass`), so a rank holds at once only the
+   whole parameters and whole gradients of the modules at work, never all of them (FSDP2's
+   ``reshard_after_forward=True``), when ``gather_dtype`` is the dtype the loss computes in (a cast after
+   the gather is kept for the backward, as any forward value).
+3. :func:`global_stats`: one float64 ``all_reduce`` gives the global gradient norm (the sum of squares
    over all shards) and the per-parameter finite flags (padding rows excluded), so that every rank
    agrees on one ``grads_finite`` and the metrics are those of the unsharded step.
-5. The optimizer updates the local shards only; padding rows are set back to exactly zero; a
+4. The optimizer updates the local shards only; padding rows are set back to exactly zero; a
    non-finite step keeps the old shards and optimizer state (``select_tree``).
 
+Eager (``compile=False``) the step gathers all parameters once, up front (:func:`all_gather_params`, one
+collective per dtype, not differentiated), differentiates the whole parameters and reduce-scatters the
+float32 gradients after all micro-batches (:func:`reduce_scatter_gradients`): it holds the whole
+parameters and gradients during the step, as an unsharded process does.
+
+Where the two differ: the compiled step reduces per micro-batch (``accumulation_steps > 1``: the sum over
+ranks and micro-batches is added in another order, float32 round-off) and weights a
+:class:`funcamp.LossSum`'s micro-batch by its count before the reduction (``count * mean`` is
+differentiated); with a wire as wide as the gradients it reduces the scaled gradients and unscales after
+(DDP + ``GradScaler``'s order: bitwise the same for power-of-two loss scales); with ``gather_dtype``
+narrower than the masters it adds the gradients of a parameter's uses in the masters' dtype (as the
+unsharded step does), the eager step in the gather dtype. With one micro-batch and a power-of-two (or no)
+loss scale both are bitwise the unsharded data-parallel step on 2 ranks.
+
 No host sync and no Python branch on tensor values: ``torch.compile(fullgraph=True)`` traces the step
-into one graph. The parameters are gathered once per step and kept for the forward and the backward
-(FSDP2's ``reshard_after_forward=False``): at rest a rank holds ``1 / N`` of the state, but during the
-step it also holds the whole parameters in the gather dtype and, until the reduce-scatter, the whole
-float32 gradients (as the unsharded step does). Per-module gathering (which would bound that peak) and
-overlap of communication with compute (FSDP2's prefetching) are not done.
+into one graph.
 
 Shards of a 0-d parameter are 1-d (one row); an optimizer mask computed from the shards (``mask=``
 as a callable) sees that shape.
@@ -183,7 +198,9 @@ def shard_layout(params: Any, group: Any = True, *, gather_dtype: torch.dtype | 
         dtype (e.g. the policy's compute dtype, as FSDP2's ``param_dtype``): gathered already cast,
         which halves the gather bytes for a 16-bit dtype; exact only when the loss casts every
         parameter to that dtype before using it (``policy.cast_to_compute`` on all of them; not with
-        ``funcamp.nn.functionalize``'s float32 norms, which are then rounded to it).
+        ``funcamp.nn.functionalize``'s float32 norms, which are then rounded to it). It also saves
+        memory in the compiled step: there a parameter's cast after the gather is a forward value kept
+        for the backward, where the gathered tensor itself is gathered again.
     Returns:
       A :class:`ShardLayout`.
     Raises:

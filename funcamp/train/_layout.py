@@ -161,9 +161,12 @@ class DataParallel(SingleProcess):
 class Sharded(DataParallel):
     """ZeRO-3 / FSDP2-style: the state holds this rank's rows of every parameter (``shard``'s layout).
 
-    The step differentiates the all-gathered parameters (in ``shard.gather_dtype``), reduce-scatters the mean
-    gradient in ``reduce_dtype`` (loss scale on a narrower wire), takes the finite verdict and the norm over
-    all shards (one float64 ``all_reduce``, padding excluded) and keeps padding rows exactly zero.
+    Compiled, the step differentiates the shards: each parameter is all-gathered (in ``shard.gather_dtype``)
+    where the loss uses it (:meth:`param_at_use`) and its gradient reduce-scattered once, in its backward, in
+    ``reduce_dtype`` (loss scale on a narrower wire; :mod:`funcamp._at_use`). Eager, it differentiates the
+    parameters all-gathered once and reduce-scatters the mean gradient after all micro-batches
+    (:mod:`funcamp.sharding` says where the two differ). Both take the finite verdict and the norm over all
+    shards (one float64 ``all_reduce``, padding excluded) and keep padding rows exactly zero.
 
     Args:
       shard: a :class:`funcamp.sharding.ShardLayout` (``funcamp.sharding.shard_layout(params, group)``).
