@@ -70,6 +70,8 @@ def _recomputable(node: torch.fx.Node) -> bool:
         schema.is_mutable or any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
     ):
         return False
+    if tags.get(_GATHER):  # a functional all-gather and its wait: impure to fx (they communicate), but every
+        return True  # rank recomputes the same ones in the same order, and they read only the shards
     tags_of_op = getattr(target, "tags", ())
     return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
 

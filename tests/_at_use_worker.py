@@ -171,7 +171,7 @@ def _inductor(group: Any, rank: int) -> dict[str, Any]:
             gathers.append(_regions._tags(node).get(_regions._PHASE))
     waits = [n for n in graph.nodes if n.target is torch.ops._c10d_functional.wait_tensor.default]
     # a forward gather's result (and the views of it) used by a backward node: what the pass must prevent
-    leaks = 0
+    leaks: list[str] = []
     for w in waits:
         if _regions._tags(w).get(_regions._PHASE) != "forward" or not _regions._tags(w).get(_regions._GATHER):
             continue
@@ -185,7 +185,7 @@ def _inductor(group: Any, rank: int) -> dict[str, Any]:
                 if _regions._tags(u).get(_regions._GATHER) and _regions._tags(u).get(_regions._PHASE) == "forward":
                     todo.append(u)
                 elif _regions._tags(u).get(_regions._PHASE) == "backward":
-                    leaks += 1
+                    leaks.append(f"{n.name} -> {u.name} ({u.target}, {_regions._tags(u)})")
     whole = sharding.unshard_params(state.params, layout, group)
     return {"gathers": gathers, "leaks": leaks, "params": whole, "finite": bool(m["grads_finite"])}
 
