@@ -1,8 +1,9 @@
 """``functionalize``: the module copy, the casts and ``apply_fn`` (the package docstring says what it does).
 
 The module you pass is never changed, nor kept alive: ``functionalize`` works on a structural copy of
-it whose parameters are shape-only placeholders (on the ``meta`` device), sets the training flag and
-the per-module casting wrappers on that copy, and runs it with the tensors passed to ``apply_fn``.
+it whose parameters are shape-only placeholders, sets the training flag and the per-module wrappers on
+that copy (each module makes its parameters' forward tensors where it runs, :mod:`funcamp.nn._use`;
+casts its inputs and outputs; is checkpointed), and runs it with the tensors passed to ``apply_fn``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import copy
 import fnmatch
 import functools
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from funcamp import ops, quant
-from funcamp.nn import _remat
+from funcamp.nn import _remat, _use
 from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
 from funcamp.ops import OpRule
 from funcamp.policy import Policy, get_policy
@@ -78,18 +79,27 @@ def _wrap_forward(module: nn.Module, policy: Policy, autocast: bool) -> None:
 
 
 def _skeleton(
-    module: nn.Module, plan: _Plan, autocast: bool, training: bool | None, remat: Sequence[str] = ()
+    module: nn.Module,
+    plan: _Plan,
+    autocast: bool,
+    training: bool | None,
+    remat: Sequence[str],
+    uses: _use.Uses,
+    forward_dtypes: Mapping[str, torch.dtype],
 ) -> nn.Module:
-    """A copy of ``module``'s structure with the casting wrappers installed (and the checkpointing ones).
+    """A copy of ``module``'s structure with its wrappers installed, innermost first: each module binds the
+    parameters it uses (:mod:`funcamp.nn._use`), casts its inputs and outputs (a module with a policy of its
+    own), and is checkpointed (``remat``).
 
-    ``apply_fn`` passes every parameter and persistent buffer in, so the copy holds shape-only ``meta``
-    placeholders for them (it does not keep your module's weights alive); non-persistent buffers,
-    the constants, are shared with your module.
+    ``apply_fn`` passes every parameter and persistent buffer in, so the copy holds shape-only
+    placeholders for them (it does not keep your module's weights alive): ``meta`` tensors for buffers,
+    bound for the whole call, and an :class:`funcamp.nn._use.Unbound` per parameter slot, in the dtype
+    that use enters the forward in; non-persistent buffers, the constants, are shared with your module.
     """
     named = dict(module.named_buffers())
     state = [*module.parameters(), *(named[name] for name in plan.buffers)]
     memo: dict[int, Any] = {id(t): t for t in module.buffers()}
-    memo.update({id(t): _placeholder(t) for t in state})
+    memo.update({id(t): torch.empty_like(t, device="meta") for t in state})  # parameters: Unbound, below
     try:
         skeleton = copy.deepcopy(module, memo)
     except Exception as e:
@@ -99,6 +109,14 @@ def _skeleton(
         ) from e
     if training is not None:
         skeleton.train(training)
+    own: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for holder, local, name in _use.slots(skeleton):  # one placeholder per slot: a tied weight's second is its alias
+        p = holder._parameters[local]
+        holder._parameters[local] = _use.Unbound(p.shape, forward_dtypes[name], name, uses, p.requires_grad)
+        own.setdefault(id(holder), []).append((holder, local, name))
+    for sub in skeleton.modules():  # each distinct module once
+        if id(sub) in own:
+            _use.bind_at_call(sub, own[id(sub)], uses)
     modules = dict(skeleton.named_modules(remove_duplicate=False))
     wrapped: set[int] = set()
     for name, policy in plan.own.items():  # a module reachable by two names is wrapped once, by the first
@@ -113,11 +131,6 @@ def _skeleton(
             checkpointed.add(id(modules[name]))
             _remat.wrap_forward(modules[name])
     return skeleton
-
-
-def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
-    empty = torch.empty_like(tensor, device="meta")
-    return nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
 
 
 def _check_keys(what: str, got: Mapping[str, Any], expected: list[str], frozen: Iterable[str] = ()) -> None:
@@ -329,6 +342,15 @@ def functionalize(
     Inputs and outputs are walked with ``torch.utils._pytree`` (so Hugging Face's ``ModelOutput`` is
     cast); only real floating tensors are cast.
 
+    Where parameters become forward tensors: each one is cast (an int8 weight dequantized) where its
+    module uses it, just before that module's own forward runs, and dropped when it returns (a read
+    outside that forward, such as ``nn.MultiheadAttention``'s of ``out_proj.weight``, is made at that
+    read); once per name and call (a module run twice uses one copy; a tied weight's second module its
+    own). Each is made by one function, which first hands the stored tensor, under the parameter's
+    first name, to the step's process layout (``param_at_use(name, stored)``, where it has one: a
+    sharded layout gathers there). Under ``torch.compile`` all are made when ``apply_fn`` starts (the
+    compiler schedules them). See :mod:`funcamp.nn._use`.
+
     Args:
       module: the model; left unchanged (same parameters, dtypes, training flag, no hooks).
       policy: a :class:`funcamp.Policy` or a policy string for the whole model.
@@ -442,7 +464,6 @@ def functionalize(
     int8 = _int8_names(module, quantize, chosen)
     remat_names = _remat.select(module, remat)
     _remat.install()
-    skeleton = _skeleton(module, plan, autocast, training, remat_names)
     named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     train_names = [name for name in plan.params if name in chosen]
     params = {name: _master(named[name], plan.tensors[name]) for name in train_names}
@@ -465,6 +486,9 @@ def functionalize(
     forward_dtypes.update({name: plan.tensors[name].compute_dtype for name in int8})
     forward_dtypes.update({a: plan.alias_policies[a].compute_dtype for a, name in plan.aliases.items() if name in int8})
     stored_dtypes = {name: buffers[name].dtype for name in plan.buffers}
+    uses = _use.Uses(frozen, int8, forward_dtypes, plan.aliases)
+    skeleton = _skeleton(module, plan, autocast, training, remat_names, uses, forward_dtypes)
+    slots = _use.slots(skeleton)
 
     # Under autocast torch's op lists decide: funcamp's default rules are not added, yours are.
     rules = {**({} if autocast else ops.FLOAT32_ACCUMULATION), **(op_policies or {})}
@@ -473,50 +497,40 @@ def functionalize(
     op_mode = functools.partial(ops.OpPolicies, rules) if entered else contextlib.nullcontext
     op_mode()  # check the rules now, not at the first call
 
-    def frozen_tensors() -> dict[str, torch.Tensor]:
-        """The frozen tensors as the forward uses them: int8 weights dequantized (in the traced graph), a
-        tensor stored narrower than its compute dtype cast to it."""
-        dequantize = quant.dequantize_int8
-        return {
-            name: dequantize(t, forward_dtypes[name]) if name in int8 else _to_forward(t, forward_dtypes[name])
-            for name, t in frozen.items()
-        }
-
     def run(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
         _check_keys("params", params, train_names, frozen)
         _check_keys("buffers", state, plan.buffers)
-        tensors = {name: _to_forward(p, forward_dtypes[name]) for name, p in params.items()}
-        tensors.update(frozen_tensors())
         # Fresh tensors: the module's in-place updates (running statistics) must not reach the caller's.
-        fresh = {name: _to_forward(b, forward_dtypes[name], copy=True) for name, b in state.items()}
-        # Each use of a tied parameter gets its own cast, so that the gradients of the uses are summed in
-        # the parameter's dtype (and a use in a module with another policy gets that policy's dtype).
-        # A tied buffer is the same fresh tensor under every name.
-        for alias, name in plan.aliases.items():
-            if name in int8 and forward_dtypes[alias] != forward_dtypes[name]:  # from int8, rounded once
-                tensors[alias] = quant.dequantize_int8(frozen[name], forward_dtypes[alias])
-            elif name not in fresh:  # from the stored tensor (the dequantized one for int8), rounded once
-                source = tensors[name] if name in int8 else frozen[name] if name in frozen else params[name]
-                tensors[alias] = _to_forward(source, forward_dtypes[alias])
-        bound = {**fresh, **{alias: fresh[name] for alias, name in plan.aliases.items() if name in fresh}}
+        # A tied buffer is the same fresh tensor under every name. Parameters are not bound here: each
+        # module binds its own when first called (funcamp.nn._use), from ``params`` pushed below.
+        tensors = _fresh_buffers(plan, state, forward_dtypes)
         call = None
         if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
             call = _remat._Call(
-                skeleton, tensors, functools.partial(_fresh_buffers, plan, state, forward_dtypes), op_mode, bound
+                skeleton,
+                functools.partial(_pushed, uses, params),
+                functools.partial(_fresh_buffers, plan, state, forward_dtypes),
+                op_mode,
+                tensors,
             )
-        tensors.update(bound)
-        with _remat.inside(call) if call is not None else contextlib.nullcontext(), op_mode():
-            if autocast:
-                half = policy.compute_dtype in _HALF
-                with torch.autocast(
-                    _device_type(params, args, kwargs), dtype=policy.compute_dtype if half else None, enabled=half
-                ):
-                    out = torch.func.functional_call(skeleton, tensors, tuple(args), kwargs, tie_weights=False)
-            else:
-                args, kwargs = _cast_io((tuple(args), kwargs), policy.compute_dtype)
-                out = torch.func.functional_call(skeleton, tensors, args, kwargs, tie_weights=False)
+        uses.push(params)
+        try:
+            if torch.compiler.is_compiling():  # every use made and bound up front (see funcamp.nn._use)
+                uses.bind(slots)
+            with _remat.inside(call) if call is not None else contextlib.nullcontext(), op_mode():
+                if autocast:
+                    half = policy.compute_dtype in _HALF
+                    with torch.autocast(
+                        _device_type(params, args, kwargs), dtype=policy.compute_dtype if half else None, enabled=half
+                    ):
+                        out = torch.func.functional_call(skeleton, tensors, tuple(args), kwargs, tie_weights=False)
+                else:
+                    args, kwargs = _cast_io((tuple(args), kwargs), policy.compute_dtype)
+                    out = torch.func.functional_call(skeleton, tensors, args, kwargs, tie_weights=False)
+        finally:
+            uses.pop()
         # functional_call writes attribute reassignments back into the dict it was given.
-        new_state = {name: tensors[name].to(stored_dtypes[name]) for name in fresh}
+        new_state = {name: tensors[name].to(stored_dtypes[name]) for name in plan.buffers}
         return _cast_io(out, policy.output_dtype), new_state
 
     explicit = bool(plan.buffers) if with_buffers is None else with_buffers
@@ -537,6 +551,16 @@ def functionalize(
 
     _describe(apply_fn, frozen, forward_dtypes, plan, remat_names)
     return apply_fn, params
+
+
+@contextlib.contextmanager
+def _pushed(uses: _use.Uses, params: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """``params`` as the trainable tensors the module wrappers make their uses from (a recompute's)."""
+    uses.push(params)
+    try:
+        yield
+    finally:
+        uses.pop()
 
 
 def _describe(
@@ -575,12 +599,6 @@ def _fresh_buffers(
     plan: _Plan, state: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]
 ) -> dict[str, torch.Tensor]:
     """Buffers as they were when the call began (fresh copies: a recompute must not update them twice)."""
-    fresh = {name: _to_forward(b, dtypes[name], copy=True) for name, b in state.items()}
+    fresh = {name: _use.to_forward(b, dtypes[name], copy=True) for name, b in state.items()}
     fresh.update({alias: fresh[name] for alias, name in plan.aliases.items() if name in fresh})
     return fresh
-
-
-def _to_forward(tensor: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
-    if not tensor.is_floating_point():
-        return tensor.clone() if copy else tensor
-    return tensor.to(dtype, copy=True) if copy else tensor.to(dtype)
