@@ -27,6 +27,7 @@ region in the model into a higher-order operator that refuses any change to a mo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -135,14 +136,28 @@ def slots(skeleton: nn.Module) -> list[tuple[nn.Module, str, str]]:
 
 
 def bind_at_call(module: nn.Module, slots: list[tuple[nn.Module, str, str]], uses: Uses) -> None:
-    """Bind ``module``'s own slots when it is first called in an ``apply_fn`` call (a forward pre-hook run
-    before yours, so your hooks see them too); they stay bound until that call ends."""
+    """Bind ``module``'s own slots when it is first called in a call of ``apply_fn``; they stay bound until
+    that call ends.
+
+    Twice, the second time a no-op within one call: in a forward pre-hook run before yours (so your hooks
+    see the parameters too), and in the innermost wrapper of its forward, which is what a checkpointed
+    region recomputes (its recompute is a call of its own, and a custom ``autograd.Function`` such as an
+    fp8 matmul would save the placeholder itself).
+    """
+    forward = module.forward
 
     def pre_hook(module: nn.Module, args: Any) -> None:
         if not torch.compiler.is_compiling():  # apply_fn bound every use up front (see the module docstring)
             uses.bind(slots)
 
+    @functools.wraps(forward)
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            uses.bind(slots)
+        return forward(*args, **kwargs)
+
     module.register_forward_pre_hook(pre_hook, prepend=True)
+    module.forward = bound
 
 
 #: Tensor attributes read from a placeholder as they are (the metadata of the tensor its use would get).
