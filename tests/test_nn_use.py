@@ -1,4 +1,5 @@
-"""Parameters materialized where their module uses them (funcamp.nn._use), and the layout's hook there.
+"""Parameters materialized where their module uses them (funcamp.nn._use), the layout's hook there, and
+functionalize's one return convention.
 
 References: the module's own forward and autograd in float32 (``functionalize(model, "float32")`` must
 give the same outputs and gradients bitwise), and the order in which the model's forwards run.
@@ -6,13 +7,15 @@ give the same outputs and gradients bitwise), and the order in which the model's
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from funcamp import _scope, quant
-from funcamp.nn import functionalize
+from funcamp import _scope, fp8, quant
+from funcamp.nn import Functional, FunctionalWithBuffers, functionalize
 
 MIXED = "params=float32,compute=bfloat16,output=float32"
 LOG: list[str] = []
@@ -242,3 +245,42 @@ def test_module_run_twice_uses_one_forward_tensor():
     LOG.clear()
     _scope.within(Recording(), apply_fn, params, torch.randn(2, 8))
     assert LOG == ["use fc1.weight", "use fc1.bias", "forward fc1", "forward fc1"]
+
+
+# --- one return convention ----------------------------------------------------------------------------------
+
+
+def _models():
+    yield "Linear", lambda: nn.Linear(4, 4)
+    yield "BatchNorm", lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    yield "fp8 delayed", lambda: fp8.convert(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)), "delayed", filter="*")
+
+
+@pytest.mark.parametrize("with_buffers", [True, False])
+@pytest.mark.parametrize("name, make", list(_models()), ids=[n for n, _ in _models()])
+def test_the_number_of_values_follows_the_arguments(name, make, with_buffers):
+    """Sweep: a model with buffers, one without, and one with fp8 state give the same arity for the same
+    arguments, with no warning; the values are named tuples."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = functionalize(make(), "float32", with_buffers=with_buffers)
+    assert type(out) is (FunctionalWithBuffers if with_buffers else Functional)
+    assert len(out) == (3 if with_buffers else 2)
+    assert out.apply_fn is out[0] and out.params is out[1]
+    if with_buffers:
+        assert out.buffers is out[2] and (out.buffers == {}) == (name == "Linear")
+
+
+def test_with_buffers_left_out_on_a_model_with_buffers_warns_and_keeps_three_values():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.warns(FutureWarning, match=r"Sequential has persistent buffers .*pass with_buffers=True"):
+        apply_fn, params, buffers = functionalize(model, "float32")
+    assert sorted(buffers) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(functionalize(nn.Linear(4, 4), "float32")) == 2  # no buffers: no warning, two values
+
+
+def test_with_buffers_must_be_a_bool():
+    with pytest.raises(TypeError, match="with_buffers must be None, True or False, got 'yes'"):
+        functionalize(nn.Linear(4, 4), "float32", with_buffers="yes")

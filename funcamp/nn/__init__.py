@@ -34,7 +34,7 @@ module uses it, through the step layout's ``param_at_use``), ``_remat`` (activat
 ``apply_fn``, and ``remat=``), ``_load`` (the way back into the module).
 """
 
-from funcamp.nn._functionalize import functionalize
+from funcamp.nn._functionalize import Functional, FunctionalWithBuffers, functionalize
 from funcamp.nn._load import load_into, state_dict
 from funcamp.nn._plan import EMBEDDING_TYPES, NORM_TYPES, float32_lookup, keep_in_float32, param_policies
 from funcamp.nn._remat import RematInactiveWarning
@@ -42,6 +42,8 @@ from funcamp.nn._remat import RematInactiveWarning
 __all__ = [
     "EMBEDDING_TYPES",
     "NORM_TYPES",
+    "Functional",
+    "FunctionalWithBuffers",
     "RematInactiveWarning",
     "float32_lookup",
     "functionalize",

@@ -13,8 +13,9 @@ import copy
 import fnmatch
 import functools
 import types
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as torch_pytree
@@ -26,11 +27,38 @@ from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _
 from funcamp.ops import OpRule
 from funcamp.policy import Policy, get_policy
 
-__all__ = ["functionalize"]
+__all__ = ["Functional", "FunctionalWithBuffers", "functionalize"]
 
 #: A value of ``trainable``: None (each parameter's ``requires_grad``), True (every parameter), fnmatch
 #: patterns of parameter or module names, or a predicate ``(name, tensor) -> bool``.
 Trainable = bool | str | Iterable[str] | Callable[[str, torch.Tensor], bool] | None
+
+
+class Functional(NamedTuple):
+    """What :func:`functionalize` returns without ``with_buffers=True``; unpacks as ``apply_fn, params``.
+
+    Attributes:
+      apply_fn: ``apply_fn(params, *args, **kwargs) -> out`` (attributes ``frozen``, ``forward_dtypes``,
+        ``aliases``, ``remat``: see :func:`functionalize`).
+      params: the trainable parameters by qualified name, floating ones in their param dtype.
+    """
+
+    apply_fn: Callable[..., Any]
+    params: dict[str, torch.Tensor]
+
+
+class FunctionalWithBuffers(NamedTuple):
+    """What :func:`functionalize` returns with ``with_buffers=True``; unpacks as ``apply_fn, params, buffers``.
+
+    Attributes:
+      apply_fn: ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``.
+      params: the trainable parameters by qualified name, floating ones in their param dtype.
+      buffers: the persistent buffers by qualified name (``{}`` for a model without any).
+    """
+
+    apply_fn: Callable[..., Any]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
 
 
 def _cast_io(tree: Any, dtype: torch.dtype) -> Any:
@@ -262,10 +290,7 @@ def functionalize(
     op_policies: Mapping[Any, OpRule | None] | None = None,
     quantize: quant.Int8WeightOnlyConfig | None = None,
     remat: _remat.Remat = None,
-) -> (
-    tuple[Callable[..., Any], dict[str, torch.Tensor]]
-    | tuple[Callable[..., Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]
-):
+) -> Functional | FunctionalWithBuffers:
     """Turn ``module`` into a pure function of its parameters (and buffers), under a precision policy.
 
     The return value follows the state dict: ``(apply_fn, params)`` for a module without persistent
@@ -458,8 +483,10 @@ def functionalize(
       (['2.bias', '2.weight'], ['0.bias', '0.weight', '1.bias', '1.weight'], torch.bfloat16)
     """
     _check_module(module)
+    module, policy, module_policies = _with_fp8(module, policy, module_policies, with_buffers)
     policy = get_policy(policy)
     plan = _Plan(module, policy, module_policies)
+    explicit = _explicit(with_buffers, module, plan)
     chosen = _trainable_names(module, plan, trainable)
     int8 = _int8_names(module, quantize, chosen)
     remat_names = _remat.select(module, remat)
@@ -533,7 +560,6 @@ def functionalize(
         new_state = {name: tensors[name].to(stored_dtypes[name]) for name in plan.buffers}
         return _cast_io(out, policy.output_dtype), new_state
 
-    explicit = bool(plan.buffers) if with_buffers is None else with_buffers
     if explicit:
 
         def apply_fn(
@@ -542,7 +568,7 @@ def functionalize(
             return run(params, buffers, args, kwargs)
 
         _describe(apply_fn, frozen, forward_dtypes, plan, remat_names)
-        return apply_fn, params, buffers
+        return FunctionalWithBuffers(apply_fn, params, buffers)
 
     constant = buffers
 
@@ -550,7 +576,64 @@ def functionalize(
         return run(params, constant, args, kwargs)[0]
 
     _describe(apply_fn, frozen, forward_dtypes, plan, remat_names)
-    return apply_fn, params
+    return Functional(apply_fn, params)
+
+
+def _explicit(with_buffers: bool | None, module: nn.Module, plan: _Plan) -> bool:
+    """Whether ``apply_fn`` takes and returns the buffers; ``with_buffers=None`` on a model with them warns."""
+    if with_buffers is not None:
+        if not isinstance(with_buffers, bool):
+            raise TypeError(f"functionalize: with_buffers must be None, True or False, got {with_buffers!r}")
+        return with_buffers
+    if plan.buffers:
+        warnings.warn(
+            f"functionalize: {type(module).__name__} has persistent buffers ({_sample(plan.buffers)}), so without "
+            "with_buffers this returns three values, (apply_fn, params, buffers), with apply_fn(params, buffers, "
+            "*args) -> (out, new_buffers); pass with_buffers=True for that form (or with_buffers=False to hold the "
+            "buffers as constants). The number of values is to follow the arguments, not the model: a future "
+            "version raises here instead of choosing",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return bool(plan.buffers)
+
+
+def _with_fp8(
+    module: nn.Module, policy: PolicyLike, module_policies: ModulePolicies | None, with_buffers: bool | None
+) -> tuple[nn.Module, PolicyLike, ModulePolicies | None]:
+    """The model, dtype policy and module policies after the ``fp8=<recipe>`` part of a policy string.
+
+    ``fp8=R`` makes the model ``fp8.convert(module, R)`` (every Linear but the first and the last) and
+    puts :data:`funcamp.fp8.MODULE_POLICIES` after yours; without it nothing changes.
+
+    Raises:
+      ValueError: if the recipe is unknown or given twice, or is ``delayed`` without ``with_buffers=True``.
+      TypeError: if ``module_policies`` is not a mapping.
+    """
+    if not isinstance(policy, str) or "fp8" not in policy.lower():
+        return module, policy, module_policies
+    from funcamp import fp8  # funcamp.fp8 imports funcamp.nn
+
+    rest, recipe = fp8._split_policy(policy)
+    if recipe is None:
+        return module, policy, module_policies
+    r = fp8.get_recipe(recipe)
+    if r.scaling == "delayed" and with_buffers is not True:
+        raise ValueError(
+            f"functionalize: fp8={recipe} keeps an amax history and a scale per fp8 layer as buffers that every "
+            "call updates, so apply_fn must take and return them: pass with_buffers=True (apply_fn(params, "
+            "buffers, *args) -> (out, new_buffers); TrainState.create(..., buffers=buffers) carries them), or "
+            "use fp8=tensorwise or fp8=rowwise, which keep no state"
+        )
+    if module_policies is not None and not isinstance(module_policies, Mapping):
+        raise TypeError(
+            "functionalize: module_policies must be None or a dict from module types or names to policies "
+            f"(merged over fp8.MODULE_POLICIES), got {type(module_policies).__name__}"
+        )
+    merged = dict(module_policies or {})  # yours first: the first entry that matches a module wins
+    for key, value in fp8.MODULE_POLICIES.items():
+        merged.setdefault(key, value)
+    return fp8.convert(module, r), rest, merged
 
 
 @contextlib.contextmanager
