@@ -320,9 +320,12 @@ def build_run(
 
     ``distributed``: parameters broadcast from rank 0 and gradients averaged over the ranks (sharded under
     ``--shard``); False builds this process's step alone (no collective), as ``--policy auto`` times it."""
-    functional = fa.nn.functionalize(model, policy, module_policies=fp8.MODULE_POLICIES if args.fp8 else None)
-    apply_fn, params = functional[:2]  # float32 masters (or --master-weights), LayerNorms in float32
-    buffers = functional[2] if len(functional) == 3 else None  # --fp8 delayed: amax histories and scales
+    stateful = args.fp8 == "delayed"  # its amax histories and scales are buffers, carried by the state
+    functional = fa.nn.functionalize(
+        model, policy, module_policies=fp8.MODULE_POLICIES if args.fp8 else None, with_buffers=stateful
+    )
+    apply_fn, params = functional.apply_fn, functional.params  # float32 masters (or --master-weights)
+    buffers = functional.buffers if stateful else None
     if distributed:
         params = parallel.broadcast_params(params)  # every rank starts from rank 0's parameters
     loss_fn = make_loss_fn(apply_fn, stateful=buffers is not None)

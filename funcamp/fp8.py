@@ -67,11 +67,13 @@ are not multiples of 16 stay as they are, reported once), then ``functionalize``
     model = fp8.convert(GPT(cfg), recipe="tensorwise")    # first and last Linear stay as they are
     apply_fn, params = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32", module_policies=fp8.MODULE_POLICIES)
 
-``functionalize`` returns ``(apply_fn, params, buffers)`` for the delayed recipe (its state) and
-``(apply_fn, params)`` for the others on a model without buffers. :func:`functionalize` (this module's)
-does both steps from a policy string with an ``fp8=`` part and returns three values for every recipe:
+With ``with_buffers=True`` ``functionalize`` returns ``(apply_fn, params, buffers)`` for every recipe (the
+delayed recipe's state in ``buffers``; ``{}`` for the others). :func:`funcamp.nn.functionalize` does both
+steps from a policy string with an ``fp8=`` part (the delayed recipe requires ``with_buffers=True``):
 
-    apply_fn, params, buffers = fp8.functionalize(GPT(cfg), "p=f32,c=bf16,o=f32,fp8=delayed")
+    apply_fn, params, buffers = fa.nn.functionalize(GPT(cfg), "p=f32,c=bf16,o=f32,fp8=delayed", with_buffers=True)
+
+(:func:`functionalize` of this module, which did the same, is a deprecated alias.)
 
 References:
   Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433. torchao float8 training
@@ -855,7 +857,12 @@ def functionalize(
     module_policies: Mapping[Any, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[Any, ...]:
-    """:func:`funcamp.nn.functionalize` with fp8 asked for in the policy string: ``"p=f32,c=bf16,o=f32,fp8=delayed"``.
+    """Deprecated: :func:`funcamp.nn.functionalize` takes the ``fp8=<recipe>`` part of the policy string itself.
+
+    Use ``funcamp.nn.functionalize(model, policy, with_buffers=True)`` (the same three values), and for
+    ``filter=``, ``funcamp.nn.functionalize(convert(model, recipe, filter=filter), dtypes,
+    module_policies=MODULE_POLICIES, with_buffers=True)``. This alias warns (``DeprecationWarning``) and
+    otherwise behaves as before:
 
     The ``fp8=<recipe>`` part (``tensorwise``, ``rowwise``, ``delayed``) makes this
     ``funcamp.nn.functionalize(convert(model, recipe, filter=filter), rest, module_policies=merged, **kwargs)``,
@@ -887,12 +894,27 @@ def functionalize(
       ValueError: if ``with_buffers=False`` with the delayed recipe (its state would never advance).
 
     Example:
+      What to write instead:
+
+      >>> import funcamp as fa
       >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
-      >>> apply_fn, params, buffers = functionalize(model, "p=f32,c=bf16,o=f32,fp8=tensorwise")
+      >>> apply_fn, params, buffers = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32,fp8=tensorwise", with_buffers=True)
       >>> out, new_buffers = apply_fn(params, buffers, torch.randn(4, 16))
       >>> out.dtype, new_buffers
       (torch.float32, {})
     """
+    warnings.warn(
+        "fp8.functionalize is deprecated: funcamp.nn.functionalize takes the fp8= part of the policy string "
+        "itself; funcamp.nn.functionalize(model, policy, with_buffers=True) returns the same three values"
+        + (
+            " (for filter=: funcamp.nn.functionalize(fp8.convert(model, recipe, filter=filter), dtypes, "
+            "module_policies=fp8.MODULE_POLICIES, with_buffers=True))"
+            if filter is not None
+            else ""
+        ),
+        DeprecationWarning,
+        stacklevel=2,
+    )
     rest, recipe = _split_policy(policy)
     kwargs.setdefault("with_buffers", True)  # three values whatever the recipe
     if module_policies is not None and not isinstance(module_policies, Mapping):

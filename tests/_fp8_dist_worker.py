@@ -30,7 +30,7 @@ def make_model() -> tuple:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 32))
     model = fp8.convert(model, RECIPE, filter=["0", "2"])
-    return fa.nn.functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES)
+    return fa.nn.functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES, with_buffers=True)
 
 
 def inputs(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

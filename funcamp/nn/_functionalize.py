@@ -1,8 +1,9 @@
 """``functionalize``: the module copy, the casts and ``apply_fn`` (the package docstring says what it does).
 
 The module you pass is never changed, nor kept alive: ``functionalize`` works on a structural copy of
-it whose parameters are shape-only placeholders (on the ``meta`` device), sets the training flag and
-the per-module casting wrappers on that copy, and runs it with the tensors passed to ``apply_fn``.
+it whose parameters are shape-only placeholders, sets the training flag and the per-module wrappers on
+that copy (each module makes its parameters' forward tensors where it runs, :mod:`funcamp.nn._use`;
+casts its inputs and outputs; is checkpointed), and runs it with the tensors passed to ``apply_fn``.
 """
 
 from __future__ import annotations
@@ -12,24 +13,52 @@ import copy
 import fnmatch
 import functools
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from funcamp import ops, quant
-from funcamp.nn import _remat
+from funcamp.nn import _remat, _use
 from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
 from funcamp.ops import OpRule
 from funcamp.policy import Policy, get_policy
 
-__all__ = ["functionalize"]
+__all__ = ["Functional", "FunctionalWithBuffers", "functionalize"]
 
 #: A value of ``trainable``: None (each parameter's ``requires_grad``), True (every parameter), fnmatch
 #: patterns of parameter or module names, or a predicate ``(name, tensor) -> bool``.
 Trainable = bool | str | Iterable[str] | Callable[[str, torch.Tensor], bool] | None
+
+
+class Functional(NamedTuple):
+    """What :func:`functionalize` returns without ``with_buffers=True``; unpacks as ``apply_fn, params``.
+
+    Attributes:
+      apply_fn: ``apply_fn(params, *args, **kwargs) -> out`` (attributes ``frozen``, ``forward_dtypes``,
+        ``aliases``, ``remat``: see :func:`functionalize`).
+      params: the trainable parameters by qualified name, floating ones in their param dtype.
+    """
+
+    apply_fn: Callable[..., Any]
+    params: dict[str, torch.Tensor]
+
+
+class FunctionalWithBuffers(NamedTuple):
+    """What :func:`functionalize` returns with ``with_buffers=True``; unpacks as ``apply_fn, params, buffers``.
+
+    Attributes:
+      apply_fn: ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``.
+      params: the trainable parameters by qualified name, floating ones in their param dtype.
+      buffers: the persistent buffers by qualified name (``{}`` for a model without any).
+    """
+
+    apply_fn: Callable[..., Any]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
 
 
 def _cast_io(tree: Any, dtype: torch.dtype) -> Any:
@@ -78,18 +107,27 @@ def _wrap_forward(module: nn.Module, policy: Policy, autocast: bool) -> None:
 
 
 def _skeleton(
-    module: nn.Module, plan: _Plan, autocast: bool, training: bool | None, remat: Sequence[str] = ()
+    module: nn.Module,
+    plan: _Plan,
+    autocast: bool,
+    training: bool | None,
+    remat: Sequence[str],
+    uses: _use.Uses,
+    forward_dtypes: Mapping[str, torch.dtype],
 ) -> nn.Module:
-    """A copy of ``module``'s structure with the casting wrappers installed (and the checkpointing ones).
+    """A copy of ``module``'s structure with its wrappers installed, innermost first: each module binds the
+    parameters it uses (:mod:`funcamp.nn._use`), casts its inputs and outputs (a module with a policy of its
+    own), and is checkpointed (``remat``).
 
-    ``apply_fn`` passes every parameter and persistent buffer in, so the copy holds shape-only ``meta``
-    placeholders for them (it does not keep your module's weights alive); non-persistent buffers,
-    the constants, are shared with your module.
+    ``apply_fn`` passes every parameter and persistent buffer in, so the copy holds shape-only
+    placeholders for them (it does not keep your module's weights alive): ``meta`` tensors for buffers,
+    bound for the whole call, and an :class:`funcamp.nn._use.Unbound` per parameter slot, in the dtype
+    that use enters the forward in; non-persistent buffers, the constants, are shared with your module.
     """
     named = dict(module.named_buffers())
     state = [*module.parameters(), *(named[name] for name in plan.buffers)]
     memo: dict[int, Any] = {id(t): t for t in module.buffers()}
-    memo.update({id(t): _placeholder(t) for t in state})
+    memo.update({id(t): torch.empty_like(t, device="meta") for t in state})  # parameters: Unbound, below
     try:
         skeleton = copy.deepcopy(module, memo)
     except Exception as e:
@@ -99,6 +137,14 @@ def _skeleton(
         ) from e
     if training is not None:
         skeleton.train(training)
+    own: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for holder, local, name in _use.slots(skeleton):  # one placeholder per slot: a tied weight's second is its alias
+        p = holder._parameters[local]
+        holder._parameters[local] = _use.Unbound(p.shape, forward_dtypes[name], name, uses, p.requires_grad)
+        own.setdefault(id(holder), []).append((holder, local, name))
+    for sub in skeleton.modules():  # each distinct module once
+        if id(sub) in own:
+            _use.bind_at_call(sub, own[id(sub)], uses)
     modules = dict(skeleton.named_modules(remove_duplicate=False))
     wrapped: set[int] = set()
     for name, policy in plan.own.items():  # a module reachable by two names is wrapped once, by the first
@@ -113,11 +159,6 @@ def _skeleton(
             checkpointed.add(id(modules[name]))
             _remat.wrap_forward(modules[name])
     return skeleton
-
-
-def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
-    empty = torch.empty_like(tensor, device="meta")
-    return nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
 
 
 def _check_keys(what: str, got: Mapping[str, Any], expected: list[str], frozen: Iterable[str] = ()) -> None:
@@ -249,10 +290,7 @@ def functionalize(
     op_policies: Mapping[Any, OpRule | None] | None = None,
     quantize: quant.Int8WeightOnlyConfig | None = None,
     remat: _remat.Remat = None,
-) -> (
-    tuple[Callable[..., Any], dict[str, torch.Tensor]]
-    | tuple[Callable[..., Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]
-):
+) -> Functional | FunctionalWithBuffers:
     """Turn ``module`` into a pure function of its parameters (and buffers), under a precision policy.
 
     The return value follows the state dict: ``(apply_fn, params)`` for a module without persistent
@@ -328,6 +366,15 @@ def functionalize(
 
     Inputs and outputs are walked with ``torch.utils._pytree`` (so Hugging Face's ``ModelOutput`` is
     cast); only real floating tensors are cast.
+
+    Where parameters become forward tensors: each one is cast (an int8 weight dequantized) where its
+    module uses it, just before that module's own forward runs, and dropped when it returns (a read
+    outside that forward, such as ``nn.MultiheadAttention``'s of ``out_proj.weight``, is made at that
+    read); once per name and call (a module run twice uses one copy; a tied weight's second module its
+    own). Each is made by one function, which first hands the stored tensor, under the parameter's
+    first name, to the step's process layout (``param_at_use(name, stored)``, where it has one: a
+    sharded layout gathers there). Under ``torch.compile`` all are made when ``apply_fn`` starts (the
+    compiler schedules them). See :mod:`funcamp.nn._use`.
 
     Args:
       module: the model; left unchanged (same parameters, dtypes, training flag, no hooks).
@@ -436,13 +483,14 @@ def functionalize(
       (['2.bias', '2.weight'], ['0.bias', '0.weight', '1.bias', '1.weight'], torch.bfloat16)
     """
     _check_module(module)
+    module, policy, module_policies = _with_fp8(module, policy, module_policies, with_buffers)
     policy = get_policy(policy)
     plan = _Plan(module, policy, module_policies)
+    explicit = _explicit(with_buffers, module, plan)
     chosen = _trainable_names(module, plan, trainable)
     int8 = _int8_names(module, quantize, chosen)
     remat_names = _remat.select(module, remat)
     _remat.install()
-    skeleton = _skeleton(module, plan, autocast, training, remat_names)
     named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     train_names = [name for name in plan.params if name in chosen]
     params = {name: _master(named[name], plan.tensors[name]) for name in train_names}
@@ -465,6 +513,9 @@ def functionalize(
     forward_dtypes.update({name: plan.tensors[name].compute_dtype for name in int8})
     forward_dtypes.update({a: plan.alias_policies[a].compute_dtype for a, name in plan.aliases.items() if name in int8})
     stored_dtypes = {name: buffers[name].dtype for name in plan.buffers}
+    uses = _use.Uses(frozen, int8, forward_dtypes, plan.aliases)
+    skeleton = _skeleton(module, plan, autocast, training, remat_names, uses, forward_dtypes)
+    slots = _use.slots(skeleton)
 
     # Under autocast torch's op lists decide: funcamp's default rules are not added, yours are.
     rules = {**({} if autocast else ops.FLOAT32_ACCUMULATION), **(op_policies or {})}
@@ -473,53 +524,42 @@ def functionalize(
     op_mode = functools.partial(ops.OpPolicies, rules) if entered else contextlib.nullcontext
     op_mode()  # check the rules now, not at the first call
 
-    def frozen_tensors() -> dict[str, torch.Tensor]:
-        """The frozen tensors as the forward uses them: int8 weights dequantized (in the traced graph), a
-        tensor stored narrower than its compute dtype cast to it."""
-        dequantize = quant.dequantize_int8
-        return {
-            name: dequantize(t, forward_dtypes[name]) if name in int8 else _to_forward(t, forward_dtypes[name])
-            for name, t in frozen.items()
-        }
-
     def run(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
         _check_keys("params", params, train_names, frozen)
         _check_keys("buffers", state, plan.buffers)
-        tensors = {name: _to_forward(p, forward_dtypes[name]) for name, p in params.items()}
-        tensors.update(frozen_tensors())
         # Fresh tensors: the module's in-place updates (running statistics) must not reach the caller's.
-        fresh = {name: _to_forward(b, forward_dtypes[name], copy=True) for name, b in state.items()}
-        # Each use of a tied parameter gets its own cast, so that the gradients of the uses are summed in
-        # the parameter's dtype (and a use in a module with another policy gets that policy's dtype).
-        # A tied buffer is the same fresh tensor under every name.
-        for alias, name in plan.aliases.items():
-            if name in int8 and forward_dtypes[alias] != forward_dtypes[name]:  # from int8, rounded once
-                tensors[alias] = quant.dequantize_int8(frozen[name], forward_dtypes[alias])
-            elif name not in fresh:  # from the stored tensor (the dequantized one for int8), rounded once
-                source = tensors[name] if name in int8 else frozen[name] if name in frozen else params[name]
-                tensors[alias] = _to_forward(source, forward_dtypes[alias])
-        bound = {**fresh, **{alias: fresh[name] for alias, name in plan.aliases.items() if name in fresh}}
+        # A tied buffer is the same fresh tensor under every name. Parameters are not bound here: each
+        # module binds its own when first called (funcamp.nn._use), from ``params`` pushed below.
+        tensors = _fresh_buffers(plan, state, forward_dtypes)
         call = None
         if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
             call = _remat._Call(
-                skeleton, tensors, functools.partial(_fresh_buffers, plan, state, forward_dtypes), op_mode, bound
+                skeleton,
+                functools.partial(_pushed, uses, params),
+                functools.partial(_fresh_buffers, plan, state, forward_dtypes),
+                op_mode,
+                tensors,
             )
-        tensors.update(bound)
-        with _remat.inside(call) if call is not None else contextlib.nullcontext(), op_mode():
-            if autocast:
-                half = policy.compute_dtype in _HALF
-                with torch.autocast(
-                    _device_type(params, args, kwargs), dtype=policy.compute_dtype if half else None, enabled=half
-                ):
-                    out = torch.func.functional_call(skeleton, tensors, tuple(args), kwargs, tie_weights=False)
-            else:
-                args, kwargs = _cast_io((tuple(args), kwargs), policy.compute_dtype)
-                out = torch.func.functional_call(skeleton, tensors, args, kwargs, tie_weights=False)
+        uses.push(params)
+        try:
+            if torch.compiler.is_compiling():  # every use made and bound up front (see funcamp.nn._use)
+                uses.bind(slots)
+            with _remat.inside(call) if call is not None else contextlib.nullcontext(), op_mode():
+                if autocast:
+                    half = policy.compute_dtype in _HALF
+                    with torch.autocast(
+                        _device_type(params, args, kwargs), dtype=policy.compute_dtype if half else None, enabled=half
+                    ):
+                        out = torch.func.functional_call(skeleton, tensors, tuple(args), kwargs, tie_weights=False)
+                else:
+                    args, kwargs = _cast_io((tuple(args), kwargs), policy.compute_dtype)
+                    out = torch.func.functional_call(skeleton, tensors, args, kwargs, tie_weights=False)
+        finally:
+            uses.pop()
         # functional_call writes attribute reassignments back into the dict it was given.
-        new_state = {name: tensors[name].to(stored_dtypes[name]) for name in fresh}
+        new_state = {name: tensors[name].to(stored_dtypes[name]) for name in plan.buffers}
         return _cast_io(out, policy.output_dtype), new_state
 
-    explicit = bool(plan.buffers) if with_buffers is None else with_buffers
     if explicit:
 
         def apply_fn(
@@ -528,7 +568,7 @@ def functionalize(
             return run(params, buffers, args, kwargs)
 
         _describe(apply_fn, frozen, forward_dtypes, plan, remat_names)
-        return apply_fn, params, buffers
+        return FunctionalWithBuffers(apply_fn, params, buffers)
 
     constant = buffers
 
@@ -536,7 +576,74 @@ def functionalize(
         return run(params, constant, args, kwargs)[0]
 
     _describe(apply_fn, frozen, forward_dtypes, plan, remat_names)
-    return apply_fn, params
+    return Functional(apply_fn, params)
+
+
+def _explicit(with_buffers: bool | None, module: nn.Module, plan: _Plan) -> bool:
+    """Whether ``apply_fn`` takes and returns the buffers; ``with_buffers=None`` on a model with them warns."""
+    if with_buffers is not None:
+        if not isinstance(with_buffers, bool):
+            raise TypeError(f"functionalize: with_buffers must be None, True or False, got {with_buffers!r}")
+        return with_buffers
+    if plan.buffers:
+        warnings.warn(
+            f"functionalize: {type(module).__name__} has persistent buffers ({_sample(plan.buffers)}), so without "
+            "with_buffers this returns three values, (apply_fn, params, buffers), with apply_fn(params, buffers, "
+            "*args) -> (out, new_buffers); pass with_buffers=True for that form (or with_buffers=False to hold the "
+            "buffers as constants). The number of values is to follow the arguments, not the model: a future "
+            "version raises here instead of choosing",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return bool(plan.buffers)
+
+
+def _with_fp8(
+    module: nn.Module, policy: PolicyLike, module_policies: ModulePolicies | None, with_buffers: bool | None
+) -> tuple[nn.Module, PolicyLike, ModulePolicies | None]:
+    """The model, dtype policy and module policies after the ``fp8=<recipe>`` part of a policy string.
+
+    ``fp8=R`` makes the model ``fp8.convert(module, R)`` (every Linear but the first and the last) and
+    puts :data:`funcamp.fp8.MODULE_POLICIES` after yours; without it nothing changes.
+
+    Raises:
+      ValueError: if the recipe is unknown or given twice, or is ``delayed`` without ``with_buffers=True``.
+      TypeError: if ``module_policies`` is not a mapping.
+    """
+    if not isinstance(policy, str) or "fp8" not in policy.lower():
+        return module, policy, module_policies
+    from funcamp import fp8  # funcamp.fp8 imports funcamp.nn
+
+    rest, recipe = fp8._split_policy(policy)
+    if recipe is None:
+        return module, policy, module_policies
+    r = fp8.get_recipe(recipe)
+    if r.scaling == "delayed" and with_buffers is not True:
+        raise ValueError(
+            f"functionalize: fp8={recipe} keeps an amax history and a scale per fp8 layer as buffers that every "
+            "call updates, so apply_fn must take and return them: pass with_buffers=True (apply_fn(params, "
+            "buffers, *args) -> (out, new_buffers); TrainState.create(..., buffers=buffers) carries them), or "
+            "use fp8=tensorwise or fp8=rowwise, which keep no state"
+        )
+    if module_policies is not None and not isinstance(module_policies, Mapping):
+        raise TypeError(
+            "functionalize: module_policies must be None or a dict from module types or names to policies "
+            f"(merged over fp8.MODULE_POLICIES), got {type(module_policies).__name__}"
+        )
+    merged = dict(module_policies or {})  # yours first: the first entry that matches a module wins
+    for key, value in fp8.MODULE_POLICIES.items():
+        merged.setdefault(key, value)
+    return fp8.convert(module, r), rest, merged
+
+
+@contextlib.contextmanager
+def _pushed(uses: _use.Uses, params: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """``params`` as the trainable tensors the module wrappers make their uses from (a recompute's)."""
+    uses.push(params)
+    try:
+        yield
+    finally:
+        uses.pop()
 
 
 def _describe(
@@ -575,12 +682,6 @@ def _fresh_buffers(
     plan: _Plan, state: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]
 ) -> dict[str, torch.Tensor]:
     """Buffers as they were when the call began (fresh copies: a recompute must not update them twice)."""
-    fresh = {name: _to_forward(b, dtypes[name], copy=True) for name, b in state.items()}
+    fresh = {name: _use.to_forward(b, dtypes[name], copy=True) for name, b in state.items()}
     fresh.update({alias: fresh[name] for alias, name in plan.aliases.items() if name in fresh})
     return fresh
-
-
-def _to_forward(tensor: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
-    if not tensor.is_floating_point():
-        return tensor.clone() if copy else tensor
-    return tensor.to(dtype, copy=True) if copy else tensor.to(dtype)
