@@ -55,10 +55,10 @@ funcamp's ``reduce=bfloat16``), no loss scale:
   ``"only_fsdp"``, ``bucket_reduce_scatters_fx="all"``) or its compute/communication reordering
   (``reorder_for_compute_comm_overlap=True``), see :data:`OVERLAP`.
 - ``funcamp`` / ``funcamp_donate``: ``make_train_step(..., shard=shard_layout(params, group,
-  gather_dtype=bfloat16))`` compiled with inductor, without / with ``donate=True``. The loss applies the
-  layers through the step's ``param_at_use`` hook (``funcamp.nn.functionalize``'s), so with a funcamp that
-  gathers at use each weight is gathered where it is used and its gradient reduce-scattered as it is made;
-  with one that does not (run this script with ``PYTHONPATH`` at an older checkout) it gathers up front.
+  gather_dtype=bfloat16))`` compiled with inductor, without / with ``donate=True``, the model through
+  ``funcamp.nn.functionalize``: with a funcamp that gathers at use each weight is gathered where it is used
+  and its gradient reduce-scattered as it is made; with one that does not (run this script with
+  ``PYTHONPATH`` at an older checkout) it gathers up front.
 """
 
 from __future__ import annotations
@@ -231,23 +231,6 @@ class MLP(torch.nn.Module):
         return x
 
 
-def _at_use(params: Any, name: str) -> torch.Tensor:
-    """``params[name]`` as ``funcamp.nn.functionalize`` materializes it at its module's use."""
-    from funcamp import _scope
-
-    hook = getattr(_scope.current(), "param_at_use", None)
-    return params[name] if hook is None else hook(name, params[name])
-
-
-def _funcamp_mlp_loss(params: Any, batch: Any) -> torch.Tensor:
-    x = batch["x"].to(torch.bfloat16)
-    for i in range(DEPTH):
-        w = _at_use(params, f"layers.{i}.weight").to(torch.bfloat16)
-        b = _at_use(params, f"layers.{i}.bias").to(torch.bfloat16)
-        x = torch.relu(torch.nn.functional.linear(x, w, b))
-    return x.float().square().mean()
-
-
 def memory_worker(variant: str, out: str, time_steps: int) -> None:
     import statistics
     import time
@@ -281,10 +264,15 @@ def memory_worker(variant: str, out: str, time_steps: int) -> None:
             opt.zero_grad(set_to_none=True)
 
     else:
-        params = parallel.broadcast_params({k: v.detach().clone() for k, v in model.named_parameters()})
-        del model
         # reduced in bfloat16, as FSDP2 reduces with only param_dtype given (reduce_dtype defaults to it)
         policy = fa.get_policy("params=float32,compute=bfloat16,output=float32,reduce=bfloat16")
+        apply_fn, params = fa.nn.functionalize(model, policy)
+        params = parallel.broadcast_params(params)
+        del model
+
+        def loss_fn(p: Any, batch: Any) -> torch.Tensor:
+            return apply_fn(p, batch["x"]).float().square().mean()
+
         layout = sharding.shard_layout(params, group, gather_dtype=torch.bfloat16)
         fopt = optim.adamw(1e-3, weight_decay=0.1)
         box = [fa.TrainState.create(params, fopt, shard=layout)]
@@ -294,7 +282,7 @@ def memory_worker(variant: str, out: str, time_steps: int) -> None:
         overlap = OVERLAP.get(variant.split("_")[-1], {})
         inductor_config.patch(overlap).__enter__()  # this process compiles once, with these passes
         train_step = fa.make_train_step(
-            _funcamp_mlp_loss, fopt, data_parallel=group, policy=policy, shard=layout, donate="donate" in variant
+            loss_fn, fopt, data_parallel=group, policy=policy, shard=layout, donate="donate" in variant
         )
 
         def step(batch: Any) -> None:

@@ -147,6 +147,45 @@ def _drop_unused_gathers(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
+def _sink_gathers(graph: torch.fx.Graph) -> None:
+    """Move each forward :func:`gather_region` (a collective and its views) to just before its first user.
+
+    ``funcamp.nn.functionalize`` makes every use up front when compiled, so the gathers come first in the
+    graph; inductor schedules in graph order, which would hold every gathered parameter from the start of
+    the forward. Moved, a parameter is gathered where its module needs it. Only regions whose other inputs
+    all come before that user are moved (the shards and their casts are graph inputs or made early).
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+
+    def forward_gather(n: torch.fx.Node) -> bool:
+        tags = _tags(n)
+        return n.op == "call_function" and bool(tags.get(_GATHER)) and tags.get(_PHASE) == "forward"
+
+    done: set[torch.fx.Node] = set()
+    for node in list(graph.nodes):
+        if node in done or not forward_gather(node):
+            continue
+        region, todo = [], [node]  # the connected tagged nodes
+        while todo:
+            n = todo.pop()
+            if n in done or not forward_gather(n):
+                continue
+            done.add(n)
+            region.append(n)
+            todo += list(n.users) + list(n.all_input_nodes)
+        region.sort(key=order.__getitem__)
+        inside = set(region)
+        users = [u for n in region for u in n.users if u not in inside]
+        if not users:
+            continue
+        first = min(users, key=order.__getitem__)
+        inputs = [i for n in region for i in n.all_input_nodes if i not in inside]
+        if any(order[i] >= order[first] for i in inputs) or order[region[-1]] >= order[first]:
+            continue
+        for n in region:
+            first.prepend(n)
+
+
 try:
     from torch._inductor.custom_graph_pass import CustomGraphPass as _Base
 except ImportError:  # older torch: a plain callable
@@ -159,6 +198,7 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
     def __call__(self, graph: torch.fx.Graph) -> None:
         recompute_for_backward(graph, _recomputable)
         _drop_unused_gathers(graph)
+        _sink_gathers(graph)
 
     def uuid(self) -> bytes:
         """The pass's identity for inductor's caches: a hash of this module's source."""

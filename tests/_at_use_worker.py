@@ -97,14 +97,52 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mixed": dict(policy="p=f32,c=bf16,o=f32,r=bf16", mode="mixed", k=1),
     # two micro-batches, a LossSum: reduced per micro-batch (not bitwise, see the test)
     "losssum_k2": dict(policy="p=f32,c=f32", mode="losssum", k=2),
+    # funcamp.nn.functionalize of a module with a tied weight and a module called twice
+    # (gathered in float32: its LayerNorm computes in float32, which a bf16 gather would round)
+    "functionalize": dict(policy="p=f32,c=bf16,o=f32,r=bf16", mode="functionalize", k=1),
 }
+
+
+class Tied(torch.nn.Module):
+    """Linear(7, 5) -> tanh -> ``mid`` twice -> ``tied`` (its weight is ``mid``'s) -> LayerNorm -> Linear(5, 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid, self.tied = (
+            torch.nn.Linear(F_IN, HIDDEN),
+            torch.nn.Linear(HIDDEN, HIDDEN),
+            torch.nn.Linear(HIDDEN, HIDDEN),
+        )
+        self.tied.weight = self.mid.weight
+        self.norm, self.head = torch.nn.LayerNorm(HIDDEN), torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.mid(torch.tanh(self.mid(h))))
+        return self.head(self.norm(torch.tanh(self.tied(h))))
+
+
+def functionalized(policy: fa.Policy) -> tuple[Any, dict[str, torch.Tensor]]:
+    return fa.nn.functionalize(Tied(), policy)
+
+
+def make_functionalized_loss(policy: fa.Policy) -> Any:
+    apply_fn, _ = functionalized(policy)
+
+    def loss_fn(params: Any, batch: Any) -> torch.Tensor:
+        logits = apply_fn(params, batch["x"]).float()
+        trap = (params["inp.bias"].float() * batch["poison"].mean()).sum()
+        return torch.nn.functional.cross_entropy(logits, batch["y"]) + trap
+
+    return loss_fn
 
 
 def run(name: str, group: Any, rank: int, *, sharded: bool) -> dict[str, Any]:
     cfg = SCENARIOS[name]
     policy = fa.get_policy(cfg["policy"])
     opt = optim.adamw(1e-2, weight_decay=0.1)
-    params = init_params()
+    params = functionalized(policy)[1] if cfg["mode"] == "functionalize" else init_params()
     layout = sharding.shard_layout(params, group, gather_dtype=cfg.get("gather")) if sharded else None
     state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=3), shard=layout)
     counter = None
@@ -113,8 +151,9 @@ def run(name: str, group: Any, rank: int, *, sharded: bool) -> dict[str, Any]:
 
         torch._dynamo.reset()
         counter = CompileCounterWithBackend("aot_eager")
+    loss_fn = make_functionalized_loss(policy) if cfg["mode"] == "functionalize" else make_loss_fn(policy, cfg["mode"])
     step = fa.make_train_step(
-        make_loss_fn(policy, cfg["mode"]),
+        loss_fn,
         opt,
         accumulation_steps=cfg["k"],
         data_parallel=group,
