@@ -831,7 +831,9 @@ def test_compiled_at_use_losssum_with_micro_batches(at_use_ranks):
 
 def test_inductor_regathers_for_the_backward(at_use_ranks):
     """Inductor with funcamp's post-grad pass: no backward node uses a gather made in the forward (each backward use
-    gathers again), the unused up-front gathers are dropped, and the step matches the aot_eager one."""
+    gathers again), the unused up-front gathers are dropped, and the step matches the aot_eager one to bf16
+    compute round-off (inductor rounds fused bf16 ops once; AdamW's normalised update carries the difference):
+    measured max |inductor - aot_eager| after 2 steps 3.3e-4."""
     A, ranks = at_use_ranks
     for r in ranks:
         ind = r["inductor"]
@@ -839,6 +841,5 @@ def test_inductor_regathers_for_the_backward(at_use_ranks):
         assert ind["gathers"].count("forward") == 8  # one per use; the 6 up-front ones are gone
         assert ind["gathers"].count("backward") >= 1
         want = r["bf16"]["sharded"]["records"][1]["params"]
-        assert (
-            _max_diff({k: v.float() for k, v in ind["params"].items()}, {k: v.float() for k, v in want.items()}) < 1e-5
-        )
+        got = {k: v.float() for k, v in ind["params"].items()}
+        assert _max_diff(got, {k: v.float() for k, v in want.items()}) < 1e-3
