@@ -108,13 +108,20 @@ def _encode(x: Any, path: str) -> Any:
                 f"funcamp.checkpoint.save: {path or 'the state'} was donated to a train step built with donate=True, "
                 "which wrote the next state into its tensors; save the state that step returned"
             )
-        fields = {f.name: _encode(getattr(x, f.name), _join(path, f.name)) for f in dataclasses.fields(x) if f.init}
+        fields = {f.name: _encode(getattr(x, f.name), _join(path, f.name)) for f in _saved_fields(x)}
         return {"$": "dataclass", "type": _type_name(type(x)), "fields": fields}
     raise TypeError(
         f"funcamp.checkpoint.save: cannot save {path or 'the state'} of type {type(x).__name__}; a checkpoint holds "
         "tensors, None, bool/int/float/str, torch dtypes, dicts, lists, tuples, NamedTuples and dataclasses "
         "(TrainState, loss scales, Policy)"
     )
+
+
+def _saved_fields(x: Any) -> list[dataclasses.Field]:
+    """The fields of a dataclass that a checkpoint holds: every ``__init__`` field but the static facts a state
+    carries (``TrainState.shard``, ``buffer_reductions``: metadata ``funcamp.static``), which a load takes from
+    ``like``."""
+    return [f for f in dataclasses.fields(x) if f.init and not f.metadata.get("funcamp.static")]
 
 
 def _join(path: str, key: Any) -> str:
@@ -392,10 +399,13 @@ def _decode_object(node: dict[str, Any], like: Any, path: str, file: str, checke
         if not is_kind or type(like).__name__ != name.rsplit(".", 1)[-1]:
             raise _mismatch(file, path, f"is a {kind} {name} in the checkpoint but a {_like_kind(like)} in like")
         cls = type(like)
-        expected = list(cls._fields) if kind == "namedtuple" else [f.name for f in dataclasses.fields(like) if f.init]
+        expected = list(cls._fields) if kind == "namedtuple" else [f.name for f in _saved_fields(like)]
         if sorted(expected) != sorted(fields):
             raise _mismatch(file, path, f"has fields {sorted(fields)} in the checkpoint, {sorted(expected)} in like")
         values = {k: _decode(v, getattr(like, k), _join(path, k), file, True) for k, v in fields.items()}
+        if kind == "dataclass":  # the static facts a state carries (not saved) come from like
+            static = [f.name for f in dataclasses.fields(like) if f.init and f.metadata.get("funcamp.static")]
+            values.update({k: getattr(like, k) for k in static})
     else:
         cls = _funcamp_type(name, kind, path, file)
         values = {k: _decode(v, None, _join(path, k), file, False) for k, v in fields.items()}
@@ -752,23 +762,21 @@ def load_sharded(
     with _quiet_single_process():
         dcp.load(wanted, checkpoint_id=directory, process_group=pg, no_dist=pg is None)
     node = _fill(meta["tree"], saved, layout, wanted)
-    out = _decode(node, like, "", directory, like is not None)
-    _mark_loaded_shards(out)
-    return out
+    return _carrying(_decode(node, like, "", directory, like is not None), layout)
 
 
-def _mark_loaded_shards(tree: Any) -> None:
-    """Record the ``params`` of every loaded TrainState as shards (a step without ``shard=`` refuses them)."""
-    from funcamp import sharding
-
+def _carrying(tree: Any, layout: Any) -> Any:
+    """``tree`` with every TrainState in it carrying ``layout`` (its ``params`` are that layout's shards), so
+    that a train step built without ``shard=`` trains it sharded."""
     if _type_name(type(tree)) == _TRAIN_STATE:
-        sharding.mark_shards(tree.params)
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            _mark_loaded_shards(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            _mark_loaded_shards(v)
+        return dataclasses.replace(tree, shard=layout)
+    if isinstance(tree, dict):
+        return {k: _carrying(v, layout) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_carrying(v, layout) for v in tree]
+    if isinstance(tree, tuple) and not _is_namedtuple(tree):
+        return tuple(_carrying(v, layout) for v in tree)
+    return tree
 
 
 def _dtype(name: str, file: str) -> torch.dtype:

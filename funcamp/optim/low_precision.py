@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from funcamp import _tree
+from funcamp import _scope, _tree
 from funcamp.optim.base import GradientTransformation, OptState, Params, Updates, mark_outermost
 from funcamp.optim.transforms import _map_n
 
@@ -259,7 +259,7 @@ def stochastic_rounding(
     _check_inner(fn, inner)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"{fn}: seed must be an int in [0, 2**63), got {seed!r}")
-    offsets = _element_offsets(fn, layout)
+    given = _element_offsets(fn, layout)
 
     def init(params: Params) -> StochasticRoundingState:
         _refuse_float16(fn, params)
@@ -277,6 +277,7 @@ def stochastic_rounding(
         updates, inner_state = inner.update(updates, state.inner_state, params)
         step_key = _step_key(state.seed, state.count)
         names = _tree.tree_paths(updates)  # static: the leaves' names, in _map_leaves' order
+        offsets = _step_offsets(fn, layout, given)  # the step's layout (its shards' places), or layout=
 
         def leaf(i: int, u: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor]:
             if p.dtype != torch.bfloat16:
@@ -289,8 +290,6 @@ def stochastic_rounding(
         (new_updates,) = _map_leaves(fn, 1, leaf, updates, params)
         return new_updates, StochasticRoundingState(inner_state=inner_state, count=state.count + 1, seed=state.seed)
 
-    # funcamp.sharding.check_optimizer finds it wherever the combinators keep this wrapper (make_train_step)
-    update._funcamp_rounding_layout = layout  # type: ignore[attr-defined]
     return mark_outermost(GradientTransformation(init, update), "stochastic_rounding")
 
 
@@ -307,6 +306,26 @@ def _element_offsets(fn: str, layout: Any) -> Mapping[str, int] | None:
             f"{fn}: layout must be None or a funcamp.sharding.ShardLayout (the layout of the sharded step, "
             f"funcamp.sharding.shard_layout(params, group)), got {type(layout).__name__}"
         )
+    return offsets
+
+
+def _step_offsets(fn: str, layout: Any, given: Mapping[str, int] | None) -> Mapping[str, int] | None:
+    """The element offsets of the train step's layout (``funcamp._scope.current()``), or of ``layout=``
+    outside a step. Inside a step a ``layout=`` must place every parameter where the step's layout does
+    (host side, at trace time): its offsets and the step's agree, a missing one counting as 0."""
+    step = _scope.current()
+    if step is None:
+        return given
+    offsets = step.element_offsets()
+    if given is not None:
+        mine, theirs = dict(given), dict(offsets or {})
+        differ = sorted(n for n in {*mine, *theirs} if mine.get(n, 0) != theirs.get(n, 0))
+        if differ:
+            raise ValueError(
+                f"{fn}: layout= (rank {getattr(layout, 'rank', 0)}) places parameter {differ[0]!r} "
+                f"elsewhere than the train step's layout, {step!r} (element offset {mine.get(differ[0], 0)} vs "
+                f"{theirs.get(differ[0], 0)}); drop layout=: inside a train step the wrapper takes the step's layout"
+            )
     return offsets
 
 

@@ -164,23 +164,30 @@ def make_train_step(
         )
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
         raise ValueError(f"make_train_step: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
-    probes: list[Any] = [] if max_consecutive_skips is None else [_probes.skip_limit(max_consecutive_skips)]
     telemetry = numerics.as_telemetry(telemetry)
-    layout = _layout.layout_from(data_parallel, shard, policy)
-    probes += [_probes.aux_probe] if has_aux else []
-    probes += [] if telemetry is None else [_probes.telemetry_probe(telemetry, layout)]
-    layout.check_optimizer(optimizer)
+    built = _layout.layout_from(data_parallel, shard, policy)
+    run_as = _Assembly(built, _probes_for(built, max_consecutive_skips, has_aux, telemetry))
+    built.check_ranks()
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        layout = run_as.layout  # set by the first call's host-side check, before anything is traced
         record = _stages.run(
             loss_fn, optimizer, state, batch, has_aux=has_aux, accumulation_steps=accumulation_steps, layout=layout
         )
         metrics = dict(record.metrics)
-        for probe in probes:
+        for probe in run_as.probes:
             metrics.update(probe(record))
         return record.new_state, metrics
 
-    first_call = _first_call_check(layout, loss_fn, optimizer)
+    def for_state(state: TrainState) -> None:  # the first call: the layout the state carries
+        if state.shard is not None:
+            layout = _layout.layout_from(data_parallel, shard, policy, carried=state.shard)
+            if shard is None:  # taken from the state: checked as a layout given to the step is at build time
+                run_as.probes = _probes_for(layout, max_consecutive_skips, has_aux, telemetry)
+                layout.check_ranks()
+            run_as.layout = layout
+
+    first_call = _first_call_check(run_as, for_state, loss_fn, optimizer)
     body = _donate.donating(step) if donate else step  # donating: (state, batch) -> metrics, state written
     if compile:
         backend = backend or "inductor"
@@ -190,6 +197,22 @@ def make_train_step(
     else:
         run = _with_checked_args(body, first_call)
     return _donate.returning_state(run) if donate else run
+
+
+class _Assembly:
+    """What a step runs with: its layout and probes (those of the state's layout after the first call)."""
+
+    def __init__(self, layout: _layout.SingleProcess, probes: list[Any]) -> None:
+        self.layout, self.probes = layout, probes
+
+
+def _probes_for(
+    layout: _layout.SingleProcess, max_consecutive_skips: int | None, has_aux: bool, telemetry: Any
+) -> list[Any]:
+    """The probes the step's keywords ask for, over ``layout`` (raises as :func:`funcamp.train.telemetry_probe`)."""
+    probes: list[Any] = [] if max_consecutive_skips is None else [_probes.skip_limit(max_consecutive_skips)]
+    probes += [_probes.aux_probe] if has_aux else []
+    return probes + ([] if telemetry is None else [_probes.telemetry_probe(telemetry, layout)])
 
 
 def _inductor_options() -> dict[str, Any] | None:
@@ -241,7 +264,7 @@ _PYTHON_TENSOR_MATH = (
 
 
 def _first_call_check(
-    layout: Any, loss_fn: Callable[..., Any], optimizer: GradientTransformation
+    run_as: _Assembly, for_state: Callable[[Any], None], loss_fn: Callable[..., Any], optimizer: GradientTransformation
 ) -> Callable[[Any], None]:
     """The host-side check of the state at a step's first call (later calls do nothing)."""
     done = [False]
@@ -252,8 +275,9 @@ def _first_call_check(
         message = _loss.arity_error(loss_fn, state.buffers is not None)
         if message is not None:
             raise TypeError(message)
+        for_state(state)
         _check_opt_state(state, optimizer)
-        layout.check_state(state)
+        run_as.layout.check_state(state)
         done[0] = True
 
     return check
