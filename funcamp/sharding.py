@@ -103,7 +103,8 @@ class ShardLayout:
       gather_dtype: the dtype the parameters are gathered in for the forward and backward; None
         (default) gathers each in its own dtype (exact).
       group: the ``ProcessGroup`` :func:`shard_layout` was given (None: one process, or a layout built
-        by hand). Not compared, hashed or shown; ``TrainState.create(shard=)`` and
+        by hand). Not compared, hashed, shown or pickled; the train step takes it from a state that
+        carries the layout, and ``TrainState.create(shard=)`` and
         ``funcamp.checkpoint.save_sharded`` use it to check that this process is ``rank`` of
         ``world_size`` and that every rank starts from the same parameters.
     """
@@ -114,6 +115,15 @@ class ShardLayout:
     shapes: tuple[tuple[int, ...], ...]
     gather_dtype: torch.dtype | None = None
     group: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled without the process group (a handle of this process, not picklable): it unpickles with
+        ``group=None``. A ``TrainState`` that carries the layout pickles so (``torch.save``)."""
+        return type(self), (self.world_size, self.rank, self.names, self.shapes, self.gather_dtype)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardLayout:
+        """Itself: immutable, and its process group is this process's handle (``copy.deepcopy`` of a state)."""
+        return self
 
     def rows(self, i: int) -> int:
         """``c``: the rows of parameter ``i`` each rank holds, ``ceil(d0 / N)`` (a 0-d parameter has ``d0 = 1``)."""
