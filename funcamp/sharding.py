@@ -6,7 +6,7 @@ rank ``r`` holds rows ``[r * c, (r + 1) * c)`` of the tensor zero-padded to ``N 
 optimizer state is built from these shards (``optimizer.init(shards)``), so it is split the same way,
 and each rank stores about ``1 / N`` of the parameters and of the optimizer state.
 
-Inside the train step (``make_train_step(..., data_parallel=group, shard=layout)``):
+Inside the train step (``make_train_step(loss_fn, optimizer)`` on a state made with ``shard=layout``):
 
 1. :func:`all_gather_params`: one functional ``all_gather_single`` per dtype bucket rebuilds the whole
    parameters, in their own dtype (exact; the default) or in ``layout.gather_dtype`` (FSDP2's
@@ -38,19 +38,15 @@ Differences from FSDP2: no module wrapper, no DTensor (plain tensors and a stati
 and the float32 gradient mean is reduced in the policy's ``reduce_dtype`` with the loss scale protecting
 it on a 16-bit wire (FSDP2 reduces what autograd produced, without knowing the loss scale).
 
-Global-norm clipping must see all shards: use :func:`clip_by_global_norm` (this module's) in a sharded
-optimizer; ``funcamp.optim.clip_by_global_norm`` in a sharded step would clip each rank's shard by its
-own norm, and ``make_train_step`` refuses it wherever the optimizer keeps it (``chain``,
-``multi_transform``, ``masked``, ``kahan_summation``...), as it refuses this module's clip built for
-another group than the step's (``None`` in a multi-rank step would clip each shard by its own norm)
-and this module's clip with a group in a step without ``shard=``.
-
-Stochastic rounding must see where each shard lies in its whole tensor: build
-``optim.stochastic_rounding(inner, seed, layout=layout)`` with the step's layout, whose
-:meth:`ShardLayout.element_offsets` give each shard's first element index; its noise then hashes each
-element's index in the whole tensor, so the shards never share noise and the sharded run rounds as
-the unsharded one, on any number of ranks. ``make_train_step`` refuses the wrapper without that layout
-(over more than one rank) or with another one.
+The layout is given once: ``TrainState.create(params, optimizer, shard=layout)`` and the state carries it
+(``state.shard``, with the group :func:`shard_layout` was given), so ``make_train_step(loss_fn, optimizer)``
+and ``funcamp.checkpoint.save_sharded(path, tree)`` take it from there. The step runs the loss and
+``optimizer.update`` within its layout (``funcamp._scope``): ``funcamp.optim.clip_by_global_norm`` then
+takes :func:`global_norm` (the norm over all ranks' shards, one float64 ``all_reduce``), and
+``funcamp.optim.stochastic_rounding`` each shard's first element index in its whole tensor
+(:meth:`ShardLayout.element_offsets`), so its noise is the unsharded run's on any number of ranks. The
+same optimizer is right with and without sharding; this module's :func:`clip_by_global_norm` is a
+deprecated alias.
 
 Every rank must start from the same parameters: ``TrainState.create(params, optimizer, shard=layout)``
 checks it (float64 sum and sum of squares of each parameter, one ``all_gather_object`` over the

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from types import MappingProxyType
+from collections.abc import Iterable
 
 from torch import nn
 
 __all__ = ["buffer_reductions"]
 
 
-def buffer_reductions(module: nn.Module, names: Iterable[str]) -> Mapping[str, str]:
+def buffer_reductions(module: nn.Module, names: Iterable[str]) -> dict[str, str]:
     """Dotted buffer name -> ``"max"`` or ``"min"``, for the buffers ``names`` whose owning module declares one.
 
     A module class declares ``buffer_reductions = {"attribute_name": "max" | "min"}`` (``funcamp.fp8``'s layers
     for their delayed-scaling state); buffers it does not name are averaged over the ranks. The result is
     what ``funcamp.nn.functionalize`` gives as ``apply_fn.buffer_reductions``, for
-    ``TrainState.create(..., buffer_reductions=...)``.
+    ``TrainState.create(..., buffer_reductions=...)``: a plain dict (``torch.compile`` traces a function that
+    reads one; it cannot trace the ``items`` of a ``MappingProxyType``).
 
     Raises:
       ValueError: if a module declares a reduction other than ``"max"`` and ``"min"``.
@@ -34,4 +34,4 @@ def buffer_reductions(module: nn.Module, names: Iterable[str]) -> Mapping[str, s
                 f"{how!r}; a buffer's reduction over ranks is 'max' or 'min' (leave it out to average it)"
             )
         out[name] = how
-    return MappingProxyType(out)
+    return out

@@ -415,6 +415,13 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     Cost: that of the norm (one extra read of each bfloat16, float32 and float64 leaf, see
     ``_tree.scaled_global_norm``) and a second multiplication by a 0-d factor, fused when compiled.
 
+    In every process layout: inside a train step the norm is the step's layout's
+    (``funcamp._scope.current().scaled_global_norm``, the state's layout): in a sharded step the norm
+    over every rank's shards (a float64 sum of squares, padding excluded, one ``all_reduce``; the factor
+    ``c / norm`` computed in float64 and rounded once to float32), under plain data parallelism and in one
+    process the local norm above (data-parallel gradients are already averaged, the same on every rank).
+    Outside a step, the norm of the updates given. So one clip is right everywhere; never pass a group.
+
     Args:
       max_norm: ``c``, > 0.
     Returns:

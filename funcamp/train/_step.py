@@ -93,18 +93,19 @@ def make_train_step(
       telemetry: None (default: off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``:
         module groups of depth 2, float16 and bfloat16, histograms) or a ``Telemetry``.
       donate: write the next state into the given state's tensors (see below); default False, a pure step.
-      shard: None, or the :class:`funcamp.sharding.ShardLayout` of a state made with
-        ``TrainState.create(..., shard=layout)`` (ZeRO-3 / FSDP2-style sharded data parallelism over
-        the ``data_parallel`` group, see :mod:`funcamp.sharding`): the step all-gathers the parameters
-        (in ``layout.gather_dtype``, default their own), computes the gradients as above,
-        reduce-scatters their mean in ``policy.reduce_dtype`` (loss scale on a narrower wire), agrees
-        one ``grads_finite`` and takes ``grad_norm`` over all shards, and updates only this rank's
-        shards. The metrics are the unsharded step's (``grad_norm`` to float32 round-off). The
-        optimizer must not contain ``funcamp.optim.clip_by_global_norm`` (use
-        ``funcamp.sharding.clip_by_global_norm`` built for the same group), and an
-        ``optim.stochastic_rounding`` in it takes ``layout=`` the same layout (its noise then hashes
-        each element's index in the whole tensor: the unsharded run's noise). Building the step checks
-        (one ``all_gather_object``) that every rank has the same layout and policy; that every rank
+      shard: None (default: the layout the state carries, ``state.shard``), or the
+        :class:`funcamp.sharding.ShardLayout` of a state made with ``TrainState.create(..., shard=layout)``,
+        which must then be the state's. A sharded state (ZeRO-3 / FSDP2-style sharded data parallelism over
+        the layout's group, see :mod:`funcamp.sharding`) needs neither ``shard=`` nor ``data_parallel=``:
+        the step all-gathers the parameters (in ``layout.gather_dtype``, default their own), computes the
+        gradients as above, reduce-scatters their mean in ``policy.reduce_dtype`` (loss scale on a narrower
+        wire), agrees one ``grads_finite`` and takes ``grad_norm`` over all shards, and updates only this
+        rank's shards. The metrics are the unsharded step's (``grad_norm`` to float32 round-off). The
+        optimizer is the one of an unsharded step: the loss and ``optimizer.update`` run within the step's
+        layout (:mod:`funcamp._scope`), so ``funcamp.optim.clip_by_global_norm`` takes the norm over all
+        shards and ``optim.stochastic_rounding`` hashes each element's index in the whole tensor (the
+        unsharded run's noise). The sharded layout checks (one ``all_gather_object``, at build time when
+        given, else at the first call) that every rank has the same layout and policy; that every rank
         starts from the same parameters is checked by ``TrainState.create(shard=layout)``, where the
         whole parameters are at hand.
 
@@ -120,9 +121,9 @@ def make_train_step(
     overwrites the ``params`` dict's tensors you built the state from, and a loss-scale object shared with
     another state: clone them to keep them.
 
-    The first call (host side, before anything is traced) checks the state: a sharded state (made by
-    ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) given to a step built without
-    ``shard=`` is refused; with ``data_parallel`` and no ``shard``, one ``all_gather_object`` of a
+    The first call (host side, before anything is traced) takes the layout the state carries (made by
+    ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) and checks the state; with
+    ``data_parallel`` and an unsharded state, one ``all_gather_object`` of a
     float64 checksum per parameter (sum and sum of squares) refuses parameters that differ between
     ranks (which would otherwise diverge silently: the gradients are averaged, the parameters never
     compared). Later calls check nothing more.
@@ -134,15 +135,13 @@ def make_train_step(
         Telemetry.
       RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
       ValueError: if ``accumulation_steps`` < 1, ``max_consecutive_skips`` < 1 or ``telemetry`` < 1; at call time, if a
-        batch leaf cannot be split into ``accumulation_steps`` micro-batches. With ``shard``: if
-        ``data_parallel`` is missing (and the layout is for more than one rank), the layout's world
-        size or rank is not the group's, ranks differ in layout or policy (the message names the rank),
-        ``telemetry`` is set, or the optimizer clips by a per-shard global norm or by
-        ``funcamp.sharding.clip_by_global_norm`` of another group, or holds ``optim.stochastic_rounding``
-        without ``layout=`` (over more than one rank) or with another layout. Without ``shard``: if the
-        optimizer holds ``funcamp.sharding.clip_by_global_norm`` with a group, or
-        ``optim.stochastic_rounding`` with a layout over more than one rank. At the first call: if the state
-        is sharded and the step is not, or (data parallel) the parameters differ between ranks.
+        batch leaf cannot be split into ``accumulation_steps`` micro-batches. With a sharded layout (given
+        here, or at the first call the state's): if it has no group (``shard_layout(params, None)`` or built
+        by hand) and is for more than one rank, the layout's world size or rank is not the group's, ranks
+        differ in layout or policy (the message names the rank), or ``telemetry`` is set. At the first
+        call: if ``shard`` is not the state's layout or ``data_parallel`` not its group, an
+        ``optim.stochastic_rounding(layout=)`` places a shard elsewhere than the step's layout, or (data
+        parallel) the parameters differ between ranks.
 
     Example:
       >>> import funcamp as fa
