@@ -832,3 +832,24 @@ def test_killed_rank_survivor_fails_fast_and_last_checkpoint_loads(tmp_path):
     assert int(state.step) == W.KILL_STEP - 1
     whole = sharding.unshard_params(state.params, one, None)
     assert _max_diff(whole, params) > 1e-3 and all(torch.isfinite(v).all() for v in whole.values())  # 2 warmup steps
+
+
+def test_a_state_saved_before_the_layout_was_carried_loads_and_continues_bitwise():
+    """``tests/golden/sharded_state_2699137.pt``: a one-rank sharded state after one step, saved by the code
+    before this change (commit 2699137, optimizer ``chain(sharding.clip_by_global_norm(1.0, None),
+    adamw(1e-2))``, loss ``sum_k <p_k, b>`` with ``b = 1``). Loaded with a ``like`` it carries the like's
+    layout, and the next step (``b = 2``) with the one ``optim.clip_by_global_norm``, built without ``shard=``,
+    gives the old code's parameters bit for bit (float32 bit patterns printed by the old code)."""
+    import struct
+
+    params = {"w": torch.arange(6.0).view(3, 2), "b": torch.tensor([0.5, -1.0])}
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
+    layout = sharding.shard_layout(params, None)
+    like = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**10), shard=layout)
+    state = fa.checkpoint.load(HERE / "golden" / "sharded_state_2699137.pt", {"state": like})["state"]
+    assert state.shard == layout and int(state.step) == 1
+    loss_fn = lambda q, b: sum((v * b).sum() for v in q.values())  # noqa: E731
+    state, metrics = fa.make_train_step(loss_fn, opt, compile=False)(state, torch.tensor(2.0))
+    bits = [struct.unpack("<I", struct.pack("<f", v))[0] for v in [*state.params["w"].flatten(), *state.params["b"]]]
+    old = [0xBCA3D4F2, 0x3F7AD43D, 0x3FFD6391, 0x403EAE82, 0x407EAB3B, 0x409F53FA, 0x3EF5B596, 0xBF8288C6]
+    assert bits == old and float(metrics["grad_norm"]) == 5.656854152679443
