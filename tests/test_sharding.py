@@ -182,6 +182,10 @@ def test_step_without_shard_takes_the_layout_from_the_state():
     with pytest.raises(ValueError, match="the state carries another layout"):
         fa.make_train_step(loss_fn, opt, shard=other, compile=False)(state, batch)
     fa.make_train_step(loss_fn, opt, compile=False)(fa.TrainState.create(params, opt), batch)  # plain: plain
+    with pytest.raises(ValueError, match="this step was first called with a state of layout None"):
+        given_plain = fa.make_train_step(loss_fn, opt, compile=False)
+        given_plain(given_plain(fa.TrainState.create(params, opt), batch)[0], batch)  # the same layout: runs
+        given_plain(state, batch)  # a sharded state in the step that runs whole tensors
 
 
 def test_layout_is_not_checkpointed_and_load_sharded_states_carry_it(tmp_path):

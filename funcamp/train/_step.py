@@ -265,11 +265,17 @@ _PYTHON_TENSOR_MATH = (
 def _first_call_check(
     run_as: _Assembly, for_state: Callable[[Any], None], loss_fn: Callable[..., Any], optimizer: GradientTransformation
 ) -> Callable[[Any], None]:
-    """The host-side check of the state at a step's first call (later calls do nothing)."""
-    done = [False]
+    """The host-side check of the state at a step's first call; later calls only compare the layout the state
+    carries with the first call's (a host-side comparison of static metadata)."""
+    done: list[Any] = [False, None]
 
     def check(state: TrainState) -> None:
         if done[0]:
+            if state.shard is not done[1] and state.shard != done[1]:
+                raise ValueError(
+                    f"train_step: this step was first called with a state of layout {done[1]!r} and runs under it; "
+                    f"this state carries {state.shard!r}: build another step for it (make_train_step)"
+                )
             return
         message = _loss.arity_error(loss_fn, state.buffers is not None)
         if message is not None:
@@ -277,7 +283,7 @@ def _first_call_check(
         for_state(state)
         _check_opt_state(state, optimizer)
         run_as.layout.check_state(state)
-        done[0] = True
+        done[0], done[1] = True, state.shard
 
     return check
 
