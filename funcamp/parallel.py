@@ -489,10 +489,7 @@ def mean_over_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     Raises:
       TypeError: if ``x`` is not a floating tensor or ``group`` not a ProcessGroup.
     """
-    if not _tree.is_floating(x):
-        raise TypeError(f"mean_over_ranks: x must be a floating tensor, got {x!r}")
-    _check_group(group, "mean_over_ranks")
-    return _sum(x, group) / group.size()
+    return _checked_sum(x, group, "mean_over_ranks") / group.size()
 
 
 def sum_over_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -503,7 +500,11 @@ def sum_over_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     Raises:
       TypeError: if ``x`` is not a floating tensor or ``group`` not a ProcessGroup.
     """
+    return _checked_sum(x, group, "sum_over_ranks")
+
+
+def _checked_sum(x: torch.Tensor, group: dist.ProcessGroup, fn: str) -> torch.Tensor:
     if not _tree.is_floating(x):
-        raise TypeError(f"sum_over_ranks: x must be a floating tensor, got {x!r}")
-    _check_group(group, "sum_over_ranks")
+        raise TypeError(f"{fn}: x must be a floating tensor, got {x!r}")
+    _check_group(group, fn)
     return _sum(x, group)
