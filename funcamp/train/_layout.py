@@ -3,7 +3,12 @@
 A layout answers the questions a step asks of its processes, and nothing else: which parameters to
 differentiate (all-gathered shards, or the parameters as they are), how to reduce the gradients (not at
 all, averaged, reduce-scattered), how to agree on one finite verdict and one gradient norm, how to add up
-or average a number, and what to do to the new parameters (zero the padding of shards). The stages of
+or average a number, and what to do to the new parameters (zero the padding of shards). The stages run the
+loss and the optimizer within the layout (:mod:`funcamp._scope`), so that ``optim.clip_by_global_norm``
+asks it for the global norm (:meth:`SingleProcess.scaled_global_norm`) and ``optim.stochastic_rounding``
+for each shard's place in its whole tensor (:meth:`SingleProcess.element_offsets`): one optimizer is right
+in every layout. A sharded state carries its layout (``TrainState.shard``); :func:`layout_from` builds the
+step's layout from it. The stages of
 :mod:`funcamp.train` take a layout and never ask which kind it is, as flax's training code takes an axis
 name and torchtitan's train loop does not know which parallelisms were applied.
 
