@@ -52,10 +52,14 @@ out of ``apply_fn`` with the batch dimension (the layer reassigns its state buff
 writing into them, which vmap could not do for an unbatched buffer; reduce them, e.g. with a maximum,
 if you carry them on). Data parallel:
 the dynamic recipes need nothing (weights are equal on every rank, activations are scaled per rank,
-as torchao without ``reduce_amax``); for the delayed state this module registers its buffers with
-:func:`funcamp.parallel.register_buffer_reduction`, so that :func:`funcamp.parallel.reduce_buffers`
-(the data-parallel train step's reduction of the new buffers) takes the maximum of the amax histories
-and the minimum of the scales over the ranks: every rank casts with the scale of the largest amax, as
+as torchao without ``reduce_amax``); for the delayed state the fp8 layers declare
+``buffer_reductions`` (a class attribute), which ``funcamp.nn.functionalize`` gives as
+``apply_fn.buffer_reductions`` and ``TrainState.create(..., buffer_reductions=apply_fn.buffer_reductions)``
+carries to the step, so that :func:`funcamp.parallel.reduce_buffers` (the data-parallel train step's
+reduction of the new buffers) takes the maximum of the amax histories and the minimum of the scales over
+the ranks (for a state made without them, the same rule by the buffers' names, deprecated: one
+registration per name at import, :func:`funcamp.parallel.register_buffer_reduction`'s table): every
+rank casts with the scale of the largest amax, as
 TransformerEngine's amax reduction gives (an average would let a rank whose activations are larger
 than the mean saturate).
 
@@ -130,9 +134,14 @@ _MAX = {dtype: get_format(dtype).max for dtype in (E4M3, E5M2)}  # a plain dict:
 
 
 _ROLES = ("input", "weight")  # the delayed-scaling state of a layer: one per role, buffers named below
-for _role in _ROLES:  # under data parallelism every rank casts with the scale of the largest amax (TE)
-    parallel.register_buffer_reduction(f"fp8_amax_history_{_role}", "max")
-    parallel.register_buffer_reduction(f"fp8_scale_{_role}", "min")
+#: How a data-parallel step reduces the delayed state over the ranks, so that every rank casts with the scale
+#: of the largest amax (TransformerEngine's amax reduction): the fp8 layers' ``buffer_reductions``.
+_REDUCTIONS = {
+    **{f"fp8_amax_history_{role}": "max" for role in _ROLES},
+    **{f"fp8_scale_{role}": "min" for role in _ROLES},
+}
+for _name, _how in _REDUCTIONS.items():  # deprecated fallback for states made without buffer_reductions=
+    parallel._register(_name, _how)
 
 
 class Fp8FallbackWarning(UserWarning):
@@ -530,10 +539,16 @@ def _check_fp8_shape(in_features: int, out_features: int) -> str | None:
 
 
 class _Float8Layer(nn.Module):
-    """What the fp8 layers share: the recipe, the delayed state in buffers, the fp8 forward."""
+    """What the fp8 layers share: the recipe, the delayed state in buffers, the fp8 forward.
+
+    ``buffer_reductions`` (class attribute) says how a data-parallel step reduces the delayed state over the
+    ranks: amax histories by their maximum, scales by their minimum; ``funcamp.nn.functionalize`` reads it
+    into ``apply_fn.buffer_reductions``.
+    """
 
     recipe: Recipe
     name: str
+    buffer_reductions: Mapping[str, str] = MappingProxyType(_REDUCTIONS)
 
     def _init_fp8(self, recipe: Recipe | str, name: str, device: Any) -> None:
         self.recipe = get_recipe(recipe)

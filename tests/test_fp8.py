@@ -714,25 +714,74 @@ def test_data_parallel_delayed_state_takes_the_largest_amax(dp_ranks) -> None:
     assert zero["local"]["0.fp8_amax_history_input"][0] == 0  # rank 0's all-zero input: its own scale stayed,
     assert not torch.equal(zero["local"]["0.fp8_scale_input"], zero["kept"]["0.fp8_scale_input"])  # rank 1's won
     assert all(torch.equal(r0["eager"][k], r0["steps"][0]["kept"][k]) for k in r0["eager"])  # eager == compiled
-    # make_train_step(data_parallel=True) reduces its buffers the same way (it averaged them before).
+    assert all(torch.equal(r0["legacy"][k], r0["eager"][k]) for k in r0["eager"])  # the deprecated name rule too
+    # make_train_step(data_parallel=True) reduces its buffers the same way (it averaged them before), with the
+    # state's buffer_reductions (from apply_fn.buffer_reductions) and, for a state made without, by fp8's names.
     for k, v in r0["steps"][0]["kept"].items():
-        assert torch.equal(r0["train_step_buffers"][k], v) and torch.equal(r1["train_step_buffers"][k], v), k
+        for key in ("train_step_buffers", "train_step_legacy_buffers"):
+            assert torch.equal(r0[key][k], v) and torch.equal(r1[key][k], v), (key, k)
 
 
 def test_reduce_buffers_registry_and_errors() -> None:
     from funcamp import parallel
 
-    assert parallel._BUFFER_REDUCTIONS["fp8_amax_history_input"] == "max"  # registered by funcamp.fp8
+    # funcamp.fp8's names: the deprecated fallback for states made without buffer_reductions=
+    assert parallel._BUFFER_REDUCTIONS["fp8_amax_history_input"] == "max"
     assert parallel._BUFFER_REDUCTIONS["fp8_scale_weight"] == "min"
-    parallel.register_buffer_reduction("fp8_scale_weight", "min")  # again, the same: nothing happens
-    with pytest.raises(ValueError, match="'fp8_scale_weight' is registered with 'min' already, not 'max'"):
-        parallel.register_buffer_reduction("fp8_scale_weight", "max")
-    with pytest.raises(ValueError, match="reduction must be 'max' or 'min', got 'mean'"):
-        parallel.register_buffer_reduction("x", "mean")
-    with pytest.raises(ValueError, match="without dots"):
-        parallel.register_buffer_reduction("a.b", "max")
+    deprecated = pytest.warns(DeprecationWarning, match="register_buffer_reduction is deprecated: declare")
+    with deprecated:
+        parallel.register_buffer_reduction("fp8_scale_weight", "min")  # again, the same: nothing happens
+    for name, how, error, match in (
+        ("fp8_scale_weight", "max", ValueError, "'fp8_scale_weight' is registered with 'min' already, not 'max'"),
+        ("x", "mean", ValueError, "reduction must be 'max' or 'min', got 'mean'"),
+        ("a.b", "max", ValueError, "without dots"),
+    ):
+        with pytest.raises(error, match=match), pytest.warns(DeprecationWarning):
+            parallel.register_buffer_reduction(name, how)
     with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
         parallel.reduce_buffers({"fp8_scale_input": torch.ones(())}, None)
+
+
+def test_buffer_reductions_come_from_the_modules_that_own_the_buffers() -> None:
+    """The fp8 layers declare ``buffer_reductions`` (a class attribute); ``functionalize`` gives them by dotted
+    name as ``apply_fn.buffer_reductions`` (BatchNorm's statistics: not named, averaged); the state carries them
+    as static metadata (checked names and reductions)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 32))
+    model = fp8.convert(model, fp8.Recipe("delayed", amax_history_len=4), filter=["0", "2"])
+    assert fp8.Float8Linear.buffer_reductions["fp8_amax_history_input"] == "max"
+    apply_fn, params, buffers = fa.nn.functionalize(
+        model, "f32", module_policies=fp8.MODULE_POLICIES, with_buffers=True
+    )
+    want = {
+        f"{i}.fp8_{kind}_{role}": how
+        for i in (0, 2)
+        for kind, how in (("amax_history", "max"), ("scale", "min"))
+        for role in ("input", "weight")
+    }
+    assert dict(apply_fn.buffer_reductions) == want and "1.running_mean" in buffers
+    state = fa.TrainState.create(params, optim.sgd(0.1), buffers=buffers, buffer_reductions=apply_fn.buffer_reductions)
+    assert state.buffer_reductions == tuple(sorted(want.items()))
+    assert not any(isinstance(x, str) for x in fa._tree.tree_leaves(state))  # static: no leaves
+    with pytest.raises(ValueError, match="buffer_reductions names 'nope', which is not one of the buffers"):
+        fa.TrainState.create(params, optim.sgd(0.1), buffers=buffers, buffer_reductions={"nope": "max"})
+    with pytest.raises(ValueError, match=r"buffer_reductions\['1.running_mean'\] must be 'max' or 'min'"):
+        fa.TrainState.create(params, optim.sgd(0.1), buffers=buffers, buffer_reductions={"1.running_mean": "mean"})
+    with pytest.raises(TypeError, match="buffer_reductions must be None or a mapping"):
+        fa.TrainState.create(params, optim.sgd(0.1), buffers=buffers, buffer_reductions=["max"])
+
+    class Bad(torch.nn.Module):
+        buffer_reductions = {"running": "mean"}
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("running", torch.zeros(2))
+
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ValueError, match=r"Bad.buffer_reductions\['running'\] is 'mean'"):
+        fa.nn.functionalize(Bad(), "f32", with_buffers=True)
 
 
 # --- fp8 in the policy string ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from torch import nn
 from funcamp import quant
 from funcamp.nn import _remat, _store, _use, _wrappers
 from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
+from funcamp.nn._reductions import buffer_reductions
 from funcamp.nn._store import Trainable, _sample
 from funcamp.ops import OpRule
 from funcamp.policy import Policy, get_policy
@@ -233,7 +234,9 @@ def functionalize(
     Returns:
       :class:`Functional` ``(apply_fn, params)`` or :class:`FunctionalWithBuffers` ``(apply_fn, params,
       buffers)`` (named tuples), see above. ``apply_fn.frozen`` is a
-      read-only dict of the frozen tensors (empty when everything is trainable);
+      read-only dict of the frozen tensors (empty when everything is trainable); with buffers,
+      ``apply_fn.buffer_reductions`` the reductions over ranks their modules declare, for
+      ``TrainState.create(..., buffer_reductions=...)`` (:func:`funcamp.nn._reductions.buffer_reductions`);
       ``apply_fn.forward_dtypes`` the dtype each parameter and buffer enters the forward in, by name
       (tied uses under each name, listed in ``apply_fn.aliases``), from which
       :func:`funcamp.memory.memory_report` ``(params, apply_fn=apply_fn)`` counts the compute copies;
@@ -297,6 +300,7 @@ def functionalize(
             return run(params, buffers, args, kwargs)
 
         _describe(apply_fn, store, plan, remat_names)
+        apply_fn.buffer_reductions = buffer_reductions(module, plan.buffers)  # type: ignore[attr-defined]
         return FunctionalWithBuffers(apply_fn, store.params, store.buffers)
 
     def apply_fn(params: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
