@@ -750,7 +750,9 @@ def test_buffer_reductions_come_from_the_modules_that_own_the_buffers() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 32))
     model = fp8.convert(model, fp8.Recipe("delayed", amax_history_len=4), filter=["0", "2"])
     assert fp8.Float8Linear.buffer_reductions["fp8_amax_history_input"] == "max"
-    apply_fn, params, buffers = fa.nn.functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES)
+    apply_fn, params, buffers = fa.nn.functionalize(
+        model, "f32", module_policies=fp8.MODULE_POLICIES, with_buffers=True
+    )
     want = {
         f"{i}.fp8_{kind}_{role}": how
         for i in (0, 2)
@@ -779,7 +781,7 @@ def test_buffer_reductions_come_from_the_modules_that_own_the_buffers() -> None:
             return x
 
     with pytest.raises(ValueError, match=r"Bad.buffer_reductions\['running'\] is 'mean'"):
-        fa.nn.functionalize(Bad(), "f32")
+        fa.nn.functionalize(Bad(), "f32", with_buffers=True)
 
 
 # --- fp8 in the policy string ----------------------------------------------------------------------------
