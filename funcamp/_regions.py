@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 from typing import Any
 
 import torch
 
-__all__ = ["RematPass", "phase", "remat_region"]
+__all__ = ["RematPass", "new_region_id", "phase", "remat_region"]
 
 _PHASE, _REMAT = "funcamp_phase", "funcamp_remat"
+_region_ids = itertools.count(1)  # one id per checkpointed module: where one region ends and the next begins
 
 
 def _annotate(tags: dict[str, Any]) -> Any:
@@ -42,9 +44,18 @@ def phase(name: str) -> Any:
     return _annotate({_PHASE: name})
 
 
-def remat_region() -> Any:
-    """A context that tags the nodes traced inside it as recomputable for the backward."""
-    return _annotate({_REMAT: True})
+def new_region_id() -> int:
+    """A new region id, for :func:`remat_region`: taken once per checkpointed module, outside tracing."""
+    return next(_region_ids)
+
+
+def remat_region(region: int) -> Any:
+    """A context that tags the nodes traced inside it as recomputable for the backward, in region ``region``.
+
+    ``region`` (from :func:`new_region_id`, a constant of the traced code: a counter advanced while tracing
+    would recompile every call) says where one region ends and the next begins.
+    """
+    return _annotate({_REMAT: region})
 
 
 def _tags(node: torch.fx.Node) -> dict[str, Any]:
@@ -65,6 +76,65 @@ def _recomputable(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
 
 
+def _recomputed(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The region nodes the backward recomputes: the recomputable ones that stay inside their region.
+
+    A region's results used outside it (by the next region, by untagged forward nodes, by the graph's output)
+    are kept, never recomputed: they are the next region's inputs, saved as ``torch.utils.checkpoint`` saves a
+    region's inputs. Recomputing them instead would recompute, for the backward of the last region, every
+    region before it (a chain through all the blocks), all alive at once.
+    """
+    region = {n: _tags(n)[_REMAT] for n in graph.nodes if _recomputable(n)}
+
+    def leaves(n: torch.fx.Node) -> bool:
+        for user in n.users:
+            tags = _tags(user)
+            if user.op != "call_function" or (tags.get(_PHASE) != "backward" and tags.get(_REMAT) != region[n]):
+                return True
+        return False
+
+    return {n for n in region if not leaves(n)}
+
+
+def _after_gradient(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
+    """The backward's values computed from the loss's gradient, each mapped to itself, and every other node
+    mapped to the last such value before it in the graph's order.
+
+    A backward node computed from forward values alone (LayerNorm's ``x - mean``, GELU's ``x * x``) could run
+    during the forward: a copy gated on it would not wait. The loss's gradient (the seed, ``ones`` or the loss
+    scale) is found as the backward node without backward inputs that the most gradients (backward nodes
+    without backward users) are computed from.
+    """
+    roots: dict[torch.fx.Node, int] = {}  # backward node -> bit set of the input-less backward nodes it reads
+    count = 0
+    for node in graph.nodes:
+        if _tags(node).get(_PHASE) != "backward":
+            continue
+        bits = 0
+        for inp in node.all_input_nodes:
+            bits |= roots.get(inp, 0)
+        if not bits:
+            bits, count = 1 << count, count + 1
+        roots[node] = bits
+    ends = [bits for node, bits in roots.items() if not any(user in roots for user in node.users)]
+    if not ends:
+        return {}
+    seed = max((1 << i for i in range(count)), key=lambda bit: sum(1 for bits in ends if bits & bit))
+    out: dict[torch.fx.Node, torch.fx.Node] = {}
+    last = None
+    for node in graph.nodes:
+        if roots.get(node, 0) & seed and _gateable(node):
+            last = node
+        if last is not None:
+            out[node] = last
+    return out
+
+
+def _gateable(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return hasattr(val, "fake_mode") and val.numel() > 0 and not val.is_complex()
+
+
 try:
     from torch._inductor.custom_graph_pass import CustomGraphPass as _Base
 except ImportError:  # older torch: a plain callable
@@ -75,8 +145,9 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
     """The inductor graph pass that recomputes :func:`remat_region` nodes for their backward uses (see module)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        copies: dict[torch.fx.Node, torch.fx.Node] = {}
         aten = torch.ops.aten
+        recompute = _recomputed(graph)
+        copies: dict[torch.fx.Node, torch.fx.Node] = {}
 
         def call(op: Any, *args: Any) -> torch.fx.Node:
             """A new node of ``op``, with the fake value later passes read (``meta["val"]``)."""
@@ -87,34 +158,45 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
             node.meta["custom"] = {_PHASE: "backward"}
             return node
 
-        def gate(before: torch.fx.Node) -> torch.fx.Node | None:
-            """A 0-d bool made from one of ``before``'s backward inputs: what the copies wait for."""
-            for inp in before.all_input_nodes:
-                val = inp.meta.get("val")
-                if _tags(inp).get(_PHASE) == "backward" and hasattr(val, "fake_mode") and val.numel():
-                    with graph.inserting_before(before):
-                        first = inp
-                        for _ in range(val.ndim):  # its first element, a 0-d view
-                            first = call(aten.select.int, first, 0, 0)
-                        return call(aten.eq.Tensor, first, first)
-            return None
+        after = _after_gradient(graph)
 
-        def copy(node: torch.fx.Node, before: torch.fx.Node, flag: torch.fx.Node | None) -> torch.fx.Node:
+        def gate(before: torch.fx.Node) -> torch.fx.Node | None:
+            """A 0-d bool made from a value of the gradient computed by ``before`` (what the copies wait for):
+            one of its inputs, or else (an input-only part of a backward formula, such as LayerNorm's
+            ``x - mean``) the gradient value last computed before it in the graph's order."""
+            source = next((inp for inp in before.all_input_nodes if after.get(inp) is inp), None) or after.get(before)
+            if source is None:
+                return None
+            val = source.meta["val"]
+            with graph.inserting_before(before):
+                first = source
+                for _ in range(val.ndim):  # its first element, a 0-d view
+                    first = call(aten.select.int, first, 0, 0)
+                return call(aten.eq.Tensor, first, first)
+
+        def copy(node: torch.fx.Node, before: torch.fx.Node, flag: list[torch.fx.Node | None]) -> torch.fx.Node:
             if node in copies:
                 return copies[node]
             for dep in node.all_input_nodes:
-                if _recomputable(dep):
+                if dep in recompute:
                     copy(dep, before, flag)
+            gated = None
+            if not any(dep in copies for dep in node.all_input_nodes):
+                # A copy that reads no other copy waits for the backward through one input (the smallest), as
+                # where(flag, x, x), bitwise x: inductor can neither run it early nor fuse it into the forward's
+                # kernel (which would keep its result alive until the backward). Copies of copies wait with it.
+                inputs = [d for d in node.all_input_nodes if _gateable(d)]
+                if inputs:
+                    if not flag:
+                        flag.append(gate(before))
+                    gated = min(inputs, key=lambda d: d.meta["val"].numel()) if flag[0] is not None else None
 
             def arg(n: torch.fx.Node) -> torch.fx.Node:
                 if n in copies:
                     return copies[n]
-                val = n.meta.get("val")
-                if flag is None or not hasattr(val, "fake_mode") or val.is_complex():
-                    return n
-                # where(flag, n, n) is n, bitwise, but makes the copy wait for the backward: inductor cannot
-                # fuse it into the forward's kernel (which would keep its result alive until the backward)
-                return call(aten.where.self, flag, n, n)
+                if n is gated:
+                    return call(aten.where.self, flag[0], n, n)
+                return n
 
             with graph.inserting_before(before):
                 dup = graph.node_copy(node, arg)
@@ -123,11 +205,11 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
             return dup
 
         for node in list(graph.nodes):
-            if _tags(node).get(_PHASE) != "backward" or _recomputable(node):
+            if _tags(node).get(_PHASE) != "backward" or node in recompute:
                 continue
-            deps = [dep for dep in node.all_input_nodes if _recomputable(dep)]
+            deps = [dep for dep in node.all_input_nodes if dep in recompute]
             if deps:
-                flag = gate(node)
+                flag: list[torch.fx.Node | None] = []  # made at most once, when a copy needs it
                 for dep in deps:
                     node.replace_input_with(dep, copy(dep, node, flag))
 
