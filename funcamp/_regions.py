@@ -30,6 +30,7 @@ __all__ = ["RematPass", "new_region_id", "phase", "remat_region"]
 
 _PHASE, _REMAT = "funcamp_phase", "funcamp_remat"
 _region_ids = itertools.count(1)  # one id per checkpointed module: where one region ends and the next begins
+_made_regions = [False]  # whether this process has made one (RematPass.uuid)
 
 
 def _annotate(tags: dict[str, Any]) -> Any:
@@ -46,6 +47,7 @@ def phase(name: str) -> Any:
 
 def new_region_id() -> int:
     """A new region id, for :func:`remat_region`: taken once per checkpointed module, outside tracing."""
+    _made_regions[0] = True
     return next(_region_ids)
 
 
@@ -74,6 +76,10 @@ def _recomputable(node: torch.fx.Node) -> bool:
         return False
     tags_of_op = getattr(target, "tags", ())
     return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
+
+
+#: Random ops whose results are 0 or 1 (dropout's masks after decomposition): kept as bools for the backward.
+_ZERO_ONE_DRAWS = (torch.ops.aten.bernoulli.p, torch.ops.aten.bernoulli.default)
 
 
 def _recomputed(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -148,6 +154,8 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
         aten = torch.ops.aten
         recompute = _recomputed(graph)
         copies: dict[torch.fx.Node, torch.fx.Node] = {}
+        draws = {n for n in graph.nodes if n.target in _ZERO_ONE_DRAWS and _tags(n).get(_REMAT)}
+        masks: dict[torch.fx.Node, torch.fx.Node] = {}
 
         def call(op: Any, *args: Any) -> torch.fx.Node:
             """A new node of ``op``, with the fake value later passes read (``meta["val"]``)."""
@@ -174,14 +182,32 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
                     first = call(aten.select.int, first, 0, 0)
                 return call(aten.eq.Tensor, first, first)
 
+        def mask(node: torch.fx.Node, before: torch.fx.Node, flag: list[torch.fx.Node | None]) -> torch.fx.Node:
+            """What the backward reads for a region's dropout draw (0 or 1): a bool kept from the forward, made
+            the draw's dtype again once the backward begins (the same values; a quarter of float32's bytes)."""
+            if node in masks:
+                return masks[node]
+            with graph.inserting_after(node):
+                kept = call(aten.ne.Scalar, node, 0)
+            kept.meta["custom"] = dict(_tags(node))
+            if not flag:
+                flag.append(gate(before))
+            with graph.inserting_before(before):
+                if flag[0] is not None:
+                    kept = call(aten.where.self, flag[0], kept, kept)
+                masks[node] = call(torch.ops.prims.convert_element_type.default, kept, node.meta["val"].dtype)
+            return masks[node]
+
         def copy(node: torch.fx.Node, before: torch.fx.Node, flag: list[torch.fx.Node | None]) -> torch.fx.Node:
             if node in copies:
                 return copies[node]
             for dep in node.all_input_nodes:
                 if dep in recompute:
                     copy(dep, before, flag)
+                elif dep in draws:
+                    mask(dep, before, flag)
             gated = None
-            if not any(dep in copies for dep in node.all_input_nodes):
+            if not any(dep in copies or dep in draws for dep in node.all_input_nodes):
                 # A copy that reads no other copy waits for the backward through one input (the smallest), as
                 # where(flag, x, x), bitwise x: inductor can neither run it early nor fuse it into the forward's
                 # kernel (which would keep its result alive until the backward). Copies of copies wait with it.
@@ -194,6 +220,8 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
             def arg(n: torch.fx.Node) -> torch.fx.Node:
                 if n in copies:
                     return copies[n]
+                if n in draws:
+                    return masks[n]
                 if n is gated:
                     return call(aten.where.self, flag[0], n, n)
                 return n
@@ -207,13 +235,17 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
         for node in list(graph.nodes):
             if _tags(node).get(_PHASE) != "backward" or node in recompute:
                 continue
-            deps = [dep for dep in node.all_input_nodes if dep in recompute]
+            deps = [dep for dep in node.all_input_nodes if dep in recompute or dep in draws]
             if deps:
                 flag: list[torch.fx.Node | None] = []  # made at most once, when a copy needs it
                 for dep in deps:
-                    node.replace_input_with(dep, copy(dep, node, flag))
+                    node.replace_input_with(dep, copy(dep, node, flag) if dep in recompute else mask(dep, node, flag))
 
-    def uuid(self) -> bytes:
-        """The pass's identity for inductor's caches: a hash of this module's source."""
+    def uuid(self) -> bytes | None:
+        """The pass's identity for inductor's caches: a hash of this module's source; ``None`` (the step is not
+        cached) once this process has made a region. The caches' keys hold the graph's code, not its tags: a
+        step compiled without remat, cached, would be served for the same model with remat (no memory saved)."""
+        if _made_regions[0]:
+            return None
         with open(__file__, "rb") as f:
             return hashlib.sha256(f.read()).digest()
