@@ -10,11 +10,19 @@ checkpointed region keeps its activations once compiled. Instead, while ``torch.
 
 with ``torch.fx.traceback.annotate``, whose tags reach the graph inductor compiles. :class:`RematPass`, an
 inductor ``post_grad_custom_pre_pass``, then gives every backward use of a tagged forward node a copy of it
-(and of the tagged nodes it depends on) placed just before that use, so the forward's copy dies after its last
-forward use: only the region's inputs live on to the backward, as with ``torch.utils.checkpoint``. The copies
-compute the same ops on the same inputs, so gradients are bitwise those without remat. Random ops (dropout
-masks) and ops that write to their inputs are never copied: their results are kept, so masks are replayed.
-Where torch has no ``annotate`` (before 2.9) nothing is tagged and the pass does nothing.
+(and of the tagged nodes of its region it depends on) placed just before that use, so the forward's copy dies
+after its last forward use. What a region computes for use outside it (its output: the next region's input) is
+kept, not recomputed, as ``torch.utils.checkpoint`` keeps a region's inputs; each region is recomputed alone,
+just before its own backward. The copies wait for the loss's gradient (through one input read as
+``where(flag, x, x)``, bitwise ``x``, ``flag`` made from a value computed from that gradient), so inductor can
+neither run them during the forward nor fuse them into the forward's kernels. The copies compute the same ops
+on the same inputs, so gradients are bitwise those without remat. Random ops (dropout masks) and ops that write
+to their inputs are never copied: their results are kept, so masks are replayed; a dropout draw (0 or 1) is
+kept as a bool. Where torch has no ``annotate`` (before 2.9) nothing is tagged and the pass does nothing.
+
+Limits: a module called twice in one forward is one region (its two calls are recomputed together); inductor's
+caches key on the graph's code, which does not show the tags, so in a process that has made a region the
+compiled steps bypass those caches (:meth:`RematPass.uuid`).
 """
 
 from __future__ import annotations

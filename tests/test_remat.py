@@ -391,3 +391,42 @@ def test_compiled_inductor_remat_keeps_region_inputs_only(inductor_runs):
         inductor_runs[Fp8Block]["peak"],
         inductor_runs[None]["peak"],
     )
+
+
+def test_remat_steps_bypass_inductor_caches():
+    """Inductor's cache keys hold the graph's code, not the remat tags: a step cached without remat was served
+    for the same model with remat (bench_memory's donate + remat step: no memory saved). Once a process has made
+    a region, RematPass has no uuid (inductor does not cache); a process without remat keeps its caches."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from funcamp import _regions
+
+    root = str(Path(__file__).resolve().parents[1])
+    code = "from funcamp import _regions; print(_regions.RematPass().uuid() is not None)"
+    env = dict(os.environ, PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=root)
+    assert out.stdout.strip() == "True"
+    functionalize(Net(), MIXED, remat=Block)
+    assert _regions.RematPass().uuid() is None
+
+
+def test_region_ids_fixed_per_module():
+    """Each checkpointed module has its own region id in the traced graph, taken when functionalize wraps it (a
+    counter advanced while tracing changed at every call: a recompile per step)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    apply_fn, params = functionalize(Net().eval(), MIXED, remat=Block)
+    fn = torch.compile(lambda p: apply_fn(p, X), backend=backend, fullgraph=True)
+    torch._dynamo.reset()
+    for _ in range(3):
+        fn(params)
+    assert len(graphs) == 1  # one graph, no recompile
+    ids = {(node.meta.get("custom") or {}).get("funcamp_remat") for node in graphs[0].graph.nodes}
+    assert len(ids - {None}) == 2  # two blocks, two regions
