@@ -15,6 +15,10 @@ Variants (bfloat16 compute by default, ``--dtype``):
 - ``torch_compiled_opt``: the same with ``torch.compile(optimizer.step)`` (an in-place compiled update);
 - ``funcamp_eager`` / ``funcamp_eager_donate``: ``make_train_step(compile=False)``, without / with ``donate=True``;
 - ``funcamp_compiled`` / ``funcamp_compiled_donate``: ``make_train_step`` (inductor), without / with ``donate``.
+- with activation checkpointing of every block (GPT models; ``--variants``): ``torch_eager_ckpt``, ``torch_compiled``
+  / ``torch_compiled_ckpt`` (``torch.compile(model)``), ``funcamp_eager_remat``, ``funcamp_compiled_remat``,
+  ``funcamp_compiled_donate_remat`` (``functionalize(remat=Block)``); the table compares each with its base.
+  ``--time-steps N`` times N steps after the memory (best kept; separate processes, so noisy on a shared machine).
 
 Models: ``mlp`` (8 x ``Linear(2048, 2048)``, 33.6M parameters, batch 8: the state dominates), ``gpt``
 (``examples/gpt.py`` ``small``, batch 32 x 128: activations matter), ``gpt2`` (GPT-2 124M shape, batch 8 x 256).

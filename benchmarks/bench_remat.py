@@ -16,6 +16,8 @@ initial weights with AdamW (lr 1e-3), float32 throughout (this benchmark is abou
 3. ``funcamp``: ``functionalize`` + ``make_train_step(compile=False)`` (plain autograd: where torch can
    checkpoint; under ``torch.func`` and in the compiled step it cannot, see ``funcamp.nn``).
 4. ``funcamp_remat``: variant 3 with ``functionalize(..., remat=<block type>)``.
+5. ``funcamp_compiled`` / ``funcamp_compiled_remat`` (``--variants``): the inductor-compiled step without / with
+   ``remat=`` (``funcamp._regions.RematPass`` recomputes the regions); no separate forward+backward peak.
 
 Time: each variant is warmed up (one step), then ``--rounds`` rounds run ``--steps`` steps of every variant
 in turn, the order rotated each round; the median of the rounds' ms/step is reported, with ratios to
