@@ -108,10 +108,10 @@ def build(variant: str, model: torch.nn.Module, args: argparse.Namespace, device
 
         return amp_step
     m = model if variant == "funcamp_bf16" else fp8.convert(model, variant.removeprefix("fp8_"))
-    out = fa.nn.functionalize(m, "p=f32,c=bf16,o=f32", module_policies=fp8.MODULE_POLICIES)
-    apply_fn, params = out[:2]
-    buffers = out[2] if len(out) == 3 else None  # the delayed recipe's state; none for the others
-    stateful = buffers is not None  # a bool: loss_fn must not hold the initial buffers (dynamo guards on them)
+    stateful = variant == "fp8_delayed"  # a bool: loss_fn must not hold the initial buffers (dynamo guards on them)
+    out = fa.nn.functionalize(m, "p=f32,c=bf16,o=f32", module_policies=fp8.MODULE_POLICIES, with_buffers=stateful)
+    apply_fn, params = out.apply_fn, out.params
+    buffers = out.buffers if stateful else None  # the delayed recipe's state; none for the others
 
     def loss_fn(params: Any, *rest: Any) -> Any:
         if not stateful:

@@ -49,9 +49,9 @@ More than one device: the same script under ``torchrun`` trains data-parallel, o
 
 ``--shard`` splits the float32 master parameters and AdamW's state over the ranks (``funcamp.sharding``,
 ZeRO-3 / FSDP2 style: each rank stores about 1/N; the step all-gathers the parameters and
-reduce-scatters the gradients) and prints each rank's state bytes; clipping then uses
-``funcamp.sharding.clip_by_global_norm`` (the norm over all shards), checkpoints are sharded
-directories written with ``torch.distributed.checkpoint`` (``funcamp.checkpoint.save_sharded``, default
+reduce-scatters the gradients) and prints each rank's state bytes; the state carries the layout, so the
+step and its ``optim.clip_by_global_norm`` (then the norm over all shards) need nothing more; checkpoints are
+sharded directories written with ``torch.distributed.checkpoint`` (``funcamp.checkpoint.save_sharded``, default
 ``LOGDIR/checkpoint``), and ``--resume`` reads one saved on any number of ranks:
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --shard --policy p=f32,c=bf16,o=f32,r=bf16
@@ -320,18 +320,24 @@ def build_run(
 
     ``distributed``: parameters broadcast from rank 0 and gradients averaged over the ranks (sharded under
     ``--shard``); False builds this process's step alone (no collective), as ``--policy auto`` times it."""
-    functional = fa.nn.functionalize(model, policy, module_policies=fp8.MODULE_POLICIES if args.fp8 else None)
-    apply_fn, params = functional[:2]  # float32 masters (or --master-weights), LayerNorms in float32
-    buffers = functional[2] if len(functional) == 3 else None  # --fp8 delayed: amax histories and scales
+    stateful = args.fp8 == "delayed"  # its amax histories and scales are buffers, carried by the state
+    functional = fa.nn.functionalize(
+        model, policy, module_policies=fp8.MODULE_POLICIES if args.fp8 else None, with_buffers=stateful
+    )
+    apply_fn, params = functional.apply_fn, functional.params  # float32 masters (or --master-weights)
+    buffers = functional.buffers if stateful else None
     if distributed:
         params = parallel.broadcast_params(params)  # every rank starts from rank 0's parameters
     loss_fn = make_loss_fn(apply_fn, stateful=buffers is not None)
     decay_mask = {name: p.ndim >= 2 for name, p in params.items()}  # no decay of norms and biases
     group = parallel.resolve_group(distributed)  # None in one process
     layout = sharding.shard_layout(params, group) if args.shard else None  # --shard: rows of dim 0 per rank
-    optimizer = make_optimizer(args, decay_mask, group, layout)
+    optimizer = make_optimizer(args, decay_mask)
     loss_scale = make_loss_scale(args.loss_scale, policy, args.init_scale, args.scale_period)
-    state = fa.TrainState.create(params, optimizer, loss_scale=loss_scale, buffers=buffers, shard=layout)
+    reductions = getattr(apply_fn, "buffer_reductions", None)  # --fp8 delayed: amaxes max-, scales min-reduced
+    state = fa.TrainState.create(
+        params, optimizer, loss_scale=loss_scale, buffers=buffers, shard=layout, buffer_reductions=reductions
+    )  # the state carries the layout: the step, the clip and stochastic rounding take it from there
     train_step = fa.make_train_step(
         loss_fn,
         optimizer,
@@ -341,7 +347,6 @@ def build_run(
         data_parallel=distributed,  # gradients averaged over the ranks in policy.reduce_dtype
         policy=policy,
         telemetry=args.telemetry_every or None,  # numerics/... metrics every N steps, in the same graph
-        shard=layout,
     )
     return SimpleNamespace(
         policy=policy,
@@ -464,18 +469,16 @@ def make_policy(policy: fa.Policy, master_weights: str) -> fa.Policy:
     return fa.Policy(dtype, policy.compute_dtype, policy.output_dtype, policy.reduce_dtype)
 
 
-def make_optimizer(
-    args: argparse.Namespace, decay_mask: dict[str, bool], shard_group: Any = None, layout: Any = None
-) -> optim.GradientTransformation:
+def make_optimizer(args: argparse.Namespace, decay_mask: dict[str, bool]) -> optim.GradientTransformation:
     """Clipping and AdamW on a warmup-cosine schedule, wrapped for ``--master-weights bfloat16-kahan|-sr``.
 
-    With ``--shard`` the clipping norm is taken over the shards of all ranks of ``shard_group``
-    (``funcamp.sharding.clip_by_global_norm``; None for one process), and stochastic rounding takes the
-    step's ``layout`` (its noise hashes each element's index in the whole tensor)."""
+    The same optimizer with and without ``--shard``: in the step, the clip takes the norm from the state's
+    layout (over the shards of all ranks when sharded) and stochastic rounding its element offsets (its noise
+    hashes each element's index in the whole tensor)."""
     schedule = optim.warmup_cosine_decay(args.lr, warmup=args.warmup, total=args.steps, end_value=args.lr / 10)
     moment_dtype = getattr(torch, args.moment_dtype)
     optimizer = optim.chain(
-        sharding.clip_by_global_norm(args.clip, shard_group) if args.shard else optim.clip_by_global_norm(args.clip),
+        optim.clip_by_global_norm(args.clip),
         optim.adamw(
             schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask, moment_dtype=moment_dtype
         ),
@@ -483,7 +486,7 @@ def make_optimizer(
     if args.master_weights == "bfloat16-kahan":  # the wrappers must be outermost
         return optim.kahan_summation(optimizer)
     if args.master_weights == "bfloat16-sr":
-        return optim.stochastic_rounding(optimizer, seed=args.seed, layout=layout)
+        return optim.stochastic_rounding(optimizer, seed=args.seed)
     return optimizer
 
 

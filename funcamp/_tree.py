@@ -32,6 +32,7 @@ __all__ = [
     "flatten_same",
     "global_norm",
     "is_floating",
+    "norm_dtype",
     "scaled_global_norm",
     "select_tree",
     "tree_bytes",
@@ -586,6 +587,12 @@ def _norm_leaves(fn: str, tree: Any) -> list[torch.Tensor]:
             x = torch.view_as_real(x.resolve_conj())
         out.append(x.float() if x.dtype.itemsize == 1 else x)  # float8: no reductions of its own
     return out
+
+
+def norm_dtype(tree: Any, fn: str = "global_norm") -> torch.dtype:
+    """The dtype :func:`scaled_global_norm` sums ``tree``'s squares in: float64 if a leaf is float64 (or
+    complex128), else float32 (empty, integer and bool leaves left out, as there)."""
+    return torch.float64 if any(x.dtype == torch.float64 for x in _norm_leaves(fn, tree)) else torch.float32
 
 
 def scaled_global_norm(tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:

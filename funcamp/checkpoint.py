@@ -108,13 +108,20 @@ def _encode(x: Any, path: str) -> Any:
                 f"funcamp.checkpoint.save: {path or 'the state'} was donated to a train step built with donate=True, "
                 "which wrote the next state into its tensors; save the state that step returned"
             )
-        fields = {f.name: _encode(getattr(x, f.name), _join(path, f.name)) for f in dataclasses.fields(x) if f.init}
+        fields = {f.name: _encode(getattr(x, f.name), _join(path, f.name)) for f in _saved_fields(x)}
         return {"$": "dataclass", "type": _type_name(type(x)), "fields": fields}
     raise TypeError(
         f"funcamp.checkpoint.save: cannot save {path or 'the state'} of type {type(x).__name__}; a checkpoint holds "
         "tensors, None, bool/int/float/str, torch dtypes, dicts, lists, tuples, NamedTuples and dataclasses "
         "(TrainState, loss scales, Policy)"
     )
+
+
+def _saved_fields(x: Any) -> list[dataclasses.Field]:
+    """The fields of a dataclass that a checkpoint holds: every ``__init__`` field but the static facts a state
+    carries (``TrainState.shard``, ``buffer_reductions``: metadata ``funcamp.static``), which a load takes from
+    ``like``."""
+    return [f for f in dataclasses.fields(x) if f.init and not f.metadata.get("funcamp.static")]
 
 
 def _join(path: str, key: Any) -> str:
@@ -392,10 +399,13 @@ def _decode_object(node: dict[str, Any], like: Any, path: str, file: str, checke
         if not is_kind or type(like).__name__ != name.rsplit(".", 1)[-1]:
             raise _mismatch(file, path, f"is a {kind} {name} in the checkpoint but a {_like_kind(like)} in like")
         cls = type(like)
-        expected = list(cls._fields) if kind == "namedtuple" else [f.name for f in dataclasses.fields(like) if f.init]
+        expected = list(cls._fields) if kind == "namedtuple" else [f.name for f in _saved_fields(like)]
         if sorted(expected) != sorted(fields):
             raise _mismatch(file, path, f"has fields {sorted(fields)} in the checkpoint, {sorted(expected)} in like")
         values = {k: _decode(v, getattr(like, k), _join(path, k), file, True) for k, v in fields.items()}
+        if kind == "dataclass":  # the static facts a state carries (not saved) come from like
+            static = [f.name for f in dataclasses.fields(like) if f.init and f.metadata.get("funcamp.static")]
+            values.update({k: getattr(like, k) for k in static})
     else:
         cls = _funcamp_type(name, kind, path, file)
         values = {k: _decode(v, None, _join(path, k), file, False) for k, v in fields.items()}
@@ -534,6 +544,45 @@ def _check_replicated(tensors: dict[str, torch.Tensor], pg: Any, layout: Any) ->
         )
 
 
+#: ``group`` not given to :func:`save_sharded` / :func:`load_sharded`: the layout's own group, else True.
+_FROM_LAYOUT: Any = object()
+
+
+def _states(tree: Any) -> list[Any]:
+    """The TrainStates in ``tree`` (dicts, lists and tuples walked), in order."""
+    if _type_name(type(tree)) == _TRAIN_STATE:
+        return [tree]
+    if isinstance(tree, dict):
+        return [s for v in tree.values() for s in _states(v)]
+    if isinstance(tree, (list, tuple)) and not _is_namedtuple(tree):
+        return [s for v in tree for s in _states(v)]
+    return []
+
+
+def _carried_layout(tree: Any, layout: Any, fn: str) -> Any:
+    """``layout``, or else the one the TrainStates of ``tree`` carry (the first; a given layout wins: its checks
+    against the tree run on every rank alike, where a local comparison here could leave the other ranks waiting).
+
+    Raises:
+      TypeError: if neither ``layout`` nor a TrainState of ``tree`` gives one.
+    """
+    if layout is not None:
+        return layout
+    found = next((s.shard for s in _states(tree) if s.shard is not None), None)
+    if found is None:
+        raise TypeError(
+            f"funcamp.checkpoint.{fn}: no layout: pass layout=, or a tree holding a TrainState made with "
+            "TrainState.create(..., shard=layout)"
+        )
+    return found
+
+
+def _layout_group(layout: Any, group: Any) -> Any:
+    if group is not _FROM_LAYOUT:
+        return group
+    return True if layout.group is None else layout.group
+
+
 def _sharded_group(layout: Any, group: Any) -> Any:
     from funcamp import sharding
 
@@ -560,7 +609,7 @@ def _barrier(pg: Any) -> None:
         torch.distributed.barrier(group=pg)
 
 
-def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any, *, group: Any = True) -> None:
+def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any = None, *, group: Any = _FROM_LAYOUT) -> None:
     """Write a sharded state with ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards.
 
     ``tree`` is what :func:`save` accepts (e.g. ``{"state": train_state, "rng": ..., "config": {...}}``),
@@ -587,9 +636,10 @@ def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any, *, group:
     Args:
       path: the checkpoint directory (created if missing; its parent must exist).
       tree: the tree to save.
-      layout: the :class:`funcamp.sharding.ShardLayout` the state was sharded with.
+      layout: the :class:`funcamp.sharding.ShardLayout` the state was sharded with; default: the one the
+        ``TrainState`` in ``tree`` carries (``TrainState.create(..., shard=layout)``).
       group: True (the default process group) or a ProcessGroup; with a one-rank layout, None
-        (this process writes alone).
+        (this process writes alone). Default: the layout's group (``shard_layout(params, group)``), else True.
     Raises:
       TypeError: if ``path`` is not a path, ``layout`` not a ShardLayout, or a part of ``tree``
         cannot be saved (named by its path).
@@ -614,10 +664,12 @@ def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any, *, group:
         raise FileNotFoundError(f"funcamp.checkpoint.save_sharded: the parent directory of {path!r} does not exist")
     from funcamp import sharding
 
+    layout = _carried_layout(tree, layout, "save_sharded")
     if not isinstance(layout, sharding.ShardLayout):
         raise TypeError(
             f"funcamp.checkpoint.save_sharded: layout must be a funcamp.sharding.ShardLayout, got {layout!r}"
         )
+    group = _layout_group(layout, group)
     if layout.world_size == 1 and group is not None and _multi_rank_job():
         raise ValueError(
             "funcamp.checkpoint.save_sharded: the layout is for one process, but this process is rank "
@@ -680,7 +732,7 @@ def _latest(path: str) -> str:
 
 
 def load_sharded(
-    path: str | os.PathLike[str], like: Any, layout: Any, *, group: Any = True, reshard: bool = True
+    path: str | os.PathLike[str], like: Any, layout: Any = None, *, group: Any = _FROM_LAYOUT, reshard: bool = True
 ) -> Any:
     """Read a checkpoint written by :func:`save_sharded` into this rank's shards of ``layout``.
 
@@ -695,8 +747,10 @@ def load_sharded(
       path: the checkpoint directory (``path/LATEST`` names the checkpoint read).
       like: a tree of the saved structure for this rank, e.g. ``{"state": TrainState.create(params,
         optimizer, shard=layout), ...}``; None rebuilds funcamp types from the names in the file.
-      layout: the :class:`funcamp.sharding.ShardLayout` to load into (this process's rank).
+      layout: the :class:`funcamp.sharding.ShardLayout` to load into (this process's rank); default: the one
+        the ``TrainState`` in ``like`` carries. The loaded states carry it (a step needs no ``shard=``).
       group: True (the default process group) or a ProcessGroup; ignored with a one-rank layout.
+        Default: the layout's group, else True.
       reshard: False: refuse a checkpoint saved on another number of ranks.
     Returns:
       The saved tree with this rank's shards.
@@ -716,6 +770,12 @@ def load_sharded(
 
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"funcamp.checkpoint.load_sharded: path must be a str or path, got {type(path).__name__}")
+    layout = _carried_layout(like, layout, "load_sharded")
+    if not isinstance(layout, sharding.ShardLayout):
+        raise TypeError(
+            f"funcamp.checkpoint.load_sharded: layout must be a funcamp.sharding.ShardLayout, got {layout!r}"
+        )
+    group = _layout_group(layout, group)
     directory = _latest(os.path.abspath(os.fspath(path)))
     try:
         with open(os.path.join(directory, _META)) as f:
@@ -752,23 +812,21 @@ def load_sharded(
     with _quiet_single_process():
         dcp.load(wanted, checkpoint_id=directory, process_group=pg, no_dist=pg is None)
     node = _fill(meta["tree"], saved, layout, wanted)
-    out = _decode(node, like, "", directory, like is not None)
-    _mark_loaded_shards(out)
-    return out
+    return _carrying(_decode(node, like, "", directory, like is not None), layout)
 
 
-def _mark_loaded_shards(tree: Any) -> None:
-    """Record the ``params`` of every loaded TrainState as shards (a step without ``shard=`` refuses them)."""
-    from funcamp import sharding
-
+def _carrying(tree: Any, layout: Any) -> Any:
+    """``tree`` with every TrainState in it carrying ``layout`` (its ``params`` are that layout's shards), so
+    that a train step built without ``shard=`` trains it sharded."""
     if _type_name(type(tree)) == _TRAIN_STATE:
-        sharding.mark_shards(tree.params)
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            _mark_loaded_shards(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            _mark_loaded_shards(v)
+        return dataclasses.replace(tree, shard=layout)
+    if isinstance(tree, dict):
+        return {k: _carrying(v, layout) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_carrying(v, layout) for v in tree]
+    if isinstance(tree, tuple) and not _is_namedtuple(tree):
+        return tuple(_carrying(v, layout) for v in tree)
+    return tree
 
 
 def _dtype(name: str, file: str) -> torch.dtype:

@@ -52,10 +52,14 @@ out of ``apply_fn`` with the batch dimension (the layer reassigns its state buff
 writing into them, which vmap could not do for an unbatched buffer; reduce them, e.g. with a maximum,
 if you carry them on). Data parallel:
 the dynamic recipes need nothing (weights are equal on every rank, activations are scaled per rank,
-as torchao without ``reduce_amax``); for the delayed state this module registers its buffers with
-:func:`funcamp.parallel.register_buffer_reduction`, so that :func:`funcamp.parallel.reduce_buffers`
-(the data-parallel train step's reduction of the new buffers) takes the maximum of the amax histories
-and the minimum of the scales over the ranks: every rank casts with the scale of the largest amax, as
+as torchao without ``reduce_amax``); for the delayed state the fp8 layers declare
+``buffer_reductions`` (a class attribute), which ``funcamp.nn.functionalize`` gives as
+``apply_fn.buffer_reductions`` and ``TrainState.create(..., buffer_reductions=apply_fn.buffer_reductions)``
+carries to the step, so that :func:`funcamp.parallel.reduce_buffers` (the data-parallel train step's
+reduction of the new buffers) takes the maximum of the amax histories and the minimum of the scales over
+the ranks (for a state made without them, the same rule by the buffers' names, deprecated: one
+registration per name at import, :func:`funcamp.parallel.register_buffer_reduction`'s table): every
+rank casts with the scale of the largest amax, as
 TransformerEngine's amax reduction gives (an average would let a rank whose activations are larger
 than the mean saturate).
 
@@ -67,11 +71,13 @@ are not multiples of 16 stay as they are, reported once), then ``functionalize``
     model = fp8.convert(GPT(cfg), recipe="tensorwise")    # first and last Linear stay as they are
     apply_fn, params = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32", module_policies=fp8.MODULE_POLICIES)
 
-``functionalize`` returns ``(apply_fn, params, buffers)`` for the delayed recipe (its state) and
-``(apply_fn, params)`` for the others on a model without buffers. :func:`functionalize` (this module's)
-does both steps from a policy string with an ``fp8=`` part and returns three values for every recipe:
+With ``with_buffers=True`` ``functionalize`` returns ``(apply_fn, params, buffers)`` for every recipe (the
+delayed recipe's state in ``buffers``; ``{}`` for the others). :func:`funcamp.nn.functionalize` does both
+steps from a policy string with an ``fp8=`` part (the delayed recipe requires ``with_buffers=True``):
 
-    apply_fn, params, buffers = fp8.functionalize(GPT(cfg), "p=f32,c=bf16,o=f32,fp8=delayed")
+    apply_fn, params, buffers = fa.nn.functionalize(GPT(cfg), "p=f32,c=bf16,o=f32,fp8=delayed", with_buffers=True)
+
+(:func:`functionalize` of this module, which did the same, is a deprecated alias.)
 
 References:
   Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433. torchao float8 training
@@ -128,9 +134,14 @@ _MAX = {dtype: get_format(dtype).max for dtype in (E4M3, E5M2)}  # a plain dict:
 
 
 _ROLES = ("input", "weight")  # the delayed-scaling state of a layer: one per role, buffers named below
-for _role in _ROLES:  # under data parallelism every rank casts with the scale of the largest amax (TE)
-    parallel.register_buffer_reduction(f"fp8_amax_history_{_role}", "max")
-    parallel.register_buffer_reduction(f"fp8_scale_{_role}", "min")
+#: How a data-parallel step reduces the delayed state over the ranks, so that every rank casts with the scale
+#: of the largest amax (TransformerEngine's amax reduction): the fp8 layers' ``buffer_reductions``.
+_REDUCTIONS = {
+    **{f"fp8_amax_history_{role}": "max" for role in _ROLES},
+    **{f"fp8_scale_{role}": "min" for role in _ROLES},
+}
+for _name, _how in _REDUCTIONS.items():  # deprecated fallback for states made without buffer_reductions=
+    parallel._register(_name, _how)
 
 
 class Fp8FallbackWarning(UserWarning):
@@ -528,10 +539,16 @@ def _check_fp8_shape(in_features: int, out_features: int) -> str | None:
 
 
 class _Float8Layer(nn.Module):
-    """What the fp8 layers share: the recipe, the delayed state in buffers, the fp8 forward."""
+    """What the fp8 layers share: the recipe, the delayed state in buffers, the fp8 forward.
+
+    ``buffer_reductions`` (class attribute) says how a data-parallel step reduces the delayed state over the
+    ranks: amax histories by their maximum, scales by their minimum; ``funcamp.nn.functionalize`` reads it
+    into ``apply_fn.buffer_reductions``.
+    """
 
     recipe: Recipe
     name: str
+    buffer_reductions: Mapping[str, str] = MappingProxyType(_REDUCTIONS)
 
     def _init_fp8(self, recipe: Recipe | str, name: str, device: Any) -> None:
         self.recipe = get_recipe(recipe)
@@ -855,7 +872,12 @@ def functionalize(
     module_policies: Mapping[Any, Any] | None = None,
     **kwargs: Any,
 ) -> tuple[Any, ...]:
-    """:func:`funcamp.nn.functionalize` with fp8 asked for in the policy string: ``"p=f32,c=bf16,o=f32,fp8=delayed"``.
+    """Deprecated: :func:`funcamp.nn.functionalize` takes the ``fp8=<recipe>`` part of the policy string itself.
+
+    Use ``funcamp.nn.functionalize(model, policy, with_buffers=True)`` (the same three values), and for
+    ``filter=``, ``funcamp.nn.functionalize(convert(model, recipe, filter=filter), dtypes,
+    module_policies=MODULE_POLICIES, with_buffers=True)``. This alias warns (``DeprecationWarning``) and
+    otherwise behaves as before:
 
     The ``fp8=<recipe>`` part (``tensorwise``, ``rowwise``, ``delayed``) makes this
     ``funcamp.nn.functionalize(convert(model, recipe, filter=filter), rest, module_policies=merged, **kwargs)``,
@@ -887,12 +909,27 @@ def functionalize(
       ValueError: if ``with_buffers=False`` with the delayed recipe (its state would never advance).
 
     Example:
+      What to write instead:
+
+      >>> import funcamp as fa
       >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
-      >>> apply_fn, params, buffers = functionalize(model, "p=f32,c=bf16,o=f32,fp8=tensorwise")
+      >>> apply_fn, params, buffers = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32,fp8=tensorwise", with_buffers=True)
       >>> out, new_buffers = apply_fn(params, buffers, torch.randn(4, 16))
       >>> out.dtype, new_buffers
       (torch.float32, {})
     """
+    warnings.warn(
+        "fp8.functionalize is deprecated: funcamp.nn.functionalize takes the fp8= part of the policy string "
+        "itself; funcamp.nn.functionalize(model, policy, with_buffers=True) returns the same three values"
+        + (
+            " (for filter=: funcamp.nn.functionalize(fp8.convert(model, recipe, filter=filter), dtypes, "
+            "module_policies=fp8.MODULE_POLICIES, with_buffers=True))"
+            if filter is not None
+            else ""
+        ),
+        DeprecationWarning,
+        stacklevel=2,
+    )
     rest, recipe = _split_policy(policy)
     kwargs.setdefault("with_buffers", True)  # three values whatever the recipe
     if module_policies is not None and not isinstance(module_policies, Mapping):

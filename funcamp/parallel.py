@@ -308,19 +308,20 @@ def mean_gradients(
     return _tree.tree_unflatten(spec, out)
 
 
-#: buffer name (the last part of its dotted path) -> "max" or "min"; every other floating buffer is averaged.
-#: funcamp.fp8 registers its delayed-scaling state here.
+#: Deprecated (:func:`register_buffer_reduction`): buffer attribute name -> "max" or "min", for buffers whose
+#: reduction the state does not carry (``TrainState.buffer_reductions``).
 _BUFFER_REDUCTIONS: dict[str, str] = {}
 
 
 def register_buffer_reduction(name: str, reduction: str) -> None:
-    """Make :func:`reduce_buffers` take the maximum or the minimum over ranks of every buffer called ``name``.
+    """Deprecated: declare the reduction on the module that owns the buffer instead.
 
-    ``name`` is a buffer's attribute name, the last part of its dotted path in the buffers tree
-    (``"fp8_amax_history_input"`` matches ``"blocks.0.mlp.fc.fp8_amax_history_input"``).
-    :mod:`funcamp.fp8` registers its delayed-scaling buffers when it is imported: the amax histories
-    with ``"max"`` and the scales with ``"min"``. Registering a name again with the same reduction does
-    nothing.
+    A module class declares ``buffer_reductions = {"attribute_name": "max" | "min"}`` (as
+    :class:`funcamp.fp8.Float8Linear` does for its delayed-scaling state); ``funcamp.nn.functionalize``
+    reads it for each buffer and gives ``apply_fn.buffer_reductions`` (dotted name -> reduction), which
+    ``TrainState.create(..., buffer_reductions=...)`` carries to the step. This function still makes
+    :func:`reduce_buffers` take the maximum or the minimum over ranks of every buffer called ``name`` (the
+    last part of its dotted path) whose reduction the state does not give, and warns.
 
     Args:
       name: the buffer's attribute name, without dots.
@@ -330,6 +331,19 @@ def register_buffer_reduction(name: str, reduction: str) -> None:
       ValueError: if ``name`` is empty or has a dot, ``reduction`` is not ``"max"`` or ``"min"``, or
         ``name`` is registered already with the other reduction.
     """
+    import warnings
+
+    warnings.warn(
+        "funcamp.parallel.register_buffer_reduction is deprecated: declare buffer_reductions = {name: 'max' | "
+        "'min'} on the module class that owns the buffer, and pass apply_fn.buffer_reductions (from "
+        "funcamp.nn.functionalize) to TrainState.create(..., buffer_reductions=)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    _register(name, reduction)
+
+
+def _register(name: str, reduction: str) -> None:
     if not isinstance(name, str):
         raise TypeError(f"register_buffer_reduction: name must be a buffer's attribute name (str), got {name!r}")
     if not name or "." in name:
@@ -348,11 +362,14 @@ def _max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return y if torch.compiler.is_compiling() else funcol.wait_tensor(y)
 
 
-def reduce_buffers(buffers: T, group: dist.ProcessGroup) -> T:
+def reduce_buffers(buffers: T, group: dist.ProcessGroup, *, reductions: Any = None) -> T:
     """Model buffers after a data-parallel step, the same on every rank: fp8 amaxes max-reduced, the rest averaged.
 
-    Floating buffers whose name was registered with :func:`register_buffer_reduction` take the
-    elementwise maximum (``"max"``) or minimum (``"min"``) over the ranks of ``group``; every other
+    Floating buffers named in ``reductions`` (their dotted path in ``buffers`` -> ``"max"`` or ``"min"``: the
+    state's ``buffer_reductions``, declared by the modules that own them) take the elementwise maximum or
+    minimum over the ranks of ``group``; so do those whose last name part was registered with the
+    deprecated :func:`register_buffer_reduction` (and funcamp.fp8's, for states made without
+    ``buffer_reductions``); every other
     floating buffer (BatchNorm running statistics) takes the mean, as :func:`mean_gradients` with no
     ``reduce_dtype``; non-floating leaves (``num_batches_tracked``) are returned as they are. A
     buffer's name is the last part of its dotted path in ``buffers`` (:func:`funcamp.nn.functionalize`'s
@@ -377,6 +394,8 @@ def reduce_buffers(buffers: T, group: dist.ProcessGroup) -> T:
     Args:
       buffers: a pytree of buffers (the flat dict ``functionalize`` returns), or ``()``.
       group: the process group (:func:`resolve_group`).
+      reductions: None, or a mapping (or ``(name, reduction)`` pairs) of dotted buffer names to ``"max"`` or
+        ``"min"``.
     Returns:
       A tree like ``buffers``: same structure, shapes, dtypes and devices, new tensors.
     Raises:
@@ -387,13 +406,14 @@ def reduce_buffers(buffers: T, group: dist.ProcessGroup) -> T:
     """
     _check_group(group, "reduce_buffers")
     leaves, spec = _tree.tree_flatten(buffers)
-    names = [path.rpartition(".")[2] for path in _tree.tree_paths(buffers)]
+    declared = dict(reductions or ())
+    paths = _tree.tree_paths(buffers)
     out = list(leaves)
     mean_idx, extreme = [], {}  # extreme: dtype -> [(index, sign)], sign -1 for a minimum
-    for i, (name, x) in enumerate(zip(names, leaves)):
+    for i, (path, x) in enumerate(zip(paths, leaves)):
         if not _tree.is_floating(x):
             continue
-        reduction = _BUFFER_REDUCTIONS.get(name)
+        reduction = declared.get(path) or _BUFFER_REDUCTIONS.get(path.rpartition(".")[2])
         if reduction is None:
             mean_idx.append(i)
         else:
@@ -469,10 +489,7 @@ def mean_over_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     Raises:
       TypeError: if ``x`` is not a floating tensor or ``group`` not a ProcessGroup.
     """
-    if not _tree.is_floating(x):
-        raise TypeError(f"mean_over_ranks: x must be a floating tensor, got {x!r}")
-    _check_group(group, "mean_over_ranks")
-    return _sum(x, group) / group.size()
+    return _checked_sum(x, group, "mean_over_ranks") / group.size()
 
 
 def sum_over_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -483,7 +500,11 @@ def sum_over_ranks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     Raises:
       TypeError: if ``x`` is not a floating tensor or ``group`` not a ProcessGroup.
     """
+    return _checked_sum(x, group, "sum_over_ranks")
+
+
+def _checked_sum(x: torch.Tensor, group: dist.ProcessGroup, fn: str) -> torch.Tensor:
     if not _tree.is_floating(x):
-        raise TypeError(f"sum_over_ranks: x must be a floating tensor, got {x!r}")
-    _check_group(group, "sum_over_ranks")
+        raise TypeError(f"{fn}: x must be a floating tensor, got {x!r}")
+    _check_group(group, fn)
     return _sum(x, group)

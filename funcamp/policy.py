@@ -160,7 +160,7 @@ class Policy:
 # fp8 is not a dtype a whole policy computes in: its matmuls go through funcamp.fp8's layers.
 _FP8_HINT = (
     "fp8 runs the matmuls of chosen layers, not a whole policy: write fp8=tensorwise|rowwise|delayed in the "
-    "string given to funcamp.fp8.functionalize, or use funcamp.fp8.convert with "
+    "string given to funcamp.nn.functionalize, or use funcamp.fp8.convert with "
     "module_policies=funcamp.fp8.MODULE_POLICIES"
 )
 

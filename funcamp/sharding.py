@@ -6,7 +6,7 @@ rank ``r`` holds rows ``[r * c, (r + 1) * c)`` of the tensor zero-padded to ``N 
 optimizer state is built from these shards (``optimizer.init(shards)``), so it is split the same way,
 and each rank stores about ``1 / N`` of the parameters and of the optimizer state.
 
-Inside the train step (``make_train_step(..., data_parallel=group, shard=layout)``):
+Inside the train step (``make_train_step(loss_fn, optimizer)`` on a state made with ``shard=layout``):
 
 1. :func:`all_gather_params`: one functional ``all_gather_single`` per dtype bucket rebuilds the whole
    parameters, in their own dtype (exact; the default) or in ``layout.gather_dtype`` (FSDP2's
@@ -38,19 +38,15 @@ Differences from FSDP2: no module wrapper, no DTensor (plain tensors and a stati
 and the float32 gradient mean is reduced in the policy's ``reduce_dtype`` with the loss scale protecting
 it on a 16-bit wire (FSDP2 reduces what autograd produced, without knowing the loss scale).
 
-Global-norm clipping must see all shards: use :func:`clip_by_global_norm` (this module's) in a sharded
-optimizer; ``funcamp.optim.clip_by_global_norm`` in a sharded step would clip each rank's shard by its
-own norm, and ``make_train_step`` refuses it wherever the optimizer keeps it (``chain``,
-``multi_transform``, ``masked``, ``kahan_summation``...), as it refuses this module's clip built for
-another group than the step's (``None`` in a multi-rank step would clip each shard by its own norm)
-and this module's clip with a group in a step without ``shard=``.
-
-Stochastic rounding must see where each shard lies in its whole tensor: build
-``optim.stochastic_rounding(inner, seed, layout=layout)`` with the step's layout, whose
-:meth:`ShardLayout.element_offsets` give each shard's first element index; its noise then hashes each
-element's index in the whole tensor, so the shards never share noise and the sharded run rounds as
-the unsharded one, on any number of ranks. ``make_train_step`` refuses the wrapper without that layout
-(over more than one rank) or with another one.
+The layout is given once: ``TrainState.create(params, optimizer, shard=layout)`` and the state carries it
+(``state.shard``, with the group :func:`shard_layout` was given), so ``make_train_step(loss_fn, optimizer)``
+and ``funcamp.checkpoint.save_sharded(path, tree)`` take it from there. The step runs the loss and
+``optimizer.update`` within its layout (``funcamp._scope``): ``funcamp.optim.clip_by_global_norm`` then
+takes :func:`global_norm` (the norm over all ranks' shards, one float64 ``all_reduce``), and
+``funcamp.optim.stochastic_rounding`` each shard's first element index in its whole tensor
+(:meth:`ShardLayout.element_offsets`), so its noise is the unsharded run's on any number of ranks. The
+same optimizer is right with and without sharding; this module's :func:`clip_by_global_norm` is a
+deprecated alias.
 
 Every rank must start from the same parameters: ``TrainState.create(params, optimizer, shard=layout)``
 checks it (float64 sum and sum of squares of each parameter, one ``all_gather_object`` over the
@@ -61,17 +57,14 @@ parameters would train a patchwork of the ranks' rows.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import types
-import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from funcamp import _tree
-from funcamp.optim.base import EmptyState, GradientTransformation, check_positive, compute_dtype, empty_init
+from funcamp.optim.base import GradientTransformation
 from funcamp.parallel import _check_wire_args, _share
 
 __all__ = [
@@ -82,6 +75,7 @@ __all__ = [
     "check_rank",
     "check_same_params",
     "clip_by_global_norm",
+    "global_norm",
     "global_stats",
     "reduce_scatter_gradients",
     "shard_layout",
@@ -105,7 +99,8 @@ class ShardLayout:
       gather_dtype: the dtype the parameters are gathered in for the forward and backward; None
         (default) gathers each in its own dtype (exact).
       group: the ``ProcessGroup`` :func:`shard_layout` was given (None: one process, or a layout built
-        by hand). Not compared, hashed or shown; ``TrainState.create(shard=)`` and
+        by hand). Not compared, hashed, shown or pickled; the train step takes it from a state that
+        carries the layout, and ``TrainState.create(shard=)`` and
         ``funcamp.checkpoint.save_sharded`` use it to check that this process is ``rank`` of
         ``world_size`` and that every rank starts from the same parameters.
     """
@@ -116,6 +111,15 @@ class ShardLayout:
     shapes: tuple[tuple[int, ...], ...]
     gather_dtype: torch.dtype | None = None
     group: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled without the process group (a handle of this process, not picklable): it unpickles with
+        ``group=None``. A ``TrainState`` that carries the layout pickles so (``torch.save``)."""
+        return type(self), (self.world_size, self.rank, self.names, self.shapes, self.gather_dtype)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardLayout:
+        """Itself: immutable, and its process group is this process's handle (``copy.deepcopy`` of a state)."""
+        return self
 
     def rows(self, i: int) -> int:
         """``c``: the rows of parameter ``i`` each rank holds, ``ceil(d0 / N)`` (a 0-d parameter has ``d0 = 1``)."""
@@ -239,24 +243,6 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
 
 
-# Tensors made as shards (by shard_params and funcamp.checkpoint.load_sharded), by id: an unsharded train
-# step's first call looks its parameters up here to say "this state is sharded" instead of a shape error.
-_SHARDS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-
-def mark_shards(tree: Any) -> Any:
-    """Record the tensor leaves of ``tree`` as shards (see :func:`is_sharded`); returns ``tree``."""
-    for x in _tree.tree_leaves(tree):
-        if isinstance(x, torch.Tensor):
-            _SHARDS[id(x)] = x
-    return tree
-
-
-def is_sharded(tree: Any) -> bool:
-    """Whether a tensor leaf of ``tree`` was made by :func:`shard_params` or ``load_sharded`` (host side)."""
-    return any(isinstance(x, torch.Tensor) and _SHARDS.get(id(x)) is x for x in _tree.tree_leaves(tree))
-
-
 def shard_params(params: Any, layout: ShardLayout) -> Any:
     """This rank's shards of the whole ``params`` (host side, no communication): rows ``[r*c, (r+1)*c)``, zero-padded.
 
@@ -278,7 +264,7 @@ def shard_params(params: Any, layout: ShardLayout) -> Any:
         c = layout.rows(i)
         rows = x.reshape(_dim0(tuple(x.shape)), -1)[layout.rank * c : (layout.rank + 1) * c]
         out.append(_pad_rows(rows, c).reshape(layout.shard_shape(i)).clone())
-    return mark_shards(_tree.tree_unflatten(_tree.tree_structure(params), out))
+    return _tree.tree_unflatten(_tree.tree_structure(params), out)
 
 
 def _wait(x: torch.Tensor) -> torch.Tensor:
@@ -486,229 +472,114 @@ def zero_padding(shards: Any, layout: ShardLayout) -> Any:
     return _tree.tree_unflatten(_tree.tree_structure(shards), out)
 
 
-def clip_by_global_norm(max_norm: float, group: Any = True) -> GradientTransformation:
-    r"""``funcamp.optim.clip_by_global_norm`` for sharded updates: the norm over all ranks' shards.
+def global_norm(shards: Any, layout: ShardLayout, group: Any) -> torch.Tensor:
+    """The L2 norm of the whole tensors a tree of shards is split from: one float64 ``all_reduce``.
 
-    .. math:: u \leftarrow u \cdot \frac{c}{\lVert u \rVert} \ \text{if}\ \lVert u \rVert > c
-       \ \text{else}\ u
-
-    The norm is ``sqrt`` of the sum over the ranks (one float64 ``all_reduce``) of each rank's float64
-    sum of squares of its shards; padding rows are zero and add nothing. The factor ``c / norm`` is
-    computed in float64 and rounded once to float32, the multiplication runs in float32 (float64 for
-    float64 leaves). Updates whose norm is at most ``c``, or that hold a NaN or inf, are returned
-    unchanged, as by ``funcamp.optim.clip_by_global_norm``; the norm agrees with that one's (the
-    unsharded updates) to float32 round-off, not bitwise, so clipped updates do too.
+    Each rank sums, in float64, the squares of its floating leaves (a leaf named like a parameter of
+    ``layout``, with that parameter's shard shape, counts its real rows only: padding rows are taken as
+    zero), and the sum over the ranks gives ``sqrt(sum of squares)``. float64 cannot overflow or underflow
+    on squares of float32 values, so no scaling is needed. Every rank must call it with a tree of the
+    same structure (it communicates). ``Sharded.global_norm`` of a train step, and so
+    ``funcamp.optim.clip_by_global_norm`` in a sharded step, take their norm here.
 
     Args:
-      max_norm: ``c``, > 0.
-      group: True (the default process group) or a ProcessGroup: the ranks the shards are split over;
-        None for one process. Resolved when this is called.
+      shards: a tree of this rank's shards (the gradients or updates of a sharded step, or a subtree of
+        them, as a ``multi_transform`` group sees it).
+      layout: the :class:`ShardLayout`.
+      group: the process group (or True); None for one process.
     Returns:
-      A ``GradientTransformation`` with an ``EmptyState``.
+      A 0-d float64 tensor on the device of the first floating leaf (CPU for none), the same on every
+      rank; NaN or inf when an element is.
+    Raises:
+      ValueError: if the group's size is not the layout's world size.
+    """
+    index = {name: i for i, name in enumerate(layout.names)}
+    leaves = []
+    for name, u in zip(_tree.tree_paths(shards), _tree.tree_leaves(shards)):
+        if not _tree.is_floating(u):
+            continue
+        i = index.get(name)
+        if i is not None and tuple(u.shape) == layout.shard_shape(i) and layout.valid_rows(i) < layout.rows(i):
+            v = layout.valid_rows(i)
+            u = torch.cat([u[:v], torch.zeros_like(u[v:])])  # the padding rows, whatever an inner transform did
+        leaves.append(u)
+    device = leaves[0].device if leaves else torch.device("cpu")
+    sumsq = sum(
+        (torch.sum(torch.square(u.double())) for u in leaves), torch.zeros((), dtype=torch.float64, device=device)
+    )
+    pg = _group_for(layout, group, "global_norm")
+    if pg is not None:
+        from torch.distributed import _functional_collectives as funcol
+
+        sumsq = _wait(funcol.all_reduce(sumsq, "sum", pg))
+    return torch.sqrt(sumsq)
+
+
+def clip_by_global_norm(max_norm: float, group: Any = True) -> GradientTransformation:
+    """Deprecated: use ``funcamp.optim.clip_by_global_norm(max_norm)``, which is right in every layout.
+
+    Inside a train step ``funcamp.optim.clip_by_global_norm`` takes the norm from the step's layout (the
+    state's): over all ranks' shards in a sharded step (one float64 ``all_reduce``, as this function
+    did), the local norm of the (already averaged) gradients otherwise. This alias warns and returns
+    that transform; ``group`` is ignored (the step's layout has it).
+
     Raises:
       ValueError: if ``max_norm`` is not a finite number > 0.
-      RuntimeError: if ``group`` is True and torch.distributed is not initialized.
     """
-    max_norm = check_positive("clip_by_global_norm", "max_norm", max_norm)
-    pg = _resolve(group)  # at build time: the step traces no group lookup
+    import warnings
 
-    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
-        del params
-        leaves = [u for u in _tree.tree_leaves(updates) if _tree.is_floating(u)]
-        device = leaves[0].device if leaves else torch.device("cpu")
-        sumsq = sum(
-            (torch.sum(torch.square(u.double())) for u in leaves), torch.zeros((), dtype=torch.float64, device=device)
-        )
-        if pg is not None:
-            from torch.distributed import _functional_collectives as funcol
+    from funcamp.optim.transforms import clip_by_global_norm as clip
 
-            sumsq = _wait(funcol.all_reduce(sumsq, "sum", pg))
-        norm = torch.sqrt(sumsq)
-        clip = torch.isfinite(norm) & (norm > max_norm)
-        factor = torch.where(clip, max_norm / norm, torch.ones_like(norm))
-
-        def leaf(u: torch.Tensor) -> torch.Tensor:
-            c = compute_dtype(u.dtype)
-            return (u.to(c) * factor.to(c)).to(u.dtype)
-
-        return _tree.tree_map(lambda u: leaf(u) if _tree.is_floating(u) else u, updates), state
-
-    update._funcamp_clip_group = pg  # type: ignore[attr-defined]  # make_train_step checks it against the step's
-    return GradientTransformation(empty_init, update)
+    del group
+    warnings.warn(
+        "funcamp.sharding.clip_by_global_norm is deprecated: use funcamp.optim.clip_by_global_norm(max_norm), "
+        "which takes the norm over all shards from the sharded step's layout",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return clip(max_norm)
 
 
-def _functions(obj: Any, seen: set[int] | None = None) -> list[types.FunctionType]:
-    """The functions reachable from ``obj`` (an optimizer), in walk order.
+def check_optimizer(optimizer: GradientTransformation, group: Any = None, **kwargs: Any) -> None:
+    """Deprecated, does nothing: no optimizer needs refusing any more.
 
-    The walk goes through every container the optimizer combinators keep transforms in: tuples and
-    lists (``chain``, NamedTuples such as ``GradientTransformation``), dicts (``multi_transform``'s
-    transforms by label), sets, the closure cells, defaults and ``__wrapped__`` of functions,
-    ``functools.partial`` objects, bound methods, and the attributes of callable objects and dataclasses.
+    ``funcamp.optim.clip_by_global_norm`` and ``funcamp.optim.stochastic_rounding`` take the norm and the
+    element offsets from the layout of the step they run in, so the same optimizer is right with and
+    without ``shard=``.
     """
-    seen = set() if seen is None else seen
-    if id(obj) in seen or obj is None or isinstance(obj, (torch.Tensor, str, bytes, int, float, type)):
-        return []
-    seen.add(id(obj))
-    found: list[types.FunctionType] = []
-    children: list[Any] = []
-    if isinstance(obj, dict):
-        children = list(obj.values())
-    elif isinstance(obj, (tuple, list, set, frozenset)):
-        children = list(obj)
-    elif isinstance(obj, functools.partial):
-        children = [obj.func, obj.args, obj.keywords]
-    elif isinstance(obj, types.MethodType):
-        children = [obj.__func__, obj.__self__]
-    elif isinstance(obj, types.FunctionType):
-        found.append(obj)
-        for cell in obj.__closure__ or ():
-            try:
-                children.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                pass
-        children += [obj.__defaults__, obj.__kwdefaults__, getattr(obj, "__wrapped__", None)]
-    elif not isinstance(obj, types.ModuleType) and (callable(obj) or dataclasses.is_dataclass(obj)):
-        children = list(getattr(obj, "__dict__", {}).values())
-    for x in children:
-        found += _functions(x, seen)
-    return found
+    import warnings
+
+    del optimizer, group, kwargs
+    warnings.warn(
+        "funcamp.sharding.check_optimizer is deprecated and does nothing: funcamp.optim.clip_by_global_norm and "
+        "funcamp.optim.stochastic_rounding take the norm and element offsets from the train step's layout",
+        DeprecationWarning,
+        stacklevel=2,
+    )
 
 
-def _norm_clips(obj: Any) -> list[Any]:
-    """The global-norm clips inside ``obj`` (an optimizer, walked by :func:`_functions`): ``"optim"`` for
-    ``funcamp.optim``'s, the resolved group (a ProcessGroup or None) for each of this module's."""
-    found: list[Any] = []
-    for fn in _functions(obj):
-        if getattr(fn, "__qualname__", "") == "clip_by_global_norm.<locals>.update":
-            if fn.__module__ == "funcamp.optim.transforms":
-                found.append("optim")
-            elif hasattr(fn, "_funcamp_clip_group"):
-                found.append(fn._funcamp_clip_group)
-    return found
-
-
-def _rounding_layouts(obj: Any) -> list[ShardLayout | None]:
-    """The ``layout`` of each ``funcamp.optim.stochastic_rounding`` inside ``obj`` (an optimizer)."""
-    return [fn._funcamp_rounding_layout for fn in _functions(obj) if hasattr(fn, "_funcamp_rounding_layout")]
-
-
-def _same_group(a: Any, b: Any) -> bool:
-    """Whether two resolved groups (ProcessGroups or None) are the same ranks."""
-    if a is b:
-        return True
-    if a is None or b is None:
-        return False
-    return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
-
-
-def _describe(pg: Any) -> str:
-    if pg is None:
-        return "group None (one process)"
-    return f"a group of ranks {dist.get_process_group_ranks(pg)}"
-
-
-def check_optimizer(
-    optimizer: GradientTransformation, group: Any = None, *, sharded: bool = True, layout: ShardLayout | None = None
-) -> None:
-    """Refuse an optimizer whose global-norm clipping or stochastic rounding would not see the step's tensors.
-
-    With ``sharded`` (a ``shard=`` step over ``group``): ``funcamp.optim.clip_by_global_norm`` would clip
-    each rank's shard by that shard's norm, and this module's :func:`clip_by_global_norm` built for
-    another group would take the norm over the wrong ranks (``None``: each shard alone). Without
-    (an unsharded step, ``group`` its data-parallel group or None): this module's clip with a group
-    would add up the norms of every rank's whole (identical) gradients, sqrt(N) times too large.
-
-    ``funcamp.optim.stochastic_rounding`` hashes each element's index in the whole tensor, which it
-    knows from its ``layout=``: with ``sharded`` and ``layout`` (the step's, over more than one rank)
-    each one must have a layout of the same parameters and ranks (without one, every rank's shard
-    would draw the noise of rank 0's rows); the layout's rank is compared with the step's by
-    :func:`check_consistent` (every rank raises alike), or here for one process. Without ``sharded``,
-    a ``layout=`` over more than one rank is refused (its offsets are a shard's).
-
-    Raises:
-      ValueError: naming the clip and the groups, if one of them is found (nested anywhere: ``chain``,
-        ``multi_transform``, ``masked``, ``kahan_summation``...).
-      ValueError: naming what differs, if a ``stochastic_rounding``'s layout does not match the step's.
-    """
-    pg = _resolve(group)
-    for found in _rounding_layouts(optimizer):
-        _check_rounding_layout(found, layout if sharded else None, one_process=pg is None)
-    for clip in _norm_clips(optimizer):
-        if sharded and clip == "optim":
-            raise ValueError(
-                "make_train_step: with shard=, funcamp.optim.clip_by_global_norm would clip each rank's shard by "
-                "the norm of that shard alone; use funcamp.sharding.clip_by_global_norm(max_norm, group), which "
-                "takes the norm over all ranks"
-            )
-        if sharded and clip != "optim" and not _same_group(clip, pg):
-            raise ValueError(
-                f"make_train_step: funcamp.sharding.clip_by_global_norm was built for {_describe(clip)}, but the "
-                f"sharded step runs over {_describe(pg)}: its norm would not be the norm over all shards; build it "
-                "with the step's group (clip_by_global_norm(max_norm, group) with the group given to shard_layout "
-                "and data_parallel)"
-            )
-        if not sharded and clip != "optim" and clip is not None:
-            raise ValueError(
-                f"make_train_step: funcamp.sharding.clip_by_global_norm over {_describe(clip)} in a step without "
-                "shard=: it would add up the norms of every rank's whole gradients; use "
-                "funcamp.optim.clip_by_global_norm (or build the step with shard=)"
-            )
-
-
-def _check_rounding_layout(found: ShardLayout | None, layout: ShardLayout | None, *, one_process: bool) -> None:
-    """Refuse a ``stochastic_rounding`` layout ``found`` in a step of ``layout`` (None: an unsharded step)."""
-    what = "make_train_step: funcamp.optim.stochastic_rounding"
-    if found is not None and not isinstance(found, ShardLayout):
-        raise ValueError(
-            f"{what}'s layout= is a {type(found).__name__}, not a funcamp.sharding.ShardLayout; pass the layout "
-            "given to shard= (shard_layout(params, group))"
-        )
-    if layout is None:
-        if found is not None and found.world_size > 1:
-            raise ValueError(
-                f"{what} was given a layout over {found.world_size} ranks, in a step without shard=: its element "
-                "offsets are those of a shard, not of the whole tensors the step updates; drop layout= (or build "
-                "the step with shard=layout)"
-            )
-        return
-    if found is None:
-        if layout.world_size > 1:
-            raise ValueError(
-                f"{what} has no layout= in a step sharded over {layout.world_size} ranks: each rank would hash its "
-                "shard's own element indices, so the ranks' shards would draw the same noise and the run would "
-                "not round as the unsharded one; build it with optim.stochastic_rounding(inner, seed, "
-                "layout=layout), the layout given to shard="
-            )
-        return
-    mine, step = (found.world_size, found.names, found.shapes), (layout.world_size, layout.names, layout.shapes)
-    if mine != step:
-        raise ValueError(
-            f"{what}'s layout differs from the step's shard= layout (given first) in "
-            f"{_first_difference('layout', (*step, ''), (*mine, ''))}; pass the layout given to shard= "
-            "(optim.stochastic_rounding(inner, seed, layout=layout))"
-        )
-    if one_process and found.rank != layout.rank:
-        raise ValueError(
-            f"{what}'s layout is for rank {found.rank}, the step's shard= for rank {layout.rank}; pass the layout "
-            "given to shard="
-        )
-
-
-def check_consistent(
-    layout: ShardLayout, group: Any, *, optimizer: GradientTransformation | None = None, **config: Any
-) -> None:
+def check_consistent(layout: ShardLayout, group: Any, *, optimizer: Any = None, **config: Any) -> None:
     """Check (host side, one ``all_gather_object``) that every rank has the same layout and configuration.
 
-    ``make_train_step`` calls it with the policy and the wire dtype, so that ranks built with other
-    policies fail here, at build time, instead of exchanging mismatched buffers; and with the
-    optimizer, whose ``stochastic_rounding`` layouts must be for this rank (as ``layout``).
+    The sharded train step calls it (``Sharded.check_ranks``) with the policy, so that ranks built with
+    other policies fail before they exchange mismatched buffers. ``optimizer`` is deprecated and ignored
+    (``optim.stochastic_rounding`` takes its layout from the step).
 
     Raises:
-      ValueError: if rank ``r``'s layout (or a ``stochastic_rounding``'s in ``optimizer``) is not for
-        rank ``r`` of the group's size, saying which rank it is for (every rank raises alike).
+      ValueError: if rank ``r``'s layout is not for rank ``r`` of the group's size, saying which rank it is
+        for (every rank raises alike).
       ValueError: naming the first rank whose layout (a parameter's name or shape, the world size,
         the gather dtype) or configuration differs from rank 0's, and what differs.
     """
+    if optimizer is not None:
+        import warnings
+
+        warnings.warn(
+            "funcamp.sharding.check_consistent: optimizer= is deprecated and ignored (optim.stochastic_rounding "
+            "takes its element offsets from the train step's layout)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     pg = _resolve(group)
     if pg is None:
         return
@@ -716,19 +587,10 @@ def check_consistent(
         "layout": (layout.world_size, layout.names, layout.shapes, str(layout.gather_dtype)),
         **{k: str(v) for k, v in config.items()},
     }
-    rounding = [(f.rank, f.world_size) for f in _rounding_layouts(optimizer) if f is not None]
     everyone: list[Any] = [None] * pg.size()
-    dist.all_gather_object(everyone, (mine, (layout.rank, layout.world_size), rounding), group=pg)
-    _check_claims([claim for _, claim, _ in everyone], "sharding")
-    for r, (_, _, claims) in enumerate(everyone):
-        for rank, world in claims:
-            if (rank, world) != (r, len(everyone)):
-                raise ValueError(
-                    f"sharding: on rank {r} of {len(everyone)} in the group, funcamp.optim.stochastic_rounding's "
-                    f"layout is for rank {rank} of {world}; build it with the layout given to shard= "
-                    "(shard_layout(params, group) on every rank)"
-                )
-    everyone = [m for m, _, _ in everyone]
+    dist.all_gather_object(everyone, (mine, (layout.rank, layout.world_size)), group=pg)
+    _check_claims([claim for _, claim in everyone], "sharding")
+    everyone = [m for m, _ in everyone]
     ref = everyone[0]
     for r, other in enumerate(everyone):
         if other == ref:

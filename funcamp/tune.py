@@ -516,6 +516,33 @@ def _with_cached_times(checked: list[TuneCandidate], cached: Sequence[TuneCandid
     return out
 
 
+def _check_module(model: Any, fn: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def _check_counts(fn: str, **counts: tuple[Any, int]) -> None:
+    """Each ``name=(value, least)``: ``value`` an int (not a bool) >= ``least``."""
+    for name, (value, least) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{fn}: {name} must be an int >= {least}, got {value!r}")
+
+
+def _check_margin(margin: Any, fn: str) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+        raise ValueError(f"{fn}: margin must be a number >= 0, got {margin!r}")
+
+
+def _timing_device(model: nn.Module, device: Any, fn: str, hint: str) -> torch.device:
+    """``device``, or that of the model's first parameter (CPU without one); never the meta device."""
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError(f"{fn}: nothing can be timed on the meta device; {hint}")
+    return device
+
+
 def tune_policy(
     model: nn.Module,
     example_args: tuple | list,
@@ -608,8 +635,7 @@ def tune_policy(
       >>> sorted(result.module_policies), str(result.module_policies["0"])  # equal times: float32 wins
       (['0', '1', '2'], 'params=float32,compute=float32,output=float32')
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"tune_policy: model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_module(model, "tune_policy")
     if not isinstance(example_args, (tuple, list)):
         raise TypeError(
             f"tune_policy: example_args must be a tuple of the forward's positional arguments, got "
@@ -617,17 +643,9 @@ def tune_policy(
         )
     kwargs = dict(example_kwargs or {})
     base = get_policy(policy)
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"tune_policy: depth must be an int >= 1, got {depth!r}")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"tune_policy: rounds must be an int >= 1, got {rounds!r}")
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
-        raise ValueError(f"tune_policy: margin must be a number >= 0, got {margin!r}")
-    if device is None:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    device = torch.device(device)
-    if device.type == "meta":
-        raise ValueError("tune_policy: cannot time on the meta device; pass a model and inputs on a real device")
+    _check_counts("tune_policy", depth=(depth, 1), rounds=(rounds, 1))
+    _check_margin(margin, "tune_policy")
+    device = _timing_device(model, device, "tune_policy", "pass a model and inputs on a real device")
     cands = _check_candidates(_default_candidates(device) if candidates is None else candidates)
     bounds = _bounds(rtol, cands)
     machine = _machine(device)
@@ -1046,24 +1064,16 @@ def choose_compute_dtype(
     fn = "choose_compute_dtype"
     if not callable(make_step):
         raise TypeError(f"{fn}: make_step must be a function dtype -> run, got {type(make_step).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_module(model, fn)
     if key is not None and not isinstance(key, Mapping):
         raise TypeError(f"{fn}: key must be a mapping of JSON values (the step's settings), got {type(key).__name__}")
     try:
         extra = json.loads(json.dumps(dict(key or {}), sort_keys=True))
     except (TypeError, ValueError) as error:
         raise TypeError(f"{fn}: key must hold JSON values only (str, numbers, bools, lists, dicts): {error}") from None
-    for name, value, least in (("rounds", rounds, 3), ("warmup", warmup, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{fn}: {name} must be an int >= {least}, got {value!r}")
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
-        raise ValueError(f"{fn}: margin must be a number >= 0, got {margin!r}")
-    if device is None:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    device = torch.device(device)
-    if device.type == "meta":
-        raise ValueError(f"{fn}: nothing runs on the meta device; pass the device the step runs on")
+    _check_counts(fn, rounds=(rounds, 3), warmup=(warmup, 1))
+    _check_margin(margin, fn)
+    device = _timing_device(model, device, fn, "pass the device the step runs on")
     wanted = None if candidates is None else _check_candidates(candidates, fn)
     cap = hardware.capability(device)
     machine = _step_machine(device, cap)

@@ -30,7 +30,7 @@ def make_model() -> tuple:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 32))
     model = fp8.convert(model, RECIPE, filter=["0", "2"])
-    return fa.nn.functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES)
+    return fa.nn.functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES, with_buffers=True)
 
 
 def inputs(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +53,7 @@ def main(out: str) -> None:
     def step(buffers, x, ok):  # the buffer logic of make_train_step's data-parallel branch
         y, new = apply_fn(params, buffers, x)
         finite = parallel.all_ranks_true(torch.isfinite(y.square().mean() * ok), group)
-        reduced = parallel.reduce_buffers(new, group)
+        reduced = parallel.reduce_buffers(new, group, reductions=apply_fn.buffer_reductions)  # as the fp8 layers say
         return new, fa.select_tree(finite, reduced, buffers)
 
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -66,7 +66,8 @@ def main(out: str) -> None:
         local, kept = compiled(buffers, x, ok)
         steps.append({"start": buffers, "local": local, "kept": kept})
         buffers = kept
-    eager = parallel.reduce_buffers(steps[0]["local"], group)  # eager: waits for the collectives itself
+    eager = parallel.reduce_buffers(steps[0]["local"], group, reductions=apply_fn.buffer_reductions)  # eager: waits
+    legacy = parallel.reduce_buffers(steps[0]["local"], group)  # no reductions: fp8's names (deprecated fallback)
 
     # make_train_step itself (data_parallel=True): one step from the initial buffers on this rank's input.
     def loss_fn(p, b, x):
@@ -74,12 +75,21 @@ def main(out: str) -> None:
         return y.square().mean(), new
 
     opt = optim.sgd(0.0)
-    state = fa.TrainState.create(params, opt, buffers=make_model()[2])
+    state = fa.TrainState.create(params, opt, buffers=make_model()[2], buffer_reductions=apply_fn.buffer_reductions)
     train_step = fa.make_train_step(loss_fn, opt, data_parallel=True, backend="aot_eager")
     x, _ = inputs(0, rank)
     state, _ = train_step(state, x)
+    old_state = fa.TrainState.create(params, opt, buffers=make_model()[2])  # made without buffer_reductions=
+    old_state, _ = fa.make_train_step(loss_fn, opt, data_parallel=True, compile=False)(old_state, x)
     torch.save(
-        {"steps": steps, "eager": eager, "frames": counter.frame_count, "train_step_buffers": state.buffers},
+        {
+            "steps": steps,
+            "eager": eager,
+            "legacy": legacy,
+            "frames": counter.frame_count,
+            "train_step_buffers": state.buffers,
+            "train_step_legacy_buffers": old_state.buffers,
+        },
         f"{out}/rank{rank}.pt",
     )
     parallel.shutdown()

@@ -2,7 +2,8 @@
 
 tests/test_stages.py compares the assembled step with it, bitwise, in one process: every state leaf and metric,
 eager and compiled. Only the step's arithmetic is kept (no argument checks at the first call, no eager re-run of
-errors); do not change it, except where a name it imports moves.
+errors); do not change it, except where a name it imports moves (the calls of sharding.check_optimizer, a
+build-time check that became a deprecated no-op, were removed).
 """
 
 from __future__ import annotations
@@ -68,8 +69,6 @@ def make_train_step(
     k = accumulation_steps
     if shard is not None:
         _check_shard(shard, group, optimizer, policy, telemetry)
-    else:
-        sharding.check_optimizer(optimizer, group, sharded=False)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         with_buffers = state.buffers is not None
@@ -201,6 +200,5 @@ def _check_shard(shard: Any, group: Any, optimizer: GradientTransformation, poli
         )
     if telemetry is not None:
         raise ValueError("make_train_step: telemetry= is not supported with shard= (it reads whole gradients)")
-    sharding.check_optimizer(optimizer, group, sharded=True)
     if group is not None:
         sharding.check_consistent(shard, group, policy=None if policy is None else get_policy(policy))

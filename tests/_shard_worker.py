@@ -96,8 +96,11 @@ def run(
     sharded: bool,
     compile_backend: Any = None,
     opt: optim.GradientTransformation | None = None,
+    from_state: bool = False,
 ) -> dict[str, Any]:
-    """Scenario ``name`` for ``STEPS`` steps on ``group`` (this process is ``rank`` in it)."""
+    """Scenario ``name`` for ``STEPS`` steps on ``group`` (this process is ``rank`` in it).
+
+    ``from_state``: the step is built without ``shard=`` and ``data_parallel=`` (it takes both from the state)."""
     cfg = SCENARIOS[name]
     policy = fa.get_policy(cfg["policy"])
     opt = opt or optimizer()
@@ -106,15 +109,15 @@ def run(
     gather = policy.compute_dtype if cfg.get("gather") == "compute" else None
     layout = sharding.shard_layout(params, group, gather_dtype=gather) if sharded else None
     state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=PERIOD), shard=layout)
+    where = {} if from_state else {"data_parallel": group, "shard": layout}
     step = fa.make_train_step(
         make_loss_fn(policy),
         opt,
         accumulation_steps=cfg["k"],
-        data_parallel=group,
         policy=policy,
-        shard=layout,
         compile=compile_backend is not None,
         backend=compile_backend,
+        **where,
     )
     records = []
     for batch in batches(world, world - 1, cfg["poison"]):
@@ -277,21 +280,58 @@ def _errors(group: Any, i: int) -> dict[str, str]:
         fa.make_train_step(make_loss_fn(fa.get_policy("f32")), opt, data_parallel=group, shard=other)
     except ValueError as e:
         out["shape"] = str(e)
-    clipped = optim.chain(optim.clip_by_global_norm(1.0), opt)
-    try:
-        fa.make_train_step(make_loss_fn(fa.get_policy("f32")), clipped, data_parallel=group, shard=layout)
-    except ValueError as e:
-        out["clip"] = str(e)
     return out
 
 
+def _old_sharded_clip(max_norm: float, group: Any) -> optim.GradientTransformation:
+    """A frozen copy of ``funcamp.sharding.clip_by_global_norm`` before the layout carried the norm (commit
+    2699137): the reference the one ``optim.clip_by_global_norm`` must equal bitwise in a sharded step."""
+    from torch.distributed import _functional_collectives as funcol
+
+    from funcamp.optim.base import compute_dtype, empty_init
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        leaves = [u for u in _tree.tree_leaves(updates) if _tree.is_floating(u)]
+        sumsq = sum((torch.sum(torch.square(u.double())) for u in leaves), torch.zeros((), dtype=torch.float64))
+        sumsq = funcol.wait_tensor(funcol.all_reduce(sumsq, "sum", group))
+        norm = torch.sqrt(sumsq)
+        clip = torch.isfinite(norm) & (norm > max_norm)
+        factor = torch.where(clip, max_norm / norm, torch.ones_like(norm))
+
+        def leaf(u: torch.Tensor) -> torch.Tensor:
+            c = compute_dtype(u.dtype)
+            return (u.to(c) * factor.to(c)).to(u.dtype)
+
+        return _tree.tree_map(lambda u: leaf(u) if _tree.is_floating(u) else u, updates), state
+
+    return optim.GradientTransformation(empty_init, update)
+
+
 def _clip(group: Any, rank: int) -> dict[str, Any]:
-    """``sharding.clip_by_global_norm`` (sharded) vs ``optim.clip_by_global_norm`` (unsharded), 20 steps."""
-    sharded = run(
-        "f32", group, rank, sharded=True, opt=optim.chain(sharding.clip_by_global_norm(0.5, group), optimizer())
-    )
-    plain = run("f32", group, rank, sharded=False, opt=optim.chain(optim.clip_by_global_norm(0.5), optimizer()))
-    return {"sharded": sharded["records"], "plain": plain["records"]}
+    """``optim.clip_by_global_norm`` in a sharded step built from the state, vs the frozen old sharded clip
+    (bitwise), vs the deprecated ``sharding.clip_by_global_norm`` alias, vs ``optim.clip_by_global_norm`` in the
+    unsharded data-parallel step (round-off); 20 steps each; and the same step compiled (aot_eager)."""
+    import warnings
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    clip = lambda: optim.chain(optim.clip_by_global_norm(0.5), optimizer())  # noqa: E731
+    out = {
+        "sharded": run("f32", group, rank, sharded=True, from_state=True, opt=clip())["records"],
+        "old": run("f32", group, rank, sharded=True, opt=optim.chain(_old_sharded_clip(0.5, group), optimizer())),
+        "plain": run("f32", group, rank, sharded=False, opt=clip())["records"],
+    }
+    out["old"] = out["old"]["records"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        alias = optim.chain(sharding.clip_by_global_norm(0.5, group), optimizer())
+    out["warning"] = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    out["alias"] = run("f32", group, rank, sharded=True, opt=alias)["records"]
+    counter = CompileCounterWithBackend("aot_eager")
+    out["compiled"] = run("f32", group, rank, sharded=True, from_state=True, opt=clip(), compile_backend=counter)
+    out["compiled"] = out["compiled"]["records"]
+    out["compile"] = {"frame_count": counter.frame_count, "code": [g.code for g in counter.graphs]}
+    return out
 
 
 ROUNDING_STEPS = 8
@@ -323,46 +363,50 @@ def rounding_loss(params: Any, batch: Any) -> torch.Tensor:
     return sum((params[k].float() * batch[k]).sum() for k in sorted(params))
 
 
-def rounding_optimizer(layout: Any) -> optim.GradientTransformation:
+def rounding_optimizer(layout: Any = None) -> optim.GradientTransformation:
     return optim.stochastic_rounding(optim.adamw(1e-2, weight_decay=0.1), seed=11, layout=layout)
 
 
-def _rounding(group: Any, rank: int, *, with_layout: bool = True) -> dict[str, Any]:
-    """bfloat16 masters with stochastic rounding (issue 26 item 11): sharded (``layout=`` the step's layout)
-    and unsharded data parallel, ``ROUNDING_STEPS`` steps of exact gradients; the whole parameters per step.
-    ``with_layout=False`` builds the wrapper without the layout (each rank hashes its shard's own indices)
-    and skips the step's check of it: what the code before the fix did."""
+def _rounding(group: Any, rank: int, *, with_offsets: bool = True) -> dict[str, Any]:
+    """bfloat16 masters with stochastic rounding (issue 26 item 11): sharded (the step built from the state, the
+    wrapper without ``layout=``: it takes the step's) and unsharded data parallel, ``ROUNDING_STEPS`` steps of
+    exact gradients; the whole parameters per step. ``with_offsets=False`` makes the sharded layout give no
+    element offsets (each rank hashes its shard's own indices): what the code before issue 26's fix did."""
+    from unittest import mock
+
+    from funcamp.train import Sharded
+
     del rank
     params = rounding_params()
     layout = sharding.shard_layout(params, group)
     out: dict[str, Any] = {}
     for sharded in (True, False):
-        opt = rounding_optimizer(layout if sharded and with_layout else None)
-        lay = layout if sharded else None
-        state = fa.TrainState.create(params, opt, shard=lay)
-        if sharded and not with_layout:
-            from unittest import mock
-
-            with mock.patch.object(sharding, "check_optimizer"):
-                step = fa.make_train_step(rounding_loss, opt, data_parallel=group, shard=lay, compile=False)
-        else:
-            step = fa.make_train_step(rounding_loss, opt, data_parallel=group, shard=lay, compile=False)
+        opt = rounding_optimizer()
+        state = fa.TrainState.create(params, opt, shard=layout if sharded else None)
+        step = fa.make_train_step(rounding_loss, opt, data_parallel=None if sharded else group, compile=False)
         records = []
-        for batch in rounding_batches():
-            state, m = step(state, batch)
-            assert bool(m["grads_finite"])
-            whole = sharding.unshard_params(state.params, layout, group) if sharded else state.params
-            records.append({k: v.clone() for k, v in whole.items()})
+        with mock.patch.object(Sharded, "element_offsets", lambda self: None) if not with_offsets else _nothing():
+            for batch in rounding_batches():
+                state, m = step(state, batch)
+                assert bool(m["grads_finite"])
+                whole = sharding.unshard_params(state.params, layout, group) if sharded else state.params
+                records.append({k: v.clone() for k, v in whole.items()})
         out["sharded" if sharded else "plain"] = records
-    if with_layout:  # the step refuses the wrapper without its layout, or with another rank's, on every rank alike
-        out["no_layout"] = _catch(
-            lambda: fa.make_train_step(rounding_loss, rounding_optimizer(None), data_parallel=group, shard=layout)
-        )
+    if with_offsets:  # layout= the step's own layout agrees; another rank's is refused at the first call, on every rank
+        opt = rounding_optimizer(layout)
+        state = fa.TrainState.create(params, opt, shard=layout)
+        out["given_layout"] = _catch(lambda: fa.make_train_step(rounding_loss, opt, compile=False)(state, batch))
         other = layout.for_rank((layout.rank + 1) % layout.world_size)
-        out["other_rank"] = _catch(
-            lambda: fa.make_train_step(rounding_loss, rounding_optimizer(other), data_parallel=group, shard=layout)
-        )
+        opt = rounding_optimizer(other)
+        state = fa.TrainState.create(params, opt, shard=layout)
+        out["other_rank"] = _catch(lambda: fa.make_train_step(rounding_loss, opt, compile=False)(state, batch))
     return out
+
+
+def _nothing() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def _catch(fn: Any) -> str:
@@ -384,16 +428,10 @@ def _fixes(out: str, group: Any, i: int, pair: int) -> dict[str, Any]:
     policy = fa.get_policy("f32")
     loss_fn = make_loss_fn(policy)
     layout = sharding.shard_layout(params, group)
-    # 4. a sharded clip of another group: None (each shard alone) in a sharded step; the 4-rank default group
-    # in an unsharded step of the pair (it would add up the norms of both ranks' whole gradients).
+    # 4. a sharded clip of another group (None: each shard alone): now a deprecated alias of optim's, right anywhere
     res["clip_none"] = _catch(
         lambda: fa.make_train_step(
             loss_fn, optim.chain(sharding.clip_by_global_norm(0.5, None), opt), data_parallel=group, shard=layout
-        )
-    )
-    res["clip_in_dp"] = _catch(
-        lambda: fa.make_train_step(
-            loss_fn, optim.chain(sharding.clip_by_global_norm(0.5, True), opt), data_parallel=group, compile=False
         )
     )
     # 5. parameters that differ between ranks (no broadcast_params): sharded at create, unsharded at the first call
@@ -410,7 +448,7 @@ def _fixes(out: str, group: Any, i: int, pair: int) -> dict[str, Any]:
         lambda: fa.checkpoint.save_sharded(f"{out}/lay4_{pair}", {"state": state}, lay4, group=group)
     )
     res["rank0_create"] = _catch(lambda: fa.TrainState.create(params, opt, shard=layout.for_rank(0)))
-    # 7. a sharded state given to a step built without shard=
+    # 7. a sharded state given to a step built without shard=: the step takes the layout from the state
     res["sharded_state_plain_step"] = _catch(lambda: dp_step(state, batch))
     # 3. a one-process layout saved from both ranks of a 2-rank job
     lay1 = sharding.shard_layout(params, None)
@@ -460,7 +498,7 @@ def main(out: str) -> None:
         from torch._dynamo.testing import CompileCounterWithBackend
 
         counter = CompileCounterWithBackend("aot_eager")
-        results["compiled"] = run("f16", pair, i, sharded=True, compile_backend=counter)["records"]
+        results["compiled"] = run("f16", pair, i, sharded=True, compile_backend=counter, from_state=True)["records"]
         results["compile"] = {"frame_count": counter.frame_count, "code": [g.code for g in counter.graphs]}
     else:
         results["clip"] = _clip(pair, i)
@@ -478,7 +516,7 @@ def main(out: str) -> None:
             "plain": run(name, group, rank, sharded=False),
         }
     results["rounding_world"] = _rounding(group, rank)
-    results["rounding_world_no_layout"] = _rounding(group, rank, with_layout=False)  # the negative control
+    results["rounding_world_no_layout"] = _rounding(group, rank, with_offsets=False)  # the negative control
     torch.save(results, f"{out}/rank{rank}.pt")
     parallel.shutdown()
 

@@ -555,7 +555,7 @@ def test_lint_bad_arguments():
 
 def test_locator_with_buffers_and_aux():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), LogHead())
-    apply_fn, params, buffers = fa.nn.functionalize(model, "float32")
+    apply_fn, params, buffers = fa.nn.functionalize(model, "float32", with_buffers=True)
 
     def loss_fn(p, b, x):
         out, new_b = apply_fn(p, b, x)

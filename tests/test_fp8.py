@@ -194,7 +194,9 @@ def test_vmap_of_the_delayed_recipe() -> None:
     is cast with the stored scales and gets its own new state, equal to a loop of single-sample calls;
     per-sample gradients equal the loop's too."""
     model = fp8.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), "delayed", filter="*")
-    apply_fn, params, buffers = fa.nn.functionalize(model, POLICY, module_policies=fp8.MODULE_POLICIES)
+    apply_fn, params, buffers = fa.nn.functionalize(
+        model, POLICY, module_policies=fp8.MODULE_POLICIES, with_buffers=True
+    )
     xs = torch.randn(3, 8, 32) * torch.tensor([1.0, 10.0, 0.1])[:, None, None]
     loop = [apply_fn(params, buffers, x) for x in xs]
     with warnings.catch_warnings():
@@ -300,7 +302,9 @@ def test_float8_linear_delayed_buffers() -> None:
 
 def test_functionalize_returns_new_state_and_keeps_old() -> None:
     model = fp8.convert(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)), "delayed", filter="1")
-    apply_fn, params, buffers = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32", module_policies=fp8.MODULE_POLICIES)
+    apply_fn, params, buffers = fa.nn.functionalize(
+        model, "p=f32,c=bf16,o=f32", module_policies=fp8.MODULE_POLICIES, with_buffers=True
+    )
     assert sorted(buffers) == [
         "1.fp8_amax_history_input",
         "1.fp8_amax_history_weight",
@@ -321,14 +325,18 @@ def test_functionalize_returns_new_state_and_keeps_old() -> None:
 
 def test_bfloat16_state_refused_with_the_fix() -> None:
     model = fp8.convert(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)), "delayed", filter="1")
-    apply_fn, params, buffers = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32")  # no MODULE_POLICIES
+    apply_fn, params, buffers = fa.nn.functionalize(
+        model, "p=f32,c=bf16,o=f32", with_buffers=True
+    )  # no MODULE_POLICIES
     with pytest.raises(ValueError, match="'1': the delayed-scaling state must be float32.*MODULE_POLICIES"):
         apply_fn(params, buffers, torch.randn(16, 64))
 
 
 def test_state_from_another_recipe_refused() -> None:
     model = fp8.convert(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)), "delayed", filter="1")
-    apply_fn, params, buffers = fa.nn.functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES)
+    apply_fn, params, buffers = fa.nn.functionalize(
+        model, "f32", module_policies=fp8.MODULE_POLICIES, with_buffers=True
+    )
     buffers = {**buffers, "1.fp8_amax_history_input": torch.zeros(1024)}
     with pytest.raises(ValueError, match=r"'1': fp8_amax_history_input has shape \(1024,\).*needs \(16,\)"):
         apply_fn(params, buffers, torch.randn(16, 64))
@@ -342,7 +350,9 @@ def test_resume_with_a_state_from_another_model_or_recipe_is_refused(tmp_path) -
 
     def state(recipe):
         model = fp8.convert(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)), recipe, filter="1")
-        out = fa.nn.functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES)
+        out = fa.nn.functionalize(
+            model, "f32", module_policies=fp8.MODULE_POLICIES, with_buffers=fp8.get_recipe(recipe).scaling == "delayed"
+        )
         opt = optim.sgd(0.1)
         return out[0], fa.TrainState.create(out[1], opt, buffers=out[2] if len(out) == 3 else None)
 
@@ -515,7 +525,9 @@ def test_dynamic_recipes_train_like_bf16(recipe, baseline) -> None:
 def _mlp_step(accumulation_steps: int = 1, compile: bool = False, backend=None, poison: bool = False, layers=None):
     layers = layers or [torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)]
     model = fp8.convert(torch.nn.Sequential(*layers), "delayed", filter="*")
-    apply_fn, params, buffers = fa.nn.functionalize(model, POLICY, module_policies=fp8.MODULE_POLICIES)
+    apply_fn, params, buffers = fa.nn.functionalize(
+        model, POLICY, module_policies=fp8.MODULE_POLICIES, with_buffers=True
+    )
 
     def loss_fn(params, buffers, b):
         out, new = apply_fn(params, buffers, b["x"])
@@ -702,39 +714,88 @@ def test_data_parallel_delayed_state_takes_the_largest_amax(dp_ranks) -> None:
     assert zero["local"]["0.fp8_amax_history_input"][0] == 0  # rank 0's all-zero input: its own scale stayed,
     assert not torch.equal(zero["local"]["0.fp8_scale_input"], zero["kept"]["0.fp8_scale_input"])  # rank 1's won
     assert all(torch.equal(r0["eager"][k], r0["steps"][0]["kept"][k]) for k in r0["eager"])  # eager == compiled
-    # make_train_step(data_parallel=True) reduces its buffers the same way (it averaged them before).
+    assert all(torch.equal(r0["legacy"][k], r0["eager"][k]) for k in r0["eager"])  # the deprecated name rule too
+    # make_train_step(data_parallel=True) reduces its buffers the same way (it averaged them before), with the
+    # state's buffer_reductions (from apply_fn.buffer_reductions) and, for a state made without, by fp8's names.
     for k, v in r0["steps"][0]["kept"].items():
-        assert torch.equal(r0["train_step_buffers"][k], v) and torch.equal(r1["train_step_buffers"][k], v), k
+        for key in ("train_step_buffers", "train_step_legacy_buffers"):
+            assert torch.equal(r0[key][k], v) and torch.equal(r1[key][k], v), (key, k)
 
 
 def test_reduce_buffers_registry_and_errors() -> None:
     from funcamp import parallel
 
-    assert parallel._BUFFER_REDUCTIONS["fp8_amax_history_input"] == "max"  # registered by funcamp.fp8
+    # funcamp.fp8's names: the deprecated fallback for states made without buffer_reductions=
+    assert parallel._BUFFER_REDUCTIONS["fp8_amax_history_input"] == "max"
     assert parallel._BUFFER_REDUCTIONS["fp8_scale_weight"] == "min"
-    parallel.register_buffer_reduction("fp8_scale_weight", "min")  # again, the same: nothing happens
-    with pytest.raises(ValueError, match="'fp8_scale_weight' is registered with 'min' already, not 'max'"):
-        parallel.register_buffer_reduction("fp8_scale_weight", "max")
-    with pytest.raises(ValueError, match="reduction must be 'max' or 'min', got 'mean'"):
-        parallel.register_buffer_reduction("x", "mean")
-    with pytest.raises(ValueError, match="without dots"):
-        parallel.register_buffer_reduction("a.b", "max")
+    deprecated = pytest.warns(DeprecationWarning, match="register_buffer_reduction is deprecated: declare")
+    with deprecated:
+        parallel.register_buffer_reduction("fp8_scale_weight", "min")  # again, the same: nothing happens
+    for name, how, error, match in (
+        ("fp8_scale_weight", "max", ValueError, "'fp8_scale_weight' is registered with 'min' already, not 'max'"),
+        ("x", "mean", ValueError, "reduction must be 'max' or 'min', got 'mean'"),
+        ("a.b", "max", ValueError, "without dots"),
+    ):
+        with pytest.raises(error, match=match), pytest.warns(DeprecationWarning):
+            parallel.register_buffer_reduction(name, how)
     with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
         parallel.reduce_buffers({"fp8_scale_input": torch.ones(())}, None)
+
+
+def test_buffer_reductions_come_from_the_modules_that_own_the_buffers() -> None:
+    """The fp8 layers declare ``buffer_reductions`` (a class attribute); ``functionalize`` gives them by dotted
+    name as ``apply_fn.buffer_reductions`` (BatchNorm's statistics: not named, averaged); the state carries them
+    as static metadata (checked names and reductions)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 32))
+    model = fp8.convert(model, fp8.Recipe("delayed", amax_history_len=4), filter=["0", "2"])
+    assert fp8.Float8Linear.buffer_reductions["fp8_amax_history_input"] == "max"
+    apply_fn, params, buffers = fa.nn.functionalize(
+        model, "f32", module_policies=fp8.MODULE_POLICIES, with_buffers=True
+    )
+    want = {
+        f"{i}.fp8_{kind}_{role}": how
+        for i in (0, 2)
+        for kind, how in (("amax_history", "max"), ("scale", "min"))
+        for role in ("input", "weight")
+    }
+    assert dict(apply_fn.buffer_reductions) == want and "1.running_mean" in buffers
+    state = fa.TrainState.create(params, optim.sgd(0.1), buffers=buffers, buffer_reductions=apply_fn.buffer_reductions)
+    assert state.buffer_reductions == tuple(sorted(want.items()))
+    assert not any(isinstance(x, str) for x in fa._tree.tree_leaves(state))  # static: no leaves
+    with pytest.raises(ValueError, match="buffer_reductions names 'nope', which is not one of the buffers"):
+        fa.TrainState.create(params, optim.sgd(0.1), buffers=buffers, buffer_reductions={"nope": "max"})
+    with pytest.raises(ValueError, match=r"buffer_reductions\['1.running_mean'\] must be 'max' or 'min'"):
+        fa.TrainState.create(params, optim.sgd(0.1), buffers=buffers, buffer_reductions={"1.running_mean": "mean"})
+    with pytest.raises(TypeError, match="buffer_reductions must be None or a mapping"):
+        fa.TrainState.create(params, optim.sgd(0.1), buffers=buffers, buffer_reductions=["max"])
+
+    class Bad(torch.nn.Module):
+        buffer_reductions = {"running": "mean"}
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("running", torch.zeros(2))
+
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ValueError, match=r"Bad.buffer_reductions\['running'\] is 'mean'"):
+        fa.nn.functionalize(Bad(), "f32", with_buffers=True)
 
 
 # --- fp8 in the policy string ----------------------------------------------------------------------------
 
 
 def test_functionalize_with_fp8_in_the_policy_string() -> None:
-    """fp8.functionalize(model, "...,fp8=R") is nn.functionalize(convert(model, R), "...",
+    """nn.functionalize(model, "...,fp8=R", with_buffers=True) is nn.functionalize(convert(model, R), "...",
     module_policies=MODULE_POLICIES): the same names, buffers and outputs, bit for bit."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
     x = torch.randn(8, 32)
-    apply_fn, params, buffers = fp8.functionalize(model, " p=f32,c=bf16,o=f32 , FP8 = delayed ")
+    apply_fn, params, buffers = fa.nn.functionalize(model, " p=f32,c=bf16,o=f32 , FP8 = delayed ", with_buffers=True)
     ref_fn, ref_params, ref_buffers = fa.nn.functionalize(
-        fp8.convert(model, "delayed"), POLICY, module_policies=fp8.MODULE_POLICIES
+        fp8.convert(model, "delayed"), POLICY, module_policies=fp8.MODULE_POLICIES, with_buffers=True
     )
     assert params.keys() == ref_params.keys() and sorted(buffers) == sorted(ref_buffers)
     assert sorted(buffers)[0] == "1.fp8_amax_history_input"  # the first and last layers stay (default filter)
@@ -742,11 +803,12 @@ def test_functionalize_with_fp8_in_the_policy_string() -> None:
     ref, ref_new = ref_fn(ref_params, ref_buffers, x)
     assert torch.equal(out, ref) and all(torch.equal(new[k], ref_new[k]) for k in new)
     assert not any(isinstance(m, fp8.Float8Linear) for m in model)  # the model itself is not changed
-    # filter and your own module_policies pass through (merged over MODULE_POLICIES)
-    apply_fn, params, buffers = fp8.functionalize(
-        model, "p=f32,c=bf16,o=f32,fp8=tensorwise", filter="*", module_policies={"3": "bf16"}
+    # your own module_policies come first, then MODULE_POLICIES (layers 1 and 2 are fp8: float32 weights)
+    apply_fn, params, buffers = fa.nn.functionalize(
+        model, "p=f32,c=bf16,o=f32,fp8=tensorwise", module_policies={"3": "bf16"}, with_buffers=True
     )
-    assert [apply_fn.forward_dtypes[f"{i}.weight"] for i in range(4)] == [torch.float32] * 3 + [torch.bfloat16]
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert [apply_fn.forward_dtypes[f"{i}.weight"] for i in range(4)] == [bf16, f32, f32, bf16]
     # three values whatever the recipe (a stateless one too), so changing fp8= changes no code around it
     assert buffers == {} and apply_fn(params, buffers, x)[1] == {}
 
@@ -758,28 +820,46 @@ def test_functionalize_with_fp8_in_the_policy_string() -> None:
     state = fa.TrainState.create(params, opt, buffers=buffers)
     state, _ = fa.make_train_step(loss_fn, opt, backend="aot_eager")(state, x)  # compiled, fullgraph
     assert state.buffers == {} and int(state.step) == 1
-    # no fp8= part: plain functionalize, three values all the same; with_buffers=None: functionalize's rule
-    apply_fn, params, buffers = fp8.functionalize(model, POLICY)
-    assert torch.equal(apply_fn(params, buffers, x)[0], fa.nn.functionalize(model, POLICY)[0](params, x))
-    assert len(fp8.functionalize(model, POLICY + ",fp8=rowwise", with_buffers=None)) == 2
+    # a stateless recipe without with_buffers: two values
+    assert len(fa.nn.functionalize(model, POLICY + ",fp8=rowwise")) == 2
+
+
+def test_fp8_functionalize_is_a_deprecated_alias() -> None:
+    """fp8.functionalize warns, names what to use, and returns what it returned (three values always)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    x = torch.randn(8, 32)
+    with pytest.warns(DeprecationWarning, match=r"funcamp.nn.functionalize\(model, policy, with_buffers=True\)"):
+        apply_fn, params, buffers = fp8.functionalize(model, "p=f32,c=bf16,o=f32,fp8=delayed")
+    ref_fn, ref_params, ref_buffers = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32,fp8=delayed", with_buffers=True)
+    out, new = apply_fn(params, buffers, x)
+    ref, ref_new = ref_fn(ref_params, ref_buffers, x)
+    assert torch.equal(out, ref) and all(torch.equal(new[k], ref_new[k]) for k in new)
+    with pytest.warns(DeprecationWarning, match="fp8.convert"):  # filter=: the message says convert first
+        apply_fn, params, buffers = fp8.functionalize(model, "p=f32,c=bf16,o=f32,fp8=tensorwise", filter="*")
+    assert buffers == {} and apply_fn.forward_dtypes["3.weight"] == torch.float32
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="policy must be a string"):
+        fp8.functionalize(model, None)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="with_buffers=False keeps the buffers"):
+        fp8.functionalize(model, "p=f32,fp8=delayed", with_buffers=False)
 
 
 def test_fp8_in_the_policy_string_errors() -> None:
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+    functionalize = fa.nn.functionalize
     with pytest.raises(ValueError, match="unknown recipe 'blockwise'; choose one of tensorwise, rowwise, delayed"):
-        fp8.functionalize(model, "p=f32,fp8=blockwise")
+        functionalize(model, "p=f32,fp8=blockwise")
     with pytest.raises(ValueError, match="fp8= given twice"):
-        fp8.functionalize(model, "fp8=delayed,p=f32,fp8=rowwise")
+        functionalize(model, "fp8=delayed,p=f32,fp8=rowwise")
     with pytest.raises(ValueError, match="no dtypes besides fp8="):
-        fp8.functionalize(model, "fp8=delayed")
-    with pytest.raises(ValueError, match="with_buffers=False keeps the buffers constant, so the delayed recipe"):
-        fp8.functionalize(model, "p=f32,fp8=delayed", with_buffers=False)
-    with pytest.raises(TypeError, match="policy must be a string"):
-        fp8.functionalize(model, None)
+        functionalize(model, "fp8=delayed")
+    for with_buffers in (None, False):  # the delayed state must come in and out
+        with pytest.raises(ValueError, match=r"fp8=delayed keeps an amax history .* pass with_buffers=True"):
+            functionalize(model, "p=f32,fp8=delayed", with_buffers=with_buffers)
     with pytest.raises(TypeError, match="module_policies must be None or a dict"):
-        fp8.functionalize(model, "p=f32,fp8=delayed", module_policies=[fp8.Float8Linear])
-    # funcamp.get_policy (what nn.functionalize, make_train_step... take) refuses fp8 and says where it goes
-    with pytest.raises(ValueError, match=r"fp8= is not a dtype key .*funcamp.fp8.functionalize"):
+        functionalize(model, "p=f32,fp8=delayed", module_policies=[fp8.Float8Linear], with_buffers=True)
+    # funcamp.get_policy (what make_train_step... take) refuses fp8 and says where it goes
+    with pytest.raises(ValueError, match=r"fp8= is not a dtype key .*funcamp.nn.functionalize"):
         fa.get_policy("p=f32,c=bf16,fp8=tensorwise")
     with pytest.raises(ValueError, match=r"unknown dtype 'float8_e4m3fn' .*fp8 runs the matmuls of chosen layers"):
         fa.get_policy("c=float8_e4m3fn")

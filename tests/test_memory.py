@@ -235,7 +235,9 @@ def test_report_with_apply_fn_errors():
 
 def test_report_with_apply_fn_takes_buffers_too():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    apply_fn, params, buffers = functionalize(model, "params=float32,compute=bfloat16,output=float32")
+    apply_fn, params, buffers = functionalize(
+        model, "params=float32,compute=bfloat16,output=float32", with_buffers=True
+    )
     report = memory_report({**params, **buffers}, apply_fn=apply_fn)
     assert report.stored == {F32: (20 + 8 + 8) * 4, torch.int64: 8}  # masters, running stats, counter
     assert report.compute == {BF16: 20 * 2}  # the Linear in bf16; BatchNorm keeps float32
@@ -315,8 +317,8 @@ def test_report_counts_fp8_copies_from_the_shapes(recipe):
         max(n * k for k, n in FP8_SIZES) if recipe == "rowwise" else sum(n * k for k, n in FP8_SIZES)
     )
 
-    out = functionalize(model, policy, module_policies=fp8.MODULE_POLICIES)
-    apply_fn, params, buffers = out if len(out) == 3 else (*out, {})
+    out = functionalize(model, policy, module_policies=fp8.MODULE_POLICIES, with_buffers=recipe == "delayed")
+    apply_fn, params, buffers = out if recipe == "delayed" else (*out, {})
     assert memory_report({**params, **buffers}, apply_fn=apply_fn, model=model, tokens=m) == dataclasses.replace(
         report, policy="as functionalize's apply_fn holds and casts them"
     )
@@ -329,7 +331,7 @@ def test_report_fp8_errors():
     from funcamp import fp8
 
     model = _fp8_model("delayed")
-    apply_fn, params, buffers = functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES)
+    apply_fn, params, buffers = functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES, with_buffers=True)
     with pytest.raises(TypeError, match=r"fp8 recipe state \(fp8_amax_history_input, .*pass model="):
         memory_report({**params, **buffers}, apply_fn=apply_fn)
     with pytest.raises(ValueError, match="tokens must be None or an int >= 1"):

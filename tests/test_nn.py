@@ -155,7 +155,7 @@ def test_batchnorm_running_stats(compute, autocast):
     torch.manual_seed(0)
     bn = nn.BatchNorm1d(4)
     before = snapshot(bn)
-    apply_fn, params, buffers = functionalize(bn, MIXED[compute], autocast=autocast)
+    apply_fn, params, buffers = functionalize(bn, MIXED[compute], autocast=autocast, with_buffers=True)
     caller = {k: v.clone() for k, v in buffers.items()}
     x = feature_mean_two()
 
@@ -173,7 +173,7 @@ def test_batchnorm_running_stats(compute, autocast):
     assert_unchanged(bn, before, training=True)
 
     # Eval mode (a flag on funcamp's copy; the module keeps its own) uses the stored statistics.
-    eval_fn, _, _ = functionalize(bn, MIXED[compute], autocast=autocast, training=False)
+    eval_fn, _, _ = functionalize(bn, MIXED[compute], autocast=autocast, training=False, with_buffers=True)
     out, same = eval_fn(params, new, x)
     expected = (x - new["running_mean"]) / torch.sqrt(new["running_var"] + bn.eps)
     torch.testing.assert_close(out.to(compute), expected.to(compute))  # computed in f32, returned in compute
@@ -184,18 +184,18 @@ def test_batchnorm_running_stats(compute, autocast):
 
 def test_training_flag_follows_module_unless_given():
     bn = nn.BatchNorm1d(4).eval()
-    apply_fn, params, buffers = functionalize(bn, "f32")  # eval, captured now
+    apply_fn, params, buffers = functionalize(bn, "f32", with_buffers=True)  # eval, captured now
     bn.train()
     _, new = apply_fn(params, buffers, feature_mean_two())
     assert new["num_batches_tracked"].item() == 0
-    apply_fn, params, buffers = functionalize(bn.eval(), "f32", training=True)
+    apply_fn, params, buffers = functionalize(bn.eval(), "f32", training=True, with_buffers=True)
     _, new = apply_fn(params, buffers, feature_mean_two())
     assert new["num_batches_tracked"].item() == 1 and not bn.training
 
 
 def test_buffers_are_stored_in_param_dtype_and_integers_untouched():
     bn = nn.BatchNorm1d(4).to(F64)
-    _, params, buffers = functionalize(bn, "params=float32,compute=bfloat16")
+    _, params, buffers = functionalize(bn, "params=float32,compute=bfloat16", with_buffers=True)
     assert {k: v.dtype for k, v in params.items()} == {"weight": F32, "bias": F32}
     assert buffers["running_mean"].dtype == F32 and buffers["num_batches_tracked"].dtype == torch.int64
     assert bn.running_mean.dtype == F64  # the module keeps its own
@@ -487,7 +487,7 @@ def test_float32_policy_equals_plain_autograd():
     torch.manual_seed(0)
     model = bn_cnn()
     before = snapshot(model)
-    apply_fn, params, buffers = functionalize(model, "float32")
+    apply_fn, params, buffers = functionalize(model, "float32", with_buffers=True)
     x = torch.randn(4, 3, 8, 8)
     grads, (loss, new) = torch.func.grad_and_value(
         lambda p: (lambda o: (o[0].square().mean(), o[1]))(apply_fn(p, buffers, x)), has_aux=True
@@ -669,7 +669,7 @@ def test_errors():
         apply_fn({k: v for k, v in params.items() if k != "0.bias"}, torch.ones(1, 4))
     with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
         apply_fn({**params, "extra": torch.ones(1)}, torch.ones(1, 4))
-    apply_fn, params, _ = functionalize(nn.BatchNorm1d(4), "f32")
+    apply_fn, params, _ = functionalize(nn.BatchNorm1d(4), "f32", with_buffers=True)
     with pytest.raises(TypeError, match=r"this module has buffers: call apply_fn\(params, buffers"):
         apply_fn(params, torch.ones(2, 4))
 
@@ -718,7 +718,7 @@ def compiled_steps(request):
     torch.manual_seed(0)
     gpt, cnn = TinyGPT(layers=1), bn_cnn()
     gpt_fn, gpt_params = functionalize(gpt, MIXED[BF16], autocast=autocast, training=False)
-    cnn_fn, cnn_params, cnn_buffers = functionalize(cnn, MIXED[BF16], autocast=autocast)
+    cnn_fn, cnn_params, cnn_buffers = functionalize(cnn, MIXED[BF16], autocast=autocast, with_buffers=True)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     cases = {

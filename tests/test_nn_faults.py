@@ -329,7 +329,7 @@ def test_frozen_with_buffers_and_tied_weights():
 
     model = Tied()
     # The tied weight is trainable when any of its names is selected.
-    apply_fn, params, buffers = functionalize(model, MIXED, trainable="head")
+    apply_fn, params, buffers = functionalize(model, MIXED, trainable="head", with_buffers=True)
     assert sorted(params) == ["emb.weight"] and sorted(apply_fn.frozen) == ["bn.bias", "bn.weight"]
     ids = torch.tensor([1, 2, 3, 4])
     grads, (_, new) = torch.func.grad_and_value(
@@ -338,7 +338,7 @@ def test_frozen_with_buffers_and_tied_weights():
     assert grads["emb.weight"].dtype == F32 and new["bn.num_batches_tracked"].item() == 1
     # Frozen tied weight: both uses read the one frozen tensor.
     model.emb.weight.requires_grad_(False)
-    apply_fn, params, buffers = functionalize(model, MIXED)
+    apply_fn, params, buffers = functionalize(model, MIXED, with_buffers=True)
     assert sorted(params) == ["bn.bias", "bn.weight"] and sorted(apply_fn.frozen) == ["emb.weight"]
     out, _ = apply_fn(params, buffers, ids)
     assert out.shape == (4, 8)

@@ -88,7 +88,7 @@ def test_values_go_to_the_module_device():
 def test_batchnorm_buffers_round_trip_through_a_train_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
-    apply_fn, params, buffers = functionalize(model, "float32")
+    apply_fn, params, buffers = functionalize(model, "float32", with_buffers=True)
 
     def loss_fn(p, b, x):
         out, new_b = apply_fn(p, b, x)
@@ -103,7 +103,7 @@ def test_batchnorm_buffers_round_trip_through_a_train_step():
     target = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
     load_into(target, state.params, state.buffers)
     assert_module_holds(target, {**state.params, **state.buffers})
-    eval_fn, p2, b2 = functionalize(target, "float32", training=False)
+    eval_fn, p2, b2 = functionalize(target, "float32", training=False, with_buffers=True)
     x = torch.randn(6, 4)
     with torch.no_grad():
         out = target.eval()(x)
@@ -178,7 +178,7 @@ def test_fp8_state_names_match_the_fp8_layer():
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_fp8_trained_params_load_into_the_plain_and_the_converted_model(recipe):
     policy = f"params=float32,compute=float32,output=float32,fp8={recipe}"
-    apply_fn, params, buffers = fp8.functionalize(fp8_mlp(0), policy)
+    apply_fn, params, buffers = functionalize(fp8_mlp(0), policy, with_buffers=True)
     _, buffers = apply_fn(params, buffers, torch.randn(4, 16))  # the delayed state advances
     assert sorted(buffers) == ([f"2.{n}" for n in sorted(_load._FP8_STATE)] if recipe == "delayed" else [])
     trained = bumped(params)
@@ -192,7 +192,7 @@ def test_fp8_trained_params_load_into_the_plain_and_the_converted_model(recipe):
 
 def test_fp8_state_of_a_layer_that_is_not_a_linear_is_refused():
     converted = fp8.convert(fp8_mlp(0), "delayed")
-    _, params, buffers = functionalize(converted, "float32", module_policies=fp8.MODULE_POLICIES)
+    _, params, buffers = functionalize(converted, "float32", module_policies=fp8.MODULE_POLICIES, with_buffers=True)
     bad = {k.replace("2.", "1.", 1): v for k, v in buffers.items()}  # "1" is a ReLU
     with pytest.raises(ValueError, match=r"unexpected \['1.fp8_amax_history_input'"):
         state_dict(fp8_mlp(0), params, bad)
@@ -272,7 +272,7 @@ def other_model() -> nn.Module:
 
 
 BN = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-_, BN_PARAMS, BN_BUFFERS = functionalize(BN, "float32")
+_, BN_PARAMS, BN_BUFFERS = functionalize(BN, "float32", with_buffers=True)
 _, MLP_PARAMS = functionalize(mlp(0), "float32")
 
 

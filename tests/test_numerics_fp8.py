@@ -88,7 +88,9 @@ def test_delayed_first_and_later_calls_are_one_graph() -> None:
     """The choice between the current and the stored scale is a torch.where: a fresh state and a used one
     run the same compiled graph (aot_eager, fullgraph), with eager's numbers."""
     model = fp8.convert(nn.Sequential(nn.Linear(32, 32)), "delayed", filter="*")
-    apply_fn, params, buffers = fa.nn.functionalize(model, "f32", module_policies=fp8.MODULE_POLICIES)
+    apply_fn, params, buffers = fa.nn.functionalize(
+        model, "f32", module_policies=fp8.MODULE_POLICIES, with_buffers=True
+    )
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(apply_fn, backend=counter, fullgraph=True)
     x = torch.randn(16, 32) * 1000
@@ -373,7 +375,7 @@ def test_remat_recompute_sees_buffers_written_in_place() -> None:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     results = []
     for remat in (None, Counter):
-        apply_fn, params, buffers = fa.nn.functionalize(Twice(), "f32", remat=remat)
+        apply_fn, params, buffers = fa.nn.functionalize(Twice(), "f32", remat=remat, with_buffers=True)
 
         def loss(p, b=buffers, f=apply_fn):
             out, new = f(p, b, x)
@@ -414,7 +416,7 @@ class MixedTwice(nn.Module):
 def test_remat_refuses_a_buffer_reassigned_then_written_in_place() -> None:
     """The one case the recompute cannot replay (the value a region saw is gone) is an error naming the
     buffer and the fix, not a wrong gradient."""
-    apply_fn, params, buffers = fa.nn.functionalize(MixedTwice(), "f32", remat=Mixed)
+    apply_fn, params, buffers = fa.nn.functionalize(MixedTwice(), "f32", remat=Mixed, with_buffers=True)
 
     def loss(p):
         out, new = apply_fn(p, buffers, torch.ones(2, 8))

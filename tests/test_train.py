@@ -398,7 +398,7 @@ def test_loss_fn_with_buffers_returning_three_values_is_named():
     """A loss_fn with buffers must return (loss, new_buffers); three values used to give Python's bare
     'too many values to unpack'."""
     model = torch.nn.BatchNorm1d(4)
-    apply_fn, params, buffers = fa.nn.functionalize(model, "float32")
+    apply_fn, params, buffers = fa.nn.functionalize(model, "float32", with_buffers=True)
 
     def loss_fn(p, b, x):
         out, new = apply_fn(p, b, x)
@@ -416,7 +416,7 @@ def test_loss_fn_that_cannot_take_the_steps_arguments_is_named(with_buffers):
     """A model with buffers calls loss_fn(params, buffers, batch); a two-argument loss_fn gave Python's bare
     '<lambda>() takes 2 positional arguments but 3 were given' (and the reverse)."""
     model = torch.nn.BatchNorm1d(4) if with_buffers else torch.nn.Linear(4, 4)
-    out = fa.nn.functionalize(model, "float32")
+    out = fa.nn.functionalize(model, "float32", with_buffers=with_buffers)
     apply_fn, params = out[:2]
     buffers = out[2] if with_buffers else None
     if with_buffers:

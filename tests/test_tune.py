@@ -859,7 +859,7 @@ def test_unreadable_choice_cache_warns_and_measures_again(cpu_facts, tmp_path: P
         ({"rounds": 2}, ValueError, "rounds must be an int >= 3, got 2"),
         ({"warmup": 0}, ValueError, "warmup must be an int >= 1, got 0"),
         ({"margin": -0.1}, ValueError, "margin must be a number >= 0, got -0.1"),
-        ({"device": "meta"}, ValueError, "nothing runs on the meta device"),
+        ({"device": "meta"}, ValueError, "nothing can be timed on the meta device"),
         ({"candidates": ["int8"]}, ValueError, "candidate 'int8' is not a compute dtype funcamp tunes"),
         ({"candidates": "bfloat16"}, TypeError, "candidates must be a list of dtypes"),
         ({"cache": 3}, TypeError, "cache must be True, False or a directory, got 3"),

@@ -16,8 +16,9 @@ Chosen frozen matrices can be held in int8 (``quantize=funcamp.quant.Int8WeightO
 channel absmax scales, dequantized into the compute dtype at each call; see :mod:`funcamp.quant`).
 
 The module you pass is never changed, nor kept alive: ``functionalize`` works on a structural copy of
-it whose parameters are shape-only placeholders (on the ``meta`` device), sets the training flag and
-the per-module casting wrappers on that copy, and runs it with the tensors passed to ``apply_fn``.
+it whose parameters are shape-only placeholders, sets the training flag and the per-module wrappers on
+that copy, and runs it with the tensors passed to ``apply_fn``; each parameter is cast where its module
+uses it.
 ``torch.utils.checkpoint`` inside the module's forward works (see :mod:`funcamp.nn._remat`), and
 ``functionalize(..., remat=...)`` checkpoints chosen submodules (by type, name pattern or predicate)
 without editing the model; memory is saved where torch can recompute (eager plain autograd).
@@ -27,12 +28,15 @@ trained tensors into the module (``load_state_dict(strict=True)``: tied weights 
 weights dequantized, fp8 layers mapped back, each value in the module's dtype); :func:`state_dict` builds
 that state dict without loading it (for ``save_pretrained(dir, state_dict=...)`` or ``torch.save``).
 
-Layout: ``_plan`` (which policy each module and tensor follows), ``_functionalize`` (the pure
-function, the trainable/frozen split), ``_remat`` (activation checkpointing inside ``apply_fn``, and
-``remat=``), ``_load`` (the way back into the module).
+Layout: ``_functionalize`` (the assembly, one call of ``apply_fn``, the return convention, ``fp8=``),
+``_plan`` (which policy each module and tensor follows), ``_store`` (the trainable/frozen/int8 split and
+the dtypes tensors are stored and used in), ``_wrappers`` (the module copy and its per-module wrappers:
+casts, and the per-op mode), ``_use`` (each parameter made into its forward tensor where its module
+uses it, through the step layout's ``param_at_use``), ``_remat`` (activation checkpointing inside
+``apply_fn``, and ``remat=``), ``_load`` (the way back into the module).
 """
 
-from funcamp.nn._functionalize import functionalize
+from funcamp.nn._functionalize import Functional, FunctionalWithBuffers, functionalize
 from funcamp.nn._load import load_into, state_dict
 from funcamp.nn._plan import EMBEDDING_TYPES, NORM_TYPES, float32_lookup, keep_in_float32, param_policies
 from funcamp.nn._remat import RematInactiveWarning
@@ -40,6 +44,8 @@ from funcamp.nn._remat import RematInactiveWarning
 __all__ = [
     "EMBEDDING_TYPES",
     "NORM_TYPES",
+    "Functional",
+    "FunctionalWithBuffers",
     "RematInactiveWarning",
     "float32_lookup",
     "functionalize",

@@ -1,237 +1,61 @@
-"""``functionalize``: the module copy, the casts and ``apply_fn`` (the package docstring says what it does).
+"""``functionalize``: a plan of small parts assembled, and the one ``apply_fn`` it returns.
 
-The module you pass is never changed, nor kept alive: ``functionalize`` works on a structural copy of
-it whose parameters are shape-only placeholders (on the ``meta`` device), sets the training flag and
-the per-module casting wrappers on that copy, and runs it with the tensors passed to ``apply_fn``.
+The parts, in the order they apply: the ``fp8=`` part of the policy string converts the model
+(:func:`_with_fp8`); :class:`funcamp.nn._plan._Plan` says which policy each module and tensor follows;
+:mod:`funcamp.nn._store` copies what ``apply_fn`` is made from (trainable masters, frozen or int8
+tensors, buffers); :mod:`funcamp.nn._wrappers` builds the module copy with its per-module wrappers
+(each parameter made into its forward tensor where its module uses it, :mod:`funcamp.nn._use`; the
+casts of a module with a policy of its own; ``remat``) and the per-op mode; :class:`_Apply` runs one
+call. The module you pass is never changed, nor kept alive.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import fnmatch
-import functools
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as torch_pytree
 from torch import nn
 
-from funcamp import ops, quant
-from funcamp.nn import _remat
+from funcamp import quant
+from funcamp.nn import _remat, _store, _use, _wrappers
 from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
+from funcamp.nn._reductions import buffer_reductions
+from funcamp.nn._store import Trainable, _sample
 from funcamp.ops import OpRule
 from funcamp.policy import Policy, get_policy
 
-__all__ = ["functionalize"]
-
-#: A value of ``trainable``: None (each parameter's ``requires_grad``), True (every parameter), fnmatch
-#: patterns of parameter or module names, or a predicate ``(name, tensor) -> bool``.
-Trainable = bool | str | Iterable[str] | Callable[[str, torch.Tensor], bool] | None
+__all__ = ["Functional", "FunctionalWithBuffers", "functionalize"]
 
 
-def _cast_io(tree: Any, dtype: torch.dtype) -> Any:
-    """Cast the real floating tensors of a module's inputs or outputs to ``dtype``.
+class Functional(NamedTuple):
+    """What :func:`functionalize` returns without ``with_buffers=True``; unpacks as ``apply_fn, params``.
 
-    Walked with ``torch.utils._pytree``, the registry ``torch.compile`` and Hugging Face use, so that
-    ``ModelOutput`` and other registered containers are cast too.
+    Attributes:
+      apply_fn: ``apply_fn(params, *args, **kwargs) -> out`` (attributes ``frozen``, ``forward_dtypes``,
+        ``aliases``, ``remat``: see :func:`functionalize`).
+      params: the trainable parameters by qualified name, floating ones in their param dtype.
     """
 
-    def cast(x: torch.Tensor) -> torch.Tensor:
-        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
-
-    return torch_pytree.tree_map_only(torch.Tensor, cast, tree)
+    apply_fn: Callable[..., Any]
+    params: dict[str, torch.Tensor]
 
 
-def _device_type(*trees: Any) -> str:
-    for tree in trees:
-        for leaf in torch_pytree.tree_leaves(tree):
-            if isinstance(leaf, torch.Tensor):
-                return leaf.device.type
-    return "cpu"
+class FunctionalWithBuffers(NamedTuple):
+    """What :func:`functionalize` returns with ``with_buffers=True``; unpacks as ``apply_fn, params, buffers``.
 
-
-def _wrap_forward(module: nn.Module, policy: Policy, autocast: bool) -> None:
-    """Make ``module`` cast its inputs to the policy's compute dtype and its outputs to its output dtype.
-
-    With ``autocast``, a half compute dtype runs the forward under ``torch.autocast`` with that dtype
-    (inputs are left to it); a full one runs it with autocast off and inputs cast.
+    Attributes:
+      apply_fn: ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``.
+      params: the trainable parameters by qualified name, floating ones in their param dtype.
+      buffers: the persistent buffers by qualified name (``{}`` for a model without any).
     """
-    forward = module.forward
-    half = autocast and policy.compute_dtype in _HALF
 
-    @functools.wraps(forward)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not autocast:
-            args, kwargs = _cast_io((args, kwargs), policy.compute_dtype)
-            return _cast_io(forward(*args, **kwargs), policy.output_dtype)
-        if not half:
-            args, kwargs = _cast_io((args, kwargs), policy.compute_dtype)
-        device = _device_type(args, kwargs)
-        with torch.autocast(device, dtype=policy.compute_dtype if half else None, enabled=half):
-            out = forward(*args, **kwargs)
-        return _cast_io(out, policy.output_dtype)
-
-    module.forward = wrapped
-
-
-def _skeleton(
-    module: nn.Module, plan: _Plan, autocast: bool, training: bool | None, remat: Sequence[str] = ()
-) -> nn.Module:
-    """A copy of ``module``'s structure with the casting wrappers installed (and the checkpointing ones).
-
-    ``apply_fn`` passes every parameter and persistent buffer in, so the copy holds shape-only ``meta``
-    placeholders for them (it does not keep your module's weights alive); non-persistent buffers,
-    the constants, are shared with your module.
-    """
-    named = dict(module.named_buffers())
-    state = [*module.parameters(), *(named[name] for name in plan.buffers)]
-    memo: dict[int, Any] = {id(t): t for t in module.buffers()}
-    memo.update({id(t): _placeholder(t) for t in state})
-    try:
-        skeleton = copy.deepcopy(module, memo)
-    except Exception as e:
-        raise TypeError(
-            f"functionalize: could not copy the structure of {type(module).__name__} (copy.deepcopy failed: "
-            f"{e}); functionalize needs a deep-copyable module so that it never changes yours"
-        ) from e
-    if training is not None:
-        skeleton.train(training)
-    modules = dict(skeleton.named_modules(remove_duplicate=False))
-    wrapped: set[int] = set()
-    for name, policy in plan.own.items():  # a module reachable by two names is wrapped once, by the first
-        if autocast and name in plan.defaults:  # under autocast the defaults set storage only
-            continue
-        if id(modules[name]) not in wrapped:
-            wrapped.add(id(modules[name]))
-            _wrap_forward(modules[name], policy, autocast)
-    checkpointed: set[int] = set()
-    for name in remat:  # over the casting wrapper: the region starts at the module's own inputs
-        if id(modules[name]) not in checkpointed:
-            checkpointed.add(id(modules[name]))
-            _remat.wrap_forward(modules[name])
-    return skeleton
-
-
-def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
-    empty = torch.empty_like(tensor, device="meta")
-    return nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-
-
-def _check_keys(what: str, got: Mapping[str, Any], expected: list[str], frozen: Iterable[str] = ()) -> None:
-    if not isinstance(got, Mapping):
-        hint = (
-            " (this module has buffers: call apply_fn(params, buffers, *args, **kwargs))" if what == "buffers" else ""
-        )
-        raise TypeError(f"apply_fn: {what} must be a dict of tensors by name, got {type(got).__name__}{hint}")
-    if got.keys() != set(expected):
-        missing = sorted(set(expected) - got.keys())
-        unexpected = sorted(got.keys() - set(expected))
-        held = sorted(set(unexpected) & set(frozen))
-        hint = (
-            f"; {held} are frozen (held by apply_fn, see apply_fn.frozen): leave them out of params, or choose "
-            "them with functionalize(..., trainable=...)"
-            if held
-            else ""
-        )
-        raise ValueError(
-            f"apply_fn: {what} do not match the module: missing {missing}, unexpected {unexpected}; pass the "
-            f"{what} functionalize returned (or a tree_map of them){hint}"
-        )
-
-
-def _master(tensor: torch.Tensor, policy: Policy) -> torch.Tensor:
-    dtype = policy.param_dtype if tensor.is_floating_point() else tensor.dtype
-    return tensor.detach().to(dtype, copy=True)
-
-
-# --- trainable and frozen parameters ------------------------------------------------------------
-
-
-def _prefixes(name: str) -> list[str]:
-    """``"a.b.weight"`` -> ``["a.b.weight", "a.b", "a"]``: the tensor and the modules that hold it."""
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-
-
-def _trainable_names(module: nn.Module, plan: _Plan, trainable: Trainable) -> set[str]:
-    """The parameters (by first name) that go into ``params``; see ``trainable`` in :func:`functionalize`."""
-    tensors = dict(module.named_parameters(remove_duplicate=False))
-    names = {name: [name] for name in plan.params}  # first name -> all its names
-    for alias, first in plan.aliases.items():
-        if first in names:
-            names[first].append(alias)
-    if trainable is None:
-        return {name for name in plan.params if tensors[name].requires_grad}
-    if trainable is True:
-        return set(plan.params)
-    if callable(trainable):
-        chosen = set()
-        for first, all_names in names.items():
-            for name in all_names:
-                keep = trainable(name, tensors[name])
-                if not isinstance(keep, bool):
-                    raise TypeError(
-                        f"functionalize: trainable({name!r}, tensor) must return a bool, got {type(keep).__name__}"
-                    )
-                if keep:
-                    chosen.add(first)
-        if not chosen:
-            raise ValueError(
-                f"functionalize: the trainable predicate selected no parameter of the {len(plan.params)} "
-                f"({_sample(plan.params)}); to freeze the whole model for inference use "
-                "model.requires_grad_(False) and trainable=None"
-            )
-        return chosen
-    patterns = [trainable] if isinstance(trainable, str) else trainable
-    if isinstance(trainable, (bool, bytes)) or not isinstance(patterns, Iterable):
-        raise TypeError(
-            "functionalize: trainable must be None (each parameter's requires_grad), True (every parameter), "
-            "a name pattern or list of them (fnmatch, e.g. ['lm_head.*', '*.bias']), or a function "
-            f"(name, tensor) -> bool; got {trainable!r}"
-        )
-    patterns = list(patterns)
-    bad = [p for p in patterns if not isinstance(p, str)]
-    if bad or not patterns:
-        raise TypeError(f"functionalize: trainable patterns must be a non-empty list of strings, got {trainable!r}")
-    chosen = set()
-    for pattern in patterns:
-        hits = {
-            first
-            for first, all_names in names.items()
-            if any(fnmatch.fnmatchcase(p, pattern) for name in all_names for p in _prefixes(name))
-        }
-        if not hits:
-            raise ValueError(
-                f"functionalize: trainable pattern {pattern!r} matches no parameter (nor module holding one); "
-                f"parameter names are {_sample(plan.params)}"
-            )
-        chosen |= hits
-    return chosen
-
-
-def _sample(names: list[str], n: int = 6) -> str:
-    shown = ", ".join(repr(x) for x in names[:n])
-    return f"[{shown}{', ...' if len(names) > n else ''}]"
-
-
-def _frozen_dtype(tensor: torch.Tensor, policy: Policy, autocast: bool) -> torch.dtype:
-    """The dtype a frozen tensor is stored in: the one it enters the forward in, never a needless upcast.
-
-    Casting mode: its module's compute dtype, or its param dtype where that one is narrower (a float16
-    embedding table looked up in float32 by :func:`funcamp.nn.float32_lookup` stays float16 and is cast
-    at each call, as a trainable one is). Under autocast, for a module computing in half precision
-    (autocast casts per op): its own dtype if that is a half one, else its param dtype.
-    """
-    if not tensor.is_floating_point():
-        return tensor.dtype
-    if autocast and policy.compute_dtype in _HALF:
-        return tensor.dtype if tensor.dtype in _HALF else policy.param_dtype
-    if policy.param_dtype.itemsize < policy.compute_dtype.itemsize:
-        return policy.param_dtype
-    return policy.compute_dtype
+    apply_fn: Callable[..., Any]
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
 
 
 # --- functionalize --------------------------------------------------------------------------------
@@ -249,14 +73,14 @@ def functionalize(
     op_policies: Mapping[Any, OpRule | None] | None = None,
     quantize: quant.Int8WeightOnlyConfig | None = None,
     remat: _remat.Remat = None,
-) -> (
-    tuple[Callable[..., Any], dict[str, torch.Tensor]]
-    | tuple[Callable[..., Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]
-):
+) -> Functional | FunctionalWithBuffers:
     """Turn ``module`` into a pure function of its parameters (and buffers), under a precision policy.
 
-    The return value follows the state dict: ``(apply_fn, params)`` for a module without persistent
-    buffers, ``(apply_fn, params, buffers)`` for one with them (BatchNorm).
+    The number of values follows the arguments, not the model: :class:`FunctionalWithBuffers`
+    ``(apply_fn, params, buffers)`` with ``with_buffers=True`` (BatchNorm statistics, fp8 delayed
+    state; ``{}`` for a model without persistent buffers), else :class:`Functional` ``(apply_fn,
+    params)``. Left out for a model with persistent buffers, ``with_buffers`` still gives the three
+    values, with a ``FutureWarning`` (a later version raises there instead).
 
     - ``apply_fn(params, *args, **kwargs) -> out``, or with buffers
       ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``. Pure: ``params``,
@@ -329,9 +153,22 @@ def functionalize(
     Inputs and outputs are walked with ``torch.utils._pytree`` (so Hugging Face's ``ModelOutput`` is
     cast); only real floating tensors are cast.
 
+    Where parameters become forward tensors: each one is cast (an int8 weight dequantized) where its
+    module uses it, just before that module's own forward runs, and dropped when it returns (a read
+    outside that forward, such as ``nn.MultiheadAttention``'s of ``out_proj.weight``, is made at that
+    read); once per name and call (a module run twice uses one copy; a tied weight's second module its
+    own). Each is made by one function, which first hands the stored tensor, under the parameter's
+    first name, to the step's process layout (``param_at_use(name, stored)``, where it has one: a
+    sharded layout gathers there). Under ``torch.compile`` all are made when ``apply_fn`` starts (the
+    compiler schedules them). See :mod:`funcamp.nn._use`.
+
     Args:
       module: the model; left unchanged (same parameters, dtypes, training flag, no hooks).
-      policy: a :class:`funcamp.Policy` or a policy string for the whole model.
+      policy: a :class:`funcamp.Policy` or a policy string for the whole model. A string may hold one
+        ``fp8=<recipe>`` part (``"p=f32,c=bf16,o=f32,fp8=delayed"``): the model is then functionalized as
+        :func:`funcamp.fp8.convert` ``(module, recipe)`` (every Linear but the first and the last; for
+        another choice call ``convert`` yourself), with :data:`funcamp.fp8.MODULE_POLICIES` after your
+        ``module_policies``. ``fp8=delayed`` needs ``with_buffers=True`` (its state is buffers).
       module_policies: ``{module type or name pattern: policy}``; first match wins, before the norm
         and embedding defaults. A type matches its instances; a string (fnmatch syntax) matches qualified module names
         (the module and everything under it follows the policy) and parameter names. A parameter name
@@ -341,14 +178,15 @@ def functionalize(
         of the surrounding policy (such as :func:`keep_in_float32`), or ``None`` to follow the
         surrounding module (``{nn.LayerNorm: None}`` turns the norm default off for LayerNorm,
         ``{nn.Embedding: None}`` the embedding default).
-      autocast: run under ``torch.autocast`` instead of casting parameters up front, with no rule of
+      autocast: run under ``torch.autocast`` instead of casting parameters where they are used, with no rule of
         funcamp's own (see above).
       training: the training flag ``apply_fn`` runs with (dropout, BatchNorm statistics), set on the
         internal copy; ``None`` keeps each submodule's flag as it is now. ``functionalize(model.eval(),
         ...)`` works too, but changes your module's flag; ``training=False`` does not.
-      with_buffers: ``None`` (the rule above); ``True``: always the buffer form (an empty dict for a
-        model without buffers, handy for generic code); ``False``: always the short form, the buffers
-        being constants whose in-place updates are discarded (inference, frozen statistics).
+      with_buffers: ``True``: the buffer form (an empty dict for a model without buffers);
+        ``False``: the short form, the buffers being constants whose in-place updates are discarded
+        (inference, frozen statistics); ``None`` (default): the short form for a model without
+        persistent buffers, the buffer form with a ``FutureWarning`` for one with them.
       trainable: which parameters go into ``params`` (the rest are frozen): ``None`` (default), each
         parameter's ``requires_grad`` (torch's own marking: ``requires_grad_(False)`` on a tensor or a
         submodule); ``True``, all of them; a name pattern or a list of them (fnmatch; a pattern selects
@@ -394,8 +232,11 @@ def functionalize(
         off (``torch.no_grad``) the forward runs as is. Unlike Hugging Face's
         ``gradient_checkpointing_enable()`` this does not touch your module.
     Returns:
-      ``(apply_fn, params)`` or ``(apply_fn, params, buffers)``, see above. ``apply_fn.frozen`` is a
-      read-only dict of the frozen tensors (empty when everything is trainable);
+      :class:`Functional` ``(apply_fn, params)`` or :class:`FunctionalWithBuffers` ``(apply_fn, params,
+      buffers)`` (named tuples), see above. ``apply_fn.frozen`` is a
+      read-only dict of the frozen tensors (empty when everything is trainable); with buffers,
+      ``apply_fn.buffer_reductions`` the reductions over ranks their modules declare, for
+      ``TrainState.create(..., buffer_reductions=...)`` (:func:`funcamp.nn._reductions.buffer_reductions`);
       ``apply_fn.forward_dtypes`` the dtype each parameter and buffer enters the forward in, by name
       (tied uses under each name, listed in ``apply_fn.aliases``), from which
       :func:`funcamp.memory.memory_report` ``(params, apply_fn=apply_fn)`` counts the compute copies;
@@ -406,6 +247,9 @@ def functionalize(
       TypeError: if ``trainable`` is not one of the forms above, or its predicate returns a non-bool.
       ValueError: if a policy string does not parse; if a ``trainable`` pattern or the predicate
         selects no parameter.
+      ValueError: if the ``fp8=`` part names an unknown recipe or is given twice, or is ``delayed``
+        without ``with_buffers=True``.
+      TypeError: if ``with_buffers`` is not None, True or False.
       ValueError: if a weight chosen by ``quantize`` is trainable (int8 weights are frozen), or
         ``quantize`` selects nothing (see :meth:`funcamp.quant.Int8WeightOnlyConfig.select`).
       TypeError: if ``quantize`` is not an ``Int8WeightOnlyConfig``, or one of its name patterns
@@ -436,90 +280,18 @@ def functionalize(
       (['2.bias', '2.weight'], ['0.bias', '0.weight', '1.bias', '1.weight'], torch.bfloat16)
     """
     _check_module(module)
+    module, policy, module_policies = _with_fp8(module, policy, module_policies, with_buffers)
     policy = get_policy(policy)
     plan = _Plan(module, policy, module_policies)
-    chosen = _trainable_names(module, plan, trainable)
-    int8 = _int8_names(module, quantize, chosen)
+    explicit = _explicit(with_buffers, module, plan)
+    chosen = _store.trainable_names(module, plan, trainable)
+    store = _store.store(module, plan, chosen, _store.int8_names(module, quantize, chosen), autocast)
     remat_names = _remat.select(module, remat)
     _remat.install()
-    skeleton = _skeleton(module, plan, autocast, training, remat_names)
-    named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    train_names = [name for name in plan.params if name in chosen]
-    params = {name: _master(named[name], plan.tensors[name]) for name in train_names}
-
-    def stored(name: str) -> torch.Tensor | quant.Int8Weight:
-        if name in int8:
-            return quant.quantize_int8(named[name], int8[name])
-        dtype = _frozen_dtype(named[name], plan.tensors[name], autocast)
-        return named[name].detach().to(dtype, copy=True)
-
-    frozen = {name: stored(name) for name in plan.params if name not in chosen}
-    buffers = {name: _master(named[name], plan.tensors[name]) for name in plan.buffers}
-    forward_dtypes = {name: plan.forward_dtype(name, autocast) for name in [*plan.tensors, *plan.aliases]}
-    # A frozen tensor enters the forward in its module's compute dtype (stored so, or narrower: see
-    # _frozen_dtype), except under autocast in a half module, where it enters as stored.
-    for name, t in frozen.items():
-        if name not in int8 and (not t.is_floating_point() or autocast and plan.tensors[name].compute_dtype in _HALF):
-            forward_dtypes[name] = t.dtype
-    # An int8 weight is dequantized into its module's compute dtype (a tied use: into its own module's).
-    forward_dtypes.update({name: plan.tensors[name].compute_dtype for name in int8})
-    forward_dtypes.update({a: plan.alias_policies[a].compute_dtype for a, name in plan.aliases.items() if name in int8})
-    stored_dtypes = {name: buffers[name].dtype for name in plan.buffers}
-
-    # Under autocast torch's op lists decide: funcamp's default rules are not added, yours are.
-    rules = {**({} if autocast else ops.FLOAT32_ACCUMULATION), **(op_policies or {})}
-    any_half = policy.compute_dtype in _HALF or any(d in _HALF for d in forward_dtypes.values())
-    entered = rules and (op_policies or any_half)
-    op_mode = functools.partial(ops.OpPolicies, rules) if entered else contextlib.nullcontext
-    op_mode()  # check the rules now, not at the first call
-
-    def frozen_tensors() -> dict[str, torch.Tensor]:
-        """The frozen tensors as the forward uses them: int8 weights dequantized (in the traced graph), a
-        tensor stored narrower than its compute dtype cast to it."""
-        dequantize = quant.dequantize_int8
-        return {
-            name: dequantize(t, forward_dtypes[name]) if name in int8 else _to_forward(t, forward_dtypes[name])
-            for name, t in frozen.items()
-        }
-
-    def run(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
-        _check_keys("params", params, train_names, frozen)
-        _check_keys("buffers", state, plan.buffers)
-        tensors = {name: _to_forward(p, forward_dtypes[name]) for name, p in params.items()}
-        tensors.update(frozen_tensors())
-        # Fresh tensors: the module's in-place updates (running statistics) must not reach the caller's.
-        fresh = {name: _to_forward(b, forward_dtypes[name], copy=True) for name, b in state.items()}
-        # Each use of a tied parameter gets its own cast, so that the gradients of the uses are summed in
-        # the parameter's dtype (and a use in a module with another policy gets that policy's dtype).
-        # A tied buffer is the same fresh tensor under every name.
-        for alias, name in plan.aliases.items():
-            if name in int8 and forward_dtypes[alias] != forward_dtypes[name]:  # from int8, rounded once
-                tensors[alias] = quant.dequantize_int8(frozen[name], forward_dtypes[alias])
-            elif name not in fresh:  # from the stored tensor (the dequantized one for int8), rounded once
-                source = tensors[name] if name in int8 else frozen[name] if name in frozen else params[name]
-                tensors[alias] = _to_forward(source, forward_dtypes[alias])
-        bound = {**fresh, **{alias: fresh[name] for alias, name in plan.aliases.items() if name in fresh}}
-        call = None
-        if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
-            call = _remat._Call(
-                skeleton, tensors, functools.partial(_fresh_buffers, plan, state, forward_dtypes), op_mode, bound
-            )
-        tensors.update(bound)
-        with _remat.inside(call) if call is not None else contextlib.nullcontext(), op_mode():
-            if autocast:
-                half = policy.compute_dtype in _HALF
-                with torch.autocast(
-                    _device_type(params, args, kwargs), dtype=policy.compute_dtype if half else None, enabled=half
-                ):
-                    out = torch.func.functional_call(skeleton, tensors, tuple(args), kwargs, tie_weights=False)
-            else:
-                args, kwargs = _cast_io((tuple(args), kwargs), policy.compute_dtype)
-                out = torch.func.functional_call(skeleton, tensors, args, kwargs, tie_weights=False)
-        # functional_call writes attribute reassignments back into the dict it was given.
-        new_state = {name: tensors[name].to(stored_dtypes[name]) for name in fresh}
-        return _cast_io(out, policy.output_dtype), new_state
-
-    explicit = bool(plan.buffers) if with_buffers is None else with_buffers
+    uses = _use.Uses(store.frozen, store.int8, store.forward_dtypes, plan.aliases)
+    skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=remat_names)
+    op_mode = _wrappers.op_mode(policy, op_policies, autocast, store.forward_dtypes)
+    run = _Apply(skeleton, plan, policy, autocast, store, uses, op_mode)
     if explicit:
 
         def apply_fn(
@@ -527,60 +299,182 @@ def functionalize(
         ) -> tuple[Any, dict[str, torch.Tensor]]:
             return run(params, buffers, args, kwargs)
 
-        _describe(apply_fn, frozen, forward_dtypes, plan, remat_names)
-        return apply_fn, params, buffers
-
-    constant = buffers
+        _describe(apply_fn, store, plan, remat_names)
+        apply_fn.buffer_reductions = buffer_reductions(module, plan.buffers)  # type: ignore[attr-defined]
+        return FunctionalWithBuffers(apply_fn, store.params, store.buffers)
 
     def apply_fn(params: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
-        return run(params, constant, args, kwargs)[0]
+        return run(params, store.buffers, args, kwargs)[0]  # the buffers as constants
 
-    _describe(apply_fn, frozen, forward_dtypes, plan, remat_names)
-    return apply_fn, params
+    _describe(apply_fn, store, plan, remat_names)
+    return Functional(apply_fn, store.params)
 
 
-def _describe(
-    apply_fn: Any, frozen: dict[str, Any], forward_dtypes: dict[str, torch.dtype], plan: _Plan, remat: list[str]
-) -> None:
+class _Apply:
+    """One call of ``apply_fn``: ``(out, new_buffers)`` of the module copy on ``params`` and ``buffers``."""
+
+    def __init__(
+        self,
+        skeleton: nn.Module,
+        plan: _Plan,
+        policy: Policy,
+        autocast: bool,
+        store: _store.Store,
+        uses: _use.Uses,
+        op_mode: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> None:
+        self.skeleton, self.plan, self.policy, self.autocast = skeleton, plan, policy, autocast
+        self.store, self.uses, self.op_mode = store, uses, op_mode
+        self.slots = _use.slots(skeleton)
+        self.train_names = list(store.params)
+        self.stored_dtypes = {name: b.dtype for name, b in store.buffers.items()}
+
+    def __call__(
+        self, params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], args: Any, kwargs: Any
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        plan, dtypes = self.plan, self.store.forward_dtypes
+        _check_keys("params", params, self.train_names, self.store.frozen)
+        _check_keys("buffers", state, plan.buffers)
+        # Fresh tensors: the module's in-place updates (running statistics) must not reach the caller's.
+        # A tied buffer is the same fresh tensor under every name. Parameters are not bound here: each
+        # module binds its own when first called (funcamp.nn._use), from ``params`` pushed below.
+        tensors = _fresh_buffers(plan, state, dtypes)
+        call = None
+        if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
+            call = _remat._Call(
+                self.skeleton,
+                lambda: _pushed(self.uses, params),
+                lambda: _fresh_buffers(plan, state, dtypes),
+                self.op_mode,
+                tensors,
+            )
+        self.uses.push(params)
+        try:
+            if torch.compiler.is_compiling():  # every use made and bound up front (see funcamp.nn._use)
+                self.uses.bind(self.slots)
+            with _remat.inside(call) if call is not None else contextlib.nullcontext(), self.op_mode():
+                out = self._forward(tensors, params, args, kwargs)
+        finally:
+            self.uses.pop()
+        # functional_call writes attribute reassignments back into the dict it was given.
+        new_state = {name: tensors[name].to(self.stored_dtypes[name]) for name in plan.buffers}
+        return _wrappers.cast_io(out, self.policy.output_dtype), new_state
+
+    def _forward(self, tensors: dict[str, torch.Tensor], params: Any, args: Any, kwargs: Any) -> Any:
+        """The copy's forward with ``tensors`` (the buffers) bound: under autocast, or on inputs cast."""
+        policy = self.policy
+        if self.autocast:
+            half = policy.compute_dtype in _HALF
+            device = _wrappers.device_type(params, args, kwargs)
+            with torch.autocast(device, dtype=policy.compute_dtype if half else None, enabled=half):
+                return torch.func.functional_call(self.skeleton, tensors, tuple(args), kwargs, tie_weights=False)
+        args, kwargs = _wrappers.cast_io((tuple(args), kwargs), policy.compute_dtype)
+        return torch.func.functional_call(self.skeleton, tensors, args, kwargs, tie_weights=False)
+
+
+def _explicit(with_buffers: bool | None, module: nn.Module, plan: _Plan) -> bool:
+    """Whether ``apply_fn`` takes and returns the buffers; ``with_buffers=None`` on a model with them warns."""
+    if with_buffers is not None:
+        if not isinstance(with_buffers, bool):
+            raise TypeError(f"functionalize: with_buffers must be None, True or False, got {with_buffers!r}")
+        return with_buffers
+    if plan.buffers:
+        warnings.warn(
+            f"functionalize: {type(module).__name__} has persistent buffers ({_sample(plan.buffers)}), so without "
+            "with_buffers this returns three values, (apply_fn, params, buffers), with apply_fn(params, buffers, "
+            "*args) -> (out, new_buffers); pass with_buffers=True for that form (or with_buffers=False to hold the "
+            "buffers as constants). The number of values is to follow the arguments, not the model: a future "
+            "version raises here instead of choosing",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return bool(plan.buffers)
+
+
+def _with_fp8(
+    module: nn.Module, policy: PolicyLike, module_policies: ModulePolicies | None, with_buffers: bool | None
+) -> tuple[nn.Module, PolicyLike, ModulePolicies | None]:
+    """The model, dtype policy and module policies after the ``fp8=<recipe>`` part of a policy string.
+
+    ``fp8=R`` makes the model ``fp8.convert(module, R)`` (every Linear but the first and the last) and
+    puts :data:`funcamp.fp8.MODULE_POLICIES` after yours; without it nothing changes.
+
+    Raises:
+      ValueError: if the recipe is unknown or given twice, or is ``delayed`` without ``with_buffers=True``.
+      TypeError: if ``module_policies`` is not a mapping.
+    """
+    if not isinstance(policy, str) or "fp8" not in policy.lower():
+        return module, policy, module_policies
+    from funcamp import fp8  # funcamp.fp8 imports funcamp.nn
+
+    rest, recipe = fp8._split_policy(policy)
+    if recipe is None:
+        return module, policy, module_policies
+    r = fp8.get_recipe(recipe)
+    if r.scaling == "delayed" and with_buffers is not True:
+        raise ValueError(
+            f"functionalize: fp8={recipe} keeps an amax history and a scale per fp8 layer as buffers that every "
+            "call updates, so apply_fn must take and return them: pass with_buffers=True (apply_fn(params, "
+            "buffers, *args) -> (out, new_buffers); TrainState.create(..., buffers=buffers) carries them), or "
+            "use fp8=tensorwise or fp8=rowwise, which keep no state"
+        )
+    if module_policies is not None and not isinstance(module_policies, Mapping):
+        raise TypeError(
+            "functionalize: module_policies must be None or a dict from module types or names to policies "
+            f"(merged over fp8.MODULE_POLICIES), got {type(module_policies).__name__}"
+        )
+    merged = dict(module_policies or {})  # yours first: the first entry that matches a module wins
+    for key, value in fp8.MODULE_POLICIES.items():
+        merged.setdefault(key, value)
+    return fp8.convert(module, r), rest, merged
+
+
+@contextlib.contextmanager
+def _pushed(uses: _use.Uses, params: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """``params`` as the trainable tensors the module wrappers make their uses from (a recompute's)."""
+    uses.push(params)
+    try:
+        yield
+    finally:
+        uses.pop()
+
+
+def _describe(apply_fn: Any, store: _store.Store, plan: _Plan, remat: list[str]) -> None:
     """``apply_fn.frozen``, ``.forward_dtypes``, ``.aliases`` (read-only) and ``.remat``."""
-    apply_fn.frozen = types.MappingProxyType(frozen)
+    apply_fn.frozen = types.MappingProxyType(store.frozen)
     apply_fn.forward_dtypes = types.MappingProxyType(
-        {name: forward_dtypes[name] for name in [*plan.params, *plan.buffers, *plan.aliases]}
+        {name: store.forward_dtypes[name] for name in [*plan.params, *plan.buffers, *plan.aliases]}
     )
     apply_fn.aliases = types.MappingProxyType(dict(plan.aliases))
     apply_fn.remat = tuple(remat)
 
 
-def _int8_names(module: nn.Module, quantize: Any, chosen: set[str]) -> dict[str, int]:
-    """``{parameter name: output-channel dim}`` of the weights stored in int8; they must be frozen."""
-    if quantize is None:
-        return {}
-    if not isinstance(quantize, quant.Int8WeightOnlyConfig):
-        raise TypeError(
-            "functionalize: quantize must be None or a funcamp.quant.Int8WeightOnlyConfig, got "
-            f"{type(quantize).__name__}"
+def _check_keys(what: str, got: Mapping[str, Any], expected: list[str], frozen: Iterable[str] = ()) -> None:
+    if not isinstance(got, Mapping):
+        hint = (
+            " (this module has buffers: call apply_fn(params, buffers, *args, **kwargs))" if what == "buffers" else ""
         )
-    int8 = quantize.select(module)
-    trained = sorted(set(int8) & chosen)
-    if trained:
+        raise TypeError(f"apply_fn: {what} must be a dict of tensors by name, got {type(got).__name__}{hint}")
+    if got.keys() != set(expected):
+        missing = sorted(set(expected) - got.keys())
+        unexpected = sorted(got.keys() - set(expected))
+        held = sorted(set(unexpected) & set(frozen))
+        hint = (
+            f"; {held} are frozen (held by apply_fn, see apply_fn.frozen): leave them out of params, or choose "
+            "them with functionalize(..., trainable=...)"
+            if held
+            else ""
+        )
         raise ValueError(
-            f"functionalize: {_sample(trained)} ({len(trained)} tensors) would be stored in int8 and trained; "
-            "int8 weights are frozen. Freeze them (module.requires_grad_(False) on them, or a trainable= "
-            "pattern or predicate that leaves them out), or leave them out of quantize (exclude=...)"
+            f"apply_fn: {what} do not match the module: missing {missing}, unexpected {unexpected}; pass the "
+            f"{what} functionalize returned (or a tree_map of them){hint}"
         )
-    return int8
 
 
 def _fresh_buffers(
     plan: _Plan, state: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]
 ) -> dict[str, torch.Tensor]:
     """Buffers as they were when the call began (fresh copies: a recompute must not update them twice)."""
-    fresh = {name: _to_forward(b, dtypes[name], copy=True) for name, b in state.items()}
+    fresh = {name: _use.to_forward(b, dtypes[name], copy=True) for name, b in state.items()}
     fresh.update({alias: fresh[name] for alias, name in plan.aliases.items() if name in fresh})
     return fresh
-
-
-def _to_forward(tensor: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
-    if not tensor.is_floating_point():
-        return tensor.clone() if copy else tensor
-    return tensor.to(dtype, copy=True) if copy else tensor.to(dtype)

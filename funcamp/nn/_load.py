@@ -139,7 +139,7 @@ def load_into(
     Example:
       >>> import funcamp
       >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
-      >>> apply_fn, params, buffers = funcamp.nn.functionalize(model, "float32")
+      >>> apply_fn, params, buffers = funcamp.nn.functionalize(model, "float32", with_buffers=True)
       >>> out, buffers = apply_fn(params, buffers, torch.randn(16, 4))  # a training forward
       >>> params = {k: v + 1 for k, v in params.items()}  # stands for training
       >>> load_into(model, params, buffers) is model

@@ -1,11 +1,11 @@
 """``torch.utils.checkpoint`` inside ``apply_fn``: recompute with the tensors of the call that saved.
 
-``apply_fn`` runs your module's forward on a structural copy whose parameters are ``meta``
-placeholders, with the call's tensors swapped in by ``torch.func.functional_call`` and swapped out
-again when the forward returns. Activation checkpointing recomputes a region *later*, in the backward
-pass, by calling the region's function again: on its own it would find the placeholders ("Tensor on
-device meta is not on the expected device cpu!"). This module makes the recompute see what the
-forward saw:
+``apply_fn`` runs your module's forward on a structural copy whose parameters and buffers are
+placeholders: the call's buffers are swapped in by ``torch.func.functional_call``, and each module
+makes its parameters' forward tensors from the call's ``params`` where it runs (:mod:`funcamp.nn._use`);
+all are swapped out again when the forward returns. Activation checkpointing recomputes a region
+*later*, in the backward pass, by calling the region's function again: on its own it would find the
+placeholders. This module makes the recompute see what the forward saw:
 
 - Non-reentrant checkpoints (``use_reentrant=False``, ``checkpoint_sequential``, Hugging Face's
   ``gradient_checkpointing_enable()``): a checkpoint taken inside ``apply_fn`` records the call's
@@ -68,7 +68,8 @@ class RematInactiveWarning(UserWarning):
 class _Call:
     """What a recompute needs from one ``apply_fn`` call: the module copy and the tensors it ran with.
 
-    ``tensors`` are the forward-dtype parameters (the very tensors of the call's graph); buffers are
+    ``params`` makes the call's trainable tensors current again (a context): the recomputed modules make
+    their parameters' forward tensors from them, as the forward did (:mod:`funcamp.nn._use`); buffers are
     re-made by ``make_buffers`` at each recompute, in fresh copies: from ``buffers`` (the caller's, never
     written) as the call began, or, for a region that began later in the forward, as they were then
     (:meth:`region`). ``start`` holds the buffers bound when this run of the forward (or of a
@@ -78,13 +79,13 @@ class _Call:
     def __init__(
         self,
         skeleton: nn.Module,
-        tensors: Mapping[str, torch.Tensor],
+        params: Callable[[], contextlib.AbstractContextManager[Any]],
         make_buffers: Callable[[], Mapping[str, torch.Tensor]],
         mode: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         start: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.skeleton = skeleton
-        self.tensors = dict(tensors)
+        self.params = params
         self.make_buffers = make_buffers
         self.mode = mode  # the call's per-op precision (funcamp.ops.OpPolicies), re-entered to recompute
         self.start = {name: (t, t._version) for name, t in (start or {}).items()}
@@ -130,16 +131,19 @@ class _Call:
                 fresh[name] = again[id(tensor)]
             return fresh
 
-        return _Call(self.skeleton, self.tensors, make_buffers, self.mode)
+        return _Call(self.skeleton, self.params, make_buffers, self.mode)
 
     @contextlib.contextmanager
     def bound(self) -> Iterator[None]:
         buffers = self.make_buffers()
-        tensors = {**self.tensors, **buffers}
         # A region nested in this one (recomputed inside it) starts from what this recompute changes.
-        token = _CALL.set(_Call(self.skeleton, self.tensors, self.make_buffers, self.mode, buffers))
+        token = _CALL.set(_Call(self.skeleton, self.params, self.make_buffers, self.mode, buffers))
         try:
-            with _reparametrize_module(self.skeleton, tensors, tie_weights=False, strict=False), self.mode():
+            with (
+                self.params(),
+                _reparametrize_module(self.skeleton, buffers, tie_weights=False, strict=False),
+                self.mode(),
+            ):
                 yield
         finally:
             _CALL.reset(token)

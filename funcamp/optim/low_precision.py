@@ -12,7 +12,7 @@ weights in bfloat16 and still let small updates add up:
 * ``stochastic_rounding(inner, seed)`` rounds the new value up or down at random with probabilities
   that make it exact in expectation (torchao's ``AdamW(bf16_stochastic_round=True)``, llm.c): no
   buffer, the noise is a counter-based hash of ``(seed, step, the parameter's name, the element's
-  index in the whole tensor)``, so a sharded run (``layout=``) draws the unsharded run's noise.
+  index in the whole tensor)``, so a sharded run draws the unsharded run's noise.
 
 How the wrappers fit the optax protocol without changing ``apply_updates``: ``update`` sees the
 parameters ``p``, so it computes the exact target ``t = p + u`` (plus ``c``) in float32, chooses the
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from funcamp import _tree
+from funcamp import _scope, _tree
 from funcamp.optim.base import GradientTransformation, OptState, Params, Updates, mark_outermost
 from funcamp.optim.transforms import _map_n
 
@@ -209,13 +209,12 @@ def stochastic_rounding(
     ``multi_transform`` group or ``masked`` subtree wrapped by its own ``stochastic_rounding`` with the
     same seed (both would see their leaf at position 0).
 
-    Sharded (``make_train_step(..., shard=layout)``): each rank updates only its rows, so pass the same
-    ``layout``; the element index is then ``layout.element_offsets()[name]`` (the whole-tensor index of
-    the shard's first element) plus the index in the shard, so that shards never share noise and the
-    sharded run rounds exactly as the unsharded one with the same seed, on any number of ranks
-    (padding rows get noise of indices past the tensor, and are zeroed by the step). The sharded step
-    refuses this wrapper without ``layout`` over more than one rank, or with another layout than its
-    own; a step without ``shard=`` refuses a ``layout`` over more than one rank.
+    Sharded (a state made with ``TrainState.create(..., shard=layout)``): each rank updates only its
+    rows; inside the train step the wrapper takes the step's layout (``funcamp._scope.current()``) and
+    the element index is ``layout.element_offsets()[name]`` (the whole-tensor index of the shard's
+    first element) plus the index in the shard, so that shards never share noise and the sharded run
+    rounds exactly as the unsharded one with the same seed, on any number of ranks (padding rows get
+    noise of indices past the tensor, and are zeroed by the step). Nothing is passed for it.
 
     No state per parameter: AdamW on bfloat16 parameters holds 10 bytes per parameter with float32
     moments and 6 with ``moment_dtype=torch.bfloat16`` (against 12 for float32 masters). Float32 and
@@ -224,9 +223,9 @@ def stochastic_rounding(
     Args:
       inner: the optimizer whose updates are applied (e.g. ``optim.adamw(1e-3)``).
       seed: an int in ``[0, 2**63)``; different seeds give independent noise.
-      layout: None (the parameters are whole tensors), or the :class:`funcamp.sharding.ShardLayout`
-        of a sharded step (``shard_layout(params, group)``, the one given to ``shard=``), whose
-        ``element_offsets()`` places each shard in its whole tensor.
+      layout: None (default: inside a train step its layout, outside one whole tensors), or a
+        :class:`funcamp.sharding.ShardLayout` whose ``element_offsets()`` places each shard in its whole
+        tensor: for updating shards outside a step (inside one it must agree with the step's layout).
     Returns:
       A ``GradientTransformation`` with a ``StochasticRoundingState``; its updates are float32 for
       bfloat16 parameters and ``update`` needs ``params``. Must be the outermost transform.
@@ -237,7 +236,8 @@ def stochastic_rounding(
         ints >= 0 (a ``ShardLayout`` has).
       TypeError: (from ``init``) if a parameter is float16.
       ValueError: (from ``update``) if ``params`` is ``None``, or the trees' structures differ.
-      ValueError: (from ``update``, with ``layout``) if a bfloat16 parameter's name is not in the layout.
+      ValueError: (from ``update``, with ``layout``) if a bfloat16 parameter's name is not in the layout, or,
+        inside a train step, if ``layout`` places a parameter elsewhere than the step's layout.
     References:
       Gupta et al. 2015, "Deep Learning with Limited Numerical Precision", arXiv:1502.02551.
       Zamirai et al. 2020, "Revisiting BFloat16 Training", arXiv:2010.06192.
@@ -259,7 +259,7 @@ def stochastic_rounding(
     _check_inner(fn, inner)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"{fn}: seed must be an int in [0, 2**63), got {seed!r}")
-    offsets = _element_offsets(fn, layout)
+    given = _element_offsets(fn, layout)
 
     def init(params: Params) -> StochasticRoundingState:
         _refuse_float16(fn, params)
@@ -277,6 +277,7 @@ def stochastic_rounding(
         updates, inner_state = inner.update(updates, state.inner_state, params)
         step_key = _step_key(state.seed, state.count)
         names = _tree.tree_paths(updates)  # static: the leaves' names, in _map_leaves' order
+        offsets = _step_offsets(fn, layout, given)  # the step's layout (its shards' places), or layout=
 
         def leaf(i: int, u: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor]:
             if p.dtype != torch.bfloat16:
@@ -289,8 +290,6 @@ def stochastic_rounding(
         (new_updates,) = _map_leaves(fn, 1, leaf, updates, params)
         return new_updates, StochasticRoundingState(inner_state=inner_state, count=state.count + 1, seed=state.seed)
 
-    # funcamp.sharding.check_optimizer finds it wherever the combinators keep this wrapper (make_train_step)
-    update._funcamp_rounding_layout = layout  # type: ignore[attr-defined]
     return mark_outermost(GradientTransformation(init, update), "stochastic_rounding")
 
 
@@ -307,6 +306,26 @@ def _element_offsets(fn: str, layout: Any) -> Mapping[str, int] | None:
             f"{fn}: layout must be None or a funcamp.sharding.ShardLayout (the layout of the sharded step, "
             f"funcamp.sharding.shard_layout(params, group)), got {type(layout).__name__}"
         )
+    return offsets
+
+
+def _step_offsets(fn: str, layout: Any, given: Mapping[str, int] | None) -> Mapping[str, int] | None:
+    """The element offsets of the train step's layout (``funcamp._scope.current()``), or of ``layout=``
+    outside a step. Inside a step a ``layout=`` must place every parameter where the step's layout does
+    (host side, at trace time): its offsets and the step's agree, a missing one counting as 0."""
+    step = _scope.current()
+    if step is None:
+        return given
+    offsets = step.element_offsets()
+    if given is not None:
+        mine, theirs = dict(given), dict(offsets or {})
+        differ = sorted(n for n in {*mine, *theirs} if mine.get(n, 0) != theirs.get(n, 0))
+        if differ:
+            raise ValueError(
+                f"{fn}: layout= (rank {getattr(layout, 'rank', 0)}) places parameter {differ[0]!r} "
+                f"elsewhere than the train step's layout, {step!r} (element offset {mine.get(differ[0], 0)} vs "
+                f"{theirs.get(differ[0], 0)}); drop layout=: inside a train step the wrapper takes the step's layout"
+            )
     return offsets
 
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcamp import _tree
+from funcamp import _scope, _tree
 from funcamp.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -415,6 +415,13 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     Cost: that of the norm (one extra read of each bfloat16, float32 and float64 leaf, see
     ``_tree.scaled_global_norm``) and a second multiplication by a 0-d factor, fused when compiled.
 
+    In every process layout: inside a train step the norm is the step's layout's
+    (``funcamp._scope.current().scaled_global_norm``, the state's layout): in a sharded step the norm
+    over every rank's shards (a float64 sum of squares, padding excluded, one ``all_reduce``; the factor
+    ``c / norm`` computed in float64 and rounded once to float32), under plain data parallelism and in one
+    process the local norm above (data-parallel gradients are already averaged, the same on every rank).
+    Outside a step, the norm of the updates given. So one clip is right everywhere; never pass a group.
+
     Args:
       max_norm: ``c``, > 0.
     Returns:
@@ -436,17 +443,24 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         del params
-        t, s = _tree.scaled_global_norm(updates, "clip_by_global_norm")  # norm == t / s, s a power of two
+        layout = _scope.current()  # the train step's layout, or None outside a step (this process's tensors)
+        if layout is None:
+            t, s = _tree.scaled_global_norm(updates, "clip_by_global_norm")
+        else:  # over all ranks' shards in a sharded step (float64, s = 1), else as above
+            t, s = layout.scaled_global_norm(updates, "clip_by_global_norm")  # norm == t / s, s a power of two
         clip = torch.isfinite(t) & (t / s > max_norm)  # t / s is inf (not NaN) past the dtype's range
         ratio = max_norm / t  # c / norm == ratio * s, rounded once, wherever that is a normal number
         factor = ratio * s
         normal = factor >= torch.finfo(t.dtype).tiny
         one = torch.ones_like(t)
-        first = torch.where(clip, torch.where(normal, factor, s), one)
-        second = torch.where(clip & ~normal, ratio, one)  # 1 (exact) unless c / norm is subnormal
+        # The factors in the updates' accumulation dtype (float64 if a leaf is): a no-op for a norm of this
+        # process's tensors, which is in that dtype; a sharded norm (float64) is rounded to it once.
+        acc = _tree.norm_dtype(updates, "clip_by_global_norm")
+        first = torch.where(clip, torch.where(normal, factor, s), one).to(acc)
+        second = torch.where(clip & ~normal, ratio, one).to(acc)  # 1 (exact) unless c / norm is subnormal
 
         def leaf(u: torch.Tensor) -> torch.Tensor:
-            c = torch.promote_types(compute_dtype(u.dtype), t.dtype)
+            c = torch.promote_types(compute_dtype(u.dtype), acc)
             return (u.to(c) * first * second).to(u.dtype)
 
         return _tree.tree_map(leaf, updates), state

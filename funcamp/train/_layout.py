@@ -3,7 +3,12 @@
 A layout answers the questions a step asks of its processes, and nothing else: which parameters to
 differentiate (all-gathered shards, or the parameters as they are), how to reduce the gradients (not at
 all, averaged, reduce-scattered), how to agree on one finite verdict and one gradient norm, how to add up
-or average a number, and what to do to the new parameters (zero the padding of shards). The stages of
+or average a number, and what to do to the new parameters (zero the padding of shards). The stages run the
+loss and the optimizer within the layout (:mod:`funcamp._scope`), so that ``optim.clip_by_global_norm``
+asks it for the global norm (:meth:`SingleProcess.scaled_global_norm`) and ``optim.stochastic_rounding``
+for each shard's place in its whole tensor (:meth:`SingleProcess.element_offsets`): one optimizer is right
+in every layout. A sharded state carries its layout (``TrainState.shard``); :func:`layout_from` builds the
+step's layout from it. The stages of
 :mod:`funcamp.train` take a layout and never ask which kind it is, as flax's training code takes an axis
 name and torchtitan's train loop does not know which parallelisms were applied.
 
@@ -42,18 +47,12 @@ class SingleProcess:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-    def check_optimizer(self, optimizer: Any) -> None:
-        """Build time: refuse an optimizer whose norms are another layout's (``sharding.clip_by_global_norm``)."""
-        sharding.check_optimizer(optimizer, self.group, sharded=False)
+    def check_ranks(self) -> None:
+        """Host side: check that every rank runs this layout (nothing to check for one process)."""
 
     def check_state(self, state: Any) -> None:
-        """A step's first call, host side: refuse a state that belongs to another layout (shards)."""
-        if sharding.is_sharded(state.params):
-            raise ValueError(
-                "train_step: state.params are shards (from TrainState.create(..., shard=layout) or "
-                "funcamp.checkpoint.load_sharded), but this step was built without shard=; build it with "
-                "make_train_step(..., data_parallel=group, shard=layout)"
-            )
+        """A step's first call, host side: nothing to check for one process."""
+        del state
 
     def gather(self, params: Any) -> Any:
         """The parameters to differentiate: ``params`` themselves."""
@@ -81,8 +80,26 @@ class SingleProcess:
     def _agree(self, finite: torch.Tensor) -> torch.Tensor:
         return finite
 
-    def reduce_buffers(self, buffers: Any) -> Any:
-        """The model's new buffers as they are."""
+    def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(t, s)``, the global L2 norm of ``tree`` being ``t / s``: :func:`funcamp._tree.scaled_global_norm`
+        of this process's tensors (float32, float64 if a leaf is; ``s`` a power of two).
+
+        ``funcamp.optim.clip_by_global_norm`` asks the layout of the step it runs in (``funcamp._scope``).
+        """
+        return _tree.scaled_global_norm(tree, fn)
+
+    def global_norm(self, tree: Any) -> torch.Tensor:
+        """The global L2 norm of ``tree`` (:func:`funcamp.global_norm`: this process's tensors are the whole)."""
+        return _tree.global_norm(tree)
+
+    def element_offsets(self) -> dict[str, int] | None:
+        """Where each parameter's first element lies in its whole tensor: None, the tensors are whole
+        (``funcamp.optim.stochastic_rounding`` hashes each element's index from there)."""
+        return None
+
+    def reduce_buffers(self, buffers: Any, reductions: Any = None) -> Any:
+        """The model's new buffers as they are (``reductions``: see :class:`DataParallel`)."""
+        del reductions
         return buffers
 
     def finish_params(self, params: Any) -> Any:
@@ -114,8 +131,7 @@ class DataParallel(SingleProcess):
         return f"DataParallel(group of {self.size}, reduce_dtype={self.reduce_dtype})"
 
     def check_state(self, state: Any) -> None:
-        """Also refuse parameters that differ between ranks (one ``all_gather_object`` of float64 checksums)."""
-        super().check_state(state)
+        """Refuse parameters that differ between ranks (one ``all_gather_object`` of float64 checksums)."""
         sharding.check_same_params(state.params, self.group, "train_step")
 
     def reduce_gradients(self, grads: Any, loss_scale: torch.Tensor | None) -> Any:
@@ -135,10 +151,13 @@ class DataParallel(SingleProcess):
     def _agree(self, finite: torch.Tensor) -> torch.Tensor:
         return parallel.all_ranks_true(finite, self.group)
 
-    def reduce_buffers(self, buffers: Any) -> Any:
+    def reduce_buffers(self, buffers: Any, reductions: Any = None) -> Any:
         """Running statistics averaged, fp8 amax histories max-reduced and scales min-reduced, so that ranks
-        stay identical (:func:`funcamp.parallel.reduce_buffers`)."""
-        return parallel.reduce_buffers(buffers, self.group) if _tree.tree_leaves(buffers) else buffers
+        stay identical (:func:`funcamp.parallel.reduce_buffers`; ``reductions``, the state's
+        ``buffer_reductions``, maps a buffer's dotted name to ``"max"`` or ``"min"``)."""
+        if not _tree.tree_leaves(buffers):
+            return buffers
+        return parallel.reduce_buffers(buffers, self.group, reductions=reductions)
 
     def distinct(self, grads: Any) -> Any:
         """Averaged over ranks, the gradients are views of one reduced buffer: copies."""
@@ -183,12 +202,11 @@ class Sharded(DataParallel):
     def __repr__(self) -> str:
         return f"Sharded({self.shard.world_size} ranks, reduce_dtype={self.reduce_dtype})"
 
-    def check_optimizer(self, optimizer: Any) -> None:
-        """Build time: refuse per-shard norms and a ``stochastic_rounding`` without this layout, and check that
-        every rank has the same layout, policy and rounding layout."""
-        sharding.check_optimizer(optimizer, self.group, sharded=True, layout=self.shard)
+    def check_ranks(self) -> None:
+        """Host side, one ``all_gather_object``: every rank has this layout (for its own rank) and the same
+        policy (:func:`funcamp.sharding.check_consistent`)."""
         if self.group is not None:
-            sharding.check_consistent(self.shard, self.group, optimizer=optimizer, policy=self._policy)
+            sharding.check_consistent(self.shard, self.group, policy=self._policy)
 
     def check_state(self, state: Any) -> None:
         """Nothing more: ``TrainState.create(shard=)`` checked the whole parameters where it had them."""
@@ -216,28 +234,73 @@ class Sharded(DataParallel):
         """Over all shards (padding rows excluded) and every rank's loss: one float64 ``all_reduce``."""
         return sharding.global_stats(grads, self.shard, self.group, loss)
 
-    def reduce_buffers(self, buffers: Any) -> Any:
+    def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm, 1.0)``, both float64: the norm over every rank's shards (:meth:`global_norm`)."""
+        del fn
+        norm = self.global_norm(tree)
+        return norm, torch.ones_like(norm)
+
+    def global_norm(self, tree: Any) -> torch.Tensor:
+        """The L2 norm of the whole tensors ``tree``'s shards are split from: every rank's float64 sum of
+        squares (padding excluded), summed by one float64 ``all_reduce`` (:func:`funcamp.sharding.global_norm`);
+        0-d float64, the same on every rank."""
+        return sharding.global_norm(tree, self.shard, self.group)
+
+    def element_offsets(self) -> dict[str, int]:
+        """Each parameter's name -> the index in the whole tensor of this rank's first element
+        (:meth:`funcamp.sharding.ShardLayout.element_offsets`)."""
+        return self.shard.element_offsets()
+
+    def reduce_buffers(self, buffers: Any, reductions: Any = None) -> Any:
         """As :class:`DataParallel` (``buffers`` as they are for a one-rank layout)."""
-        return buffers if self.group is None else super().reduce_buffers(buffers)
+        return buffers if self.group is None else super().reduce_buffers(buffers, reductions)
 
     def finish_params(self, params: Any) -> Any:
         """Padding stays exactly zero, whatever the optimizer does there."""
         return sharding.zero_padding(params, self.shard)
 
 
-def layout_from(data_parallel: Any = None, shard: Any = None, policy: Policy | str | None = None) -> SingleProcess:
-    """The layout ``make_train_step``'s ``data_parallel``, ``shard`` and ``policy`` arguments describe.
+def layout_from(
+    data_parallel: Any = None, shard: Any = None, policy: Policy | str | None = None, *, carried: Any = None
+) -> SingleProcess:
+    """The layout ``make_train_step``'s ``data_parallel``, ``shard`` and ``policy`` arguments describe, for a
+    state that carries the shard layout ``carried`` (``TrainState.shard``; None: a state of whole tensors).
+
+    The layout is given once: a state made with ``TrainState.create(params, optimizer, shard=layout)``
+    carries it (and ``layout.group``, the group ``shard_layout`` was given), so a step built without
+    ``shard=`` and ``data_parallel=`` trains it sharded. Arguments given to the step as well must agree.
 
     Raises:
       TypeError: if ``data_parallel`` is not None, a bool or a ProcessGroup, or ``shard`` not a ShardLayout.
       RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
-      ValueError: as :class:`Sharded`.
+      ValueError: if ``shard`` and ``carried`` are both given and differ, or ``data_parallel``'s group is
+        not the ranks of ``carried.group``; as :class:`Sharded`.
     """
     policy = None if policy is None else get_policy(policy)
     reduce_dtype = None if policy is None else policy.reduce_dtype
     group = parallel.resolve_group(data_parallel)  # None: one process
+    if carried is not None:
+        if shard is not None and isinstance(shard, sharding.ShardLayout) and shard != carried:
+            raise ValueError(
+                f"train_step: the step was built with shard={shard!r}, but the state carries another layout, "
+                f"{carried!r} (TrainState.create(..., shard=) or funcamp.checkpoint.load_sharded); build the step "
+                "without shard= (it takes the state's layout), or with the state's"
+            )
+        if group is not None and carried.group is not None and not _same_ranks(group, carried.group):
+            raise ValueError(
+                "train_step: data_parallel= is another group than the one the state's shard layout was made for "
+                "(shard_layout(params, group)); build the step without data_parallel= (it takes the layout's group)"
+            )
+        shard = carried if shard is None else shard
+        group = carried.group if group is None else group
     if shard is not None:
         return Sharded(shard, group, reduce_dtype, policy)
     if group is not None:
         return DataParallel(group, reduce_dtype)
     return SingleProcess()
+
+
+def _same_ranks(a: Any, b: Any) -> bool:
+    import torch.distributed as dist
+
+    return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)

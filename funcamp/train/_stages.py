@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcamp import _tree
+from funcamp import _scope, _tree
 from funcamp.grad import scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, apply_updates, learning_rate
@@ -86,6 +86,7 @@ def gradients(
     has_aux: bool = False,
     accumulation_steps: int = 1,
     layout: SingleProcess = _ONE_PROCESS,
+    buffer_reductions: Any = None,
 ) -> Gradients:
     """The gradients of ``loss_fn`` on ``batch``, scaled by ``loss_scale``, unscaled in float32, over ``layout``.
 
@@ -93,7 +94,8 @@ def gradients(
     loss scale applied (:func:`funcamp.grad.scaled_grad_and_value`) and its float32 gradients summed. A plain
     loss gives the mean of the micro-batch means; a :class:`funcamp.LossSum` weights each micro-batch by its
     count and divides by the count over all micro-batches and ranks. The layout gathers the parameters first
-    (shards) and reduces the gradients, the loss and the buffers after.
+    (shards) and reduces the gradients, the loss and the buffers after; ``loss_fn`` runs within the layout
+    (:func:`funcamp._scope.within`), so that what it calls can ask :func:`funcamp._scope.current` for it.
 
     Args:
       loss_fn: as for :func:`funcamp.make_train_step` (the buffers form when ``buffers`` is not None).
@@ -104,6 +106,8 @@ def gradients(
       has_aux: whether the loss comes with aux data.
       accumulation_steps: micro-batches (>= 1).
       layout: the process layout (default one process).
+      buffer_reductions: the buffers' reductions over ranks (``TrainState.buffer_reductions``: a buffer's
+        dotted name -> ``"max"`` or ``"min"``; the others are averaged), or None.
     Returns:
       A :class:`Gradients`.
     Raises:
@@ -116,7 +120,7 @@ def gradients(
     whole = layout.gather(params)
     new_buffers, total, losses, sums, aux = (buffers if with_buffers else ()), None, [], [], ()
     for mb in _loss.micro_batches(batch, accumulation_steps):
-        grads32, (loss, (new_buffers, aux, record)) = grad_fn(whole, new_buffers, mb)
+        grads32, (loss, (new_buffers, aux, record)) = _scope.within(layout, grad_fn, whole, new_buffers, mb)
         if record:  # a LossSum: the gradient of this micro-batch's mean, weighted by its count
             grads32 = _tree.tree_map(lambda g, c=record[1]: g * c.to(g.dtype), grads32)
             sums.append(torch.stack(record))
@@ -134,7 +138,8 @@ def gradients(
     total = layout.reduce_gradients(total, scale)
     if not sums:
         loss = layout.mean(torch.stack(losses).mean() if accumulation_steps > 1 else losses[0])
-    return Gradients(total, loss, layout.reduce_buffers(new_buffers) if with_buffers else None, aux)
+    new_buffers = layout.reduce_buffers(new_buffers, buffer_reductions) if with_buffers else None
+    return Gradients(total, loss, new_buffers, aux)
 
 
 def cast_like(grads: Any, params: Any) -> Any:
@@ -160,9 +165,11 @@ def update(
 ) -> tuple[Any, Any]:
     """``(new_params, new_opt_state)``: one optimizer update applied with :func:`funcamp.optim.apply_updates`.
 
-    Computed whatever the verdict; :func:`commit` decides whether it is kept.
+    Computed whatever the verdict; :func:`commit` decides whether it is kept. ``optimizer.update`` runs within
+    ``layout`` (:func:`funcamp._scope.within`): ``optim.clip_by_global_norm`` takes the layout's global norm
+    (over all shards when sharded) and ``optim.stochastic_rounding`` its element offsets.
     """
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    updates, new_opt_state = _scope.within(layout, optimizer.update, grads, opt_state, params)
     return layout.finish_params(apply_updates(params, updates)), new_opt_state
 
 
@@ -246,6 +253,7 @@ def run(
         has_aux=has_aux,
         accumulation_steps=accumulation_steps,
         layout=layout,
+        buffer_reductions=state.buffer_reductions,
     )
     grads = cast_like(g.grads, state.params)
     verdict = check(grads, g.loss, layout)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +18,33 @@ __all__ = ["TrainState"]
 
 def _zero_int(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int32, device=device)
+
+
+#: Field metadata of the state's static facts (the layout, the buffers' reductions): part of the pytree
+#: structure, not leaves, and not written by ``funcamp.checkpoint`` (a loaded state takes them from ``like``).
+STATIC = {"funcamp.static": True}
+
+
+def _buffer_reductions(reductions: Any, buffers: Any) -> tuple[tuple[str, str], ...]:
+    """``reductions`` (a mapping of buffer names to ``"max"``/``"min"``) as sorted pairs, checked."""
+    if reductions is None:
+        return ()
+    if not isinstance(reductions, Mapping):
+        raise TypeError(
+            f"TrainState.create: buffer_reductions must be None or a mapping of buffer names to 'max' or 'min' "
+            f"(apply_fn.buffer_reductions from funcamp.nn.functionalize), got {type(reductions).__name__}"
+        )
+    names = set(_tree.tree_paths(buffers)) if buffers is not None else set()
+    for name, how in reductions.items():
+        if how not in ("max", "min"):
+            raise ValueError(f"TrainState.create: buffer_reductions[{name!r}] must be 'max' or 'min', got {how!r}")
+        if name not in names:
+            raise ValueError(
+                f"TrainState.create: buffer_reductions names {name!r}, which is not one of the buffers "
+                f"({sorted(names)[:8]}{' ...' if len(names) > 8 else ''}); pass the buffers functionalize returned "
+                "with its apply_fn.buffer_reductions"
+            )
+    return tuple(sorted(reductions.items()))
 
 
 @_tree.dataclass
@@ -34,6 +61,17 @@ class TrainState:
       buffers: model buffers that change in training (BatchNorm statistics), or None.
       skipped_steps: 0-d int32, steps skipped for non-finite gradients since the start.
       consecutive_skips: 0-d int32, skipped steps since the last applied one.
+      shard: static, the :class:`funcamp.sharding.ShardLayout` ``params`` are shards of (and, in
+        ``shard.group``, the process group), or None for whole tensors. A train step takes its layout from
+        here: the layout is given once, to :meth:`create`.
+      buffer_reductions: static, ``(name, "max" | "min")`` pairs: how a data-parallel step reduces those
+        buffers over the ranks (the others are averaged); declared by the modules that own them
+        (``funcamp.fp8``'s delayed-scaling state) and read by ``funcamp.nn.functionalize``
+        (``apply_fn.buffer_reductions``).
+
+    The static fields are part of the pytree structure, not leaves (as a flax ``TrainState``'s
+    ``struct.field(pytree_node=False)``), and ``funcamp.checkpoint`` does not write them: a loaded state
+    takes them from ``like``, so checkpoints saved before they existed load unchanged.
     """
 
     step: torch.Tensor
@@ -43,6 +81,8 @@ class TrainState:
     buffers: Any = None
     skipped_steps: torch.Tensor | None = None
     consecutive_skips: torch.Tensor | None = None
+    shard: sharding.ShardLayout | None = _tree.field(default=None, pytree_node=False, metadata=STATIC)
+    buffer_reductions: tuple[tuple[str, str], ...] = _tree.field(default=(), pytree_node=False, metadata=STATIC)
 
     @classmethod
     def create(
@@ -53,6 +93,7 @@ class TrainState:
         loss_scale: LossScale | None = None,
         buffers: Any = None,
         shard: sharding.ShardLayout | None = None,
+        buffer_reductions: Mapping[str, str] | None = None,
     ) -> TrainState:
         """A fresh state: ``optimizer.init(params)``, counters at 0, the loss scale on the params' device.
 
@@ -60,8 +101,10 @@ class TrainState:
         ``funcamp.sharding.shard_layout(params, group)``), ``params`` are the whole parameters, the same
         on every rank (:func:`funcamp.parallel.broadcast_params`), and the state holds this rank's
         shards of them (rows ``[r*c, (r+1)*c)`` along dim 0, zero-padded) and the optimizer state
-        built from those shards: about ``1 / N`` of the unsharded state. Train it with
-        ``make_train_step(..., data_parallel=group, shard=layout)``.
+        built from those shards: about ``1 / N`` of the unsharded state. The state carries the layout
+        (:attr:`shard`, with its group): ``make_train_step(loss_fn, optimizer)`` trains it sharded, and
+        ``funcamp.optim.clip_by_global_norm`` and ``optim.stochastic_rounding`` in its optimizer see all
+        shards, with nothing given again.
 
         Args:
           params: the master parameters, a pytree (usually a dict) of floating tensors.
@@ -69,16 +112,23 @@ class TrainState:
           loss_scale: default :class:`funcamp.NoOpLossScale`.
           buffers: model buffers (``funcamp.nn.functionalize`` returns them), or None.
           shard: None (every rank holds everything), or the layout to shard the parameters with.
+          buffer_reductions: None, or a mapping of buffer names to ``"max"`` or ``"min"``: how a
+            data-parallel step reduces them over the ranks (``apply_fn.buffer_reductions`` of
+            ``funcamp.nn.functionalize``: fp8 amax histories ``"max"``, scales ``"min"``); other floating
+            buffers are averaged.
         Raises:
           TypeError: if ``optimizer`` is not a GradientTransformation, ``loss_scale`` not a LossScale,
             ``params`` an ``nn.Module`` or an iterator (``model.parameters()``), or a parameter leaf is
-            not a floating tensor, or ``shard`` is not None or a ShardLayout.
+            not a floating tensor, or ``shard`` is not None or a ShardLayout, or ``buffer_reductions`` not
+            None or a mapping.
           ValueError: if the loss scale's value is out of its range (below ``min_loss_scale``, above
             ``max_loss_scale``, not finite), or ``params``' names or shapes differ from ``shard``'s; with a
             ``shard`` made by
             ``shard_layout(params, group)``: if this process is not the layout's rank of its world size
             in that group, or the parameters differ between the group's ranks (a float64 checksum per
-            leaf, one ``all_gather_object``; the error names the first differing parameter).
+            leaf, one ``all_gather_object``; the error names the first differing parameter); if
+            ``buffer_reductions`` names a buffer that is not in ``buffers`` or a reduction other than
+            ``"max"`` and ``"min"``.
         """
         if not isinstance(optimizer, GradientTransformation):
             raise TypeError(
@@ -110,6 +160,7 @@ class TrainState:
                 f"TrainState.create: every parameter must be a floating tensor; {bad[0]!r} is {bad[1]}. "
                 "Keep integer state in buffers."
             )
+        reductions = _buffer_reductions(buffer_reductions, buffers)
         if shard is not None:
             if not isinstance(shard, sharding.ShardLayout):
                 raise TypeError(
@@ -128,6 +179,8 @@ class TrainState:
             buffers=buffers,
             skipped_steps=_zero_int(device),
             consecutive_skips=_zero_int(device),
+            shard=shard,
+            buffer_reductions=reductions,
         )
 
     def replace(self, **changes: Any) -> TrainState:

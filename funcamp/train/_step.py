@@ -93,18 +93,19 @@ def make_train_step(
       telemetry: None (default: off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``:
         module groups of depth 2, float16 and bfloat16, histograms) or a ``Telemetry``.
       donate: write the next state into the given state's tensors (see below); default False, a pure step.
-      shard: None, or the :class:`funcamp.sharding.ShardLayout` of a state made with
-        ``TrainState.create(..., shard=layout)`` (ZeRO-3 / FSDP2-style sharded data parallelism over
-        the ``data_parallel`` group, see :mod:`funcamp.sharding`): the step all-gathers the parameters
-        (in ``layout.gather_dtype``, default their own), computes the gradients as above,
-        reduce-scatters their mean in ``policy.reduce_dtype`` (loss scale on a narrower wire), agrees
-        one ``grads_finite`` and takes ``grad_norm`` over all shards, and updates only this rank's
-        shards. The metrics are the unsharded step's (``grad_norm`` to float32 round-off). The
-        optimizer must not contain ``funcamp.optim.clip_by_global_norm`` (use
-        ``funcamp.sharding.clip_by_global_norm`` built for the same group), and an
-        ``optim.stochastic_rounding`` in it takes ``layout=`` the same layout (its noise then hashes
-        each element's index in the whole tensor: the unsharded run's noise). Building the step checks
-        (one ``all_gather_object``) that every rank has the same layout and policy; that every rank
+      shard: None (default: the layout the state carries, ``state.shard``), or the
+        :class:`funcamp.sharding.ShardLayout` of a state made with ``TrainState.create(..., shard=layout)``,
+        which must then be the state's. A sharded state (ZeRO-3 / FSDP2-style sharded data parallelism over
+        the layout's group, see :mod:`funcamp.sharding`) needs neither ``shard=`` nor ``data_parallel=``:
+        the step all-gathers the parameters (in ``layout.gather_dtype``, default their own), computes the
+        gradients as above, reduce-scatters their mean in ``policy.reduce_dtype`` (loss scale on a narrower
+        wire), agrees one ``grads_finite`` and takes ``grad_norm`` over all shards, and updates only this
+        rank's shards. The metrics are the unsharded step's (``grad_norm`` to float32 round-off). The
+        optimizer is the one of an unsharded step: the loss and ``optimizer.update`` run within the step's
+        layout (:mod:`funcamp._scope`), so ``funcamp.optim.clip_by_global_norm`` takes the norm over all
+        shards and ``optim.stochastic_rounding`` hashes each element's index in the whole tensor (the
+        unsharded run's noise). The sharded layout checks (one ``all_gather_object``, at build time when
+        given, else at the first call) that every rank has the same layout and policy; that every rank
         starts from the same parameters is checked by ``TrainState.create(shard=layout)``, where the
         whole parameters are at hand.
 
@@ -120,9 +121,9 @@ def make_train_step(
     overwrites the ``params`` dict's tensors you built the state from, and a loss-scale object shared with
     another state: clone them to keep them.
 
-    The first call (host side, before anything is traced) checks the state: a sharded state (made by
-    ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) given to a step built without
-    ``shard=`` is refused; with ``data_parallel`` and no ``shard``, one ``all_gather_object`` of a
+    The first call (host side, before anything is traced) takes the layout the state carries (made by
+    ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) and checks the state; with
+    ``data_parallel`` and an unsharded state, one ``all_gather_object`` of a
     float64 checksum per parameter (sum and sum of squares) refuses parameters that differ between
     ranks (which would otherwise diverge silently: the gradients are averaged, the parameters never
     compared). Later calls check nothing more.
@@ -134,15 +135,13 @@ def make_train_step(
         Telemetry.
       RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
       ValueError: if ``accumulation_steps`` < 1, ``max_consecutive_skips`` < 1 or ``telemetry`` < 1; at call time, if a
-        batch leaf cannot be split into ``accumulation_steps`` micro-batches. With ``shard``: if
-        ``data_parallel`` is missing (and the layout is for more than one rank), the layout's world
-        size or rank is not the group's, ranks differ in layout or policy (the message names the rank),
-        ``telemetry`` is set, or the optimizer clips by a per-shard global norm or by
-        ``funcamp.sharding.clip_by_global_norm`` of another group, or holds ``optim.stochastic_rounding``
-        without ``layout=`` (over more than one rank) or with another layout. Without ``shard``: if the
-        optimizer holds ``funcamp.sharding.clip_by_global_norm`` with a group, or
-        ``optim.stochastic_rounding`` with a layout over more than one rank. At the first call: if the state
-        is sharded and the step is not, or (data parallel) the parameters differ between ranks.
+        batch leaf cannot be split into ``accumulation_steps`` micro-batches. With a sharded layout (given
+        here, or at the first call the state's): if it has no group (``shard_layout(params, None)`` or built
+        by hand) and is for more than one rank, the layout's world size or rank is not the group's, ranks
+        differ in layout or policy (the message names the rank), or ``telemetry`` is set. At the first
+        call: if ``shard`` is not the state's layout or ``data_parallel`` not its group, an
+        ``optim.stochastic_rounding(layout=)`` places a shard elsewhere than the step's layout, or (data
+        parallel) the parameters differ between ranks.
 
     Example:
       >>> import funcamp as fa
@@ -164,23 +163,30 @@ def make_train_step(
         )
     if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
         raise ValueError(f"make_train_step: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
-    probes: list[Any] = [] if max_consecutive_skips is None else [_probes.skip_limit(max_consecutive_skips)]
     telemetry = numerics.as_telemetry(telemetry)
-    layout = _layout.layout_from(data_parallel, shard, policy)
-    probes += [_probes.aux_probe] if has_aux else []
-    probes += [] if telemetry is None else [_probes.telemetry_probe(telemetry, layout)]
-    layout.check_optimizer(optimizer)
+    built = _layout.layout_from(data_parallel, shard, policy)
+    run_as = _Assembly(built, _probes_for(built, max_consecutive_skips, has_aux, telemetry))
+    built.check_ranks()
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        layout = run_as.layout  # set by the first call's host-side check, before anything is traced
         record = _stages.run(
             loss_fn, optimizer, state, batch, has_aux=has_aux, accumulation_steps=accumulation_steps, layout=layout
         )
         metrics = dict(record.metrics)
-        for probe in probes:
+        for probe in run_as.probes:
             metrics.update(probe(record))
         return record.new_state, metrics
 
-    first_call = _first_call_check(layout, loss_fn, optimizer)
+    def for_state(state: TrainState) -> None:  # the first call: the layout the state carries
+        if state.shard is not None:
+            layout = _layout.layout_from(data_parallel, shard, policy, carried=state.shard)
+            if shard is None:  # taken from the state: checked as a layout given to the step is at build time
+                run_as.probes = _probes_for(layout, max_consecutive_skips, has_aux, telemetry)
+                layout.check_ranks()
+            run_as.layout = layout
+
+    first_call = _first_call_check(run_as, for_state, loss_fn, optimizer)
     body = _donate.donating(step) if donate else step  # donating: (state, batch) -> metrics, state written
     if compile:
         backend = backend or "inductor"
@@ -190,6 +196,22 @@ def make_train_step(
     else:
         run = _with_checked_args(body, first_call)
     return _donate.returning_state(run) if donate else run
+
+
+class _Assembly:
+    """What a step runs with: its layout and probes (those of the state's layout after the first call)."""
+
+    def __init__(self, layout: _layout.SingleProcess, probes: list[Any]) -> None:
+        self.layout, self.probes = layout, probes
+
+
+def _probes_for(
+    layout: _layout.SingleProcess, max_consecutive_skips: int | None, has_aux: bool, telemetry: Any
+) -> list[Any]:
+    """The probes the step's keywords ask for, over ``layout`` (raises as :func:`funcamp.train.telemetry_probe`)."""
+    probes: list[Any] = [] if max_consecutive_skips is None else [_probes.skip_limit(max_consecutive_skips)]
+    probes += [_probes.aux_probe] if has_aux else []
+    return probes + ([] if telemetry is None else [_probes.telemetry_probe(telemetry, layout)])
 
 
 def _inductor_options() -> dict[str, Any] | None:
@@ -241,20 +263,27 @@ _PYTHON_TENSOR_MATH = (
 
 
 def _first_call_check(
-    layout: Any, loss_fn: Callable[..., Any], optimizer: GradientTransformation
+    run_as: _Assembly, for_state: Callable[[Any], None], loss_fn: Callable[..., Any], optimizer: GradientTransformation
 ) -> Callable[[Any], None]:
-    """The host-side check of the state at a step's first call (later calls do nothing)."""
-    done = [False]
+    """The host-side check of the state at a step's first call; later calls only compare the layout the state
+    carries with the first call's (a host-side comparison of static metadata)."""
+    done: list[Any] = [False, None]
 
     def check(state: TrainState) -> None:
         if done[0]:
+            if state.shard is not done[1] and state.shard != done[1]:
+                raise ValueError(
+                    f"train_step: this step was first called with a state of layout {done[1]!r} and runs under it; "
+                    f"this state carries {state.shard!r}: build another step for it (make_train_step)"
+                )
             return
         message = _loss.arity_error(loss_fn, state.buffers is not None)
         if message is not None:
             raise TypeError(message)
+        for_state(state)
         _check_opt_state(state, optimizer)
-        layout.check_state(state)
-        done[0] = True
+        run_as.layout.check_state(state)
+        done[0], done[1] = True, state.shard
 
     return check
 

@@ -1,0 +1,217 @@
+"""Parameters materialized where their module uses them: the one function, the binding hook, the placeholder.
+
+``apply_fn`` does not turn every parameter into its forward tensor up front. Each parameter slot of
+the internal module copy holds a placeholder (:class:`Unbound`: shape and forward dtype, no data), and
+a forward pre-hook of each module binds, when that module is first called (before your own hooks and
+its forward run), the forward tensors of the module's own parameters, made by :meth:`Uses.at_use` from
+what is stored (the trainable tensor passed to ``apply_fn``, or the frozen / int8 one ``apply_fn``
+holds); when ``apply_fn``'s call ends the placeholders are back. A parameter read before its module is
+called or without calling it (``nn.MultiheadAttention`` passes
+``self.out_proj.weight`` to a function; a tied head written ``h @ self.wte.weight.T``; a helper given
+the module) is made by the placeholder itself, at the first torch operation that uses it, by the same
+function. The forward tensor of a name is made once per call: a module run twice uses it twice, as
+when every tensor was made up front (and autograd keeps each for the backward either way, so binding
+to the end of the call costs nothing more).
+
+:meth:`Uses.at_use` first asks the process layout the step runs under (:func:`funcamp._scope.current`)
+for ``param_at_use(name, stored)``: a sharded layout gathers the parameter there (its backward
+reduce-scatters), so that each module's parameters are gathered where they are used (FSDP's per-module
+all-gather). Outside every step, and for layouts without it, the stored tensor is used as it is.
+
+Under ``torch.compile`` every use is made up front instead, by the same function, and bound for the
+whole forward (the graph is the one of before this module): dynamo traces a ``torch.utils.checkpoint``
+region in the model into a higher-order operator that refuses any change to a module made inside it
+("HOP: Unsafe side effect"), which binding a module called in the region is. In a compiled graph the order of the casts
+(and of a layout's gathers) is the compiler's to schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from funcamp import _scope, quant
+
+
+class Uses:
+    """What a use of a parameter is made from, the one function that makes it, and where it is bound.
+
+    ``frozen``: the frozen tensors ``apply_fn`` holds (int8 ones as :class:`funcamp.quant.Int8Weight`),
+    by first name; ``int8``: the names stored in int8; ``forward_dtypes``: the dtype each name (tied
+    uses under each of theirs) enters the forward in; ``aliases``: further name -> first name. A call
+    (:meth:`push` to :meth:`pop`: ``apply_fn``'s forward, and each checkpointed region's recompute, see
+    :class:`funcamp.nn._remat._Call`) holds the trainable tensors, the uses made so far and the slots
+    bound so far, which :meth:`pop` puts back.
+    """
+
+    def __init__(
+        self,
+        frozen: Mapping[str, Any],
+        int8: Mapping[str, int],
+        forward_dtypes: Mapping[str, torch.dtype],
+        aliases: Mapping[str, str],
+    ) -> None:
+        self.frozen = frozen
+        self.int8 = int8
+        self.forward_dtypes = forward_dtypes
+        self.aliases = aliases
+        # The calls in progress, innermost last; plain lists and dicts, which torch.compile traces.
+        self._calls: list[_CallUses] = []
+
+    def push(self, params: Mapping[str, torch.Tensor]) -> None:
+        self._calls.append(_CallUses(params, {}, {}))
+
+    def pop(self) -> None:
+        """End the innermost call: every slot it bound holds its placeholder again."""
+        call = self._calls.pop()
+        for holder, local, before in reversed(list(call.bound.values())):
+            holder._parameters[local] = before
+
+    def bind(self, slots: list[tuple[nn.Module, str, str]]) -> None:
+        """Put the forward tensor of each slot's use into the slot, until the call ends (once per call)."""
+        call = self._calls[-1]
+        for holder, local, name in slots:
+            key = (id(holder), local)
+            if key not in call.bound:
+                call.bound[key] = (holder, local, holder._parameters[local])
+                holder._parameters[local] = self.at_use(name)
+
+    def stored(self, name: str) -> Any:
+        """The stored value a use of ``name`` is made from (by its first name): a tensor or an Int8Weight."""
+        return self.frozen[name] if name in self.frozen else self._calls[-1].params[name]
+
+    def at_use(self, name: str) -> torch.Tensor:
+        """The forward tensor of one use of the parameter ``name`` (a first name or a tied alias).
+
+        The stored value, under the parameter's first name (the key of ``params`` or ``apply_fn.frozen``),
+        goes first to the active layout's ``param_at_use(first_name, stored)`` where it has one (a gather
+        of a shard), then is cast to the use's forward dtype (an int8 weight dequantized into it).
+
+        Made once per name and call: a module that runs twice in one forward (a block applied twice)
+        uses the same forward tensor both times, so that the gradients of its uses are added in the
+        compute dtype before the cast's backward, as when every tensor was made up front; a tied
+        parameter used under two names is made twice (each name's use its own cast, the gradients
+        added in the parameter dtype). A checkpointed region's recompute makes its uses again.
+        """
+        made = self._calls[-1].made
+        if name in made:
+            return made[name]
+        first = self.aliases.get(name, name)
+        stored = self.stored(first)
+        layout = _scope.current()
+        if layout is not None and hasattr(layout, "param_at_use"):
+            stored = layout.param_at_use(first, stored)
+        dtype = self.forward_dtypes[name]
+        made[name] = quant.dequantize_int8(stored, dtype) if first in self.int8 else to_forward(stored, dtype)
+        return made[name]
+
+
+class _CallUses(NamedTuple):
+    params: Mapping[str, torch.Tensor]  # the trainable tensors passed to apply_fn
+    made: dict[str, torch.Tensor]  # name -> its forward tensor, made at the first use
+    bound: dict[tuple[int, str], tuple[nn.Module, str, Any]]  # (id(module), local name) -> what was there
+
+
+def to_forward(tensor: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:
+    """``tensor`` in ``dtype`` if it is floating (a new tensor with ``copy``), else as it is (cloned with ``copy``)."""
+    if not tensor.is_floating_point():
+        return tensor.clone() if copy else tensor
+    return tensor.to(dtype, copy=True) if copy else tensor.to(dtype)
+
+
+def slots(skeleton: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """``(module, local name, qualified name)`` of every parameter slot of the copy (each distinct module once,
+    under its first name: the second module of a tied weight names its slot with the weight's alias)."""
+    names = {id(m): name for name, m in skeleton.named_modules()}
+    return [
+        (m, local, f"{names[id(m)]}.{local}" if names[id(m)] else local)
+        for m in skeleton.modules()
+        for local, p in m._parameters.items()
+        if p is not None
+    ]
+
+
+def bind_at_call(module: nn.Module, slots: list[tuple[nn.Module, str, str]], uses: Uses) -> None:
+    """Bind ``module``'s own slots when it is first called in a call of ``apply_fn``; they stay bound until
+    that call ends.
+
+    Twice, the second time a no-op within one call: in a forward pre-hook run before yours (so your hooks
+    see the parameters too), and in the innermost wrapper of its forward, which is what a checkpointed
+    region recomputes (its recompute is a call of its own, and a custom ``autograd.Function`` such as an
+    fp8 matmul would save the placeholder itself).
+    """
+    forward = module.forward
+
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():  # apply_fn bound every use up front (see the module docstring)
+            uses.bind(slots)
+
+    @functools.wraps(forward)
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            uses.bind(slots)
+        return forward(*args, **kwargs)
+
+    module.register_forward_pre_hook(pre_hook, prepend=True)
+    module.forward = bound
+
+
+#: Tensor attributes read from a placeholder as they are (the metadata of the tensor its use would get).
+_METADATA = frozenset({"shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad", "grad_fn"})
+_METADATA_METHODS = frozenset(
+    {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size}
+    | {torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.__len__, torch.Tensor.__repr__}
+    | {torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.__format__}
+)
+
+
+class Unbound(torch.Tensor):
+    """The placeholder of a parameter slot of the module copy: shape, forward dtype and name, no data.
+
+    Metadata reads (``shape``, ``dtype``, ``requires_grad``; ``parameters()`` read for Hugging Face's
+    ``self.dtype``) see the tensor that use would get (the device is ``meta``). A torch operation on it
+    during a call (a parameter read outside the forward of the module holding it) computes with the
+    forward tensor :meth:`Uses.at_use` makes for it, so the read works as when every tensor was bound up
+    front; outside every call it raises, naming the parameter.
+    """
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, name: str, uses: Uses, requires_grad: bool) -> Unbound:
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+        t.param_name, t.uses, t._is_param = name, uses, True  # _is_param: isinstance(t, nn.Parameter) holds
+        return t
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Unbound({self.param_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        if func in _METADATA_METHODS or getattr(owner, "__name__", None) in _METADATA and func.__name__ == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = torch.utils._pytree.tree_map_only(Unbound, _made, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        names = sorted({a.param_name for a in leaves if isinstance(a, Unbound)})
+        raise RuntimeError(f"funcamp.nn: {func} on the placeholder of {', '.join(map(repr, names))}: {_OUTSIDE}")
+
+
+_OUTSIDE = (
+    "functionalize's module copy holds placeholders for the parameters, made into tensors only while "
+    "apply_fn runs; call apply_fn instead of the copy"
+)
+
+
+def _made(t: Unbound) -> torch.Tensor:
+    if not t.uses._calls:
+        raise RuntimeError(f"funcamp.nn: the parameter {t.param_name!r} was used outside apply_fn: {_OUTSIDE}")
+    return t.uses.at_use(t.param_name)

@@ -1,0 +1,167 @@
+"""The module copy ``apply_fn`` runs, and its per-module wrappers, installed as a plan.
+
+:func:`skeleton` copies your module's structure (placeholders for its tensors) and installs, on each
+module and innermost first: the binding of the parameters it uses, each made into its forward tensor
+(cast, or int8 dequantized, through the step layout's ``param_at_use``: :mod:`funcamp.nn._use`); the
+cast of its inputs and outputs, for a module with a policy of its own (:func:`_wrap_cast`); and its
+checkpointing (``remat=``, :func:`funcamp.nn._remat.wrap_forward`). :func:`op_mode` is the per-op
+precision entered around the whole forward (``op_policies=``). fp8 is a conversion of the model before
+all this (``fp8=`` in the policy string), and the trainable/frozen/int8 store is :mod:`funcamp.nn._store`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+from torch import nn
+
+from funcamp import ops
+from funcamp.nn import _remat, _use
+from funcamp.nn._plan import _HALF, _Plan
+from funcamp.ops import OpRule
+from funcamp.policy import Policy
+
+
+def cast_io(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast the real floating tensors of a module's inputs or outputs to ``dtype``.
+
+    Walked with ``torch.utils._pytree``, the registry ``torch.compile`` and Hugging Face use, so that
+    ``ModelOutput`` and other registered containers are cast too.
+    """
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+
+    return torch_pytree.tree_map_only(torch.Tensor, cast, tree)
+
+
+def device_type(*trees: Any) -> str:
+    for tree in trees:
+        for leaf in torch_pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                return leaf.device.type
+    return "cpu"
+
+
+def _wrap_cast(module: nn.Module, policy: Policy, autocast: bool) -> None:
+    """Make ``module`` cast its inputs to the policy's compute dtype and its outputs to its output dtype.
+
+    With ``autocast``, a half compute dtype runs the forward under ``torch.autocast`` with that dtype
+    (inputs are left to it); a full one runs it with autocast off and inputs cast.
+    """
+    forward = module.forward
+    half = autocast and policy.compute_dtype in _HALF
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not autocast:
+            args, kwargs = cast_io((args, kwargs), policy.compute_dtype)
+            return cast_io(forward(*args, **kwargs), policy.output_dtype)
+        if not half:
+            args, kwargs = cast_io((args, kwargs), policy.compute_dtype)
+        device = device_type(args, kwargs)
+        with torch.autocast(device, dtype=policy.compute_dtype if half else None, enabled=half):
+            out = forward(*args, **kwargs)
+        return cast_io(out, policy.output_dtype)
+
+    module.forward = wrapped
+
+
+def skeleton(
+    module: nn.Module,
+    plan: _Plan,
+    uses: _use.Uses,
+    *,
+    autocast: bool,
+    training: bool | None,
+    remat: Sequence[str],
+) -> nn.Module:
+    """A copy of ``module``'s structure with the plan of per-module wrappers installed, innermost first."""
+    copied = _copy(module, plan, training)
+    _bind_uses(copied, uses)
+    _casts(copied, plan, autocast)
+    _checkpoints(copied, remat)
+    return copied
+
+
+def _copy(module: nn.Module, plan: _Plan, training: bool | None) -> nn.Module:
+    """``module``'s structure, with shape-only placeholders for the tensors ``apply_fn`` passes in.
+
+    It does not keep your module's weights alive: persistent buffers become ``meta`` tensors (bound for
+    the whole call), parameters are replaced by :func:`_bind_uses`; non-persistent buffers, the
+    constants, are shared with your module. ``training`` (unless None) is set on the copy.
+    """
+    named = dict(module.named_buffers())
+    state = [*module.parameters(), *(named[name] for name in plan.buffers)]
+    memo: dict[int, Any] = {id(t): t for t in module.buffers()}
+    memo.update({id(t): torch.empty_like(t, device="meta") for t in state})
+    try:
+        copied = copy.deepcopy(module, memo)
+    except Exception as e:
+        raise TypeError(
+            f"functionalize: could not copy the structure of {type(module).__name__} (copy.deepcopy failed: "
+            f"{e}); functionalize needs a deep-copyable module so that it never changes yours"
+        ) from e
+    if training is not None:
+        copied.train(training)
+    return copied
+
+
+def _bind_uses(copied: nn.Module, uses: _use.Uses) -> None:
+    """An :class:`funcamp.nn._use.Unbound` per parameter slot (a tied weight's second slot under its alias),
+    and on each module holding parameters the hook that binds their forward tensors where it is called."""
+    own: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for holder, local, name in _use.slots(copied):
+        p = holder._parameters[local]
+        holder._parameters[local] = _use.Unbound(p.shape, uses.forward_dtypes[name], name, uses, p.requires_grad)
+        own.setdefault(id(holder), []).append((holder, local, name))
+    for sub in copied.modules():  # each distinct module once
+        if id(sub) in own:
+            _use.bind_at_call(sub, own[id(sub)], uses)
+
+
+def _casts(copied: nn.Module, plan: _Plan, autocast: bool) -> None:
+    """The input and output casts of each module with a policy of its own (under autocast: yours only)."""
+    modules = dict(copied.named_modules(remove_duplicate=False))
+    wrapped: set[int] = set()
+    for name, policy in plan.own.items():  # a module reachable by two names is wrapped once, by the first
+        if autocast and name in plan.defaults:  # under autocast the defaults set storage only
+            continue
+        if id(modules[name]) not in wrapped:
+            wrapped.add(id(modules[name]))
+            _wrap_cast(modules[name], policy, autocast)
+
+
+def _checkpoints(copied: nn.Module, remat: Sequence[str]) -> None:
+    """``remat=``: over the casting wrapper, so that the region starts at the module's own inputs."""
+    modules = dict(copied.named_modules(remove_duplicate=False))
+    checkpointed: set[int] = set()
+    for name in remat:
+        if id(modules[name]) not in checkpointed:
+            checkpointed.add(id(modules[name]))
+            _remat.wrap_forward(modules[name])
+
+
+def op_mode(
+    policy: Policy,
+    op_policies: Mapping[Any, OpRule | None] | None,
+    autocast: bool,
+    forward_dtypes: Mapping[str, torch.dtype],
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The per-op precision around the forward (``op_policies=``), checked now: a context factory.
+
+    Under autocast torch's op lists decide: funcamp's default rules are not added, yours are. The mode is
+    entered only where the model computes in a half dtype somewhere or rules were given.
+    """
+    rules = {**({} if autocast else ops.FLOAT32_ACCUMULATION), **(op_policies or {})}
+    any_half = policy.compute_dtype in _HALF or any(d in _HALF for d in forward_dtypes.values())
+    entered = rules and (op_policies or any_half)
+    mode = functools.partial(ops.OpPolicies, rules) if entered else contextlib.nullcontext
+    mode()  # check the rules now, not at the first call
+    return mode
