@@ -338,7 +338,9 @@ def inductor_runs():
         mp.setattr(_regions.RematPass, "__call__", counting)
         for remat in (None, Fp8Block):
             torch._dynamo.reset()
-            apply_fn, params, buffers = fp8.functionalize(DeepNet().train(), "p=f32,c=f32,o=f32", remat=remat)
+            apply_fn, params, buffers = functionalize(
+                DeepNet().train(), "p=f32,c=f32,o=f32", remat=remat, with_buffers=True
+            )
 
             def loss_fn(p, b, x, f=apply_fn):
                 out, new = f(p, b, x)
