@@ -15,6 +15,10 @@ Variants (bfloat16 compute by default, ``--dtype``):
 - ``torch_compiled_opt``: the same with ``torch.compile(optimizer.step)`` (an in-place compiled update);
 - ``funcamp_eager`` / ``funcamp_eager_donate``: ``make_train_step(compile=False)``, without / with ``donate=True``;
 - ``funcamp_compiled`` / ``funcamp_compiled_donate``: ``make_train_step`` (inductor), without / with ``donate``.
+- with activation checkpointing of every block (GPT models; ``--variants``): ``torch_eager_ckpt``, ``torch_compiled``
+  / ``torch_compiled_ckpt`` (``torch.compile(model)``), ``funcamp_eager_remat``, ``funcamp_compiled_remat``,
+  ``funcamp_compiled_donate_remat`` (``functionalize(remat=Block)``); the table compares each with its base.
+  ``--time-steps N`` times N steps after the memory (best kept; separate processes, so noisy on a shared machine).
 
 Models: ``mlp`` (8 x ``Linear(2048, 2048)``, 33.6M parameters, batch 8: the state dominates), ``gpt``
 (``examples/gpt.py`` ``small``, batch 32 x 128: activations matter), ``gpt2`` (GPT-2 124M shape, batch 8 x 256).
@@ -24,12 +28,14 @@ Results: ``--out FILE.json`` and a markdown table on stdout.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +47,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 from bench_train_step import _trim, live_tensor_bytes, profiled_step  # noqa: E402
-from gpt import GPT, SIZES, GPTConfig  # noqa: E402
+from gpt import GPT, SIZES, Block, GPTConfig  # noqa: E402
 
 import funcamp as fa  # noqa: E402
 from funcamp import optim  # noqa: E402
@@ -54,6 +60,20 @@ VARIANTS = (
     "funcamp_compiled",
     "funcamp_compiled_donate",
 )
+#: Activation checkpointing of every transformer block (GPT models only): ``torch_eager_ckpt`` wraps each block with
+#: ``torch.utils.checkpoint`` (non-reentrant, FSDP's ``checkpoint_wrapper``); ``torch_compiled_ckpt`` is the same
+#: under ``torch.compile(model)`` (torch's compiled activation checkpointing, AOTAutograd's partitioner), beside
+#: ``torch_compiled`` without it (both with the compiled optimizer); funcamp's use ``functionalize(remat=Block)``.
+REMAT_VARIANTS = (
+    "torch_eager_ckpt",
+    "torch_compiled",
+    "torch_compiled_ckpt",
+    "funcamp_eager_remat",
+    "funcamp_compiled_remat",
+    "funcamp_compiled_donate_remat",
+)
+#: What a checkpointed variant is compared with: the same step without checkpointing.
+BASE = {v: v.replace("_remat", "").replace("_ckpt", "") for v in REMAT_VARIANTS}
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
 
@@ -68,8 +88,8 @@ class MLP(torch.nn.Module):
         return x
 
 
-def make(model_name: str, device: torch.device, seed: int = 0) -> tuple[torch.nn.Module, Any, Any]:
-    """``(model, batches(n), loss(output, batch))``."""
+def make(model_name: str, device: torch.device, seed: int = 0, layers: int = 12) -> tuple[torch.nn.Module, Any, Any]:
+    """``(model, batches(n), loss(output, batch))``; ``layers``: GPT-2's blocks (12 for GPT-2 124M)."""
     torch.manual_seed(seed)
     if model_name == "mlp":
         model = MLP().to(device)
@@ -82,7 +102,7 @@ def make(model_name: str, device: torch.device, seed: int = 0) -> tuple[torch.nn
     config = (
         SIZES["small"]
         if model_name == "gpt"
-        else GPTConfig(vocab_size=50304, block_size=256, n_layer=12, n_head=12, n_embd=768, bias=True)
+        else GPTConfig(vocab_size=50304, block_size=256, n_layer=layers, n_head=12, n_embd=768, bias=True)
     )
     batch, block = (32, 128) if model_name == "gpt" else (8, 256)
     model = GPT(config).to(device)
@@ -100,9 +120,26 @@ def make(model_name: str, device: torch.device, seed: int = 0) -> tuple[torch.nn
 
 def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, backend: str):
     device = next(model.parameters()).device
+    remat = variant.endswith(("_remat", "_ckpt"))
+    if remat and not isinstance(model, GPT):
+        raise ValueError(f"bench_memory: {variant} checkpoints transformer blocks: use it with --models gpt,gpt2")
     if variant.startswith("torch"):
+        if remat:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                CheckpointImpl,
+                apply_activation_checkpointing,
+                checkpoint_wrapper,
+            )
+
+            wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            apply_activation_checkpointing(
+                model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, Block)
+            )
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True)
-        update = torch.compile(opt.step, backend=backend) if variant == "torch_compiled_opt" else opt.step
+        compiled = variant.startswith("torch_compiled")
+        update = torch.compile(opt.step, backend=backend) if compiled else opt.step
+        if variant in ("torch_compiled", "torch_compiled_ckpt"):
+            model = torch.compile(model, backend=backend)
 
         def torch_step(batch: dict[str, torch.Tensor]) -> None:
             with torch.autocast(device.type, dtype=dtype):
@@ -113,7 +150,7 @@ def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, b
 
         return torch_step
     policy = fa.get_policy(f"params=float32,compute={str(dtype).split('.')[1]},output=float32")
-    apply_fn, params = fa.nn.functionalize(model, policy)
+    apply_fn, params = fa.nn.functionalize(model, policy, remat=Block if remat else None)
     params = {k: v.detach().clone() for k, v in params.items()}  # the state owns its tensors
     opt = optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
     box = [fa.TrainState.create(params, opt)]
@@ -122,7 +159,7 @@ def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, b
         opt,
         compile="compiled" in variant,
         backend=backend,
-        donate=variant.endswith("donate"),
+        donate="donate" in variant,
     )
 
     def funcamp_step(batch: dict[str, torch.Tensor]) -> None:
@@ -138,8 +175,8 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     _trim()
     before = live_tensor_bytes(device)
-    model, batches, loss = make(args.model, device)
-    data = iter(batches(2 + 2 * args.steps))
+    model, batches, loss = make(args.model, device, layers=args.gpt2_layers)
+    data = iter(batches(2 + 2 * args.steps + args.time_steps))
     step = build(args.variant, model, loss, dtype, args.backend)
     del model
     for _ in range(2):
@@ -159,12 +196,23 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
             peak = rest + profiled_step(lambda: step(next(data)))[0]
         peaks.append(peak)
         rests.append(rest)
+    times = []
+    for _ in range(args.time_steps):  # after the memory steps, without the profiler
+        batch = next(data)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
     return {
         "model": args.model,
         "variant": args.variant,
         "rest_mb": max(rests) / 2**20,
         "peak_mb": max(peaks) / 2**20,
         "adds_mb": max(p - r for p, r in zip(peaks, rests)) / 2**20,
+        "ms_per_step": min(times) if times else None,
     }
 
 
@@ -188,28 +236,43 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, str], argv: list[str]) 
         f"`python benchmarks/bench_memory.py {' '.join(argv)}`; {info['cpu']} "
         f"({info['capability']}), torch {info['torch']}{(', ' + info['gpu']) if info['gpu'] else ''}.",
         "",
-        "| model | variant | state at rest MB | step adds MB | vs compiled torch.optim | vs eager torch |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | variant | state at rest MB | step adds MB | vs compiled torch.optim | vs eager torch "
+        "| vs no remat | ms/step | time vs no remat |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a is not None and b else "-"
+
     for model in dict.fromkeys(r["model"] for r in rows):
         by = {r["variant"]: r for r in rows if r["model"] == model}
         ref_c, ref_e = by.get("torch_compiled_opt"), by.get("torch_eager")
         for name, r in by.items():
-            vc = f"{r['adds_mb'] / ref_c['adds_mb']:.2f}x" if ref_c else "-"
-            ve = f"{r['adds_mb'] / ref_e['adds_mb']:.2f}x" if ref_e else "-"
-            lines.append(f"| {model} | {name} | {r['rest_mb']:.1f} | {r['adds_mb']:.1f} | {vc} | {ve} |")
+            base = by.get(BASE.get(name, ""))
+            ms = r.get("ms_per_step")
+            lines.append(
+                f"| {model} | {name} | {r['rest_mb']:.1f} | {r['adds_mb']:.1f} "
+                f"| {ratio(r['adds_mb'], ref_c and ref_c['adds_mb'])} "
+                f"| {ratio(r['adds_mb'], ref_e and ref_e['adds_mb'])} "
+                f"| {ratio(r['adds_mb'], base and base['adds_mb'])} | {'-' if ms is None else f'{ms:.0f}'} "
+                f"| {ratio(ms, base and base.get('ms_per_step'))} |"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt, gpt2 (default mlp,gpt)")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS + REMAT_VARIANTS)}"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--steps", type=int, default=2, help="measured steps per variant (default 2)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--time-steps", type=int, default=0, help="timed steps per variant after the memory (best kept)")
+    p.add_argument("--gpt2-layers", type=int, default=12, help="blocks of the gpt2 model (12: GPT-2 124M)")
     p.add_argument("--out", default=None, help="write the rows and the machine as JSON here")
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
@@ -220,6 +283,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         Path(args.probe_out).write_text(json.dumps(result))
         return [result]
     rows = []
+    argv_used = argv if argv is not None else sys.argv[1:]
     for model in args.models.split(","):
         for variant in args.variants.split(","):
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -243,16 +307,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 str(args.steps),
                 "--threads",
                 str(args.threads),
+                "--time-steps",
+                str(args.time_steps),
+                "--gpt2-layers",
+                str(args.gpt2_layers),
             ]
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
             subprocess.run(cmd, check=True, env=env)
             rows.append(json.loads(Path(out).read_text()))
             os.unlink(out)
             print(f"{model} {variant}: adds {rows[-1]['adds_mb']:.1f} MB over {rows[-1]['rest_mb']:.1f} MB", flush=True)
+            if args.out:  # after each variant: a long run stopped early keeps what it measured
+                Path(args.out).write_text(json.dumps({"machine": machine(), "argv": argv_used, "rows": rows}, indent=1))
     info = machine()
     print(markdown(rows, info, argv if argv is not None else sys.argv[1:]))
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"machine": info, "argv": argv_used, "rows": rows}, indent=1))
     return rows
 
 

@@ -16,6 +16,8 @@ initial weights with AdamW (lr 1e-3), float32 throughout (this benchmark is abou
 3. ``funcamp``: ``functionalize`` + ``make_train_step(compile=False)`` (plain autograd: where torch can
    checkpoint; under ``torch.func`` and in the compiled step it cannot, see ``funcamp.nn``).
 4. ``funcamp_remat``: variant 3 with ``functionalize(..., remat=<block type>)``.
+5. ``funcamp_compiled`` / ``funcamp_compiled_remat`` (``--variants``): the inductor-compiled step without / with
+   ``remat=`` (``funcamp._regions.RematPass`` recomputes the regions); no separate forward+backward peak.
 
 Time: each variant is warmed up (one step), then ``--rounds`` rounds run ``--steps`` steps of every variant
 in turn, the order rotated each round; the median of the rounds' ms/step is reported, with ratios to
@@ -73,6 +75,8 @@ from funcamp import optim  # noqa: E402
 from funcamp.nn import functionalize  # noqa: E402
 
 VARIANTS = ("torch", "torch_ckpt", "funcamp", "funcamp_remat")
+#: The inductor-compiled step (funcamp._regions.RematPass recomputes the regions): ``--variants`` adds them.
+COMPILED = ("funcamp_compiled", "funcamp_compiled_remat")
 LR = 1e-3
 POLICY = "params=float32,compute=float32,output=float32"
 
@@ -87,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="steps per variant per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--probe-steps", type=int, default=1, help="profiled steps per variant for memory")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS + COMPILED, default=list(VARIANTS))
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
@@ -172,8 +176,11 @@ class TorchStep:
 class FuncampStep:
     """Variants 3-4: functionalize + make_train_step(compile=False); ``remat``: the block type."""
 
-    def __init__(self, model: torch.nn.Module, block: type, logits: Callable, remat: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, block: type, logits: Callable, remat: bool, compiled: bool = False
+    ) -> None:
         apply_fn, params = functionalize(model, POLICY, remat=block if remat else None)
+        self.compiled = compiled
         self.remat = apply_fn.remat
 
         def loss_fn(params: dict[str, torch.Tensor], windows: torch.Tensor) -> torch.Tensor:
@@ -182,7 +189,7 @@ class FuncampStep:
         self.grad_fn = fa.grad_and_value(loss_fn, fa.NoOpLossScale())  # what the eager step differentiates with
         opt = optim.adamw(LR)
         self.state = fa.TrainState.create(params, opt)
-        self.step = fa.make_train_step(loss_fn, opt, compile=False)
+        self.step = fa.make_train_step(loss_fn, opt, compile=compiled)
 
     def __call__(self, windows: torch.Tensor) -> torch.Tensor:
         self.state, metrics = self.step(self.state, windows)
@@ -197,7 +204,7 @@ def build(name: str, base: torch.nn.Module, block: type, logits: Callable) -> To
     model = copy.deepcopy(base)
     if name.startswith("torch"):
         return TorchStep(model, block, logits, ckpt=name == "torch_ckpt")
-    return FuncampStep(model, block, logits, remat=name == "funcamp_remat")
+    return FuncampStep(model, block, logits, remat=name.endswith("_remat"), compiled="compiled" in name)
 
 
 def sync(device: torch.device) -> None:
@@ -244,11 +251,13 @@ def run_job(job: str, args: argparse.Namespace, device: torch.device) -> dict[st
     for name in args.variants:
         step = steps[name]
         peaks[name] = max(step_peak(lambda s=step: s(windows), device) for _ in range(args.probe_steps))
+        if getattr(step, "compiled", False):  # the compiled step has no separate forward+backward
+            continue
         grad_peaks[name] = max(step_peak(lambda s=step: s.grads(windows), device) for _ in range(args.probe_steps))
     rows = {}
     for name in args.variants:
         ms = statistics.median(samples[name])
-        plain = "torch" if name.startswith("torch") else "funcamp"
+        plain = "torch" if name.startswith("torch") else name.replace("_remat", "")
         rows[name] = {
             "ms_per_step": ms,
             "spread_ms": [min(samples[name]), max(samples[name])],
@@ -258,8 +267,10 @@ def run_job(job: str, args: argparse.Namespace, device: torch.device) -> dict[st
             "best_vs_no_ckpt": min(samples[name]) / min(samples[plain]) if plain in samples else None,
             "step_peak_mb": peaks[name] / 2**20,
             "peak_vs_no_ckpt": peaks[name] / peaks[plain] if plain in peaks else None,
-            "grad_peak_mb": grad_peaks[name] / 2**20,
-            "grad_peak_vs_no_ckpt": grad_peaks[name] / grad_peaks[plain] if plain in grad_peaks else None,
+            "grad_peak_mb": grad_peaks[name] / 2**20 if name in grad_peaks else None,
+            "grad_peak_vs_no_ckpt": grad_peaks[name] / grad_peaks[plain]
+            if plain in grad_peaks and name in grad_peaks
+            else None,
             "first_loss": first_loss[name],
         }
     same = len(set(first_loss.values())) == 1
@@ -286,7 +297,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {name} | {r['ms_per_step']:.0f} | {lo:.0f}-{hi:.0f} | {_fmt(r['vs_torch'], '.2f')} | "
                 f"{_fmt(r['vs_no_ckpt'], '.2f')} | {r['best_ms']:.0f} | {_fmt(r['best_vs_no_ckpt'], '.2f')} | "
                 f"{r['step_peak_mb']:.1f} | {_fmt(r['peak_vs_no_ckpt'], '.2f')} | "
-                f"{r['grad_peak_mb']:.1f} | {_fmt(r['grad_peak_vs_no_ckpt'], '.2f')} |"
+                f"{_fmt(r['grad_peak_mb'], '.1f')} | {_fmt(r['grad_peak_vs_no_ckpt'], '.2f')} |"
             )
     return "\n".join(lines)
 

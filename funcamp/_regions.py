@@ -7,31 +7,44 @@ checkpointed region keeps its activations once compiled. Instead, while ``torch.
 - :func:`phase` tags the nodes of the differentiated function's forward (``"forward"``) and of the gradient
   computation around it (``"backward"``), in :mod:`funcamp.grad`;
 - :func:`remat_region` tags the nodes of a checkpointed module's forward (``functionalize(remat=...)``);
-- :func:`gather_region` tags a sharded parameter's all-gather (:mod:`funcamp._at_use`);
 
 with ``torch.fx.traceback.annotate``, whose tags reach the graph inductor compiles. :class:`RematPass`, an
 inductor ``post_grad_custom_pre_pass``, then gives every backward use of a tagged forward node a copy of it
-(and of the tagged nodes it depends on) placed just before that use, so the forward's copy dies after its last
-forward use: only the region's inputs live on to the backward, as with ``torch.utils.checkpoint``. The copies
-compute the same ops on the same inputs, so gradients are bitwise those without remat. Random ops (dropout
-masks) and ops that write to their inputs are never copied: their results are kept, so masks are replayed.
-A gathered parameter is recomputed the same way: its backward uses get a new all-gather (every rank compiles the
-same graph, so every rank runs the same collectives in the same order), and a gather nothing uses any more (an
-up-front gather every use gathered again) is dropped. Where torch has no ``annotate`` (before 2.9) nothing is
-tagged and the pass does nothing.
+(and of the tagged nodes of its region it depends on) placed just before that use, so the forward's copy dies
+after its last forward use. What a region computes for use outside it (its output: the next region's input) is
+kept, not recomputed, as ``torch.utils.checkpoint`` keeps a region's inputs; each region is recomputed alone,
+just before its own backward. The copies wait for the loss's gradient (through one input read as
+``where(flag, x, x)``, bitwise ``x``, ``flag`` made from a value computed from that gradient), so inductor can
+neither run them during the forward nor fuse them into the forward's kernels. The copies compute the same ops
+on the same inputs, so gradients are bitwise those without remat. Random ops (dropout masks) and ops that write
+to their inputs are never copied: their results are kept, so masks are replayed; a dropout draw (0 or 1) is
+kept as a bool. Where torch has no ``annotate`` (before 2.9) nothing is tagged and the pass does nothing.
+
+A sharded parameter's all-gather (:func:`gather_region`, :mod:`funcamp._at_use`) is recomputed the same way,
+always: its backward uses get a new all-gather (every rank compiles the same graph, so every rank runs the same
+collectives in the same order; its only input is the shard, a graph input), a gather nothing uses any more (an
+up-front gather every use gathered again) is dropped, and each forward gather is moved to just before its
+first user.
+
+Limits: a module called twice in one forward is one region (its two calls are recomputed together); inductor's
+caches key on the graph's code, which does not show the tags, so in a process that has made a region the
+compiled steps bypass those caches (:meth:`RematPass.uuid`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 from typing import Any
 
 import torch
 
-__all__ = ["RematPass", "gather_region", "phase", "recompute_for_backward", "remat_region"]
+__all__ = ["RematPass", "gather_region", "new_region_id", "phase", "remat_region"]
 
 _PHASE, _REMAT, _GATHER = "funcamp_phase", "funcamp_remat", "funcamp_gather"
+_region_ids = itertools.count(1)  # one id per checkpointed module: where one region ends and the next begins
+_made_regions = [False]  # whether this process has made one (RematPass.uuid)
 
 
 def _annotate(tags: dict[str, Any]) -> Any:
@@ -46,9 +59,19 @@ def phase(name: str) -> Any:
     return _annotate({_PHASE: name})
 
 
-def remat_region() -> Any:
-    """A context that tags the nodes traced inside it as recomputable for the backward."""
-    return _annotate({_REMAT: True})
+def new_region_id() -> int:
+    """A new region id, for :func:`remat_region`: taken once per checkpointed module, outside tracing."""
+    _made_regions[0] = True
+    return next(_region_ids)
+
+
+def remat_region(region: int) -> Any:
+    """A context that tags the nodes traced inside it as recomputable for the backward, in region ``region``.
+
+    ``region`` (from :func:`new_region_id`, a constant of the traced code: a counter advanced while tracing
+    would recompile every call) says where one region ends and the next begins.
+    """
+    return _annotate({_REMAT: region})
 
 
 def gather_region() -> Any:
@@ -62,7 +85,7 @@ def _tags(node: torch.fx.Node) -> dict[str, Any]:
 
 def _recomputable(node: torch.fx.Node) -> bool:
     tags = _tags(node)
-    if node.op != "call_function" or not (tags.get(_REMAT) or tags.get(_GATHER)) or tags.get(_PHASE) != "forward":
+    if node.op != "call_function" or not tags.get(_REMAT) or tags.get(_PHASE) != "forward":
         return False
     target = node.target
     schema = getattr(target, "_schema", None)
@@ -70,105 +93,40 @@ def _recomputable(node: torch.fx.Node) -> bool:
         schema.is_mutable or any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
     ):
         return False
-    if tags.get(_GATHER):  # a functional all-gather and its wait: impure to fx (they communicate), but every
-        return True  # rank recomputes the same ones in the same order, and they read only the shards
     tags_of_op = getattr(target, "tags", ())
     return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
 
 
-def recompute_for_backward(graph: torch.fx.Graph, recomputable: Any) -> None:
-    """Give every backward use of a ``recomputable(node)`` forward node a copy of it (and of the recomputable
-    nodes it depends on) placed before that use, made to wait for a backward value (see the module)."""
-    copies: dict[torch.fx.Node, torch.fx.Node] = {}
-    aten = torch.ops.aten
-
-    def call(op: Any, *args: Any) -> torch.fx.Node:
-        """A new node of ``op``, with the fake value later passes read (``meta["val"]``)."""
-        node = graph.call_function(op, args)
-        vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-        with vals[0].fake_mode:
-            node.meta["val"] = op(*vals)
-        node.meta["custom"] = {_PHASE: "backward"}
-        return node
-
-    def gate(before: torch.fx.Node) -> torch.fx.Node | None:
-        """A 0-d bool made from one of ``before``'s backward inputs: what the copies wait for."""
-        for inp in before.all_input_nodes:
-            val = inp.meta.get("val")
-            if _tags(inp).get(_PHASE) == "backward" and hasattr(val, "fake_mode") and val.numel():
-                with graph.inserting_before(before):
-                    first = inp
-                    for _ in range(val.ndim):  # its first element, a 0-d view
-                        first = call(aten.select.int, first, 0, 0)
-                    return call(aten.eq.Tensor, first, first)
-        return None
-
-    def copy(node: torch.fx.Node, before: torch.fx.Node, flag: torch.fx.Node | None) -> torch.fx.Node:
-        if node in copies:
-            return copies[node]
-        for dep in node.all_input_nodes:
-            if recomputable(dep):
-                copy(dep, before, flag)
-
-        def arg(n: torch.fx.Node) -> torch.fx.Node:
-            if n in copies:
-                return copies[n]
-            val = n.meta.get("val")
-            if flag is None or not hasattr(val, "fake_mode") or val.is_complex():
-                return n
-            # where(flag, n, n) is n, bitwise, but makes the copy wait for the backward: inductor cannot
-            # fuse it into the forward's kernel (which would keep its result alive until the backward)
-            return call(aten.where.self, flag, n, n)
-
-        with graph.inserting_before(before):
-            dup = graph.node_copy(node, arg)
-        dup.meta["custom"] = {**_tags(node), _PHASE: "backward"}
-        copies[node] = dup
-        return dup
-
-    for node in list(graph.nodes):
-        if _tags(node).get(_PHASE) != "backward" or recomputable(node):
-            continue
-        deps = [dep for dep in node.all_input_nodes if recomputable(dep)]
-        if deps:
-            flag = gate(node)
-            for dep in deps:
-                node.replace_input_with(dep, copy(dep, node, flag))
+def _gathered(node: torch.fx.Node) -> bool:
+    """A forward :func:`gather_region` node: a functional all-gather, its wait, casts and views of a shard. Impure
+    to fx (they communicate), recomputed all the same: every rank recomputes the same ones in the same order."""
+    tags = _tags(node)
+    return node.op == "call_function" and bool(tags.get(_GATHER)) and tags.get(_PHASE) == "forward"
 
 
 def _drop_unused_gathers(graph: torch.fx.Graph) -> None:
-    """Erase the :func:`gather_region` nodes nothing uses (an up-front gather that every use gathered again).
-
-    A functional collective is not a side effect to ``torch.fx``, but inductor may keep one whose result is
-    unused; every rank traces the same graph, so every rank drops the same collectives.
-    """
+    """Erase the forward gather nodes nothing uses (an up-front gather that every use gathered again)."""
     for node in reversed(list(graph.nodes)):
-        if node.op == "call_function" and _tags(node).get(_GATHER) and not node.users:
+        if _gathered(node) and not node.users:
             graph.erase_node(node)
 
 
 def _sink_gathers(graph: torch.fx.Graph) -> None:
-    """Move each forward :func:`gather_region` (a collective and its views) to just before its first user.
+    """Move each forward gather (a collective and its views) to just before its first user.
 
     ``funcamp.nn.functionalize`` makes every use up front when compiled, so the gathers come first in the
     graph; inductor schedules in graph order, which would hold every gathered parameter from the start of
-    the forward. Moved, a parameter is gathered where its module needs it. Only regions whose other inputs
-    all come before that user are moved (the shards and their casts are graph inputs or made early).
+    the forward. Only gathers whose other inputs all come before that user are moved.
     """
     order = {node: i for i, node in enumerate(graph.nodes)}
-
-    def forward_gather(n: torch.fx.Node) -> bool:
-        tags = _tags(n)
-        return n.op == "call_function" and bool(tags.get(_GATHER)) and tags.get(_PHASE) == "forward"
-
     done: set[torch.fx.Node] = set()
     for node in list(graph.nodes):
-        if node in done or not forward_gather(node):
+        if node in done or not _gathered(node):
             continue
-        region, todo = [], [node]  # the connected tagged nodes
+        region, todo = [], [node]  # the connected gather nodes
         while todo:
             n = todo.pop()
-            if n in done or not forward_gather(n):
+            if n in done or not _gathered(n):
                 continue
             done.add(n)
             region.append(n)
@@ -180,10 +138,73 @@ def _sink_gathers(graph: torch.fx.Graph) -> None:
             continue
         first = min(users, key=order.__getitem__)
         inputs = [i for n in region for i in n.all_input_nodes if i not in inside]
-        if any(order[i] >= order[first] for i in inputs) or order[region[-1]] >= order[first]:
+        if any(order[i] >= order[first] for i in inputs):
             continue
         for n in region:
             first.prepend(n)
+
+
+#: Random ops whose results are 0 or 1 (dropout's masks after decomposition): kept as bools for the backward.
+_ZERO_ONE_DRAWS = (torch.ops.aten.bernoulli.p, torch.ops.aten.bernoulli.default)
+
+
+def _recomputed(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The region nodes the backward recomputes: the recomputable ones that stay inside their region.
+
+    A region's results used outside it (by the next region, by untagged forward nodes, by the graph's output)
+    are kept, never recomputed: they are the next region's inputs, saved as ``torch.utils.checkpoint`` saves a
+    region's inputs. Recomputing them instead would recompute, for the backward of the last region, every
+    region before it (a chain through all the blocks), all alive at once.
+    """
+    region = {n: _tags(n)[_REMAT] for n in graph.nodes if _recomputable(n)}
+
+    def leaves(n: torch.fx.Node) -> bool:
+        for user in n.users:
+            tags = _tags(user)
+            if user.op != "call_function" or (tags.get(_PHASE) != "backward" and tags.get(_REMAT) != region[n]):
+                return True
+        return False
+
+    return {n for n in region if not leaves(n)}
+
+
+def _after_gradient(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
+    """The backward's values computed from the loss's gradient, each mapped to itself, and every other node
+    mapped to the last such value before it in the graph's order.
+
+    A backward node computed from forward values alone (LayerNorm's ``x - mean``, GELU's ``x * x``) could run
+    during the forward: a copy gated on it would not wait. The loss's gradient (the seed, ``ones`` or the loss
+    scale) is found as the backward node without backward inputs that the most gradients (backward nodes
+    without backward users) are computed from.
+    """
+    roots: dict[torch.fx.Node, int] = {}  # backward node -> bit set of the input-less backward nodes it reads
+    count = 0
+    for node in graph.nodes:
+        if _tags(node).get(_PHASE) != "backward":
+            continue
+        bits = 0
+        for inp in node.all_input_nodes:
+            bits |= roots.get(inp, 0)
+        if not bits:
+            bits, count = 1 << count, count + 1
+        roots[node] = bits
+    ends = [bits for node, bits in roots.items() if not any(user in roots for user in node.users)]
+    if not ends:
+        return {}
+    seed = max((1 << i for i in range(count)), key=lambda bit: sum(1 for bits in ends if bits & bit))
+    out: dict[torch.fx.Node, torch.fx.Node] = {}
+    last = None
+    for node in graph.nodes:
+        if roots.get(node, 0) & seed and _gateable(node):
+            last = node
+        if last is not None:
+            out[node] = last
+    return out
+
+
+def _gateable(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return hasattr(val, "fake_mode") and val.numel() > 0 and not val.is_complex()
 
 
 try:
@@ -196,11 +217,103 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
     """The inductor graph pass that recomputes :func:`remat_region` nodes for their backward uses (see module)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        recompute_for_backward(graph, _recomputable)
+        aten = torch.ops.aten
+        recompute = _recomputed(graph) | {n for n in graph.nodes if _gathered(n)}
+        copies: dict[torch.fx.Node, torch.fx.Node] = {}
+        draws = {n for n in graph.nodes if n.target in _ZERO_ONE_DRAWS and _tags(n).get(_REMAT)}
+        masks: dict[torch.fx.Node, torch.fx.Node] = {}
+
+        def call(op: Any, *args: Any) -> torch.fx.Node:
+            """A new node of ``op``, with the fake value later passes read (``meta["val"]``)."""
+            node = graph.call_function(op, args)
+            vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+            with vals[0].fake_mode:
+                node.meta["val"] = op(*vals)
+            node.meta["custom"] = {_PHASE: "backward"}
+            return node
+
+        after = _after_gradient(graph)
+
+        def gate(before: torch.fx.Node) -> torch.fx.Node | None:
+            """A 0-d bool made from a value of the gradient computed by ``before`` (what the copies wait for):
+            one of its inputs, or else (an input-only part of a backward formula, such as LayerNorm's
+            ``x - mean``) the gradient value last computed before it in the graph's order."""
+            source = next((inp for inp in before.all_input_nodes if after.get(inp) is inp), None) or after.get(before)
+            if source is None:
+                return None
+            val = source.meta["val"]
+            with graph.inserting_before(before):
+                first = source
+                for _ in range(val.ndim):  # its first element, a 0-d view
+                    first = call(aten.select.int, first, 0, 0)
+                return call(aten.eq.Tensor, first, first)
+
+        def mask(node: torch.fx.Node, before: torch.fx.Node, flag: list[torch.fx.Node | None]) -> torch.fx.Node:
+            """What the backward reads for a region's dropout draw (0 or 1): a bool kept from the forward, made
+            the draw's dtype again once the backward begins (the same values; a quarter of float32's bytes)."""
+            if node in masks:
+                return masks[node]
+            with graph.inserting_after(node):
+                kept = call(aten.ne.Scalar, node, 0)
+            kept.meta["custom"] = dict(_tags(node))
+            if not flag:
+                flag.append(gate(before))
+            with graph.inserting_before(before):
+                if flag[0] is not None:
+                    kept = call(aten.where.self, flag[0], kept, kept)
+                masks[node] = call(torch.ops.prims.convert_element_type.default, kept, node.meta["val"].dtype)
+            return masks[node]
+
+        def copy(node: torch.fx.Node, before: torch.fx.Node, flag: list[torch.fx.Node | None]) -> torch.fx.Node:
+            if node in copies:
+                return copies[node]
+            for dep in node.all_input_nodes:
+                if dep in recompute:
+                    copy(dep, before, flag)
+                elif dep in draws:
+                    mask(dep, before, flag)
+            gated = None
+            if not any(dep in copies or dep in draws for dep in node.all_input_nodes):
+                # A copy that reads no other copy waits for the backward through one input (the smallest), as
+                # where(flag, x, x), bitwise x: inductor can neither run it early nor fuse it into the forward's
+                # kernel (which would keep its result alive until the backward). Copies of copies wait with it.
+                inputs = [d for d in node.all_input_nodes if _gateable(d)]
+                if inputs:
+                    if not flag:
+                        flag.append(gate(before))
+                    gated = min(inputs, key=lambda d: d.meta["val"].numel()) if flag[0] is not None else None
+
+            def arg(n: torch.fx.Node) -> torch.fx.Node:
+                if n in copies:
+                    return copies[n]
+                if n in draws:
+                    return masks[n]
+                if n is gated:
+                    return call(aten.where.self, flag[0], n, n)
+                return n
+
+            with graph.inserting_before(before):
+                dup = graph.node_copy(node, arg)
+            dup.meta["custom"] = {**_tags(node), _PHASE: "backward"}
+            copies[node] = dup
+            return dup
+
+        for node in list(graph.nodes):
+            if _tags(node).get(_PHASE) != "backward" or node in recompute:
+                continue
+            deps = [dep for dep in node.all_input_nodes if dep in recompute or dep in draws]
+            if deps:
+                flag: list[torch.fx.Node | None] = []  # made at most once, when a copy needs it
+                for dep in deps:
+                    node.replace_input_with(dep, copy(dep, node, flag) if dep in recompute else mask(dep, node, flag))
         _drop_unused_gathers(graph)
         _sink_gathers(graph)
 
-    def uuid(self) -> bytes:
-        """The pass's identity for inductor's caches: a hash of this module's source."""
+    def uuid(self) -> bytes | None:
+        """The pass's identity for inductor's caches: a hash of this module's source; ``None`` (the step is not
+        cached) once this process has made a region. The caches' keys hold the graph's code, not its tags: a
+        step compiled without remat, cached, would be served for the same model with remat (no memory saved)."""
+        if _made_regions[0]:
+            return None
         with open(__file__, "rb") as f:
             return hashlib.sha256(f.read()).digest()

@@ -313,6 +313,38 @@ def mean_gradients(
 _BUFFER_REDUCTIONS: dict[str, str] = {}
 
 
+def _attribute(path: str) -> str:
+    return path.rpartition(".")[2]
+
+
+def warn_undeclared_reductions(buffers: Any, reductions: Any, fn: str) -> list[str]:
+    """Host side, once per step: warn (``FutureWarning``) for each floating buffer whose reduction over ranks
+    comes from the deprecated name table (:func:`register_buffer_reduction`, and funcamp.fp8's names for
+    states made without ``buffer_reductions=``) rather than from the state; returns their dotted names.
+
+    The table still decides for them (max or min, not the mean), as before; the warning says what to pass.
+    """
+    import warnings
+
+    declared = dict(reductions or ())
+    paths = _tree.tree_paths(buffers)
+    leaves = _tree.tree_leaves(buffers)
+    names = [
+        p
+        for p, x in zip(paths, leaves)
+        if _tree.is_floating(x) and p not in declared and _attribute(p) in _BUFFER_REDUCTIONS
+    ]
+    if names:
+        warnings.warn(
+            f"{fn}: the state does not say how to reduce the buffers {names[:4]}{' ...' if len(names) > 4 else ''} "
+            "over the ranks, so the deprecated name table decides (max for amax histories, min for scales); pass "
+            "buffer_reductions=apply_fn.buffer_reductions (from funcamp.nn.functionalize) to TrainState.create",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return names
+
+
 def register_buffer_reduction(name: str, reduction: str) -> None:
     """Deprecated: declare the reduction on the module that owns the buffer instead.
 
@@ -413,7 +445,7 @@ def reduce_buffers(buffers: T, group: dist.ProcessGroup, *, reductions: Any = No
     for i, (path, x) in enumerate(zip(paths, leaves)):
         if not _tree.is_floating(x):
             continue
-        reduction = declared.get(path) or _BUFFER_REDUCTIONS.get(path.rpartition(".")[2])
+        reduction = declared.get(path) or _BUFFER_REDUCTIONS.get(_attribute(path))
         if reduction is None:
             mean_idx.append(i)
         else:

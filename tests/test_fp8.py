@@ -866,3 +866,23 @@ def test_fp8_in_the_policy_string_errors() -> None:
     with pytest.raises(ValueError, match="unknown dtype 'int8'") as caught:
         fa.get_policy("c=int8")
     assert "fp8" not in str(caught.value)  # no fp8 hint for int8
+
+
+def test_a_reduction_from_the_deprecated_name_table_warns_and_names_the_buffer() -> None:
+    """A data-parallel step's first call warns for each fp8 buffer whose max/min comes from the name table
+    (a state made without ``buffer_reductions=``), not for a declared one or a BatchNorm statistic."""
+    from funcamp import parallel
+
+    buffers = {
+        "0.fp8_amax_history_input": torch.zeros(4),
+        "0.fp8_scale_input": torch.ones(()),
+        "1.running_mean": torch.zeros(3),
+        "1.num_batches_tracked": torch.zeros((), dtype=torch.long),
+    }
+    with pytest.warns(FutureWarning, match=r"\['0.fp8_amax_history_input', '0.fp8_scale_input'\] .* pass "):
+        assert parallel.warn_undeclared_reductions(buffers, None, "train_step") == [
+            "0.fp8_amax_history_input",
+            "0.fp8_scale_input",
+        ]
+    declared = {"0.fp8_amax_history_input": "max", "0.fp8_scale_input": "min"}
+    assert parallel.warn_undeclared_reductions(buffers, declared, "train_step") == []  # no warning: errors here

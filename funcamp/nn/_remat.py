@@ -348,13 +348,14 @@ def wrap_forward(module: nn.Module) -> None:
     never used.
     """
     forward = module.forward
+    region = _regions.new_region_id()
 
     @functools.wraps(forward)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         if torch.compiler.is_compiling():  # tagged for the compiled step's recompute pass (funcamp._regions)
-            with _regions.remat_region():
+            with _regions.remat_region(region):
                 return forward(*args, **kwargs)
         if _CHECKPOINT_KEYWORDS.isdisjoint(kwargs):
             return torch_checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)

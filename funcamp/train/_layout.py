@@ -143,8 +143,11 @@ class DataParallel(SingleProcess):
         return f"DataParallel(group of {self.size}, reduce_dtype={self.reduce_dtype})"
 
     def check_state(self, state: Any) -> None:
-        """Refuse parameters that differ between ranks (one ``all_gather_object`` of float64 checksums)."""
+        """Refuse parameters that differ between ranks (one ``all_gather_object`` of float64 checksums); warn
+        when a buffer's reduction comes from the deprecated name table, not the state."""
         sharding.check_same_params(state.params, self.group, "train_step")
+        if state.buffers is not None:
+            parallel.warn_undeclared_reductions(state.buffers, state.buffer_reductions, "train_step")
 
     def reduce_gradients(self, grads: Any, loss_scale: torch.Tensor | None) -> Any:
         """The mean over the ranks (float32 in, float32 out); on a narrower wire the gradients travel scaled
@@ -224,8 +227,10 @@ class Sharded(DataParallel):
             sharding.check_consistent(self.shard, self.group, policy=self._policy)
 
     def check_state(self, state: Any) -> None:
-        """Nothing more: ``TrainState.create(shard=)`` checked the whole parameters where it had them."""
-        del state
+        """``TrainState.create(shard=)`` checked the whole parameters where it had them; the buffers'
+        reductions as :class:`DataParallel`."""
+        if self.group is not None and state.buffers is not None:
+            parallel.warn_undeclared_reductions(state.buffers, state.buffer_reductions, "train_step")
 
     def gather(self, params: Any) -> Any:
         """The parameters to differentiate: compiling, the shards themselves (gathered inside the differentiated
