@@ -176,3 +176,28 @@ def test_stages_compose_into_a_step_with_two_loss_scales():
     for batch in batches:
         single, _ = reference_step(single, batch)
     _assert_bitwise(single, eager_states["a"], "one of the two equals make_train_step's")
+
+
+def test_the_stages_check_their_arguments_as_make_train_step_does() -> None:
+    """A stage called by hand gets make_train_step's errors, and swapped opt_state/params are named."""
+    params = {"w": torch.ones(3)}
+    grads = {"w": torch.full((3,), 0.5)}
+    opt = optim.adam(0.1)
+    opt_state = opt.init(params)
+    scale = fa.NoOpLossScale()
+    with pytest.raises(TypeError, match="gradients: loss_fn must be callable, got int"):
+        _stages.gradients(3, scale, params, torch.ones(2))
+    with pytest.raises(TypeError, match="gradients: loss_scale must be a funcamp LossScale"):
+        _stages.gradients(lambda p, x: p["w"].sum(), 2.0, params, torch.ones(2))
+    with pytest.raises(ValueError, match="gradients: accumulation_steps must be an int >= 1, got 0"):
+        _stages.gradients(lambda p, x: p["w"].sum(), scale, params, torch.ones(2), accumulation_steps=0)
+    with pytest.raises(TypeError, match="update: optimizer must be a funcamp.optim.GradientTransformation"):
+        _stages.update(torch.optim.SGD, grads, opt_state, params)
+    with pytest.raises(TypeError, match=r"params must have the structure of grads; the order is update\("):
+        _stages.update(opt, grads, opt_state, opt_state)
+    sgd = optim.sgd(0.1, momentum=0.9)
+    sgd_state = sgd.init(params)
+    with pytest.raises(TypeError, match="opt_state and params look swapped"):
+        _stages.update(sgd, grads, params, sgd_state)
+    new_params, _ = _stages.update(sgd, grads, sgd_state, params)  # the right order works
+    assert torch.equal(new_params["w"], torch.full((3,), 0.95))

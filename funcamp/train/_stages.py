@@ -76,6 +76,50 @@ class Verdict(NamedTuple):
     grad_norm: torch.Tensor
 
 
+_UNSET: Any = object()
+
+
+def check_args(
+    fn: str,
+    loss_fn: Any = _UNSET,
+    optimizer: Any = _UNSET,
+    accumulation_steps: Any = 1,
+    *,
+    loss_scale: Any = _UNSET,
+) -> None:
+    """Build time (host side): the arguments :func:`funcamp.make_train_step` and the stages share.
+
+    Raises:
+      TypeError: if ``loss_fn`` is given and not callable, ``optimizer`` is given and not a
+        ``GradientTransformation``, or ``loss_scale`` is given and not a :class:`funcamp.LossScale`.
+      ValueError: if ``accumulation_steps`` is not an int >= 1.
+    """
+    if loss_fn is not _UNSET and not callable(loss_fn):
+        raise TypeError(f"{fn}: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if optimizer is not _UNSET and not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            f"{fn}: optimizer must be a funcamp.optim.GradientTransformation, got {type(optimizer).__name__}"
+        )
+    if loss_scale is not _UNSET and not isinstance(loss_scale, LossScale):
+        raise TypeError(
+            f"{fn}: loss_scale must be a funcamp LossScale (NoOpLossScale, StaticLossScale, DynamicLossScale), "
+            f"got {type(loss_scale).__name__}"
+        )
+    if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
+        raise ValueError(f"{fn}: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+
+
+def _check_update_args(optimizer: Any, grads: Any, opt_state: Any, params: Any) -> None:
+    check_args("update", optimizer=optimizer)
+    spec = _tree.tree_structure(grads)
+    if _tree.tree_structure(params) != spec:
+        swapped = " (opt_state and params look swapped)" if _tree.tree_structure(opt_state) == spec else ""
+        raise TypeError(
+            f"update: params must have the structure of grads{swapped}; the order is update(optimizer, grads, "
+            "opt_state, params)"
+        )
+
+
 def gradients(
     loss_fn: Callable[..., Any],
     loss_scale: LossScale,
@@ -114,6 +158,7 @@ def gradients(
       ValueError: if a batch leaf cannot be split into ``accumulation_steps`` micro-batches.
       TypeError: if ``loss_fn`` returns the wrong form (see :func:`funcamp.make_train_step`).
     """
+    check_args("gradients", loss_fn, accumulation_steps=accumulation_steps, loss_scale=loss_scale)
     with_buffers = buffers is not None
     scale = None if isinstance(loss_scale, NoOpLossScale) else loss_scale.loss_scale
     fun = _loss.as_differentiable(loss_fn, has_aux=has_aux, with_buffers=with_buffers)
@@ -169,6 +214,7 @@ def update(
     ``layout`` (:func:`funcamp._scope.within`): ``optim.clip_by_global_norm`` takes the layout's global norm
     (over all shards when sharded) and ``optim.stochastic_rounding`` its element offsets.
     """
+    _check_update_args(optimizer, grads, opt_state, params)
     updates, new_opt_state = _scope.within(layout, optimizer.update, grads, opt_state, params)
     return layout.finish_params(apply_updates(params, updates)), new_opt_state
 

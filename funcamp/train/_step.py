@@ -155,14 +155,7 @@ def make_train_step(
       >>> state.params["w"], metrics["grads_finite"]
       (tensor([0.0667, 0.0667, 0.0667]), tensor(True))
     """
-    if not callable(loss_fn):
-        raise TypeError(f"make_train_step: loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not isinstance(optimizer, GradientTransformation):
-        raise TypeError(
-            f"make_train_step: optimizer must be a funcamp.optim.GradientTransformation, got {type(optimizer).__name__}"
-        )
-    if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
-        raise ValueError(f"make_train_step: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+    _stages.check_args("make_train_step", loss_fn, optimizer, accumulation_steps)
     telemetry = numerics.as_telemetry(telemetry)
     built = _layout.layout_from(data_parallel, shard, policy)
     run_as = _Assembly(built, _probes_for(built, max_consecutive_skips, has_aux, telemetry))
