@@ -35,6 +35,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from funcamp import _scope
+
+R = TypeVar("R")
+
 __all__ = ["Spec", "Uses", "current", "gather", "reduce_point", "within"]
 
 
@@ -180,19 +184,14 @@ class Uses:
         return stored
 
 
-R = TypeVar("R")
-_ACTIVE: list[Uses] = []
+_USES = _scope.Scope()
 
 
 def within(uses: Uses, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
-    """``fn(*args, **kwargs)`` with ``uses`` as :func:`current` (a dynamic scope, as :mod:`funcamp._scope`)."""
-    _ACTIVE.append(uses)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _ACTIVE.pop()
+    """``fn(*args, **kwargs)`` with ``uses`` as :func:`current` (a :class:`funcamp._scope.Scope` of its own)."""
+    return _USES.within(uses, fn, *args, **kwargs)
 
 
 def current() -> Uses | None:
     """The :class:`Uses` of the innermost :func:`within`, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    return _USES.current()

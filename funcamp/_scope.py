@@ -17,21 +17,43 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["current", "within"]
+__all__ = ["Scope", "current", "within"]
 
 R = TypeVar("R")
-_STACK: list[Any] = []
+
+
+class Scope:
+    """One dynamic scope: :meth:`within` sets the value :meth:`current` returns while ``fn`` runs.
+
+    A plain stack entered and left with ``try``/``finally``, so that ``torch.compile`` traces through it (the
+    value is a Python object read at trace time). funcamp keeps one for the layout (:func:`within`,
+    :func:`current`) and one for the sharded step's parameter uses (:mod:`funcamp._at_use`).
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[Any] = []
+
+    def within(self, value: Any, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+        """``fn(*args, **kwargs)`` with ``value`` as :meth:`current` (restored after, also on error)."""
+        self._stack.append(value)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._stack.pop()
+
+    def current(self) -> Any:
+        """The value of the innermost :meth:`within`, or None outside every one."""
+        return self._stack[-1] if self._stack else None
+
+
+_LAYOUT = Scope()
 
 
 def within(layout: Any, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
     """``fn(*args, **kwargs)`` with ``layout`` as :func:`current` (restored after, also on error)."""
-    _STACK.append(layout)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _STACK.pop()
+    return _LAYOUT.within(layout, fn, *args, **kwargs)
 
 
 def current() -> Any:
     """The layout of the innermost :func:`within`, or None outside every step."""
-    return _STACK[-1] if _STACK else None
+    return _LAYOUT.current()

@@ -42,6 +42,8 @@ def cast_io(tree: Any, dtype: torch.dtype) -> Any:
 
 
 def device_type(*trees: Any) -> str:
+    """The device type (``"cpu"``, ``"cuda"``...) of the first tensor in ``trees``, ``"cpu"`` without one: what
+    ``torch.autocast`` is entered with."""
     for tree in trees:
         for leaf in torch_pytree.tree_leaves(tree):
             if isinstance(leaf, torch.Tensor):
