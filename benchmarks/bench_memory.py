@@ -28,7 +28,6 @@ Results: ``--out FILE.json`` and a markdown table on stdout.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
@@ -46,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-from bench_train_step import _trim, live_tensor_bytes, profiled_step  # noqa: E402
+from bench_train_step import _trim, checkpoint_blocks, live_tensor_bytes, profiled_step  # noqa: E402
 from gpt import GPT, SIZES, Block, GPTConfig  # noqa: E402
 
 import funcamp as fa  # noqa: E402
@@ -125,16 +124,7 @@ def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, b
         raise ValueError(f"bench_memory: {variant} checkpoints transformer blocks: use it with --models gpt,gpt2")
     if variant.startswith("torch"):
         if remat:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                CheckpointImpl,
-                apply_activation_checkpointing,
-                checkpoint_wrapper,
-            )
-
-            wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-            apply_activation_checkpointing(
-                model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, Block)
-            )
+            checkpoint_blocks(model, Block)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True)
         compiled = variant.startswith("torch_compiled")
         update = torch.compile(opt.step, backend=backend) if compiled else opt.step

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_train_step import load_corpus, machine, profiled_step  # noqa: E402  (also puts examples/ on the path)
+from bench_train_step import checkpoint_blocks, load_corpus, machine, profiled_step  # noqa: E402  (also puts examples/ on the path)
 from gpt import GPT, Block, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
@@ -147,16 +147,7 @@ class TorchStep:
 
     def __init__(self, model: torch.nn.Module, block: type, logits: Callable, ckpt: bool) -> None:
         if ckpt:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                CheckpointImpl,
-                apply_activation_checkpointing,
-                checkpoint_wrapper,
-            )
-
-            wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-            apply_activation_checkpointing(
-                model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, block)
-            )
+            checkpoint_blocks(model, block)
         self.model, self.logits = model, logits
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
 

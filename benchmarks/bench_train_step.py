@@ -41,6 +41,7 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -114,6 +115,19 @@ HEADERS = (
     "host syncs/step",
     "final loss",
 )
+
+
+def checkpoint_blocks(model: torch.nn.Module, block: type) -> None:
+    """Wrap every ``block`` of ``model`` with torch's non-reentrant activation checkpointing (in place), as FSDP's
+    ``apply_activation_checkpointing`` does: the torch side of the remat benchmarks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, block))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
