@@ -104,6 +104,17 @@ def _gathered(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and bool(tags.get(_GATHER)) and tags.get(_PHASE) == "forward"
 
 
+def _gathers(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The forward gather nodes: every one is recomputed for its backward uses."""
+    return {n for n in graph.nodes if _gathered(n)}
+
+
+def _regather(graph: torch.fx.Graph) -> None:
+    """After the recompute: the forward gathers nothing uses are dropped, the others moved to their first user."""
+    _drop_unused_gathers(graph)
+    _sink_gathers(graph)
+
+
 def _drop_unused_gathers(graph: torch.fx.Graph) -> None:
     """Erase the forward gather nodes nothing uses (an up-front gather that every use gathered again)."""
     for node in reversed(list(graph.nodes)):
@@ -146,6 +157,11 @@ def _sink_gathers(graph: torch.fx.Graph) -> None:
 
 #: Random ops whose results are 0 or 1 (dropout's masks after decomposition): kept as bools for the backward.
 _ZERO_ONE_DRAWS = (torch.ops.aten.bernoulli.p, torch.ops.aten.bernoulli.default)
+
+
+def _draws(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """A region's dropout draws: never recomputed (the backward would draw another mask), kept as bools."""
+    return {n for n in graph.nodes if n.target in _ZERO_ONE_DRAWS and _tags(n).get(_REMAT)}
 
 
 def _recomputed(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -207,6 +223,120 @@ def _gateable(node: torch.fx.Node) -> bool:
     return hasattr(val, "fake_mode") and val.numel() > 0 and not val.is_complex()
 
 
+def _call(graph: torch.fx.Graph, op: Any, *args: Any) -> torch.fx.Node:
+    """A new backward node of ``op`` at the graph's insertion point, with the fake value later passes read."""
+    node = graph.call_function(op, args)
+    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    with vals[0].fake_mode:
+        node.meta["val"] = op(*vals)
+    node.meta["custom"] = {_PHASE: "backward"}
+    return node
+
+
+class _Gate:
+    """What the copies made for one backward node wait for: a 0-d bool made from a value of the gradient, made at
+    most once, when a copy first needs it (:meth:`flag`); ``None`` where the graph has no gradient value before."""
+
+    def __init__(self, graph: torch.fx.Graph, after: dict[torch.fx.Node, torch.fx.Node], before: torch.fx.Node):
+        self.graph, self.after, self.before = graph, after, before
+        self.made: list[torch.fx.Node | None] = []
+
+    def flag(self) -> torch.fx.Node | None:
+        if not self.made:
+            self.made.append(self._make())
+        return self.made[0]
+
+    def _make(self) -> torch.fx.Node | None:
+        """One of ``before``'s gradient inputs, or else (an input-only part of a backward formula, such as
+        LayerNorm's ``x - mean``) the gradient value last computed before it in the graph's order: its first
+        element compared with itself."""
+        before, after = self.before, self.after
+        source = next((inp for inp in before.all_input_nodes if after.get(inp) is inp), None) or after.get(before)
+        if source is None:
+            return None
+        with self.graph.inserting_before(before):
+            first = source
+            for _ in range(source.meta["val"].ndim):  # its first element, a 0-d view
+                first = _call(self.graph, torch.ops.aten.select.int, first, 0, 0)
+            return _call(self.graph, torch.ops.aten.eq.Tensor, first, first)
+
+
+class _Recompute:
+    """Gives every backward use of a node in ``recompute`` a copy of it (and of the nodes of ``recompute`` it
+    reads) placed just before that use, each copy made once; a ``draws`` node (a dropout draw) is read as the
+    bool kept from the forward. The copies wait for the gradient through :class:`_Gate`."""
+
+    def __init__(self, graph: torch.fx.Graph, recompute: set[torch.fx.Node], draws: set[torch.fx.Node]) -> None:
+        self.graph, self.recompute, self.draws = graph, recompute, draws
+        self.copies: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.masks: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.after = _after_gradient(graph)
+
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            if _tags(node).get(_PHASE) != "backward" or node in self.recompute:
+                continue
+            deps = [dep for dep in node.all_input_nodes if dep in self.recompute or dep in self.draws]
+            if deps:
+                gate = _Gate(self.graph, self.after, node)
+                for dep in deps:
+                    new = self.copy(dep, gate) if dep in self.recompute else self.mask(dep, gate)
+                    node.replace_input_with(dep, new)
+
+    def mask(self, node: torch.fx.Node, gate: _Gate) -> torch.fx.Node:
+        """What the backward reads for a region's dropout draw (0 or 1): a bool kept from the forward, made the
+        draw's dtype again once the backward begins (the same values; a quarter of float32's bytes)."""
+        if node in self.masks:
+            return self.masks[node]
+        graph = self.graph
+        with graph.inserting_after(node):
+            kept = _call(graph, torch.ops.aten.ne.Scalar, node, 0)
+        kept.meta["custom"] = dict(_tags(node))
+        flag = gate.flag()
+        with graph.inserting_before(gate.before):
+            if flag is not None:
+                kept = _call(graph, torch.ops.aten.where.self, flag, kept, kept)
+            self.masks[node] = _call(graph, torch.ops.prims.convert_element_type.default, kept, node.meta["val"].dtype)
+        return self.masks[node]
+
+    def copy(self, node: torch.fx.Node, gate: _Gate) -> torch.fx.Node:
+        """``node``'s copy for the backward, made before ``gate.before`` after the copies (and masks) it reads."""
+        if node in self.copies:
+            return self.copies[node]
+        for dep in node.all_input_nodes:
+            if dep in self.recompute:
+                self.copy(dep, gate)
+            elif dep in self.draws:
+                self.mask(dep, gate)
+        gated = self._gated_input(node, gate)
+
+        def arg(n: torch.fx.Node) -> torch.fx.Node:
+            if n in self.copies:
+                return self.copies[n]
+            if n in self.draws:
+                return self.masks[n]
+            if n is gated:
+                return _call(self.graph, torch.ops.aten.where.self, gate.flag(), n, n)
+            return n
+
+        with self.graph.inserting_before(gate.before):
+            dup = self.graph.node_copy(node, arg)
+        dup.meta["custom"] = {**_tags(node), _PHASE: "backward"}
+        self.copies[node] = dup
+        return dup
+
+    def _gated_input(self, node: torch.fx.Node, gate: _Gate) -> torch.fx.Node | None:
+        """The input a copy reads as ``where(flag, x, x)`` (bitwise ``x``), so that inductor can neither run it
+        early nor fuse it into the forward's kernel (which would keep its result alive until the backward): the
+        smallest, for a copy that reads no other copy or mask (copies of copies wait with it); else ``None``."""
+        if any(dep in self.copies or dep in self.draws for dep in node.all_input_nodes):
+            return None
+        inputs = [d for d in node.all_input_nodes if _gateable(d)]
+        if not inputs or gate.flag() is None:
+            return None
+        return min(inputs, key=lambda d: d.meta["val"].numel())
+
+
 try:
     from torch._inductor.custom_graph_pass import CustomGraphPass as _Base
 except ImportError:  # older torch: a plain callable
@@ -214,100 +344,16 @@ except ImportError:  # older torch: a plain callable
 
 
 class RematPass(_Base):  # type: ignore[misc, valid-type]
-    """The inductor graph pass that recomputes :func:`remat_region` nodes for their backward uses (see module)."""
+    """The inductor graph pass that recomputes :func:`remat_region` nodes for their backward uses (see module).
+
+    Two concerns, one pass: the checkpointed regions (:func:`_recomputed`, :func:`_draws`) and the sharded
+    step's gathers (:func:`_gathers`, always recomputed, then :func:`_regather`). The gathers join the regions'
+    recompute (one :class:`_Recompute`) because a region's copy that reads a gathered weight must read the
+    gather's copy, placed and gated with it."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        aten = torch.ops.aten
-        recompute = _recomputed(graph) | {n for n in graph.nodes if _gathered(n)}
-        copies: dict[torch.fx.Node, torch.fx.Node] = {}
-        draws = {n for n in graph.nodes if n.target in _ZERO_ONE_DRAWS and _tags(n).get(_REMAT)}
-        masks: dict[torch.fx.Node, torch.fx.Node] = {}
-
-        def call(op: Any, *args: Any) -> torch.fx.Node:
-            """A new node of ``op``, with the fake value later passes read (``meta["val"]``)."""
-            node = graph.call_function(op, args)
-            vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-            with vals[0].fake_mode:
-                node.meta["val"] = op(*vals)
-            node.meta["custom"] = {_PHASE: "backward"}
-            return node
-
-        after = _after_gradient(graph)
-
-        def gate(before: torch.fx.Node) -> torch.fx.Node | None:
-            """A 0-d bool made from a value of the gradient computed by ``before`` (what the copies wait for):
-            one of its inputs, or else (an input-only part of a backward formula, such as LayerNorm's
-            ``x - mean``) the gradient value last computed before it in the graph's order."""
-            source = next((inp for inp in before.all_input_nodes if after.get(inp) is inp), None) or after.get(before)
-            if source is None:
-                return None
-            val = source.meta["val"]
-            with graph.inserting_before(before):
-                first = source
-                for _ in range(val.ndim):  # its first element, a 0-d view
-                    first = call(aten.select.int, first, 0, 0)
-                return call(aten.eq.Tensor, first, first)
-
-        def mask(node: torch.fx.Node, before: torch.fx.Node, flag: list[torch.fx.Node | None]) -> torch.fx.Node:
-            """What the backward reads for a region's dropout draw (0 or 1): a bool kept from the forward, made
-            the draw's dtype again once the backward begins (the same values; a quarter of float32's bytes)."""
-            if node in masks:
-                return masks[node]
-            with graph.inserting_after(node):
-                kept = call(aten.ne.Scalar, node, 0)
-            kept.meta["custom"] = dict(_tags(node))
-            if not flag:
-                flag.append(gate(before))
-            with graph.inserting_before(before):
-                if flag[0] is not None:
-                    kept = call(aten.where.self, flag[0], kept, kept)
-                masks[node] = call(torch.ops.prims.convert_element_type.default, kept, node.meta["val"].dtype)
-            return masks[node]
-
-        def copy(node: torch.fx.Node, before: torch.fx.Node, flag: list[torch.fx.Node | None]) -> torch.fx.Node:
-            if node in copies:
-                return copies[node]
-            for dep in node.all_input_nodes:
-                if dep in recompute:
-                    copy(dep, before, flag)
-                elif dep in draws:
-                    mask(dep, before, flag)
-            gated = None
-            if not any(dep in copies or dep in draws for dep in node.all_input_nodes):
-                # A copy that reads no other copy waits for the backward through one input (the smallest), as
-                # where(flag, x, x), bitwise x: inductor can neither run it early nor fuse it into the forward's
-                # kernel (which would keep its result alive until the backward). Copies of copies wait with it.
-                inputs = [d for d in node.all_input_nodes if _gateable(d)]
-                if inputs:
-                    if not flag:
-                        flag.append(gate(before))
-                    gated = min(inputs, key=lambda d: d.meta["val"].numel()) if flag[0] is not None else None
-
-            def arg(n: torch.fx.Node) -> torch.fx.Node:
-                if n in copies:
-                    return copies[n]
-                if n in draws:
-                    return masks[n]
-                if n is gated:
-                    return call(aten.where.self, flag[0], n, n)
-                return n
-
-            with graph.inserting_before(before):
-                dup = graph.node_copy(node, arg)
-            dup.meta["custom"] = {**_tags(node), _PHASE: "backward"}
-            copies[node] = dup
-            return dup
-
-        for node in list(graph.nodes):
-            if _tags(node).get(_PHASE) != "backward" or node in recompute:
-                continue
-            deps = [dep for dep in node.all_input_nodes if dep in recompute or dep in draws]
-            if deps:
-                flag: list[torch.fx.Node | None] = []  # made at most once, when a copy needs it
-                for dep in deps:
-                    node.replace_input_with(dep, copy(dep, node, flag) if dep in recompute else mask(dep, node, flag))
-        _drop_unused_gathers(graph)
-        _sink_gathers(graph)
+        _Recompute(graph, _recomputed(graph) | _gathers(graph), _draws(graph)).run()
+        _regather(graph)
 
     def uuid(self) -> bytes | None:
         """The pass's identity for inductor's caches: a hash of this module's source; ``None`` (the step is not
