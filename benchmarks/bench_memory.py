@@ -19,6 +19,10 @@ Variants (bfloat16 compute by default, ``--dtype``):
   / ``torch_compiled_ckpt`` (``torch.compile(model)``), ``funcamp_eager_remat``, ``funcamp_compiled_remat``,
   ``funcamp_compiled_donate_remat`` (``functionalize(remat=Block)``); the table compares each with its base.
   ``--time-steps N`` times N steps after the memory (best kept; separate processes, so noisy on a shared machine).
+- with the chunked LM head and loss (GPT models; ``--variants``): ``torch_eager_lce``, ``torch_eager_ckpt_lce``,
+  ``funcamp_compiled_donate_lce``, ``funcamp_compiled_donate_remat_lce``: the model's forward returns
+  ``funcamp.nn.linear_cross_entropy`` of the hidden states and the tied head's weight (``--chunk-size`` rows at a
+  time), so the 2048 x 50304 logits of GPT-2 are never made whole; compared with the same step without ``_lce``.
 
 Models: ``mlp`` (8 x ``Linear(2048, 2048)``, 33.6M parameters, batch 8: the state dominates), ``gpt``
 (``examples/gpt.py`` ``small``, batch 32 x 128: activations matter), ``gpt2`` (GPT-2 124M shape, batch 8 x 256).
@@ -45,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-from bench_train_step import _trim, checkpoint_blocks, live_tensor_bytes, profiled_step  # noqa: E402
+from bench_train_step import ChunkedHeadLoss, _trim, checkpoint_blocks, live_tensor_bytes, profiled_step  # noqa: E402
 from gpt import GPT, SIZES, Block, GPTConfig  # noqa: E402
 
 import funcamp as fa  # noqa: E402
@@ -71,8 +75,17 @@ REMAT_VARIANTS = (
     "funcamp_compiled_remat",
     "funcamp_compiled_donate_remat",
 )
-#: What a checkpointed variant is compared with: the same step without checkpointing.
-BASE = {v: v.replace("_remat", "").replace("_ckpt", "") for v in REMAT_VARIANTS}
+#: The chunked LM head and loss (GPT models only): the model's forward is ``funcamp.nn.linear_cross_entropy`` of its
+#: hidden states and the tied head's weight (:class:`ChunkedHeadLoss`), never the whole logits; the same plain-torch
+#: function in torch's variants.
+LCE_VARIANTS = (
+    "torch_eager_lce",
+    "torch_eager_ckpt_lce",
+    "funcamp_compiled_donate_lce",
+    "funcamp_compiled_donate_remat_lce",
+)
+#: What a checkpointed (or chunked-loss) variant is compared with: the same step without either.
+BASE = {v: v.replace("_remat", "").replace("_ckpt", "").replace("_lce", "") for v in REMAT_VARIANTS + LCE_VARIANTS}
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 
 
@@ -117,11 +130,15 @@ def make(model_name: str, device: torch.device, seed: int = 0, layers: int = 12)
     return model, batches, lambda out, b: F.cross_entropy(out.flatten(0, 1).float(), b["y"].flatten())
 
 
-def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, backend: str):
+def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, backend: str, chunk_size: int = 256):
     device = next(model.parameters()).device
-    remat = variant.endswith(("_remat", "_ckpt"))
-    if remat and not isinstance(model, GPT):
-        raise ValueError(f"bench_memory: {variant} checkpoints transformer blocks: use it with --models gpt,gpt2")
+    remat = "_remat" in variant or "_ckpt" in variant
+    if (remat or variant.endswith("_lce")) and not isinstance(model, GPT):
+        raise ValueError(f"bench_memory: {variant} needs transformer blocks and a head: use it with --models gpt,gpt2")
+    inputs = lambda b: (b["x"],)  # noqa: E731
+    if variant.endswith("_lce"):
+        model, loss = ChunkedHeadLoss(model, chunk_size), lambda out, b: out
+        inputs = lambda b: (b["x"], b["y"])  # noqa: E731
     if variant.startswith("torch"):
         if remat:
             checkpoint_blocks(model, Block)
@@ -133,7 +150,7 @@ def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, b
 
         def torch_step(batch: dict[str, torch.Tensor]) -> None:
             with torch.autocast(device.type, dtype=dtype):
-                value = loss(model(batch["x"]), batch)
+                value = loss(model(*inputs(batch)), batch)
             value.backward()
             update()
             opt.zero_grad(set_to_none=True)
@@ -145,7 +162,7 @@ def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, b
     opt = optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
     box = [fa.TrainState.create(params, opt)]
     step = fa.make_train_step(
-        lambda p, b: loss(apply_fn(p, b["x"]), b),
+        lambda p, b: loss(apply_fn(p, *inputs(b)), b),
         opt,
         compile="compiled" in variant,
         backend=backend,
@@ -167,7 +184,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     before = live_tensor_bytes(device)
     model, batches, loss = make(args.model, device, layers=args.gpt2_layers)
     data = iter(batches(2 + 2 * args.steps + args.time_steps))
-    step = build(args.variant, model, loss, dtype, args.backend)
+    step = build(args.variant, model, loss, dtype, args.backend, args.chunk_size)
     del model
     for _ in range(2):
         step(next(data))
@@ -254,7 +271,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="mlp,gpt", help="comma-separated: mlp, gpt, gpt2 (default mlp,gpt)")
     p.add_argument(
-        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS + REMAT_VARIANTS)}"
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, of {', '.join(VARIANTS + REMAT_VARIANTS + LCE_VARIANTS)}",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cpu")
@@ -263,6 +282,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--time-steps", type=int, default=0, help="timed steps per variant after the memory (best kept)")
     p.add_argument("--gpt2-layers", type=int, default=12, help="blocks of the gpt2 model (12: GPT-2 124M)")
+    p.add_argument("--chunk-size", type=int, default=256, help="rows per chunk of the _lce variants' loss")
     p.add_argument("--out", default=None, help="write the rows and the machine as JSON here")
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
@@ -301,6 +321,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 str(args.time_steps),
                 "--gpt2-layers",
                 str(args.gpt2_layers),
+                "--chunk-size",
+                str(args.chunk_size),
             ]
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
             subprocess.run(cmd, check=True, env=env)

@@ -67,7 +67,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_train_step import checkpoint_blocks, load_corpus, machine, profiled_step  # noqa: E402  (also puts examples/ on the path)
+from bench_train_step import (  # noqa: E402  (also puts examples/ on the path)
+    ChunkedHeadLoss,
+    checkpoint_blocks,
+    load_corpus,
+    machine,
+    profiled_step,
+)
 from gpt import GPT, Block, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
@@ -75,8 +81,9 @@ from funcamp import optim  # noqa: E402
 from funcamp.nn import functionalize  # noqa: E402
 
 VARIANTS = ("torch", "torch_ckpt", "funcamp", "funcamp_remat")
-#: The inductor-compiled step (funcamp._regions.RematPass recomputes the regions): ``--variants`` adds them.
-COMPILED = ("funcamp_compiled", "funcamp_compiled_remat")
+#: The inductor-compiled step (funcamp._regions.RematPass recomputes the regions): ``--variants`` adds them;
+#: ``_lce``: with the chunked LM head and loss (``bench_train_step.ChunkedHeadLoss``, ``--model gpt`` only).
+COMPILED = ("funcamp_compiled", "funcamp_compiled_remat", "funcamp_compiled_remat_lce")
 LR = 1e-3
 POLICY = "params=float32,compute=float32,output=float32"
 
@@ -86,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("gpt", "gpt2", "both"), default="both")
     p.add_argument("--gpt-size", default="small", help="examples/gpt.py size (default small)")
     p.add_argument("--gpt-batch", type=int, default=32)
+    p.add_argument("--gpt-block", type=int, default=None, help="tokens per sequence (default: the size's block_size)")
+    p.add_argument("--chunk-size", type=int, default=256, help="rows per chunk of the _lce variants' loss")
     p.add_argument("--batch-size", type=int, default=2, help="GPT-2 124M sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="GPT-2 124M tokens per sequence")
     p.add_argument("--steps", type=int, default=2, help="steps per variant per round")
@@ -102,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def gpt_job(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, type, Any, Callable]:
-    cfg = config_for(args.gpt_size)
+    cfg = config_for(args.gpt_size, block_size=args.gpt_block)
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
     data = load_corpus()
@@ -173,8 +182,11 @@ class FuncampStep:
         apply_fn, params = functionalize(model, POLICY, remat=block if remat else None)
         self.compiled = compiled
         self.remat = apply_fn.remat
+        chunked = isinstance(model, ChunkedHeadLoss)
 
         def loss_fn(params: dict[str, torch.Tensor], windows: torch.Tensor) -> torch.Tensor:
+            if chunked:  # the model's forward is the loss
+                return apply_fn(params, windows[:, :-1], windows[:, 1:])
             return loss_of(logits(functools.partial(apply_fn, params), windows[:, :-1]), windows)
 
         self.grad_fn = fa.grad_and_value(loss_fn, fa.NoOpLossScale())  # what the eager step differentiates with
@@ -191,11 +203,17 @@ class FuncampStep:
         self.grad_fn(self.state.params, windows)
 
 
-def build(name: str, base: torch.nn.Module, block: type, logits: Callable) -> TorchStep | FuncampStep:
+def build(
+    name: str, base: torch.nn.Module, block: type, logits: Callable, chunk_size: int = 256
+) -> TorchStep | FuncampStep:
     model = copy.deepcopy(base)
+    if name.endswith("_lce"):
+        if not isinstance(model, GPT):
+            raise ValueError(f"bench_remat: {name} needs examples/gpt.py's GPT: use it with --model gpt")
+        model = ChunkedHeadLoss(model, chunk_size)
     if name.startswith("torch"):
         return TorchStep(model, block, logits, ckpt=name == "torch_ckpt")
-    return FuncampStep(model, block, logits, remat=name.endswith("_remat"), compiled="compiled" in name)
+    return FuncampStep(model, block, logits, remat="_remat" in name, compiled="compiled" in name)
 
 
 def sync(device: torch.device) -> None:
@@ -221,7 +239,7 @@ def run_job(job: str, args: argparse.Namespace, device: torch.device) -> dict[st
     print(f"\n{label}: every {block.__name__} checkpointed in torch_ckpt and funcamp_remat", flush=True)
     steps, first_loss = {}, {}
     for name in args.variants:
-        steps[name] = build(name, base, block, logits)
+        steps[name] = build(name, base, block, logits, args.chunk_size)
         torch.manual_seed(args.seed + 1)  # the same dropout masks in every variant's first step
         first_loss[name] = steps[name](windows).item()
         print(f"  {name}: first step loss {first_loss[name]:.6f}", flush=True)
@@ -248,7 +266,7 @@ def run_job(job: str, args: argparse.Namespace, device: torch.device) -> dict[st
     rows = {}
     for name in args.variants:
         ms = statistics.median(samples[name])
-        plain = "torch" if name.startswith("torch") else name.replace("_remat", "")
+        plain = "torch" if name.startswith("torch") else name.replace("_remat", "").replace("_lce", "")
         rows[name] = {
             "ms_per_step": ms,
             "spread_ms": [min(samples[name]), max(samples[name])],
@@ -264,7 +282,7 @@ def run_job(job: str, args: argparse.Namespace, device: torch.device) -> dict[st
             else None,
             "first_loss": first_loss[name],
         }
-    same = len(set(first_loss.values())) == 1
+    same = len({v for n, v in first_loss.items() if not n.endswith("_lce")}) == 1  # _lce: its own sum order
     return {"model": label, "block": block.__name__, "rows": rows, "first_losses_equal": same}
 
 

@@ -130,6 +130,19 @@ def checkpoint_blocks(model: torch.nn.Module, block: type) -> None:
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, block))
 
 
+class ChunkedHeadLoss(torch.nn.Module):
+    """``forward(x, y)``: the mean cross-entropy of ``gpt``'s logits for targets ``y``, by
+    ``funcamp.nn.linear_cross_entropy(gpt.hidden_states(x), gpt.lm_head.weight, y)`` (the whole logits never made)."""
+
+    def __init__(self, gpt: torch.nn.Module, chunk_size: int) -> None:
+        super().__init__()
+        self.gpt, self.chunk_size = gpt, chunk_size
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        hidden = self.gpt.hidden_states(x)
+        return fa.nn.linear_cross_entropy(hidden, self.gpt.lm_head.weight, y, chunk_size=self.chunk_size)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="small", choices=sorted(SIZES), help="GPT size of examples/gpt.py")

@@ -149,6 +149,14 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(idx))
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """``(batch, time, n_embd)``: what the output layer (``lm_head``, weight ``wte.weight``) is applied to.
+
+        For a loss that takes the hidden states and the head's weight, such as
+        ``funcamp.nn.linear_cross_entropy(model.hidden_states(idx), model.lm_head.weight, targets)``.
+        """
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"GPT: sequence length {t} exceeds block_size={self.config.block_size}")
@@ -156,7 +164,7 @@ class GPT(nn.Module):
         x = F.dropout(self.wte(idx) + self.wpe(pos), self.drop, self.training)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.ln_f(x)
 
     def num_params(self) -> int:
         """Number of parameters, the tied embedding counted once."""

@@ -38,6 +38,7 @@ uses it, through the step layout's ``param_at_use``), ``_remat`` (activation che
 
 from funcamp.nn._functionalize import Functional, FunctionalWithBuffers, functionalize
 from funcamp.nn._load import load_into, state_dict
+from funcamp.nn._loss import linear_cross_entropy
 from funcamp.nn._plan import EMBEDDING_TYPES, NORM_TYPES, float32_lookup, keep_in_float32, param_policies
 from funcamp.nn._remat import RematInactiveWarning
 
@@ -50,6 +51,7 @@ __all__ = [
     "float32_lookup",
     "functionalize",
     "keep_in_float32",
+    "linear_cross_entropy",
     "load_into",
     "param_policies",
     "state_dict",
