@@ -28,12 +28,15 @@ trained tensors into the module (``load_state_dict(strict=True)``: tied weights 
 weights dequantized, fp8 layers mapped back, each value in the module's dtype); :func:`state_dict` builds
 that state dict without loading it (for ``save_pretrained(dir, state_dict=...)`` or ``torch.save``).
 
+:func:`linear_cross_entropy` ``(hidden, weight, targets)`` is a language model's head and loss in chunks of rows,
+never the whole logits (plain torch: in a module's forward, eager, under ``torch.func`` and compiled).
+
 Layout: ``_functionalize`` (the assembly, one call of ``apply_fn``, the return convention, ``fp8=``),
 ``_plan`` (which policy each module and tensor follows), ``_store`` (the trainable/frozen/int8 split and
 the dtypes tensors are stored and used in), ``_wrappers`` (the module copy and its per-module wrappers:
 casts, and the per-op mode), ``_use`` (each parameter made into its forward tensor where its module
 uses it, through the step layout's ``param_at_use``), ``_remat`` (activation checkpointing inside
-``apply_fn``, and ``remat=``), ``_load`` (the way back into the module).
+``apply_fn``, and ``remat=``), ``_load`` (the way back into the module), ``_loss`` (the chunked head and loss).
 """
 
 from funcamp.nn._functionalize import Functional, FunctionalWithBuffers, functionalize
