@@ -180,7 +180,7 @@ def make_train_step(
             run_as.layout = layout
 
     first_call = _first_call_check(run_as, for_state, loss_fn, optimizer)
-    body = _donate.donating(step) if donate else step  # donating: (state, batch) -> metrics, state written
+    body = _donating(step, compile, telemetry) if donate else step  # (state, batch) -> metrics, state written
     if compile:
         backend = backend or "inductor"
         options = _inductor_options() if backend == "inductor" else None  # None where torch lacks the option
@@ -189,6 +189,14 @@ def make_train_step(
     else:
         run = _with_checked_args(body, first_call)
     return _donate.returning_state(run) if donate else run
+
+
+def _donating(step: Callable[..., Any], compiled: bool, telemetry: Any) -> Callable[..., Any]:
+    """The donating form of ``step`` (:mod:`funcamp.train._donate`): compiled, input mutations in the graph;
+    eager, the optimizer in place, unless telemetry reads the gradients and old parameters after the update."""
+    if compiled:
+        return _donate.donating(step)
+    return _donate.copying(step) if telemetry is not None else _donate.in_place(step)
 
 
 class _Assembly:
