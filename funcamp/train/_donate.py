@@ -165,7 +165,7 @@ def _write_into(state: Any, new_state: Any, metrics: dict[str, Any]) -> dict[str
     """
     old = _tree.tree_leaves(state)
     places = {_storage(x) for x in old if isinstance(x, torch.Tensor)}
-    metrics = {k: _copy_if_in(v, places) for k, v in metrics.items()}
+    metrics = _tree.tree_map(lambda x: _copy_if_in(x, places), metrics)  # aux is a tree
     pairs = [
         (dst, _copy_if_in(src, places) if src is not dst else src)
         for dst, src in zip(old, _tree.tree_leaves(new_state))
