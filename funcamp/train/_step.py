@@ -112,9 +112,11 @@ def make_train_step(
     With ``donate=True`` (JAX's ``donate_argnums``) the step writes the next state into the tensors of the
     state it is given, and returns a state on those same tensors: compiled, the writes are input mutations
     inside the one graph (the fused optimizer kernels write into the parameters and moments), so the old
-    and new state never exist at once; eagerly the numbers and the in-place semantics are the same but the
-    new tensors are made first. Every state leaf and metric is bitwise the undonated step's; a skipped step
-    leaves every value as it was. The given state is consumed: using it again (a step,
+    and new state never exist at once; eagerly, funcamp's transforms and ``apply_updates`` write each new
+    moment and parameter into the given tensor as soon as it is computed and carry the updates in the
+    gradients' buffers (:mod:`funcamp.optim._inplace`; a user's own transform runs pure, and with
+    ``telemetry`` the new state is made first and copied). Every state leaf and metric is bitwise the
+    undonated step's; a skipped step leaves every value as it was. The given state is consumed: using it again (a step,
     ``TrainState.replace``, ``funcamp.checkpoint.save``) raises :class:`funcamp.train.DonatedStateError`, and
     the tensors you kept from it hold the new values. Each call refuses state leaves that share storage or
     are a module's ``nn.Parameter``. ``TrainState.create`` keeps the tensors you give it, so a donating step
