@@ -106,18 +106,20 @@ class Donation:
 def donating(donated: Iterable[Any], fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` as an eager donating step: ``donated`` (the given state's parameters and optimizer
     state) may be written by the optimizer stage, which binds them with :func:`bound`."""
-    return _ARMED.within(list(donated), fn, *args, **kwargs)
+    return _ARMED.within([list(donated)], fn, *args, **kwargs)  # a box: the first bound() takes it
 
 
 def bound(finite: torch.Tensor | None, grads: Any) -> Donation | None:
     """The :class:`Donation` of the optimizer stage of a donating eager step (None elsewhere, or without a verdict).
 
     ``grads``: the step's own gradients, which no one reads after the update (their buffers are reused).
+    Once per step: the step's one update takes the donation (an update that the loss itself might run, before
+    the step's, would take it instead and leave the step's pure).
     """
-    donated = _ARMED.current()
-    if donated is None or finite is None:
+    box = _ARMED.current()
+    if not box or finite is None:
         return None
-    return Donation(donated, finite, _tree.tree_leaves(grads))
+    return Donation(box.pop(), finite, _tree.tree_leaves(grads))
 
 
 def current() -> Donation | None:
