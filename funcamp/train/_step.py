@@ -116,12 +116,12 @@ def make_train_step(
     moment and parameter into the given tensor as soon as it is computed and carry the updates in the
     gradients' buffers (:mod:`funcamp.optim._inplace`; a user's own transform runs pure, and with
     ``telemetry`` the new state is made first and copied). Every state leaf and metric is bitwise the
-    undonated step's; a skipped step leaves every value as it was. The given state is consumed: using it again (a step,
-    ``TrainState.replace``, ``funcamp.checkpoint.save``) raises :class:`funcamp.train.DonatedStateError`, and
-    the tensors you kept from it hold the new values. Each call refuses state leaves that share storage or
-    are a module's ``nn.Parameter``. ``TrainState.create`` keeps the tensors you give it, so a donating step
-    overwrites the ``params`` dict's tensors you built the state from, and a loss-scale object shared with
-    another state: clone them to keep them.
+    undonated step's; a skipped step leaves every value as it was. The given state is consumed: using it
+    again (a step, ``TrainState.replace``, ``funcamp.checkpoint.save``) raises
+    :class:`funcamp.train.DonatedStateError`, and the tensors you kept from it hold the new values. Each
+    call refuses state leaves that share storage or are a module's ``nn.Parameter``. ``TrainState.create``
+    keeps the tensors you give it, so a donating step overwrites the ``params`` dict's tensors you built the
+    state from, and a loss-scale object shared with another state: clone them to keep them.
 
     The first call (host side, before anything is traced) takes the layout the state carries (made by
     ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) and checks the state; with
