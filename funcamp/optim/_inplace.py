@@ -163,10 +163,11 @@ def call(transform: Any, updates: Any, state: Any, params: Any = None) -> tuple[
 def write(old: Any, new: torch.Tensor) -> torch.Tensor:
     """The next value of a state leaf: ``new``, or within a donation ``old`` holding ``where(finite, new, old)``.
 
-    ``new`` has ``old``'s dtype and shape. Written at once, so that ``new`` can be freed before the next leaf.
+    Written at once, so that ``new`` can be freed before the next leaf; a ``new`` of another dtype or shape than
+    ``old`` is returned as it is (never cast into it).
     """
     donation = current()
-    if donation is None or new is old or not donation.writable(old):
+    if donation is None or new is old or not donation.writable(old) or new.dtype != old.dtype or new.shape != old.shape:
         return new
     return torch.where(donation.finite, new, old, out=old)
 
