@@ -4,6 +4,8 @@
     python benchmarks/bench_sharding.py --measure    # also measured: GPT "small" under torchrun, 2 and 4 gloo ranks
     python benchmarks/bench_sharding.py --memory --worlds 2,4 --out benchmarks/results/sharding_memory.json
                                                      # what a step adds per rank: FSDP2 vs funcamp (see below)
+    python benchmarks/bench_sharding.py --memory --model gpt2 --worlds 2,4   # the same for GPT-2 124M
+    python benchmarks/bench_sharding.py --memory --model gpt2 --layers 2     # a quick trial (compiles in minutes)
 
 Computed from shapes (``meta`` tensors, nothing allocated), for N = 2 and 4 ranks, with float32 master
 parameters and AdamW (``optim.adamw``: two float32 moments, 0-d counters):
@@ -59,6 +61,14 @@ funcamp's ``reduce=bfloat16``), no loss scale:
   ``funcamp.nn.functionalize``: with a funcamp that gathers at use each weight is gathered where it is used
   and its gradient reduce-scattered as it is made; with one that does not (run this script with
   ``PYTHONPATH`` at an older checkout) it gathers up front.
+
+``--model gpt2``: ``GPT(config_for("gpt2-124m", n_layer=--layers))`` from ``examples/gpt.py`` (124.4M parameters
+with 12 layers, the LM head tied to the token embedding), ``--batch`` ``2x128`` token windows per rank (the default:
+a step takes seconds on one CPU core per rank; the parameters, not the activations, then dominate what a step adds,
+which is what sharding is for), float32 cross-entropy of the logits; FSDP2 wraps each ``Block`` and the root,
+and ``fsdp2_compiled`` also compiles each block (``Block.compile()`` after ``fully_shard``, torchtitan's way; the
+FSDP2 hooks around the blocks stay eager). Per rank the rows also give the state at rest over ``12 * parameters /
+N`` (float32 parameters and AdamW's two moments, unsharded, over the ranks: 1.000 plus padding).
 """
 
 from __future__ import annotations
@@ -359,7 +369,7 @@ def memory(worlds: list[int], variants: list[str], time_steps: int, job: list[st
                 "warmup_s": max(r["warmup_s"] for r in ranks),
             }
             print(
-                f"N={n} {variant}: adds {row['adds_mb']:.1f} MB over {row['rest_mb']:.1f} MB "
+                f"N={n} {variant}: adds {row['adds_mb']:.1f} MiB over {row['rest_mb']:.1f} MiB "
                 f"({row['rest_vs_whole_over_n']:.3f} x whole/N), {row['step_s']:.3f} s (2 warm-up steps "
                 f"{row['warmup_s']:.0f} s)",
                 flush=True,
