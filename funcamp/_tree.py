@@ -488,7 +488,8 @@ def select_tree(pred: torch.Tensor, a: T, b: T) -> T:
     """Elementwise ``a if pred else b`` over two trees of the same structure.
 
     Tensor leaves are combined with ``torch.where`` (no host sync, traceable); each pair of tensor
-    leaves must have the same dtype and shape (no broadcasting). Non-tensor leaves must be equal in
+    leaves must have the same dtype and shape (no broadcasting). A leaf that is the same tensor in both
+    trees is returned as it is (``where(pred, x, x)`` is ``x``; no copy). Non-tensor leaves must be equal in
     both trees and are taken from ``a``.
 
     Args:
@@ -525,7 +526,7 @@ def _select_leaf(pred: torch.Tensor, x: Any, y: Any) -> Any:
             raise ValueError(
                 f"select_tree: paired leaves must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}"
             )
-        return torch.where(pred, x, y)
+        return x if x is y else torch.where(pred, x, y)
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
         raise ValueError(f"select_tree: non-tensor leaves must be equal in a and b, got {x!r} and {y!r}")
     return x

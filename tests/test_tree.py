@@ -54,6 +54,16 @@ def test_select_tree_picks_whole_trees():
     assert torch.equal(chosen["x"], b["x"]) and chosen["n"].item() == 2
 
 
+def test_select_tree_returns_a_shared_leaf_as_is():
+    """A leaf that is one tensor in both trees (already written in place by a donating step, or passed through)
+    is returned itself, not a copy; the others are chosen."""
+    shared = torch.tensor([1.0, float("nan")])
+    a, b = {"s": shared, "x": torch.ones(2)}, {"s": shared, "x": torch.zeros(2)}
+    for pred in (torch.tensor(True), torch.tensor(False)):
+        chosen = fa.select_tree(pred, a, b)
+        assert chosen["s"] is shared and torch.equal(chosen["x"], (a if pred else b)["x"])
+
+
 def test_select_tree_keeps_nan_payload_bitwise():
     a = {"x": torch.tensor([float("nan"), 1.0])}
     b = {"x": torch.tensor([2.0, -0.0])}

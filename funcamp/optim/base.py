@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _tree
+from funcamp.optim import _inplace
 
 __all__ = ["EmptyState", "GradientTransformation", "apply_updates", "chain", "identity"]
 
@@ -63,7 +64,7 @@ def identity() -> GradientTransformation:
         del params
         return updates, state
 
-    return GradientTransformation(empty_init, update)
+    return _inplace.in_place(GradientTransformation(empty_init, update))
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -112,11 +113,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             )
         new_state = []
         for t, s in zip(transforms, state, strict=True):
-            updates, s = t.update(updates, s, params)
+            updates, s = _inplace.call(t, updates, s, params)  # a user's transform: pure (funcamp.optim._inplace)
             new_state.append(s)
         return updates, tuple(new_state)
 
-    result = GradientTransformation(init, update)
+    result = _inplace.in_place(GradientTransformation(init, update))
     last = outermost_name(transforms[-1]) if transforms else None
     return mark_outermost(result, last) if last is not None else result
 
@@ -191,7 +192,7 @@ def _add_leaf(p: Any, u: Any) -> torch.Tensor:
             f"{tuple(p.shape)} and update {tuple(u.shape)}"
         )
     c = compute_dtype(p.dtype, u.dtype)
-    return (p.to(c) + u.to(c)).to(p.dtype)
+    return _inplace.write(p, (p.to(c) + u.to(c)).to(p.dtype))  # a donating eager step: into p (funcamp.optim._inplace)
 
 
 # --- private helpers shared by the transforms ---

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _tree
+from funcamp.optim import _inplace
 from funcamp.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -71,9 +72,9 @@ def set_to_zero() -> GradientTransformation:
 
     def update(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
         del params
-        return _tree.tree_map(lambda u: torch.full_like(u, -0.0), updates), state
+        return _tree.tree_map(lambda u: _inplace.reuse(u, torch.full_like(u, -0.0)), updates), state
 
-    return GradientTransformation(empty_init, update)
+    return _inplace.in_place(GradientTransformation(empty_init, update))
 
 
 def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
@@ -117,7 +118,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
         out, inner_state = _update_group("masked", inner, updates, state.inner_state, params, keep)
         return _merge(updates, [(out, keep)]), MaskedState(inner_state=inner_state)
 
-    return _outermost_if_inside(GradientTransformation(init, update), [inner])
+    return _outermost_if_inside(_inplace.in_place(GradientTransformation(init, update)), [inner])
 
 
 def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param_labels: Any) -> GradientTransformation:
@@ -202,7 +203,7 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param
             parts.append((out, by_label[k]))
         return _merge(updates, parts), MultiTransformState(inner_states=new_states)
 
-    return _outermost_if_inside(GradientTransformation(init, update), list(transforms.values()))
+    return _outermost_if_inside(_inplace.in_place(GradientTransformation(init, update)), list(transforms.values()))
 
 
 # --- private helpers ---------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def _update_group(
     fn: str, inner: GradientTransformation, updates: Updates, state: OptState, params: Params, keep: list[bool]
 ) -> tuple[Any, OptState]:
     sub = _subtree(updates, keep)
-    out, new_state = inner.update(sub, state, None if params is None else _subtree(params, keep))
+    out, new_state = _inplace.call(inner, sub, state, None if params is None else _subtree(params, keep))
     out_leaves, out_spec = _tree.tree_flatten(out)
     sub_leaves, sub_spec = _tree.tree_flatten(sub)
     if not _tree.same_structure(out_spec, sub_spec, len(out_leaves), len(sub_leaves)):

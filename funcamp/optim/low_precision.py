@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from funcamp import _scope, _tree
+from funcamp.optim import _inplace
 from funcamp.optim.base import GradientTransformation, OptState, Params, Updates, mark_outermost
 from funcamp.optim.transforms import _map_n
 
@@ -165,7 +166,7 @@ def kahan_summation(inner: GradientTransformation) -> GradientTransformation:
         updates: Updates, state: KahanSummationState, params: Params = None
     ) -> tuple[Updates, KahanSummationState]:
         _need_params(fn, params)
-        updates, inner_state = inner.update(updates, state.inner_state, params)
+        updates, inner_state = _inplace.call(inner, updates, state.inner_state, params)
 
         def leaf(i: int, u: torch.Tensor, p: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             del i
@@ -174,12 +175,13 @@ def kahan_summation(inner: GradientTransformation) -> GradientTransformation:
             p32 = p.to(torch.float32)
             t = p32 + (u.to(torch.float32) + c.to(torch.float32))
             new_u = _round_bf16(t) - p32
-            return new_u, (t - _round_bf16(p32 + new_u)).to(c.dtype)  # relative to what apply_updates stores
+            new_c = (t - _round_bf16(p32 + new_u)).to(c.dtype)  # relative to what apply_updates stores
+            return _inplace.reuse(u, new_u), _inplace.write(c, new_c)
 
         new_updates, compensation = _map_leaves(fn, 2, leaf, updates, params, state.compensation)
         return new_updates, KahanSummationState(inner_state=inner_state, compensation=compensation)
 
-    return mark_outermost(GradientTransformation(init, update), "kahan_summation")
+    return mark_outermost(_inplace.in_place(GradientTransformation(init, update)), "kahan_summation")
 
 
 def stochastic_rounding(
@@ -274,7 +276,7 @@ def stochastic_rounding(
         updates: Updates, state: StochasticRoundingState, params: Params = None
     ) -> tuple[Updates, StochasticRoundingState]:
         _need_params(fn, params)
-        updates, inner_state = inner.update(updates, state.inner_state, params)
+        updates, inner_state = _inplace.call(inner, updates, state.inner_state, params)
         step_key = _step_key(state.seed, state.count)
         names = _tree.tree_paths(updates)  # static: the leaves' names, in _map_leaves' order
         offsets = _step_offsets(fn, layout, given)  # the step's layout (its shards' places), or layout=
@@ -285,12 +287,12 @@ def stochastic_rounding(
             p32 = p.to(torch.float32)
             t = p32 + u.to(torch.float32)
             noise = _leaf_noise(step_key, _leaf_id(names[i]), t.shape, _offset(fn, offsets, names[i]))
-            return (_bf16_stochastic_round(t, noise) - p32,)
+            return (_inplace.reuse(u, _bf16_stochastic_round(t, noise) - p32),)
 
         (new_updates,) = _map_leaves(fn, 1, leaf, updates, params)
         return new_updates, StochasticRoundingState(inner_state=inner_state, count=state.count + 1, seed=state.seed)
 
-    return mark_outermost(GradientTransformation(init, update), "stochastic_rounding")
+    return mark_outermost(_inplace.in_place(GradientTransformation(init, update)), "stochastic_rounding")
 
 
 def _element_offsets(fn: str, layout: Any) -> Mapping[str, int] | None:

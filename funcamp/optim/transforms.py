@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _scope, _tree
+from funcamp.optim import _inplace
 from funcamp.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -120,7 +121,7 @@ def _zeros(params: Params, dtype: torch.dtype | None) -> Updates:
 
 
 def _scale_leaf(u: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
-    return (u.to(compute_dtype(u.dtype)) * factor).to(u.dtype)
+    return _inplace.reuse(u, (u.to(compute_dtype(u.dtype)) * factor).to(u.dtype))
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -145,7 +146,7 @@ def scale(factor: float) -> GradientTransformation:
         del params
         return _tree.tree_map(lambda u: _scale_leaf(u, factor), updates), state
 
-    return GradientTransformation(empty_init, update)
+    return _inplace.in_place(GradientTransformation(empty_init, update))
 
 
 def _bias_correction(beta: float, t: torch.Tensor) -> torch.Tensor:
@@ -228,12 +229,14 @@ def scale_by_adam(
             v_c = v.to(c).mul(b2).addcmul(g_c, g_c, value=1.0 - b2)
             # sqrt(v / bc2 + eps_root), written as torch.optim writes it when eps_root == 0.
             denom = (v_c + eps_root * bc2).sqrt() / bc2_sqrt + eps
-            return ((m_c / bc1) / denom).to(g.dtype), m_c.to(m.dtype), v_c.to(v.dtype)
+            u = ((m_c / bc1) / denom).to(g.dtype)
+            # In a donating eager step: u into g's buffer, the moments into the donated ones (funcamp.optim._inplace).
+            return _inplace.reuse(g, u), _inplace.write(m, m_c.to(m.dtype)), _inplace.write(v, v_c.to(v.dtype))
 
         u, mu, nu = _map_n(3, leaf, updates, state.mu, state.nu)
         return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
-    return GradientTransformation(init, update)
+    return _inplace.in_place(GradientTransformation(init, update))
 
 
 def scale_by_lion(
@@ -281,12 +284,13 @@ def scale_by_lion(
         def leaf(g: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             c = compute_dtype(g.dtype, m.dtype)
             g_c, m_c = g.to(c), m.to(c)
-            return torch.sign(m_c.lerp(g_c, 1.0 - b1)).to(g.dtype), m_c.lerp(g_c, 1.0 - b2).to(m.dtype)
+            u, new_m = torch.sign(m_c.lerp(g_c, 1.0 - b1)).to(g.dtype), m_c.lerp(g_c, 1.0 - b2).to(m.dtype)
+            return _inplace.reuse(g, u), _inplace.write(m, new_m)  # both made before either is written
 
         u, mu = _map_n(2, leaf, updates, state.mu)
         return u, ScaleByLionState(count=state.count + 1, mu=mu)
 
-    return GradientTransformation(init, update)
+    return _inplace.in_place(GradientTransformation(init, update))
 
 
 def trace(decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | None = None) -> GradientTransformation:
@@ -331,12 +335,12 @@ def trace(decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | N
             g_c = g.to(c)
             b_c = b.to(c).mul(decay).add(g_c)
             u = g_c.add(b_c, alpha=decay) if nesterov else b_c
-            return u.to(g.dtype), b_c.to(b.dtype)
+            return _inplace.reuse(g, u.to(g.dtype)), _inplace.write(b, b_c.to(b.dtype))
 
         u, new_trace = _map_n(2, leaf, updates, state.trace)
         return u, TraceState(trace=new_trace)
 
-    return GradientTransformation(init, update)
+    return _inplace.in_place(GradientTransformation(init, update))
 
 
 Mask = Any  # a tree of Python bools shaped like params, or a callable params -> such a tree
@@ -374,7 +378,7 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
 
     def decay(u: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         c = compute_dtype(u.dtype, p.dtype)
-        return u.to(c).add(p.to(c), alpha=weight_decay).to(u.dtype)
+        return _inplace.reuse(u, u.to(c).add(p.to(c), alpha=weight_decay).to(u.dtype))
 
     def masked(u: torch.Tensor, p: torch.Tensor, keep: Any) -> torch.Tensor:
         if not isinstance(keep, bool):
@@ -391,7 +395,7 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
         tree_mask = mask(params) if callable(mask) else mask
         return _tree.tree_map(masked, updates, params, tree_mask), state
 
-    return GradientTransformation(empty_init, update)
+    return _inplace.in_place(GradientTransformation(empty_init, update))
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -461,11 +465,11 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
         def leaf(u: torch.Tensor) -> torch.Tensor:
             c = torch.promote_types(compute_dtype(u.dtype), acc)
-            return (u.to(c) * first * second).to(u.dtype)
+            return _inplace.reuse(u, (u.to(c) * first * second).to(u.dtype))
 
         return _tree.tree_map(leaf, updates), state
 
-    return GradientTransformation(empty_init, update)
+    return _inplace.in_place(GradientTransformation(empty_init, update))
 
 
 def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool = True) -> GradientTransformation:
@@ -524,7 +528,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool =
         new_updates = _tree.tree_map(lambda u: _scale_leaf(u, factor.to(compute_dtype(u.dtype))), updates)
         return new_updates, ScaleByLearningRateState(count=state.count + 1, learning_rate=lr)
 
-    return GradientTransformation(init, update)
+    return _inplace.in_place(GradientTransformation(init, update))
 
 
 def learning_rate(opt_state: Any) -> torch.Tensor:

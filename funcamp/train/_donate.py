@@ -1,14 +1,22 @@
 """Donation: the step writes the new state into the tensors of the state it is given (JAX's ``donate_argnums``).
 
 A pure step returns a new state while the caller still holds the old one, so both exist at once: parameters,
-optimizer state and buffers twice. With ``make_train_step(..., donate=True)`` the step body's last act is to
-copy every new state tensor into the corresponding tensor of the state it was given (``Tensor.copy_``), and
-the step returns a state built on those same tensors. Compiled, AOTAutograd keeps these input mutations inside
-the one graph and inductor writes the fused optimizer kernels' results straight into the input buffers (what
-``torch.compile(optimizer.step)`` does for ``torch.optim``): the old and new state never coexist. Eagerly the
-new tensors are computed first and then copied, so an eager step gives the same numbers and the same
-in-place semantics, but its peak is a pure step's.
+optimizer state and buffers twice. With ``make_train_step(..., donate=True)`` the step returns a state built on
+the tensors of the state it was given, which now hold the next state:
 
+* compiled (:func:`donating`), the step body's last act is to copy every new state tensor into the corresponding
+  tensor of the given state (``Tensor.copy_``); AOTAutograd keeps these input mutations inside the one graph and
+  inductor writes the fused optimizer kernels' results straight into the input buffers (what
+  ``torch.compile(optimizer.step)`` does for ``torch.optim``): the old and new state never coexist.
+* eagerly (:func:`in_place`), the step runs within :func:`funcamp.optim._inplace.donating`: the optimizer stage
+  runs funcamp's transforms and ``apply_updates`` in place, leaf by leaf (each new moment and parameter written
+  into the donated tensor as soon as it is computed, ``where(finite, new, old)``; the updates carried in the
+  gradients' buffers), so the step adds the gradients and one leaf's temporaries, not a second state. What was
+  not written in place (the loss scale, counters, buffers, the state of a user's own transform) is copied at the
+  end as above. A step with telemetry, which reads the gradients and the old parameters after the update, makes
+  the new state first and copies it (:func:`copying`), as the compiled step's body does.
+
+Either way every value is the pure step's, bit for bit; a skipped step leaves every value as it was.
 The given state is consumed: the step marks it, and passing it to a step, :func:`funcamp.checkpoint.save` or
 ``TrainState.replace`` raises :class:`DonatedStateError`, as JAX raises for a deleted array. The tensors the
 caller holds from it (``state.params["w"]``) now hold the new values.
@@ -23,8 +31,18 @@ from typing import Any
 import torch
 
 from funcamp import _tree
+from funcamp.optim import _inplace
 
-__all__ = ["DonatedStateError", "check_donatable", "check_not_donated", "donating", "mark_donated", "returning_state"]
+__all__ = [
+    "DonatedStateError",
+    "check_donatable",
+    "check_not_donated",
+    "copying",
+    "donating",
+    "in_place",
+    "mark_donated",
+    "returning_state",
+]
 
 _DONATED = "_funcamp_donated"
 
@@ -85,13 +103,14 @@ def donating(body: Callable[..., Any]) -> Callable[..., Any]:
 
     Returns ``fn(state, batch) -> metrics``: every tensor leaf of ``new_state`` is copied into the leaf of
     ``state`` in the same place (the two trees have one structure), and every metric that is a state tensor
-    (``loss_scale``, the scale this step used) is a copy taken before the writes.
+    (``loss_scale``, the scale this step used) is a copy taken before the writes. The compiled step's body
+    (identity checks only, which Dynamo traces); eagerly, :func:`copying` and :func:`in_place`.
     """
 
     def fn(state: Any, batch: Any) -> dict[str, Any]:
         new_state, metrics = body(state, batch)
         old = _tree.tree_leaves(state)
-        metrics = {k: _copy_if_in(v, old) for k, v in metrics.items()}
+        metrics = {k: _copy_if_is(v, old) for k, v in metrics.items()}
         for dst, src in zip(old, _tree.tree_leaves(new_state)):
             if isinstance(dst, torch.Tensor) and src is not dst:
                 dst.copy_(src)
@@ -100,8 +119,70 @@ def donating(body: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _copy_if_in(x: Any, leaves: list[Any]) -> Any:
+def _copy_if_is(x: Any, leaves: list[Any]) -> Any:
     if isinstance(x, torch.Tensor) and any(x is leaf for leaf in leaves):
+        return x.clone()
+    return x
+
+
+def copying(body: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`donating` for an eager ``body``: the new state is made, then copied in, checked by storage.
+
+    A metric that shares storage with a state tensor (the loss scale; an aux output that is a parameter) and a
+    new leaf that is an old state tensor in another place are copied before any write.
+    """
+
+    def fn(state: Any, batch: Any) -> dict[str, Any]:
+        new_state, metrics = body(state, batch)
+        return _write_into(state, new_state, metrics)
+
+    return fn
+
+
+def in_place(body: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`copying`, but ``body``'s optimizer stage writes into ``state``'s tensors as it goes.
+
+    ``body`` runs within :func:`funcamp.optim._inplace.donating` over the parameters and optimizer state of
+    ``state``, so that :func:`funcamp.train.update` (given the verdict) updates them in place, leaf by leaf; what
+    it did not write (new tensors in ``new_state``) is copied in after, as :func:`copying` does. ``body`` must
+    not read the given state's parameters or optimizer state, nor the gradients, after the update (the step's
+    metrics and the skip-limit and aux probes do not; telemetry does: use :func:`copying` with it).
+    """
+
+    def fn(state: Any, batch: Any) -> dict[str, Any]:
+        donated = _tree.tree_leaves((state.params, state.opt_state))
+        new_state, metrics = _inplace.donating(donated, body, state, batch)
+        return _write_into(state, new_state, metrics)
+
+    return fn
+
+
+def _write_into(state: Any, new_state: Any, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Copy ``new_state``'s tensors into ``state``'s (skipping those already there); the metrics, safe from it.
+
+    A new leaf that is an old state tensor in another place (a user's transform that keeps the parameters in its
+    state, or swaps two of its leaves) is copied before any write, so that it keeps the value it had.
+    """
+    old = _tree.tree_leaves(state)
+    places = {_storage(x) for x in old if isinstance(x, torch.Tensor)}
+    metrics = _tree.tree_map(lambda x: _copy_if_in(x, places), metrics)  # aux is a tree
+    pairs = [
+        (dst, _copy_if_in(src, places) if src is not dst else src)
+        for dst, src in zip(old, _tree.tree_leaves(new_state))
+    ]
+    for dst, src in pairs:
+        if isinstance(dst, torch.Tensor) and src is not dst:
+            dst.copy_(src)
+    return metrics
+
+
+def _storage(x: torch.Tensor) -> tuple[Any, int]:
+    return (x.device, x.untyped_storage().data_ptr())
+
+
+def _copy_if_in(x: Any, places: set[tuple[Any, int]]) -> Any:
+    """``x`` cloned if it is a tensor on the storage of a state tensor (which is about to be written)."""
+    if isinstance(x, torch.Tensor) and x.numel() and _storage(x) in places:
         return x.clone()
     return x
 

@@ -28,7 +28,7 @@ import torch
 from funcamp import _scope, _tree
 from funcamp.grad import scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
-from funcamp.optim import GradientTransformation, apply_updates, learning_rate
+from funcamp.optim import GradientTransformation, _inplace, apply_updates, learning_rate
 from funcamp.train import _loss
 from funcamp.train._layout import SingleProcess
 from funcamp.train._state import TrainState
@@ -206,17 +206,32 @@ def check(grads: Any, loss: torch.Tensor, layout: SingleProcess = _ONE_PROCESS) 
 
 
 def update(
-    optimizer: GradientTransformation, grads: Any, opt_state: Any, params: Any, layout: SingleProcess = _ONE_PROCESS
+    optimizer: GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    layout: SingleProcess = _ONE_PROCESS,
+    finite: torch.Tensor | None = None,
 ) -> tuple[Any, Any]:
     """``(new_params, new_opt_state)``: one optimizer update applied with :func:`funcamp.optim.apply_updates`.
 
     Computed whatever the verdict; :func:`commit` decides whether it is kept. ``optimizer.update`` runs within
     ``layout`` (:func:`funcamp._scope.within`): ``optim.clip_by_global_norm`` takes the layout's global norm
     (over all shards when sharded) and ``optim.stochastic_rounding`` its element offsets.
+
+    Inside an eager donating step (``make_train_step(donate=True, compile=False)``) and given the verdict
+    ``finite`` (0-d bool), the update runs in place (:mod:`funcamp.optim._inplace`): funcamp's transforms and
+    ``apply_updates`` write ``where(finite, new, old)`` into the donated ``params`` and ``opt_state`` leaf by
+    leaf, and carry the updates in the buffers of ``grads``, which must not be read after. The values returned
+    are the same, bit for bit. Elsewhere ``finite`` is not used.
     """
     _check_update_args(optimizer, grads, opt_state, params)
-    updates, new_opt_state = _scope.within(layout, optimizer.update, grads, opt_state, params)
-    return layout.finish_params(apply_updates(params, updates)), new_opt_state
+    donation = _inplace.bound(finite, grads)  # None outside a donating eager step: pure
+    updates, new_opt_state = _scope.within(
+        layout, _inplace.within, donation, _inplace.call, optimizer, grads, opt_state, params
+    )
+    new_params = _inplace.within(donation, apply_updates, params, updates)
+    return layout.finish_params(new_params), new_opt_state
 
 
 def commit(state: TrainState, finite: torch.Tensor, params: Any, opt_state: Any, buffers: Any = None) -> TrainState:
@@ -303,7 +318,7 @@ def run(
     )
     grads = cast_like(g.grads, state.params)
     verdict = check(grads, g.loss, layout)
-    new_params, new_opt_state = update(optimizer, grads, state.opt_state, state.params, layout)
+    new_params, new_opt_state = update(optimizer, grads, state.opt_state, state.params, layout, verdict.finite)
     new_state = commit(state, verdict.finite, new_params, new_opt_state, g.buffers)
     return StepRecord(
         state, new_state, grads, verdict, g.aux, layout, metrics(state, new_state, g.loss, verdict, new_opt_state)

@@ -112,14 +112,16 @@ def make_train_step(
     With ``donate=True`` (JAX's ``donate_argnums``) the step writes the next state into the tensors of the
     state it is given, and returns a state on those same tensors: compiled, the writes are input mutations
     inside the one graph (the fused optimizer kernels write into the parameters and moments), so the old
-    and new state never exist at once; eagerly the numbers and the in-place semantics are the same but the
-    new tensors are made first. Every state leaf and metric is bitwise the undonated step's; a skipped step
-    leaves every value as it was. The given state is consumed: using it again (a step,
-    ``TrainState.replace``, ``funcamp.checkpoint.save``) raises :class:`funcamp.train.DonatedStateError`, and
-    the tensors you kept from it hold the new values. Each call refuses state leaves that share storage or
-    are a module's ``nn.Parameter``. ``TrainState.create`` keeps the tensors you give it, so a donating step
-    overwrites the ``params`` dict's tensors you built the state from, and a loss-scale object shared with
-    another state: clone them to keep them.
+    and new state never exist at once; eagerly, funcamp's transforms and ``apply_updates`` write each new
+    moment and parameter into the given tensor as soon as it is computed and carry the updates in the
+    gradients' buffers (:mod:`funcamp.optim._inplace`; a user's own transform runs pure, and with
+    ``telemetry`` the new state is made first and copied). Every state leaf and metric is bitwise the
+    undonated step's; a skipped step leaves every value as it was. The given state is consumed: using it
+    again (a step, ``TrainState.replace``, ``funcamp.checkpoint.save``) raises
+    :class:`funcamp.train.DonatedStateError`, and the tensors you kept from it hold the new values. Each
+    call refuses state leaves that share storage or are a module's ``nn.Parameter``. ``TrainState.create``
+    keeps the tensors you give it, so a donating step overwrites the ``params`` dict's tensors you built the
+    state from, and a loss-scale object shared with another state: clone them to keep them.
 
     The first call (host side, before anything is traced) takes the layout the state carries (made by
     ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) and checks the state; with
@@ -180,7 +182,7 @@ def make_train_step(
             run_as.layout = layout
 
     first_call = _first_call_check(run_as, for_state, loss_fn, optimizer)
-    body = _donate.donating(step) if donate else step  # donating: (state, batch) -> metrics, state written
+    body = _donating(step, compile, telemetry) if donate else step  # (state, batch) -> metrics, state written
     if compile:
         backend = backend or "inductor"
         options = _inductor_options() if backend == "inductor" else None  # None where torch lacks the option
@@ -189,6 +191,14 @@ def make_train_step(
     else:
         run = _with_checked_args(body, first_call)
     return _donate.returning_state(run) if donate else run
+
+
+def _donating(step: Callable[..., Any], compiled: bool, telemetry: Any) -> Callable[..., Any]:
+    """The donating form of ``step`` (:mod:`funcamp.train._donate`): compiled, input mutations in the graph;
+    eager, the optimizer in place, unless telemetry reads the gradients and old parameters after the update."""
+    if compiled:
+        return _donate.donating(step)
+    return _donate.copying(step) if telemetry is not None else _donate.in_place(step)
 
 
 class _Assembly:
