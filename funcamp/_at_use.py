@@ -9,9 +9,10 @@ A sharded train step differentiates this rank's shards. Inside the differentiate
   dtype), as the unsharded step adds the gradients of a tied weight or of a module called twice. ``h``'s
   backward turns the sum into this rank's rows of the mean over the ranks, with one ``reduce_scatter``
   (:func:`_reduce`) waited for at once (compiled too: a wait left to the result's first use, the optimizer at
-  the end of the step, kept every whole gradient alive until then), and hands them to ``s``. So a gradient is reduced once per parameter and call of the
-  differentiated function, however many times the parameter is used, in backward order: as soon as its
-  last use's backward has made it, and the whole gradient is freed then.
+  the end of the step, kept every whole gradient alive until then), and hands them to ``s``. So a gradient
+  is reduced once per parameter and call of the differentiated function, however many times the parameter
+  is used, in backward order: as soon as its last use's backward has made it, and the whole gradient is
+  freed then.
 - *gathers* ``w = _Gather.apply(s, h, spec)``, one per use: one ``all_gather`` of every rank's shard in the
   gather dtype, padding cut, the whole shape. Its backward gives the incoming gradient to ``h`` (and nothing
   to ``s``). Gathered per use, a parameter's whole tensor lives from its gather to its module's last forward
