@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-from bench_train_step import ChunkedHeadLoss, _trim, checkpoint_blocks, live_tensor_bytes, profiled_step  # noqa: E402
+from bench_train_step import (  # noqa: E402
+    ChunkedHeadLoss,
+    _trim,
+    checkpoint_blocks,
+    live_tensor_bytes,
+    machine,
+    profiled_step,
+)
 from gpt import GPT, SIZES, Block, GPTConfig  # noqa: E402
 
 import funcamp as fa  # noqa: E402
@@ -223,25 +229,10 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def machine() -> dict[str, str]:
-    cpu = platform.processor()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        cpu = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "",
-    }
-
-
-def markdown(rows: list[dict[str, Any]], info: dict[str, str], argv: list[str]) -> str:
+def markdown(rows: list[dict[str, Any]], info: dict[str, Any], argv: list[str]) -> str:
     lines = [
         f"`python benchmarks/bench_memory.py {' '.join(argv)}`; {info['cpu']} "
-        f"({info['capability']}), torch {info['torch']}{(', ' + info['gpu']) if info['gpu'] else ''}.",
+        f"({info['cpu_capability']}), torch {info['torch']}{(', ' + info['gpu']) if info.get('gpu') else ''}.",
         "",
         "| model | variant | state at rest MB | step adds MB | vs compiled torch.optim | vs eager torch "
         "| vs no remat | ms/step | time vs no remat |",

@@ -4,6 +4,8 @@
     python benchmarks/bench_sharding.py --measure    # also measured: GPT "small" under torchrun, 2 and 4 gloo ranks
     python benchmarks/bench_sharding.py --memory --worlds 2,4 --out benchmarks/results/sharding_memory.json
                                                      # what a step adds per rank: FSDP2 vs funcamp (see below)
+    python benchmarks/bench_sharding.py --memory --model gpt2 --worlds 2,4   # the same for GPT-2 124M
+    python benchmarks/bench_sharding.py --memory --model gpt2 --layers 2     # a quick trial (compiles in minutes)
 
 Computed from shapes (``meta`` tensors, nothing allocated), for N = 2 and 4 ranks, with float32 master
 parameters and AdamW (``optim.adamw``: two float32 moments, 0-d counters):
@@ -59,6 +61,14 @@ funcamp's ``reduce=bfloat16``), no loss scale:
   ``funcamp.nn.functionalize``: with a funcamp that gathers at use each weight is gathered where it is used
   and its gradient reduce-scattered as it is made; with one that does not (run this script with
   ``PYTHONPATH`` at an older checkout) it gathers up front.
+
+``--model gpt2``: ``GPT(config_for("gpt2-124m", n_layer=--layers))`` from ``examples/gpt.py`` (124.4M parameters
+with 12 layers, the LM head tied to the token embedding), ``--batch`` ``2x128`` token windows per rank (the default:
+a step takes seconds on one CPU core per rank; the parameters, not the activations, then dominate what a step adds,
+which is what sharding is for), float32 cross-entropy of the logits; FSDP2 wraps each ``Block`` and the root,
+and ``fsdp2_compiled`` also compiles each block (``Block.compile()`` after ``fully_shard``, torchtitan's way; the
+FSDP2 hooks around the blocks stay eager). Per rank the rows also give the state at rest over ``12 * parameters /
+N`` (float32 parameters and AdamW's two moments, unsharded, over the ranks: 1.000 plus padding).
 """
 
 from __future__ import annotations
@@ -66,7 +76,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -76,7 +85,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_train_step import _trim, live_tensor_bytes, machine, profiled_step  # noqa: E402
 from gpt import GPT, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
@@ -84,16 +95,6 @@ from funcamp import optim, parallel, sharding  # noqa: E402
 
 MB = 1e6
 WORLDS = (2, 4)
-
-
-def machine() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
 def gpt_params(size: str, device: str = "meta") -> dict[str, torch.Tensor]:
@@ -212,6 +213,8 @@ def measure() -> dict[int, dict[str, int]]:
 
 WIDTH, DEPTH, BATCH = 2048, 8, 8
 MEMORY_VARIANTS = ("fsdp2", "funcamp", "funcamp_donate")
+#: what ``--model gpt2`` runs by default: FSDP2 eager and with each block compiled (``fsdp2_compiled``)
+GPT2_VARIANTS = ("fsdp2", "fsdp2_compiled", "funcamp", "funcamp_donate")
 #: inductor's communication passes, tried on ``funcamp_donate`` (``--variants funcamp_donate_bucket,...``)
 OVERLAP = {
     "bucket": {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"},
@@ -231,12 +234,34 @@ class MLP(torch.nn.Module):
         return x
 
 
-def memory_worker(variant: str, out: str, time_steps: int) -> None:
+def memory_job(model_name: str, layers: int, batch: str, rank: int, n: int) -> tuple[torch.nn.Module, list, list, Any]:
+    """``(model, its modules FSDP2 shards before the root, n batches of this rank, loss(output, batch))``.
+
+    ``mlp``: :class:`MLP`, a batch of 8 x 2048 per rank, the loss ``mean(out ** 2)`` in float32. ``gpt2``:
+    ``GPT(config_for("gpt2-124m", n_layer=layers))`` (its LM head tied to the token embedding), ``batch``
+    ``"BxT"`` token windows per rank, float32 cross-entropy of the logits.
+    """
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + rank)
+    if model_name == "mlp":
+        mlp = MLP()
+        data = [{"x": torch.randn(BATCH, WIDTH, generator=g)} for _ in range(n)]
+        return mlp, list(mlp.layers), data, lambda out, b: out.float().square().mean()
+    cfg = config_for("gpt2-124m", n_layer=layers)
+    gpt = GPT(cfg)
+    b, t = (int(v) for v in batch.split("x"))
+    tokens = [torch.randint(0, cfg.vocab_size, (b, t + 1), generator=g) for _ in range(n)]
+    data = [{"x": w[:, :-1].contiguous(), "y": w[:, 1:].contiguous()} for w in tokens]
+
+    def loss(out: torch.Tensor, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), b["y"].flatten())
+
+    return gpt, list(gpt.blocks), data, loss
+
+
+def memory_worker(variant: str, out: str, time_steps: int, model_name: str, layers: int, batch: str) -> None:
     import statistics
     import time
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_train_step import _trim, live_tensor_bytes, profiled_step
 
     torch.set_num_threads(1)
     rank, world, _ = parallel.setup_from_env("gloo")
@@ -244,22 +269,23 @@ def memory_worker(variant: str, out: str, time_steps: int) -> None:
     device = torch.device("cpu")
     _trim()
     before = live_tensor_bytes(device)
-    torch.manual_seed(0)
-    model = MLP()
-    g = torch.Generator().manual_seed(1 + rank)
-    data = [{"x": torch.randn(BATCH, WIDTH, generator=g)} for _ in range(4 + time_steps)]
-    if variant == "fsdp2":
+    model, blocks, data, loss = memory_job(model_name, layers, batch, rank, 4 + time_steps)
+    numel = sum(p.numel() for p in model.parameters())
+    if variant.startswith("fsdp2"):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = DeviceMesh.from_group(group, "cpu")
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-        for m in (*model.layers, model):
+        for m in (*blocks, model):
             fully_shard(m, mesh=mesh, mp_policy=mp)
+        if variant == "fsdp2_compiled":  # torchtitan's way: each block compiled, FSDP2's hooks around it eager
+            for m in blocks:
+                m.compile()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
         def step(batch: Any) -> None:
-            model(batch["x"]).float().square().mean().backward()
+            loss(model(batch["x"]), batch).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -268,10 +294,10 @@ def memory_worker(variant: str, out: str, time_steps: int) -> None:
         policy = fa.get_policy("params=float32,compute=bfloat16,output=float32,reduce=bfloat16")
         apply_fn, params = fa.nn.functionalize(model, policy)
         params = parallel.broadcast_params(params)
-        del model
+        del model, blocks
 
         def loss_fn(p: Any, batch: Any) -> torch.Tensor:
-            return apply_fn(p, batch["x"]).float().square().mean()
+            return loss(apply_fn(p, batch["x"]), batch)
 
         layout = sharding.shard_layout(params, group, gather_dtype=torch.bfloat16)
         fopt = optim.adamw(1e-3, weight_decay=0.1)
@@ -289,8 +315,10 @@ def memory_worker(variant: str, out: str, time_steps: int) -> None:
             box[0], _ = train_step(box[0], batch)
 
     it = iter(data)
+    t0 = time.perf_counter()
     for _ in range(2):
         step(next(it))
+    warmup_s = time.perf_counter() - t0
     _trim()
     adds, rests = [], []
     for _ in range(2):
@@ -304,14 +332,22 @@ def memory_worker(variant: str, out: str, time_steps: int) -> None:
         step(batch)
         times.append(time.perf_counter() - t0)
     everyone: list[Any] = [None] * world
-    mine = {"adds": max(adds), "rest": max(rests), "step_s": statistics.median(times)}
+    mine = {
+        "adds": max(adds),
+        "rest": max(rests),
+        "step_s": statistics.median(times),
+        "warmup_s": warmup_s,
+        # params + AdamW's two moments, float32, unsharded: the state at rest of one process
+        "whole_state": 12 * numel,
+    }
     torch.distributed.all_gather_object(everyone, mine)
     if rank == 0:
         Path(out).write_text(json.dumps(everyone))
     parallel.shutdown()
 
 
-def memory(worlds: list[int], variants: list[str], time_steps: int) -> list[dict[str, Any]]:
+def memory(worlds: list[int], variants: list[str], time_steps: int, job: list[str]) -> list[dict[str, Any]]:
+    """One ``torchrun`` per (ranks, variant); ``job``: the worker's ``--model``, ``--layers``, ``--batch``."""
     import tempfile
 
     rows = []
@@ -320,7 +356,7 @@ def memory(worlds: list[int], variants: list[str], time_steps: int) -> list[dict
             with tempfile.TemporaryDirectory() as d:
                 out = os.path.join(d, "m.json")
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
-                cmd += [__file__, "--memory-worker", variant, out, "--time-steps", str(time_steps)]
+                cmd += [__file__, "--memory-worker", variant, out, "--time-steps", str(time_steps), *job]
                 subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
                 ranks = json.loads(Path(out).read_text())
             row = {
@@ -328,25 +364,38 @@ def memory(worlds: list[int], variants: list[str], time_steps: int) -> list[dict
                 "variant": variant,
                 "adds_mb": max(r["adds"] for r in ranks) / 2**20,
                 "rest_mb": max(r["rest"] for r in ranks) / 2**20,
+                "rest_vs_whole_over_n": max(r["rest"] for r in ranks) / (ranks[0]["whole_state"] / n),
                 "step_s": max(r["step_s"] for r in ranks),
+                "warmup_s": max(r["warmup_s"] for r in ranks),
             }
-            print(f"N={n} {variant}: adds {row['adds_mb']:.1f} MB over {row['rest_mb']:.1f} MB, {row['step_s']:.3f} s")
+            print(
+                f"N={n} {variant}: adds {row['adds_mb']:.1f} MiB over {row['rest_mb']:.1f} MiB "
+                f"({row['rest_vs_whole_over_n']:.3f} x whole/N), {row['step_s']:.3f} s (2 warm-up steps "
+                f"{row['warmup_s']:.0f} s)",
+                flush=True,
+            )
             rows.append(row)
     return rows
 
 
 def memory_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| ranks | variant | state at rest MB | step adds MB | vs FSDP2 | step s | vs FSDP2 |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| ranks | variant | state at rest MiB | rest / (whole / N) | step adds MiB | vs FSDP2 | step s | vs FSDP2 "
+        "| vs FSDP2 compiled |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    nan = float("nan")
+
+    def ratio(r: dict[str, Any], ref: str, key: str) -> str:
+        base = next((x for x in rows if x["world"] == r["world"] and x["variant"] == ref), None)
+        return f"{r[key] / base[key]:.2f}x" if base else "-"
+
     for r in rows:
-        ref = next((x for x in rows if x["world"] == r["world"] and x["variant"] == "fsdp2"), None)
-        vm = f"{r['adds_mb'] / ref['adds_mb']:.2f}x" if ref else "-"
-        vt = f"{r['step_s'] / ref['step_s']:.2f}x" if ref else "-"
         lines.append(
-            f"| {r['world']} | {r['variant']} | {r['rest_mb']:.1f} | {r['adds_mb']:.1f} | {vm} | "
-            f"{r['step_s']:.3f} | {vt} |"
+            f"| {r['world']} | {r['variant']} | {r['rest_mb']:.1f} | {r.get('rest_vs_whole_over_n', nan):.3f} "
+            f"| {r['adds_mb']:.1f} | {ratio(r, 'fsdp2', 'adds_mb')} | {r['step_s']:.3f} "
+            f"| {ratio(r, 'fsdp2', 'step_s')} | {ratio(r, 'fsdp2_compiled', 'step_s')} |"
         )
     return "\n".join(lines)
 
@@ -354,9 +403,17 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--measure", action="store_true", help="also measure GPT small under torchrun (2 and 4 ranks)")
-    p.add_argument("--memory", action="store_true", help="what a step adds per rank: FSDP2 vs funcamp (MLP)")
+    p.add_argument("--memory", action="store_true", help="what a step adds per rank: FSDP2 vs funcamp")
     p.add_argument("--worlds", default="2", help="with --memory: comma-separated rank counts (default 2)")
-    p.add_argument("--variants", default=",".join(MEMORY_VARIANTS), help="with --memory: " + ",".join(MEMORY_VARIANTS))
+    p.add_argument("--model", default="mlp", choices=["mlp", "gpt2"], help="with --memory: the model (default mlp)")
+    p.add_argument("--layers", type=int, default=12, help="with --model gpt2: its blocks (default 12, GPT-2 124M)")
+    p.add_argument("--batch", default="2x128", help="with --model gpt2: BxT token windows per rank (default 2x128)")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help=f"with --memory: of {', '.join(GPT2_VARIANTS)} and funcamp_donate_<{'|'.join(OVERLAP)}> "
+        f"(default {','.join(MEMORY_VARIANTS)}; gpt2: {','.join(GPT2_VARIANTS)})",
+    )
     p.add_argument("--time-steps", type=int, default=5, help="with --memory: timed steps (default 5)")
     p.add_argument("--label", default="", help="with --memory: a label stored with each row (e.g. before, after)")
     p.add_argument("--out", default=None, help="with --memory: write the rows and the machine as JSON here")
@@ -366,27 +423,31 @@ def main() -> None:
     if args.worker:
         worker(args.worker)
         return
+    job = ["--model", args.model, "--layers", str(args.layers), "--batch", args.batch]
     if args.memory_worker:
-        memory_worker(*args.memory_worker, args.time_steps)
+        memory_worker(*args.memory_worker, args.time_steps, args.model, args.layers, args.batch)
         return
     if args.memory:
         import funcamp
 
-        info = {
-            "cpu": machine(),
-            "funcamp": str(Path(funcamp.__file__).parent),
-            "argv": sys.argv[1:],
-        }
-        rows = memory([int(n) for n in args.worlds.split(",")], args.variants.split(","), args.time_steps)
+        info = {**machine(), "funcamp_path": str(Path(funcamp.__file__).parent), "argv": sys.argv[1:]}
+        variants = args.variants or ",".join(GPT2_VARIANTS if args.model == "gpt2" else MEMORY_VARIANTS)
+        rows = memory([int(n) for n in args.worlds.split(",")], variants.split(","), args.time_steps, job)
         for r in rows:
             r["label"] = args.label
+            r["model"] = args.model if args.model == "mlp" else f"gpt2 {args.layers} layers, {args.batch}"
+        print(
+            f"`python benchmarks/bench_sharding.py {' '.join(sys.argv[1:])}`; {info['cpu']} "
+            f"({info['cpu_capability']}), torch {info['torch']}"
+        )
         print(memory_table(rows))
         if args.out:
             old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {"runs": []}
             old["runs"].append({"machine": info, "rows": rows})
             Path(args.out).write_text(json.dumps(old, indent=1))
         return
-    print(f"machine: {machine()}")
+    m = machine()
+    print(f"machine: {m['cpu']}, torch {m['torch']}, CPU capability {m['cpu_capability']}")
     print("float32 master parameters, AdamW (two float32 moments); per rank; MB = 1e6 bytes; ring collectives")
     print("state: params + optimizer + gradients (shards when sharded); DDP/shard: bytes sent per step (f32 or bf16)")
     report('GPT "small" (the main job\'s)', gpt_params("small"), measure() if args.measure else None)

@@ -8,9 +8,11 @@ A sharded train step differentiates this rank's shards. Inside the differentiate
   where autograd adds them up in the parameter's dtype (float32 masters: float32, whatever the gather
   dtype), as the unsharded step adds the gradients of a tied weight or of a module called twice. ``h``'s
   backward turns the sum into this rank's rows of the mean over the ranks, with one ``reduce_scatter``
-  (:func:`_reduce`), and hands them to ``s``. So a gradient is reduced once per parameter and call of the
-  differentiated function, however many times the parameter is used, in backward order: as soon as its
-  last use's backward has made it, and the whole gradient is freed then.
+  (:func:`_reduce`) waited for at once (compiled too: a wait left to the result's first use, the optimizer at
+  the end of the step, kept every whole gradient alive until then), and hands them to ``s``. So a gradient
+  is reduced once per parameter and call of the differentiated function, however many times the parameter
+  is used, in backward order: as soon as its last use's backward has made it, and the whole gradient is
+  freed then.
 - *gathers* ``w = _Gather.apply(s, h, spec)``, one per use: one ``all_gather`` of every rank's shard in the
   gather dtype, padding cut, the whole shape. Its backward gives the incoming gradient to ``h`` (and nothing
   to ``s``). Gathered per use, a parameter's whole tensor lives from its gather to its module's last forward
@@ -94,18 +96,21 @@ def _reduce(g: torch.Tensor, loss_scale: torch.Tensor | None, spec: Spec, out_dt
     """This rank's rows of the sum over ranks of ``g / N`` (``g`` the scaled whole gradient), see the module."""
     g = g if g.dtype.itemsize >= 4 else g.float()  # the float32 the unsharded step unscales into
     wire = spec.wire or g.dtype
+    # Padded first, with zero rows (zero through every operation below): compiled, the padding, the casts and
+    # the division are one kernel writing the wire buffer, where a cat after them made a second copy of it.
+    g = torch.nn.functional.pad(g.reshape(spec.d0, -1), (0, 0, 0, spec.world * spec.rows - spec.d0))
     if loss_scale is not None and wire.itemsize < g.dtype.itemsize:
         inv = torch.reciprocal(loss_scale.double()).float()
         g = (g * inv) * loss_scale  # the unscaled gradient, scaled again for the wire, as mean_gradients
-    share = (g / spec.world).to(wire).reshape(spec.d0, -1)
-    if share.shape[0] != spec.world * spec.rows:
-        share = torch.cat([share, share.new_zeros(spec.world * spec.rows - share.shape[0], share.shape[1])])
-    flat = share.reshape(-1).detach()  # not differentiated again (the collective's autograd is torch's own)
+    flat = (g / spec.world).to(wire).reshape(-1).detach()  # not differentiated again (the collective's own)
     if spec.group is None:
         mine = flat
     else:
         fn = getattr(_funcol(), "reduce_scatter_single", None) or _funcol().reduce_scatter_tensor
-        mine = _wait(fn(flat, "sum", 0, spec.group))
+        # Waited for here, compiled too: traced without it, the wait lands at the result's first use, where the
+        # cast and the unscale are fused into the optimizer's kernels at the end of the step, and until a
+        # collective is waited for its input lives (and gloo's copy of it): every whole gradient, at once.
+        mine = _funcol().wait_tensor(fn(flat, "sum", 0, spec.group))
     return mine.view(spec.rows, *spec.rest).to(out_dtype)  # the unscale (* 1 / scale) follows torch.func.grad
 
 

@@ -97,11 +97,32 @@ def _recomputable(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
 
 
+def _view_ops() -> frozenset[Any]:
+    aten, prims = torch.ops.aten, torch.ops.prims
+    names = [(aten, "permute", "default"), (aten, "t", "default"), (aten, "transpose", "int")]
+    names += [(aten, "view", "default")]
+    names += [(aten, "_unsafe_view", "default"), (aten, "reshape", "default"), (aten, "expand", "default")]
+    names += [(aten, "slice", "Tensor"), (aten, "select", "int"), (aten, "unsqueeze", "default")]
+    names += [(aten, "alias", "default"), (prims, "convert_element_type", "default"), (aten, "_to_copy", "default")]
+    return frozenset(getattr(getattr(ns, op), overload) for ns, op, overload in names)
+
+
+#: Views and casts a module makes of a gathered parameter (a Linear's transposed weight, after the gather region).
+_VIEWS = _view_ops()
+
+
 def _gathered(node: torch.fx.Node) -> bool:
-    """A forward :func:`gather_region` node: a functional all-gather, its wait, casts and views of a shard. Impure
-    to fx (they communicate), recomputed all the same: every rank recomputes the same ones in the same order."""
+    """A forward :func:`gather_region` node (a functional all-gather, its wait, casts and views of a shard), or a
+    forward view or cast of one only (a Linear's ``permute`` of its weight: left out, the backward kept the
+    forward's gather alive through it). Impure to fx (they communicate), recomputed all the same: every rank
+    recomputes the same ones in the same order."""
     tags = _tags(node)
-    return node.op == "call_function" and bool(tags.get(_GATHER)) and tags.get(_PHASE) == "forward"
+    if node.op != "call_function" or tags.get(_PHASE) != "forward":
+        return False
+    if tags.get(_GATHER):
+        return True
+    inputs = node.all_input_nodes
+    return node.target in _VIEWS and bool(inputs) and all(_gathered(i) for i in inputs)
 
 
 def _gathers(graph: torch.fx.Graph) -> set[torch.fx.Node]:

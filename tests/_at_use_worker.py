@@ -73,7 +73,9 @@ def make_loss_fn(policy: fa.Policy, mode: str = "at_use"):
         x = batch["x"].to(c)
         h = torch.tanh(x @ w("w1") + w("b1"))
         h = torch.tanh(h @ w("w2"))
-        h = torch.tanh(h @ w("w2"))  # the same module again: gathered per call
+        # the same module again, gathered per call, applied as a Linear applies its weight (a view of the gathered
+        # tensor, through which the backward must not reach the forward's gather)
+        h = torch.tanh(torch.nn.functional.linear(h, w("w2").t()))
         logits = ((h @ w("head") + w("row")) * w("temp")).float()
         trap = (w("b1") * batch["poison"].mean().to(c)).sum().float()
         if mode == "losssum":
@@ -182,6 +184,13 @@ def run(name: str, group: Any, rank: int, *, sharded: bool) -> dict[str, Any]:
     return out
 
 
+_aten = torch.ops.aten
+#: views and casts of a gathered weight in the post-grad graph (through which a forward gather can leak)
+_VIEWS = {_aten.permute.default, _aten.t.default, _aten.transpose.int, _aten.view.default, _aten.reshape.default}
+_VIEWS |= {_aten._unsafe_view.default, _aten.expand.default, _aten.slice.Tensor, _aten.alias.default}
+_VIEWS |= {torch.ops.prims.convert_element_type.default, _aten._to_copy.default}
+
+
 def _inductor(group: Any, rank: int) -> dict[str, Any]:
     """The ``bf16`` scenario compiled with inductor, 2 steps: the post-grad graph after funcamp's pass.
 
@@ -221,8 +230,9 @@ def _inductor(group: Any, rank: int) -> dict[str, Any]:
                 if u in seen_nodes:
                     continue
                 seen_nodes.add(u)
-                if _regions._tags(u).get(_regions._GATHER) and _regions._tags(u).get(_regions._PHASE) == "forward":
-                    todo.append(u)
+                forward = _regions._tags(u).get(_regions._PHASE) == "forward"
+                if forward and (_regions._tags(u).get(_regions._GATHER) or u.target in _VIEWS):
+                    todo.append(u)  # a gather's own nodes, or a view of it made by the module (a Linear's permute)
                 elif _regions._tags(u).get(_regions._PHASE) == "backward":
                     leaks.append(f"{n.name} -> {u.name} ({u.target}, {_regions._tags(u)})")
     whole = sharding.unshard_params(state.params, layout, group)

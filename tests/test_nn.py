@@ -239,6 +239,36 @@ def test_apply_fn_does_not_keep_the_module_weights_alive():
     torch.testing.assert_close(apply_fn(params, x), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("policy", ["f32", MIXED[BF16]], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    ("make", "with_buffers", "x"),
+    [
+        (mlp_ln, False, lambda: torch.randn(2, 4)),
+        (TinyGPT, False, lambda: torch.randint(0, 64, (2, 8))),  # a tied weight, embeddings
+        (bn_cnn, True, lambda: torch.randn(2, 3, 6, 6)),  # explicit buffers
+    ],
+    ids=["mlp", "tied-gpt", "bn-cnn"],
+)
+def test_apply_fn_does_not_keep_the_masters_it_returned_alive(make, with_buffers, x, policy):
+    # The masters are the caller's: once a train step has replaced them (or a sharded state holds only its
+    # rows), apply_fn holding them kept a second copy of every parameter alive (a whole one on every rank).
+    torch.manual_seed(0)
+    out = functionalize(make(), policy, with_buffers=with_buffers)
+    apply_fn, params = out[0], out[1]
+    rest = tuple(out[2:])
+    refs = [weakref.ref(t) for t in params.values()]
+    copies = {name: t.clone() for name, t in params.items()}
+    inputs = x()
+    torch.manual_seed(1)  # the same dropout masks in both calls
+    expected = apply_fn(params, *rest, inputs)
+    del params, out
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)
+    torch.manual_seed(1)
+    got = apply_fn(copies, *rest, inputs)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 # --- which dtypes the ops see --------------------------------------------------------------------
 
 

@@ -303,8 +303,10 @@ def functionalize(
         apply_fn.buffer_reductions = buffer_reductions(module, plan.buffers)  # type: ignore[attr-defined]
         return FunctionalWithBuffers(apply_fn, store.params, store.buffers)
 
+    constants = store.buffers  # not the whole store: apply_fn must not keep the masters it returned alive
+
     def apply_fn(params: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
-        return run(params, store.buffers, args, kwargs)[0]  # the buffers as constants
+        return run(params, constants, args, kwargs)[0]  # the buffers as constants
 
     _describe(apply_fn, store, plan, remat_names)
     return Functional(apply_fn, store.params)
@@ -324,7 +326,11 @@ class _Apply:
         op_mode: Callable[[], contextlib.AbstractContextManager[Any]],
     ) -> None:
         self.skeleton, self.plan, self.policy, self.autocast = skeleton, plan, policy, autocast
-        self.store, self.uses, self.op_mode = store, uses, op_mode
+        # What a call reads of the store, not the store: the masters (store.params) are the caller's, and
+        # holding them would keep a second copy of every parameter alive once the training state moves on
+        # (a whole one on every rank of a sharded job).
+        self.forward_dtypes, self.frozen = store.forward_dtypes, store.frozen
+        self.uses, self.op_mode = uses, op_mode
         self.slots = _use.slots(skeleton)
         self.train_names = list(store.params)
         self.stored_dtypes = {name: b.dtype for name, b in store.buffers.items()}
@@ -332,8 +338,8 @@ class _Apply:
     def __call__(
         self, params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor], args: Any, kwargs: Any
     ) -> tuple[Any, dict[str, torch.Tensor]]:
-        plan, dtypes = self.plan, self.store.forward_dtypes
-        _check_keys("params", params, self.train_names, self.store.frozen)
+        plan, dtypes = self.plan, self.forward_dtypes
+        _check_keys("params", params, self.train_names, self.frozen)
         _check_keys("buffers", state, plan.buffers)
         # Fresh tensors: the module's in-place updates (running statistics) must not reach the caller's.
         # A tied buffer is the same fresh tensor under every name. Parameters are not bound here: each
