@@ -421,10 +421,13 @@ def _wide_loss(params, batch):
 
 #: Temporaries of one leaf (float32, 512 x 512) that a step may hold above its gradients and updates, measured:
 #: Adam's update holds 5 (two moments, the denominator, m / bc1, u), SGD's and Lion's 2; the bfloat16 master
-#: wrappers compute in float32 and integers (Kahan 11, stochastic rounding's int64 hash 15).
+#: wrappers compute in float32 and integers (Kahan 11, stochastic rounding's int64 hash 15, and 2 more, one int64
+#: leaf, in a process where a torch.compile trace had raised before: 20.0 MiB after
+#: test_compile_time.py::test_traced_structure_errors_still_raised, 18.0 alone; the ops and their bytes are the same,
+#: one int64 temporary is freed later; the end-copy donation's 23.0 still fails the bound).
 LEAF_TEMPORARIES = dict.fromkeys(("adamw", "adam_l2", "clip_adamw", "groups", "masked"), 5)
 LEAF_TEMPORARIES.update(dict.fromkeys(("sgd", "sgd_momentum", "sgd_nesterov", "lion"), 2))
-LEAF_TEMPORARIES.update(kahan=11, stochastic_rounding=15)
+LEAF_TEMPORARIES.update(kahan=11, stochastic_rounding=18)
 
 
 @pytest.mark.parametrize("name", list(IN_PLACE))
