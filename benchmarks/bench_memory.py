@@ -49,6 +49,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 from bench_train_step import (  # noqa: E402
+    MLP,
     ChunkedHeadLoss,
     _trim,
     checkpoint_blocks,
@@ -93,17 +94,6 @@ LCE_VARIANTS = (
 #: What a checkpointed (or chunked-loss) variant is compared with: the same step without either.
 BASE = {v: v.replace("_remat", "").replace("_ckpt", "").replace("_lce", "") for v in REMAT_VARIANTS + LCE_VARIANTS}
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, width: int = 2048, depth: int = 8) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
 
 
 def make(model_name: str, device: torch.device, seed: int = 0, layers: int = 12) -> tuple[torch.nn.Module, Any, Any]:

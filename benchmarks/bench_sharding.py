@@ -87,7 +87,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_train_step import _trim, live_tensor_bytes, machine, profiled_step  # noqa: E402
+from bench_train_step import MLP, _trim, live_tensor_bytes, machine, profiled_step  # noqa: E402
 from gpt import GPT, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
@@ -223,17 +223,6 @@ OVERLAP = {
 }
 
 
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
-
 def memory_job(model_name: str, layers: int, batch: str, rank: int, n: int) -> tuple[torch.nn.Module, list, list, Any]:
     """``(model, its modules FSDP2 shards before the root, n batches of this rank, loss(output, batch))``.
 
@@ -244,7 +233,7 @@ def memory_job(model_name: str, layers: int, batch: str, rank: int, n: int) -> t
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1 + rank)
     if model_name == "mlp":
-        mlp = MLP()
+        mlp = MLP(WIDTH, DEPTH)
         data = [{"x": torch.randn(BATCH, WIDTH, generator=g)} for _ in range(n)]
         return mlp, list(mlp.layers), data, lambda out, b: out.float().square().mean()
     cfg = config_for("gpt2-124m", n_layer=layers)

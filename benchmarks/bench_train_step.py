@@ -396,6 +396,19 @@ class Runner:
 # --- subprocess probes: memory and host syncs ----------------------------------------------------------
 
 
+class MLP(torch.nn.Module):
+    """``depth`` x ``Linear(width, width)`` with ReLU: the state-dominated model of bench_memory and bench_sharding."""
+
+    def __init__(self, width: int = 2048, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
 def live_tensor_bytes(device: torch.device) -> int:
     """Bytes of the distinct storages of every tensor the garbage collector can see on ``device``."""
     gc.collect()
