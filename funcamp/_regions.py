@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -144,21 +145,30 @@ def _drop_unused_gathers(graph: torch.fx.Graph) -> None:
 
 
 def _sink_gathers(graph: torch.fx.Graph) -> None:
-    """Move each forward gather (a collective and its views) to just before its first user.
+    """Move each forward gather (a collective and its views) to just before its first user (:func:`_sink`)."""
+    _sink(graph, _gathered)
 
-    ``funcamp.nn.functionalize`` makes every use up front when compiled, so the gathers come first in the
-    graph; inductor schedules in graph order, which would hold every gathered parameter from the start of
-    the forward. Only gathers whose other inputs all come before that user are moved.
+
+def _sink(
+    graph: torch.fx.Graph, member: Callable[[torch.fx.Node], bool]
+) -> list[tuple[list[torch.fx.Node], torch.fx.Node]]:
+    """Move each connected group of ``member`` nodes to just before the first node outside it that uses it;
+    return the moved groups (in graph order) with that user.
+
+    ``funcamp.nn.functionalize`` makes every use up front when compiled, so the gathers and the parameters'
+    casts come first in the graph; inductor schedules in graph order, which would hold every gathered or cast
+    parameter from the start of the forward. Only groups whose other inputs all come before that user are moved.
     """
+    moved = []
     order = {node: i for i, node in enumerate(graph.nodes)}
     done: set[torch.fx.Node] = set()
     for node in list(graph.nodes):
-        if node in done or not _gathered(node):
+        if node in done or not member(node):
             continue
-        region, todo = [], [node]  # the connected gather nodes
+        region, todo = [], [node]  # the connected member nodes
         while todo:
             n = todo.pop()
-            if n in done or not _gathered(n):
+            if n in done or not member(n):
                 continue
             done.add(n)
             region.append(n)
@@ -174,6 +184,38 @@ def _sink_gathers(graph: torch.fx.Graph) -> None:
             continue
         for n in region:
             first.prepend(n)
+        moved.append((region, first))
+    return moved
+
+
+def _wait_for_user(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> None:
+    """Make ``group`` (casts and views of graph inputs, just before ``user``) wait for the value computed last
+    before it: each graph input it reads is read as ``where(flag, x, x)`` (bitwise ``x``), ``flag`` made from
+    that value.
+
+    Moving the casts in the graph is not enough: inductor fuses nodes that have no inputs in the graph into
+    any earlier kernel, and put every block's bfloat16 weights into the step's first kernel, all alive through
+    the forward (GPT-2 124M: 74 MiB at its peak)."""
+    source = group[0].prev
+    while source.op != "root" and not (source.op == "call_function" and _gateable(source)):
+        source = source.prev
+    if source.op == "root":
+        return
+    with graph.inserting_before(group[0]):
+        first = source
+        for _ in range(source.meta["val"].ndim):  # its first element, a 0-d view
+            first = _call(graph, torch.ops.aten.select.int, first, 0, 0)
+        flag = _call(graph, torch.ops.aten.eq.Tensor, first, first)
+        gated = {}
+        for node in group:
+            for inp in node.all_input_nodes:
+                if inp.op == "placeholder" and inp not in gated:
+                    gated[inp] = _call(graph, torch.ops.aten.where.self, flag, inp, inp)
+        for new in (flag, first, *gated.values()):
+            new.meta["custom"] = {_PHASE: "forward"}
+    for node in group:
+        for inp, late in gated.items():
+            node.replace_input_with(inp, late)
 
 
 #: Random ops whose results are 0 or 1 (dropout's masks after decomposition): kept as bools for the backward.
@@ -185,8 +227,44 @@ def _draws(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return {n for n in graph.nodes if n.target in _ZERO_ONE_DRAWS and _tags(n).get(_REMAT)}
 
 
-def _recomputed(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The region nodes the backward recomputes: the recomputable ones that stay inside their region.
+def _param_use(node: torch.fx.Node) -> bool:
+    """A forward cast or view of graph inputs only (a parameter's forward tensor), made outside every region:
+    compiled, ``functionalize`` makes every parameter's forward tensor up front, before any module runs."""
+    tags = _tags(node)
+    if node.op != "call_function" or tags.get(_PHASE) != "forward" or tags.get(_REMAT) or tags.get(_GATHER):
+        return False
+    inputs = node.all_input_nodes
+    return node.target in _VIEWS and bool(inputs) and all(i.op == "placeholder" or _param_use(i) for i in inputs)
+
+
+def _param_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    """The parameters' forward casts and views that only one region's forward (and the backward) reads, each
+    mapped to that region: recomputed with it, as ``torch.utils.checkpoint`` recomputes a checkpointed module's
+    input casts (without this a checkpointed block's bfloat16 weights lived from the start of the forward to
+    their backward: on GPT-2 124M, 8 x 256, 162 MiB at the compiled step's peak, at the end of the forward)."""
+    out: dict[torch.fx.Node, int] = {}
+    done: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node in done or not _param_use(node):
+            continue
+        group, todo = set(), [node]  # the connected casts and views
+        while todo:
+            n = todo.pop()
+            if n in group or not _param_use(n):
+                continue
+            group.add(n)
+            todo += list(n.users) + list(n.all_input_nodes)
+        done |= group
+        users = [u for n in group for u in n.users if u not in group]
+        forward = {_tags(u).get(_REMAT) for u in users if _tags(u).get(_PHASE) != "backward"}
+        if len(forward) == 1 and None not in forward and all(u.op == "call_function" for u in users):
+            out.update(dict.fromkeys(group, forward.pop()))
+    return out
+
+
+def _recomputed(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int]) -> set[torch.fx.Node]:
+    """The region nodes the backward recomputes: the recomputable ones that stay inside their region, and the
+    parameter casts and views only one region reads (``param_uses``, from :func:`_param_uses`).
 
     A region's results used outside it (by the next region, by untagged forward nodes, by the graph's output)
     are kept, never recomputed: they are the next region's inputs, saved as ``torch.utils.checkpoint`` saves a
@@ -194,11 +272,13 @@ def _recomputed(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     region before it (a chain through all the blocks), all alive at once.
     """
     region = {n: _tags(n)[_REMAT] for n in graph.nodes if _recomputable(n)}
+    region.update(param_uses)
 
     def leaves(n: torch.fx.Node) -> bool:
         for user in n.users:
             tags = _tags(user)
-            if user.op != "call_function" or (tags.get(_PHASE) != "backward" and tags.get(_REMAT) != region[n]):
+            inside = tags.get(_REMAT, region.get(user)) == region[n]
+            if user.op != "call_function" or (tags.get(_PHASE) != "backward" and not inside):
                 return True
         return False
 
@@ -358,6 +438,35 @@ class _Recompute:
         return min(inputs, key=lambda d: d.meta["val"].numel())
 
 
+#: A backward constructor at least this large (elements) waits for the gradient: see :func:`_late_constructors`.
+_LARGE = 1 << 18
+
+
+def _late_constructors(graph: torch.fx.Graph) -> None:
+    """Make each large tensor the backward builds from nothing (an embedding's gradient, zeros that
+    ``index_put`` accumulates into) wait for the gradient its first user reads, as ``where(flag, x, x)``
+    (bitwise ``x``).
+
+    Without inputs, inductor may compute it with any earlier kernel: on GPT-2 124M it filled the token
+    embedding's float32 gradient (50304 x 768, 147 MiB) with the forward's last LayerNorm, so that it lived
+    through the LM head's logits, the compiled step's peak.
+    """
+    after = _after_gradient(graph)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.all_input_nodes or _tags(node).get(_PHASE) != "backward":
+            continue
+        if not node.users or not _gateable(node) or node.meta["val"].numel() < _LARGE:
+            continue
+        first = min(node.users, key=order.__getitem__)
+        flag = _Gate(graph, after, first).flag()
+        if flag is None:
+            continue
+        with graph.inserting_before(first):
+            late = _call(graph, torch.ops.aten.where.self, flag, node, node)
+        node.replace_all_uses_with(late, delete_user_cb=lambda user, late=late: user is not late)
+
+
 try:
     from torch._inductor.custom_graph_pass import CustomGraphPass as _Base
 except ImportError:  # older torch: a plain callable
@@ -373,8 +482,12 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
     gather's copy, placed and gated with it."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        _Recompute(graph, _recomputed(graph) | _gathers(graph), _draws(graph)).run()
+        param_uses = _param_uses(graph)
+        _Recompute(graph, _recomputed(graph, param_uses) | _gathers(graph), _draws(graph)).run()
         _regather(graph)
+        for group, _ in _sink(graph, param_uses.__contains__):
+            _wait_for_user(graph, group)
+        _late_constructors(graph)
 
     def uuid(self) -> bytes | None:
         """The pass's identity for inductor's caches: a hash of this module's source; ``None`` (the step is not
