@@ -43,13 +43,14 @@ from funcamp.nn._functionalize import Functional, FunctionalWithBuffers, functio
 from funcamp.nn._load import load_into, state_dict
 from funcamp.nn._loss import linear_cross_entropy
 from funcamp.nn._plan import EMBEDDING_TYPES, NORM_TYPES, float32_lookup, keep_in_float32, param_policies
-from funcamp.nn._remat import RematInactiveWarning
+from funcamp.nn._remat import Remat, RematInactiveWarning
 
 __all__ = [
     "EMBEDDING_TYPES",
     "NORM_TYPES",
     "Functional",
     "FunctionalWithBuffers",
+    "Remat",
     "RematInactiveWarning",
     "float32_lookup",
     "functionalize",

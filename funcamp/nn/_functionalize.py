@@ -72,7 +72,7 @@ def functionalize(
     trainable: Trainable = None,
     op_policies: Mapping[Any, OpRule | None] | None = None,
     quantize: quant.Int8WeightOnlyConfig | None = None,
-    remat: _remat.Remat = None,
+    remat: _remat.RematLike = None,
 ) -> Functional | FunctionalWithBuffers:
     """Turn ``module`` into a pure function of its parameters (and buffers), under a precision policy.
 
@@ -289,7 +289,8 @@ def functionalize(
     remat_names = _remat.select(module, remat)
     _remat.install()
     uses = _use.Uses(store.frozen, store.int8, store.forward_dtypes, plan.aliases)
-    skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=remat_names)
+    budgets = dict.fromkeys(remat_names, _remat.budget(remat))
+    skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=budgets)
     op_mode = _wrappers.op_mode(policy, op_policies, autocast, store.forward_dtypes)
     run = _Apply(skeleton, plan, policy, autocast, store, uses, op_mode)
     if explicit:
