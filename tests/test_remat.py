@@ -570,6 +570,7 @@ def test_remat_value_forms():
         (lambda: functionalize(Net(), MIXED, remat=[Remat(Block)]), TypeError, "a Remat inside a remat list"),
         (lambda: functionalize(Net(), MIXED, remat=Remat(3)), TypeError, "remat must be None.*got int"),
         (lambda: functionalize(Net(), MIXED, remat=Remat("nope")), ValueError, "pattern 'nope' matches no"),
+        (lambda: functionalize(Net(), MIXED, remat="auto"), ValueError, r"remat='auto' is not offered.*Remat\(Block"),
     ],
 )
 def test_budget_bad_input(make, error, match):

@@ -21,7 +21,8 @@ that copy, and runs it with the tensors passed to ``apply_fn``; each parameter i
 uses it.
 ``torch.utils.checkpoint`` inside the module's forward works (see :mod:`funcamp.nn._remat`), and
 ``functionalize(..., remat=...)`` checkpoints chosen submodules (by type, name pattern or predicate)
-without editing the model; memory is saved where torch can recompute (eager plain autograd).
+without editing the model; memory is saved eagerly (plain autograd) and in the inductor-compiled step;
+``remat=Remat(modules, budget=b)`` keeps the fraction ``b`` of their activation bytes there (:class:`Remat`).
 
 The way back: :func:`load_into` ``(model, state.params, state.buffers, frozen=apply_fn.frozen)`` writes
 trained tensors into the module (``load_state_dict(strict=True)``: tied weights under each name, int8

@@ -82,7 +82,8 @@ class Remat:
     recomputed from what is kept. Eager (``torch.utils.checkpoint``) has no such choice: a budget below 1
     recomputes the whole module, ``1.0`` runs it as is (nothing recomputed). The budget is a constant of the
     traced graph (a tag on the region's nodes): it never recompiles, and gradients stay bitwise those
-    without remat at every budget.
+    without remat at every budget. There is no ``remat="auto"``: choosing a budget automatically needs a
+    memory target (a device's capacity, less what else the step holds) that the graph pass does not know.
 
     Example:
       >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
@@ -346,12 +347,20 @@ def select(module: nn.Module, remat: RematLike) -> list[str]:
     Raises:
       TypeError: if ``remat`` or one of its entries is not one of the accepted forms, or the predicate
         returns a non-bool.
-      ValueError: if a type or pattern matches no submodule, or the predicate chooses none.
+      ValueError: if a type or pattern matches no submodule, or the predicate chooses none; if ``remat`` is
+        ``"auto"`` (not offered: see :class:`Remat`) and no submodule is named ``auto``.
     """
     if remat is None:
         return []
     if isinstance(remat, Remat):
         remat = remat.modules
+    if isinstance(remat, str) and remat == "auto" and not any(n == "auto" for n, _ in module.named_modules()):
+        raise ValueError(
+            "functionalize: remat='auto' is not offered: an automatic budget needs a memory target the graph pass "
+            "does not know (no device capacity on a CPU, none given); choose the modules and a budget, e.g. "
+            "remat=funcamp.nn.Remat(Block, budget=0.5) (the fraction of their activation bytes kept), or "
+            f"{_ACCEPTED}"
+        )
     named = [
         (name, sub)
         for name, sub in module.named_modules(remove_duplicate=False)
