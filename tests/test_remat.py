@@ -576,3 +576,59 @@ def test_remat_value_forms():
 def test_budget_bad_input(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def _tagged_graph(budget: float) -> torch.fx.Graph:
+    """A traced forward of one region (a matmul, a GELU of it, a transposed cast) and the backward nodes that
+    read them, tagged as funcamp's tracing tags them (fake values: shapes and dtypes only)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from funcamp import _regions
+
+    def fn(x, w):
+        h = torch.mm(x, w)  # 64 x 32 float32, 2 * 64 * 16 * 32 FLOPs
+        g = F.gelu(h)  # 64 x 32 float32, pointwise
+        c = g.to(torch.bfloat16).t()  # a view of a cast
+        return h * 2.0, g * 3.0, c * 4  # the "backward" (the muls) reads h, g and the view
+
+    graph = make_fx(fn, tracing_mode="fake")(torch.randn(64, 16), torch.randn(16, 32)).graph
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.mul.Tensor:
+            tags = {_regions._PHASE: "backward"}
+        else:
+            tags = {_regions._PHASE: "forward", _regions._REMAT: 1}
+            if budget > 0:
+                tags[_regions._BUDGET] = budget
+        node.meta["custom"] = tags
+    return graph
+
+
+@pytest.mark.parametrize(
+    "budget, kept",
+    [
+        (0.0, set()),
+        (0.39, {"conv", "t"}),
+        (0.4, {"mm"}),
+        (0.59, {"mm"}),
+        (0.6, {"mm", "conv", "t"}),
+        (0.99, {"mm", "conv", "t"}),
+        (1.0, {"mm", "gelu", "conv", "t"}),
+    ],
+)
+def test_budget_keeps_costliest_per_byte(budget, kept):
+    """The candidates: the matmul output (8 KiB, 2 * 64 * 16 * 32 FLOPs: 8 per byte), the GELU output (8 KiB, one
+    per element: 1/4 per byte), the bfloat16 cast (4 KiB, 1/2 per byte) whose transposed view the backward reads
+    (counted on the cast and kept with it): 20 KiB in all. Kept, costliest per byte first, each that still fits
+    within budget x 20 KiB: below 0.4 the matmul does not fit and the cast does; from 0.4 the matmul, from 0.6 the
+    cast with it, GELU only at 1."""
+    from funcamp import _regions
+
+    graph = _tagged_graph(budget)
+    recompute = _regions._recomputed(graph)
+    names = {n.target.overloadpacket.__name__: n for n in recompute if hasattr(n.target, "overloadpacket")}
+    assert {"mm", "gelu", "t"} <= set(names), names
+    got = _regions._kept(graph, recompute)
+    aliases = {"_to_copy": "conv", "convert_element_type": "conv"}
+    assert {aliases.get(n.target.overloadpacket.__name__, n.target.overloadpacket.__name__) for n in got} == kept
