@@ -228,15 +228,24 @@ def _nbytes(node: torch.fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
+#: Ops ``torch.utils.flop_counter`` has no formula for, counted with another's of the same arguments' meaning:
+#: the CPU flash attention (query, key, value first) as the CUDA one.
+_FLOP_ALIASES = {
+    getattr(torch.ops.aten, cpu, None): getattr(torch.ops.aten, gpu, None)
+    for cpu, gpu in [("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention")]
+}
+
+
 def _flops(node: torch.fx.Node) -> float:
     """What recomputing ``node`` costs: the FLOPs of a matmul, convolution or attention (``torch.utils.
-    flop_counter``'s formulas, on the fake values), else one per output element (pointwise ops, reductions)."""
+    flop_counter``'s formulas, on the fake values), else one per output element (pointwise ops, reductions); an
+    output of a multi-output op (attention's output and log-sum-exp) costs the whole op."""
     from torch.utils.flop_counter import flop_registry
 
     if node.target is operator.getitem and node.all_input_nodes:  # an output of a multi-output op: the op's cost
         return _flops(node.all_input_nodes[0])
     packet = getattr(node.target, "overloadpacket", None)
-    formula = flop_registry.get(packet)
+    formula = flop_registry.get(packet) or flop_registry.get(_FLOP_ALIASES.get(packet))
     if formula is not None:
 
         def value(a: Any) -> Any:

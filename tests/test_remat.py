@@ -632,3 +632,18 @@ def test_budget_keeps_costliest_per_byte(budget, kept):
     got = _regions._kept(graph, recompute)
     aliases = {"_to_copy": "conv", "convert_element_type": "conv"}
     assert {aliases.get(n.target.overloadpacket.__name__, n.target.overloadpacket.__name__) for n in got} == kept
+
+
+def test_budget_cost_of_attention_on_cpu():
+    """The CPU flash attention (no formula of its own in torch.utils.flop_counter) costs the CUDA one's FLOPs,
+    4 * batch * heads * seq^2 * head_dim, charged to each of its outputs (it was one per element, so its output
+    ranked below the matmuls, 0.5 per byte against 8.25 for its small log-sum-exp)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from funcamp import _regions
+
+    q = torch.randn(2, 4, 128, 32, dtype=torch.bfloat16)
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    graph = make_fx(lambda q, k, v: sdpa(q, k, v, 0.0, True), tracing_mode="fake")(q, q, q).graph
+    costs = [_regions._flops(n) for n in graph.nodes if n.op == "call_function"]
+    assert costs == [4 * 2 * 4 * 128 * 128 * 32] * 3  # the op and its two outputs
