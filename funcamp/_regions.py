@@ -19,6 +19,9 @@ neither run them during the forward nor fuse them into the forward's kernels. Th
 on the same inputs, so gradients are bitwise those without remat. Random ops (dropout masks) and ops that write
 to their inputs are never copied: their results are kept, so masks are replayed; a dropout draw (0 or 1) is
 kept as a bool. Where torch has no ``annotate`` (before 2.9) nothing is tagged and the pass does nothing.
+A region with an activation memory budget (``funcamp.nn.Remat(modules, budget=b)``, a second tag) keeps the
+fraction ``b`` of the bytes it would recompute, the values costliest to recompute per byte first
+(:func:`_kept`), and recomputes the rest from them.
 
 A sharded parameter's all-gather (:func:`gather_region`, :mod:`funcamp._at_use`) is recomputed the same way,
 always: its backward uses get a new all-gather (every rank compiles the same graph, so every rank runs the same
@@ -231,8 +234,9 @@ def _nbytes(node: torch.fx.Node) -> int:
 #: Ops ``torch.utils.flop_counter`` has no formula for, counted with another's of the same arguments' meaning:
 #: the CPU flash attention (query, key, value first) as the CUDA one.
 _FLOP_ALIASES = {
-    getattr(torch.ops.aten, cpu, None): getattr(torch.ops.aten, gpu, None)
+    getattr(torch.ops.aten, cpu): getattr(torch.ops.aten, gpu)
     for cpu, gpu in [("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention")]
+    if hasattr(torch.ops.aten, cpu) and hasattr(torch.ops.aten, gpu)
 }
 
 
@@ -272,10 +276,9 @@ def _kept(graph: torch.fx.Graph, recompute: set[torch.fx.Node]) -> set[torch.fx.
     base's, and it is kept with it; a view of a value kept anyway, a region input, costs nothing and is kept).
     They are ranked by recompute cost per byte (:func:`_flops`), the highest first, the latest in the graph first
     between equals (the backward frees a later region's values first: kept early values would stay alive through
-    every later region's recompute), and kept while the kept bytes stay within ``budget`` times the candidates'
-    bytes. Budget 1 keeps every one
-    (no backward use reads a copy: nothing recomputed); a kept value's copies are never made, and the copies of
-    the rest read it.
+    every later region's recompute), and each is kept if it still fits: the kept bytes stay within ``budget``
+    times the candidates' bytes (a greedy knapsack). Budget 1 keeps every one (no backward use reads a copy:
+    nothing recomputed); a kept value's copies are never made, and the copies of the rest read it.
     """
     order = {node: i for i, node in enumerate(graph.nodes)}
     bases: dict[torch.fx.Node, set[torch.fx.Node]] = {}  # candidate -> the views of it the backward reads
@@ -490,7 +493,8 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
     def uuid(self) -> bytes | None:
         """The pass's identity for inductor's caches: a hash of this module's source; ``None`` (the step is not
         cached) once this process has made a region. The caches' keys hold the graph's code, not its tags: a
-        step compiled without remat, cached, would be served for the same model with remat (no memory saved)."""
+        step compiled without remat, cached, would be served for the same model with remat (no memory saved);
+        nor the budgets (:class:`funcamp.nn.Remat`, tags too): a step of one budget would be served for another."""
         if _made_regions[0]:
             return None
         with open(__file__, "rb") as f:

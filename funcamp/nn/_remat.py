@@ -33,7 +33,8 @@ above.
 ``functionalize(..., remat=...)`` checkpoints chosen modules without editing the model
 (:func:`select` chooses them, :func:`wrap_forward` routes each one's forward, on the internal copy,
 through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``), as FSDP's
-``apply_activation_checkpointing(model, check_fn=...)`` and flax's ``nn.remat`` do.
+``apply_activation_checkpointing(model, check_fn=...)`` and flax's ``nn.remat`` do; :class:`Remat` adds an
+activation memory budget for the compiled step.
 """
 
 from __future__ import annotations
