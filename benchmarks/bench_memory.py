@@ -19,6 +19,8 @@ Variants (bfloat16 compute by default, ``--dtype``):
   / ``torch_compiled_ckpt`` (``torch.compile(model)``), ``funcamp_eager_remat``, ``funcamp_compiled_remat``,
   ``funcamp_compiled_donate_remat`` (``functionalize(remat=Block)``); the table compares each with its base.
   ``--time-steps N`` times N steps after the memory (best kept; separate processes, so noisy on a shared machine).
+  ``--remat-budgets 0,0.25,0.5,0.75,1`` runs each ``funcamp_*_remat`` variant once per activation memory budget
+  (``remat=funcamp.nn.Remat(Block, budget=b)``; 0 is ``remat=Block``), named ``<variant>@<b>``.
 - with the chunked LM head and loss (GPT models; ``--variants``): ``torch_eager_lce``, ``torch_eager_ckpt_lce``,
   ``funcamp_compiled_donate_lce``, ``funcamp_compiled_donate_remat_lce``: the model's forward returns
   ``funcamp.nn.linear_cross_entropy`` of the hidden states and the tied head's weight (``--chunk-size`` rows at a
@@ -126,7 +128,15 @@ def make(model_name: str, device: torch.device, seed: int = 0, layers: int = 12)
     return model, batches, lambda out, b: F.cross_entropy(out.flatten(0, 1).float(), b["y"].flatten())
 
 
-def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, backend: str, chunk_size: int = 256):
+def build(
+    variant: str,
+    model: torch.nn.Module,
+    loss: Any,
+    dtype: torch.dtype,
+    backend: str,
+    chunk_size: int = 256,
+    remat_budget: float = 0.0,
+):
     device = next(model.parameters()).device
     remat = "_remat" in variant or "_ckpt" in variant
     if (remat or variant.endswith("_lce")) and not isinstance(model, GPT):
@@ -153,7 +163,8 @@ def build(variant: str, model: torch.nn.Module, loss: Any, dtype: torch.dtype, b
 
         return torch_step
     policy = fa.get_policy(f"params=float32,compute={str(dtype).split('.')[1]},output=float32")
-    apply_fn, params = fa.nn.functionalize(model, policy, remat=Block if remat else None)
+    blocks = fa.nn.Remat(Block, budget=remat_budget) if remat_budget else Block
+    apply_fn, params = fa.nn.functionalize(model, policy, remat=blocks if remat else None)
     params = {k: v.detach().clone() for k, v in params.items()}  # the state owns its tensors
     opt = optim.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)
     box = [fa.TrainState.create(params, opt)]
@@ -180,7 +191,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     before = live_tensor_bytes(device)
     model, batches, loss = make(args.model, device, layers=args.gpt2_layers)
     data = iter(batches(2 + 2 * args.steps + args.time_steps))
-    step = build(args.variant, model, loss, dtype, args.backend, args.chunk_size)
+    step = build(args.variant, model, loss, dtype, args.backend, args.chunk_size, args.remat_budget)
     del model
     for _ in range(2):
         step(next(data))
@@ -209,9 +220,11 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
+    remat = "_remat" in args.variant and args.remat_budgets is not None
     return {
         "model": args.model,
-        "variant": args.variant,
+        "variant": f"{args.variant}@{args.remat_budget:g}" if remat else args.variant,
+        "remat_budget": args.remat_budget if "_remat" in args.variant else None,
         "rest_mb": max(rests) / 2**20,
         "peak_mb": max(peaks) / 2**20,
         "adds_mb": max(p - r for p, r in zip(peaks, rests)) / 2**20,
@@ -236,7 +249,7 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, Any], argv: list[str]) 
         by = {r["variant"]: r for r in rows if r["model"] == model}
         ref_c, ref_e = by.get("torch_compiled_opt"), by.get("torch_eager")
         for name, r in by.items():
-            base = by.get(BASE.get(name, ""))
+            base = by.get(BASE.get(name.split("@")[0], ""))
             ms = r.get("ms_per_step")
             lines.append(
                 f"| {model} | {name} | {r['rest_mb']:.1f} | {r['adds_mb']:.1f} "
@@ -264,6 +277,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--time-steps", type=int, default=0, help="timed steps per variant after the memory (best kept)")
     p.add_argument("--gpt2-layers", type=int, default=12, help="blocks of the gpt2 model (12: GPT-2 124M)")
     p.add_argument("--chunk-size", type=int, default=256, help="rows per chunk of the _lce variants' loss")
+    p.add_argument(
+        "--remat-budgets",
+        default=None,
+        help="comma-separated activation memory budgets in [0, 1]: each _remat variant once per budget",
+    )
+    p.add_argument("--remat-budget", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="write the rows and the machine as JSON here")
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
@@ -275,8 +294,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return [result]
     rows = []
     argv_used = argv if argv is not None else sys.argv[1:]
+    budgets = [float(b) for b in args.remat_budgets.split(",")] if args.remat_budgets else [0.0]
+    runs = [
+        (variant, budget)
+        for variant in args.variants.split(",")
+        for budget in (budgets if "_remat" in variant else [0.0])
+    ]
     for model in args.models.split(","):
-        for variant in args.variants.split(","):
+        for variant, budget in runs:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 out = f.name
             cmd = [
@@ -304,12 +329,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 str(args.gpt2_layers),
                 "--chunk-size",
                 str(args.chunk_size),
+                "--remat-budget",
+                str(budget),
             ]
+            if args.remat_budgets:
+                cmd += ["--remat-budgets", args.remat_budgets]
             env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
             subprocess.run(cmd, check=True, env=env)
             rows.append(json.loads(Path(out).read_text()))
             os.unlink(out)
-            print(f"{model} {variant}: adds {rows[-1]['adds_mb']:.1f} MB over {rows[-1]['rest_mb']:.1f} MB", flush=True)
+            row = rows[-1]
+            print(f"{model} {row['variant']}: adds {row['adds_mb']:.1f} MB over {row['rest_mb']:.1f} MB", flush=True)
             if args.out:  # after each variant: a long run stopped early keeps what it measured
                 Path(args.out).write_text(json.dumps({"machine": machine(), "argv": argv_used, "rows": rows}, indent=1))
     info = machine()

@@ -18,6 +18,10 @@ initial weights with AdamW (lr 1e-3), float32 throughout (this benchmark is abou
 4. ``funcamp_remat``: variant 3 with ``functionalize(..., remat=<block type>)``.
 5. ``funcamp_compiled`` / ``funcamp_compiled_remat`` (``--variants``): the inductor-compiled step without / with
    ``remat=`` (``funcamp._regions.RematPass`` recomputes the regions); no separate forward+backward peak.
+   ``--remat-budgets 0,0.5,1`` runs each ``funcamp*_remat`` variant once per activation memory budget
+   (``remat=funcamp.nn.Remat(block, budget=b)``), named ``<variant>@<b>``, all interleaved in the rounds;
+   ``--compute bfloat16`` and ``--donate`` set the funcamp variants' compute dtype and ``make_train_step(donate=)``
+   (torch's variants stay float32).
 
 Time: each variant is warmed up (one step), then ``--rounds`` rounds run ``--steps`` steps of every variant
 in turn, the order rotated each round; the median of the rounds' ms/step is reported, with ratios to
@@ -101,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--probe-steps", type=int, default=1, help="profiled steps per variant for memory")
     p.add_argument("--variants", nargs="+", choices=VARIANTS + COMPILED, default=list(VARIANTS))
+    p.add_argument("--remat-budgets", default=None, help="comma-separated budgets: each _remat variant once per budget")
+    p.add_argument("--compute", default="float32", help="the funcamp variants' compute dtype (default float32)")
+    p.add_argument("--donate", action="store_true", help="the funcamp variants' make_train_step(donate=True)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
@@ -177,9 +184,18 @@ class FuncampStep:
     """Variants 3-4: functionalize + make_train_step(compile=False); ``remat``: the block type."""
 
     def __init__(
-        self, model: torch.nn.Module, block: type, logits: Callable, remat: bool, compiled: bool = False
+        self,
+        model: torch.nn.Module,
+        block: type,
+        logits: Callable,
+        remat: bool,
+        compiled: bool = False,
+        budget: float = 0.0,
+        policy: str = POLICY,
+        donate: bool = False,
     ) -> None:
-        apply_fn, params = functionalize(model, POLICY, remat=block if remat else None)
+        blocks = fa.nn.Remat(block, budget=budget) if budget else block
+        apply_fn, params = functionalize(model, policy, remat=blocks if remat else None)
         self.compiled = compiled
         self.remat = apply_fn.remat
         chunked = isinstance(model, ChunkedHeadLoss)
@@ -192,7 +208,7 @@ class FuncampStep:
         self.grad_fn = fa.grad_and_value(loss_fn, fa.NoOpLossScale())  # what the eager step differentiates with
         opt = optim.adamw(LR)
         self.state = fa.TrainState.create(params, opt)
-        self.step = fa.make_train_step(loss_fn, opt, compile=compiled)
+        self.step = fa.make_train_step(loss_fn, opt, compile=compiled, donate=donate)
 
     def __call__(self, windows: torch.Tensor) -> torch.Tensor:
         self.state, metrics = self.step(self.state, windows)
@@ -204,8 +220,16 @@ class FuncampStep:
 
 
 def build(
-    name: str, base: torch.nn.Module, block: type, logits: Callable, chunk_size: int = 256
+    name: str,
+    base: torch.nn.Module,
+    block: type,
+    logits: Callable,
+    chunk_size: int = 256,
+    policy: str = POLICY,
+    donate: bool = False,
 ) -> TorchStep | FuncampStep:
+    """A variant by name; ``<variant>@<b>``: the same with the activation memory budget ``b``."""
+    name, _, budget = name.partition("@")
     model = copy.deepcopy(base)
     if name.endswith("_lce"):
         if not isinstance(model, GPT):
@@ -213,7 +237,16 @@ def build(
         model = ChunkedHeadLoss(model, chunk_size)
     if name.startswith("torch"):
         return TorchStep(model, block, logits, ckpt=name == "torch_ckpt")
-    return FuncampStep(model, block, logits, remat="_remat" in name, compiled="compiled" in name)
+    return FuncampStep(
+        model,
+        block,
+        logits,
+        remat="_remat" in name,
+        compiled="compiled" in name,
+        budget=float(budget or 0.0),
+        policy=policy,
+        donate=donate,
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -238,8 +271,12 @@ def run_job(job: str, args: argparse.Namespace, device: torch.device) -> dict[st
     base, block, (label, windows), logits = (gpt_job if job == "gpt" else gpt2_job)(args, device)
     print(f"\n{label}: every {block.__name__} checkpointed in torch_ckpt and funcamp_remat", flush=True)
     steps, first_loss = {}, {}
+    budgets = args.remat_budgets.split(",") if args.remat_budgets else None
+    expand = lambda v: [f"{v}@{float(b):g}" for b in budgets] if budgets and "_remat" in v and "@" not in v else [v]  # noqa: E731
+    args.variants = [name for v in args.variants for name in expand(v)]
+    policy = f"params=float32,compute={args.compute},output=float32"
     for name in args.variants:
-        steps[name] = build(name, base, block, logits, args.chunk_size)
+        steps[name] = build(name, base, block, logits, args.chunk_size, policy, args.donate)
         torch.manual_seed(args.seed + 1)  # the same dropout masks in every variant's first step
         first_loss[name] = steps[name](windows).item()
         print(f"  {name}: first step loss {first_loss[name]:.6f}", flush=True)
@@ -266,7 +303,7 @@ def run_job(job: str, args: argparse.Namespace, device: torch.device) -> dict[st
     rows = {}
     for name in args.variants:
         ms = statistics.median(samples[name])
-        plain = "torch" if name.startswith("torch") else name.replace("_remat", "").replace("_lce", "")
+        plain = "torch" if name.startswith("torch") else name.split("@")[0].replace("_remat", "").replace("_lce", "")
         rows[name] = {
             "ms_per_step": ms,
             "spread_ms": [min(samples[name]), max(samples[name])],

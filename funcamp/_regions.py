@@ -19,6 +19,9 @@ neither run them during the forward nor fuse them into the forward's kernels. Th
 on the same inputs, so gradients are bitwise those without remat. Random ops (dropout masks) and ops that write
 to their inputs are never copied: their results are kept, so masks are replayed; a dropout draw (0 or 1) is
 kept as a bool. Where torch has no ``annotate`` (before 2.9) nothing is tagged and the pass does nothing.
+A region with an activation memory budget (``funcamp.nn.Remat(modules, budget=b)``, a second tag) keeps the
+fraction ``b`` of the bytes it would recompute, the values costliest to recompute per byte first
+(:func:`_kept`), and recomputes the rest from them.
 
 A sharded parameter's all-gather (:func:`gather_region`, :mod:`funcamp._at_use`) is recomputed the same way,
 always: its backward uses get a new all-gather (every rank compiles the same graph, so every rank runs the same
@@ -36,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +48,7 @@ import torch
 __all__ = ["RematPass", "gather_region", "new_region_id", "phase", "remat_region"]
 
 _PHASE, _REMAT, _GATHER = "funcamp_phase", "funcamp_remat", "funcamp_gather"
+_BUDGET = "funcamp_remat_budget"  # a region's activation memory budget (funcamp.nn.Remat), where above 0
 _region_ids = itertools.count(1)  # one id per checkpointed module: where one region ends and the next begins
 _made_regions = [False]  # whether this process has made one (RematPass.uuid)
 
@@ -66,13 +71,15 @@ def new_region_id() -> int:
     return next(_region_ids)
 
 
-def remat_region(region: int) -> Any:
+def remat_region(region: int, budget: float = 0.0) -> Any:
     """A context that tags the nodes traced inside it as recomputable for the backward, in region ``region``.
 
     ``region`` (from :func:`new_region_id`, a constant of the traced code: a counter advanced while tracing
-    would recompile every call) says where one region ends and the next begins.
+    would recompile every call) says where one region ends and the next begins. ``budget`` (a constant too,
+    :class:`funcamp.nn.Remat`) is the fraction of the region's recomputed activation bytes that may be kept
+    instead (:func:`_kept`); tagged only where above 0, so a region of budget 0 is tagged as before.
     """
-    return _annotate({_REMAT: region})
+    return _annotate({_REMAT: region, _BUDGET: budget} if budget > 0 else {_REMAT: region})
 
 
 def gather_region() -> Any:
@@ -262,9 +269,9 @@ def _param_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     return out
 
 
-def _recomputed(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int]) -> set[torch.fx.Node]:
+def _recomputed(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int] | None = None) -> set[torch.fx.Node]:
     """The region nodes the backward recomputes: the recomputable ones that stay inside their region, and the
-    parameter casts and views only one region reads (``param_uses``, from :func:`_param_uses`).
+    parameter casts and views only one region reads (``param_uses``; by default :func:`_param_uses`).
 
     A region's results used outside it (by the next region, by untagged forward nodes, by the graph's output)
     are kept, never recomputed: they are the next region's inputs, saved as ``torch.utils.checkpoint`` saves a
@@ -272,7 +279,7 @@ def _recomputed(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int]) -> 
     region before it (a chain through all the blocks), all alive at once.
     """
     region = {n: _tags(n)[_REMAT] for n in graph.nodes if _recomputable(n)}
-    region.update(param_uses)
+    region.update(_param_uses(graph) if param_uses is None else param_uses)
 
     def leaves(n: torch.fx.Node) -> bool:
         for user in n.users:
@@ -283,6 +290,104 @@ def _recomputed(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int]) -> 
         return False
 
     return {n for n in region if not leaves(n)}
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """An op whose result aliases its first input (``view``, ``permute``, ``expand``, ``slice``, ...: its schema
+    returns an alias, not written), or an item of a multi-output view (``split``)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return bool(node.all_input_nodes) and _is_view(node.all_input_nodes[0])
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or schema.is_mutable:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+#: Ops ``torch.utils.flop_counter`` has no formula for, counted with another's of the same arguments' meaning:
+#: the CPU flash attention (query, key, value first) as the CUDA one.
+_FLOP_ALIASES = {
+    getattr(torch.ops.aten, cpu): getattr(torch.ops.aten, gpu)
+    for cpu, gpu in [("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention")]
+    if hasattr(torch.ops.aten, cpu) and hasattr(torch.ops.aten, gpu)
+}
+
+
+def _flops(node: torch.fx.Node) -> float:
+    """What recomputing ``node`` costs: the FLOPs of a matmul, convolution or attention (``torch.utils.
+    flop_counter``'s formulas, on the fake values), else one per output element (pointwise ops, reductions); an
+    output of a multi-output op (attention's output and log-sum-exp) costs the whole op."""
+    from torch.utils.flop_counter import flop_registry
+
+    if node.target is operator.getitem and node.all_input_nodes:  # an output of a multi-output op: the op's cost
+        return _flops(node.all_input_nodes[0])
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet) or flop_registry.get(_FLOP_ALIASES.get(packet))
+    if formula is not None:
+
+        def value(a: Any) -> Any:
+            return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+        args = torch.fx.node.map_aggregate(node.args, value)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+        try:
+            return float(formula(*args, **kwargs, out_val=node.meta.get("val")))
+        except Exception:  # a formula that does not fit these arguments: count it as a pointwise op
+            pass
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return float(sum(v.numel() for v in val if isinstance(v, torch.Tensor)))
+    return float(val.numel()) if isinstance(val, torch.Tensor) else 0.0
+
+
+def _kept(graph: torch.fx.Graph, recompute: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes of ``recompute`` an activation memory budget keeps instead (:class:`funcamp.nn.Remat`).
+
+    Only regions tagged with a budget above 0 take part, all regions of one budget together, as torch's
+    ``activation_memory_budget`` knapsack: the candidates are the values of ``recompute`` the backward reads,
+    each counted on its base (a view, ``permute`` of a weight's cast, is no choice of its own: its bytes are its
+    base's, and it is kept with it; a view of a value kept anyway, a region input, costs nothing and is kept).
+    They are ranked by recompute cost per byte (:func:`_flops`), the highest first, the latest in the graph first
+    between equals (the backward frees a later region's values first: kept early values would stay alive through
+    every later region's recompute), and each is kept if it still fits: the kept bytes stay within ``budget``
+    times the candidates' bytes (a greedy knapsack). Budget 1 keeps every one (no backward use reads a copy:
+    nothing recomputed); a kept value's copies are never made, and the copies of the rest read it.
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    bases: dict[torch.fx.Node, set[torch.fx.Node]] = {}  # candidate -> the views of it the backward reads
+    free: set[torch.fx.Node] = set()  # views of values kept anyway
+    for node in recompute:
+        if _tags(node).get(_BUDGET, 0.0) <= 0 or not any(_tags(u).get(_PHASE) == "backward" for u in node.users):
+            continue
+        chain, base = [], node
+        while _is_view(base) and base.all_input_nodes[0] in recompute:
+            chain.append(base)
+            base = base.all_input_nodes[0]
+        if _is_view(base):  # its base is outside the recomputed nodes: kept anyway
+            free.update(chain + [base])
+        else:
+            bases.setdefault(base, set()).update(chain)
+    kept = set(free)
+    groups: dict[float, list[torch.fx.Node]] = {}
+    for base in bases:
+        groups.setdefault(_tags(base).get(_BUDGET, 0.0), []).append(base)
+    for budget, members in groups.items():
+        limit = budget * sum(_nbytes(b) for b in members)
+        rank = sorted(members, key=lambda b: (-_flops(b) / max(_nbytes(b), 1), -order[b]))
+        used = 0
+        for base in rank:
+            if used + _nbytes(base) <= limit:
+                used += _nbytes(base)
+                kept.add(base)
+                kept.update(bases[base])
+    return kept
 
 
 def _after_gradient(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
@@ -317,6 +422,11 @@ def _after_gradient(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]
         if last is not None:
             out[node] = last
     return out
+
+
+#: Dtypes inductor cannot select with ``where`` (no type promotion with the bool flag): never a gated input; a
+#: copy that reads only such values (a cast of an fp8 value its budget kept) is not gated.
+_FLOAT8 = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
 
 
 def _gateable(node: torch.fx.Node) -> bool:
@@ -429,10 +539,11 @@ class _Recompute:
     def _gated_input(self, node: torch.fx.Node, gate: _Gate) -> torch.fx.Node | None:
         """The input a copy reads as ``where(flag, x, x)`` (bitwise ``x``), so that inductor can neither run it
         early nor fuse it into the forward's kernel (which would keep its result alive until the backward): the
-        smallest, for a copy that reads no other copy or mask (copies of copies wait with it); else ``None``."""
+        smallest, for a copy that reads no other copy or mask (copies of copies wait with it), never a float8 one;
+        else ``None``."""
         if any(dep in self.copies or dep in self.draws for dep in node.all_input_nodes):
             return None
-        inputs = [d for d in node.all_input_nodes if _gateable(d)]
+        inputs = [d for d in node.all_input_nodes if _gateable(d) and d.meta["val"].dtype not in _FLOAT8]
         if not inputs or gate.flag() is None:
             return None
         return min(inputs, key=lambda d: d.meta["val"].numel())
@@ -476,14 +587,17 @@ except ImportError:  # older torch: a plain callable
 class RematPass(_Base):  # type: ignore[misc, valid-type]
     """The inductor graph pass that recomputes :func:`remat_region` nodes for their backward uses (see module).
 
-    Two concerns, one pass: the checkpointed regions (:func:`_recomputed`, :func:`_draws`) and the sharded
+    Two concerns, one pass: the checkpointed regions (:func:`_recomputed` less what their budget keeps,
+    :func:`_kept`; :func:`_draws`) and the sharded
     step's gathers (:func:`_gathers`, always recomputed, then :func:`_regather`). The gathers join the regions'
     recompute (one :class:`_Recompute`) because a region's copy that reads a gathered weight must read the
     gather's copy, placed and gated with it."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         param_uses = _param_uses(graph)
-        _Recompute(graph, _recomputed(graph, param_uses) | _gathers(graph), _draws(graph)).run()
+        recompute = _recomputed(graph, param_uses)
+        recompute -= _kept(graph, recompute)
+        _Recompute(graph, recompute | _gathers(graph), _draws(graph)).run()
         _regather(graph)
         for group, _ in _sink(graph, param_uses.__contains__):
             _wait_for_user(graph, group)
@@ -492,7 +606,8 @@ class RematPass(_Base):  # type: ignore[misc, valid-type]
     def uuid(self) -> bytes | None:
         """The pass's identity for inductor's caches: a hash of this module's source; ``None`` (the step is not
         cached) once this process has made a region. The caches' keys hold the graph's code, not its tags: a
-        step compiled without remat, cached, would be served for the same model with remat (no memory saved)."""
+        step compiled without remat, cached, would be served for the same model with remat (no memory saved);
+        nor the budgets (:class:`funcamp.nn.Remat`, tags too): a step of one budget would be served for another."""
         if _made_regions[0]:
             return None
         with open(__file__, "rb") as f:

@@ -15,7 +15,7 @@ from torch import nn
 
 import funcamp as fa
 from funcamp import fp8, optim
-from funcamp.nn import RematInactiveWarning, functionalize
+from funcamp.nn import Remat, RematInactiveWarning, functionalize
 
 MIXED = "params=float32,compute=bfloat16,output=float32"
 INACTIVE = pytest.mark.filterwarnings("ignore::funcamp.nn.RematInactiveWarning")
@@ -304,11 +304,22 @@ def _saved_bytes(graph: torch.fx.Graph) -> int:
     return total
 
 
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` (nodes' meta copied shallowly: replace a node's ``meta["custom"]``, never edit it)."""
+    new = torch.fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    return new
+
+
+HALF = Remat(Fp8Block, budget=0.5)  # every block checkpointed, half of its recomputed activation bytes kept
+
+
 @pytest.fixture(scope="module")
 def inductor_runs():
-    """DeepNet (dropout on, fp8 delayed) trained 2 AdamW steps by the inductor-compiled step, without remat and
-    with every block checkpointed: per run, the states after each step, the post-grad graph, the nodes RematPass
-    added, the compiles, and the peak bytes a step allocated. Caches off: the remat tags are not in their keys."""
+    """DeepNet (dropout on, fp8 delayed) trained 2 AdamW steps by the inductor-compiled step, without remat,
+    with every block checkpointed, and the same with budget 0.5: per run, the states after each step, the
+    post-grad graph before RematPass and after, the nodes it added, the compiles, and the peak bytes a step
+    allocated. Caches off: the remat tags are not in their keys."""
     import sys
     from pathlib import Path
 
@@ -319,9 +330,11 @@ def inductor_runs():
 
     made: list[int] = []
     graphs: list[torch.fx.Graph] = []
+    pre: list[torch.fx.Graph] = []
     original = _regions.RematPass.__call__
 
     def counting(self, graph):
+        pre.append(_copy_graph(graph))
         before = len(graph.nodes)
         original(self, graph)
         made.append(len(graph.nodes) - before)
@@ -336,7 +349,7 @@ def inductor_runs():
         torch._functorch.config.patch(enable_autograd_cache=False),
     ):
         mp.setattr(_regions.RematPass, "__call__", counting)
-        for remat in (None, Fp8Block):
+        for remat in (None, Fp8Block, HALF):
             torch._dynamo.reset()
             apply_fn, params, buffers = functionalize(
                 DeepNet().train(), "p=f32,c=f32,o=f32", remat=remat, with_buffers=True
@@ -358,7 +371,7 @@ def inductor_runs():
                     states.append(state)
                 box = [state]
                 peak, _ = profiled_step(lambda box=box, step=step: box.__setitem__(0, step(box[0], x[2])[0]))
-            runs[remat] = {"states": states, "graph": graphs[-1], "made": made[-1], "peak": peak}
+            runs[remat] = {"states": states, "graph": graphs[-1], "pre": pre[-1], "made": made[-1], "peak": peak}
         runs["compiles"] = len(made)
     return runs
 
@@ -369,7 +382,7 @@ def test_compiled_inductor_remat_bitwise_with_dropout_and_fp8(inductor_runs):
     AdamW steps are bitwise those without remat, dropout on (its masks are kept, not drawn again), one graph
     per run; RematPass copies nodes only where blocks are checkpointed."""
     ref, got = inductor_runs[None], inductor_runs[Fp8Block]
-    assert inductor_runs["compiles"] == 2  # one graph each, no recompile at the second step
+    assert inductor_runs["compiles"] == 3  # one graph each, no recompile at the second step
     assert ref["made"] == 0 and got["made"] > 0
     for s0, s1 in zip(ref["states"], got["states"]):
         for tree0, tree1 in ((s0.params, s1.params), (s0.buffers, s1.buffers)):
@@ -432,3 +445,205 @@ def test_region_ids_fixed_per_module():
     assert len(graphs) == 1  # one graph, no recompile
     ids = {(node.meta.get("custom") or {}).get("funcamp_remat") for node in graphs[0].graph.nodes}
     assert len(ids - {None}) == 2  # two blocks, two regions
+
+
+# --- the activation memory budget (issue 21, item 2: funcamp.nn.Remat(modules, budget=...)) ----------------
+
+
+@pytest.mark.slow
+def test_compiled_budget_bitwise_one_graph(inductor_runs):
+    """Budget 0.5 under inductor, dropout on, fp8 delayed: parameters and buffers after each of two steps are
+    bitwise those without remat (the kept values are the forward's own, the copies the same ops on the same
+    inputs); the same single graph served the third, profiled step (inductor_runs counts 3 compiles for 3 runs);
+    fewer copies than budget 0, some still; what the backward keeps and the step's peak between budget 0's and
+    no remat's (measured: peak 7.70 MB at budget 0, 9.60 at 0.5, 11.70 without remat; 11.71 at 0.5 when ties were
+    kept in graph order, the first blocks' values alive through every later block's recompute)."""
+    ref, half = inductor_runs[None], inductor_runs[HALF]
+    for s0, s1 in zip(ref["states"], half["states"]):
+        for tree0, tree1 in ((s0.params, s1.params), (s0.buffers, s1.buffers)):
+            for k in tree0:
+                assert torch.equal(tree0[k], tree1[k]), k
+    assert 0 < half["made"] < inductor_runs[Fp8Block]["made"], (half["made"], inductor_runs[Fp8Block]["made"])
+    kept = [_saved_bytes(inductor_runs[k]["graph"]) for k in (Fp8Block, HALF, None)]
+    assert kept == sorted(kept) and kept[0] < kept[1] < kept[2], kept
+    assert inductor_runs[Fp8Block]["peak"] < half["peak"] < ref["peak"], (
+        inductor_runs[Fp8Block]["peak"],
+        half["peak"],
+        ref["peak"],
+    )
+
+
+def _with_budget(graph: torch.fx.Graph, budget: float) -> torch.fx.Graph:
+    """A copy of ``graph`` whose remat regions carry ``budget`` (as functionalize(remat=Remat(..., budget)) tags)."""
+    from funcamp import _regions
+
+    new = _copy_graph(graph)
+    for node in new.nodes:
+        tags = dict(_regions._tags(node))
+        if _regions._REMAT in tags:
+            tags.pop(_regions._BUDGET, None)
+            node.meta["custom"] = {**tags, _regions._BUDGET: budget} if budget > 0 else tags
+    return new
+
+
+@pytest.mark.slow
+def test_budget_monotone_in_what_is_recomputed(inductor_runs):
+    """The pass on the budget-0.5 run's graph retagged with budgets 0 ... 1: the bytes kept grow and the copies
+    made shrink with the budget, the kept bytes stay within budget x the candidates' bytes; 0 recomputes what
+    remat=Fp8Block does (the same copies, nothing kept), 1 keeps every candidate and makes no copy."""
+    from funcamp import _regions
+
+    kept_bytes, copies, totals = [], [], []
+    for budget in (0.0, 0.25, 0.5, 0.75, 1.0):
+        graph = _with_budget(inductor_runs[HALF]["pre"], budget)
+        recompute = _regions._recomputed(graph)
+        kept = _regions._kept(graph, recompute)
+        assert kept <= recompute
+        bases = {n for n in kept if not _regions._is_view(n)}
+        kept_bytes.append(sum(_regions._nbytes(n) for n in bases))
+        before = len(graph.nodes)
+        _regions.RematPass()(graph)
+        copies.append(len(graph.nodes) - before)
+        tagged = _with_budget(inductor_runs[HALF]["pre"], 1.0)  # every candidate's bytes: what budget 1 keeps
+        everything = _regions._kept(tagged, _regions._recomputed(tagged))
+        totals.append(sum(_regions._nbytes(n) for n in everything if not _regions._is_view(n)))
+        assert kept_bytes[-1] <= budget * totals[-1]
+    assert kept_bytes == sorted(kept_bytes) and kept_bytes[0] == 0 < kept_bytes[2] < kept_bytes[-1], kept_bytes
+    assert copies == sorted(copies, reverse=True), copies
+    assert copies[0] == inductor_runs[Fp8Block]["made"] and copies[-1] == 0, copies
+    assert kept_bytes[-1] == totals[-1] > 0
+
+
+def test_budget_graph_tags_and_no_recompile():
+    """The budget is a constant tag on the region's nodes (funcamp_remat_budget), absent at budget 0 (the graph of
+    remat=Block unchanged), and the traced function is one graph over steps."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for remat in (Block, Remat(Block), Remat(Block, budget=0.25)):
+        apply_fn, params = functionalize(Net().eval(), MIXED, remat=remat)
+        torch._dynamo.reset()
+        fn = torch.compile(lambda p, f=apply_fn: f(p, X), backend=backend, fullgraph=True)
+        for _ in range(3):
+            fn(params)
+    assert len(graphs) == 3  # one graph each, no recompile
+    budgets = [{(n.meta.get("custom") or {}).get("funcamp_remat_budget") for n in g.graph.nodes} for g in graphs]
+    assert budgets == [{None}, {None}, {None, 0.25}]
+
+
+@pytest.mark.parametrize("budget, calls", [(0.0, 4), (0.5, 4), (1.0, 2)])
+def test_budget_eager(budget, calls):
+    """Eager (torch.utils.checkpoint): a budget below 1 recomputes every chosen block (twice its forward), 1.0
+    runs it as is (once); the gradients are the plain model's bitwise at every budget."""
+    expected, value, _, _ = _grads(None)
+    grads, got, blocks, _ = _grads(Remat(Block, budget=budget))
+    assert blocks == calls
+    assert torch.equal(value, got) and all(torch.equal(grads[k], expected[k]) for k in expected)
+
+
+def test_remat_value_forms():
+    """Remat takes every remat= form, keeps the budget as a float, and equals the plain form at budget 0."""
+    apply_fn, _ = functionalize(Net(), MIXED, remat=Remat(["blocks.0", Inner], budget=1))
+    assert apply_fn.remat == ("blocks.0", "blocks.1.inner")
+    assert Remat(Block, budget=1).budget == 1.0 and isinstance(Remat(Block, budget=1).budget, float)
+    assert Remat(Block) == Remat(Block, budget=0.0)
+    apply_fn, _ = functionalize(Net(), MIXED, remat=Remat(lambda name, m: name == "head"))
+    assert apply_fn.remat == ("head",)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: Remat(Block, budget=True), TypeError, r"budget must be a real number in \[0, 1\].*got True \(bool\)"),
+        (lambda: Remat(Block, budget="0.5"), TypeError, r"budget must be a real number.*got '0\.5' \(str\)"),
+        (lambda: Remat(Block, budget=torch.tensor(0.5)), TypeError, r"budget must be a real number.*Tensor"),
+        (lambda: Remat(Block, budget=None), TypeError, r"budget must be a real number.*NoneType"),
+        (lambda: Remat(Block, budget=1.5), ValueError, r"budget must be in \[0, 1\].*got 1\.5"),
+        (lambda: Remat(Block, budget=-0.1), ValueError, r"budget must be in \[0, 1\].*got -0\.1"),
+        (lambda: Remat(Block, budget=float("nan")), ValueError, r"budget must be in \[0, 1\].*got nan"),
+        (lambda: Remat(Block, budget=float("inf")), ValueError, r"budget must be in \[0, 1\].*got inf"),
+        (lambda: Remat(None), TypeError, "Remat: modules must be an nn.Module subclass.*got NoneType"),
+        (lambda: Remat(Remat(Block)), TypeError, "Remat: modules must be.*got Remat"),
+        (lambda: functionalize(Net(), MIXED, remat=[Remat(Block)]), TypeError, "a Remat inside a remat list"),
+        (lambda: functionalize(Net(), MIXED, remat=Remat(3)), TypeError, "remat must be None.*got int"),
+        (lambda: functionalize(Net(), MIXED, remat=Remat("nope")), ValueError, "pattern 'nope' matches no"),
+        (lambda: functionalize(Net(), MIXED, remat="auto"), ValueError, r"remat='auto' is not offered.*Remat\(Block"),
+    ],
+)
+def test_budget_bad_input(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def _tagged_graph(budget: float) -> torch.fx.Graph:
+    """A traced forward of one region (a matmul, a GELU of it, a transposed cast) and the backward nodes that
+    read them, tagged as funcamp's tracing tags them (fake values: shapes and dtypes only)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from funcamp import _regions
+
+    def fn(x, w):
+        h = torch.mm(x, w)  # 64 x 32 float32, 2 * 64 * 16 * 32 FLOPs
+        g = F.gelu(h)  # 64 x 32 float32, pointwise
+        c = g.to(torch.bfloat16).t()  # a view of a cast
+        return h * 2.0, g * 3.0, c * 4  # the "backward" (the muls) reads h, g and the view
+
+    graph = make_fx(fn, tracing_mode="fake")(torch.randn(64, 16), torch.randn(16, 32)).graph
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.mul.Tensor:
+            tags = {_regions._PHASE: "backward"}
+        else:
+            tags = {_regions._PHASE: "forward", _regions._REMAT: 1}
+            if budget > 0:
+                tags[_regions._BUDGET] = budget
+        node.meta["custom"] = tags
+    return graph
+
+
+@pytest.mark.parametrize(
+    "budget, kept",
+    [
+        (0.0, set()),
+        (0.39, {"conv", "t"}),
+        (0.4, {"mm"}),
+        (0.59, {"mm"}),
+        (0.6, {"mm", "conv", "t"}),
+        (0.99, {"mm", "conv", "t"}),
+        (1.0, {"mm", "gelu", "conv", "t"}),
+    ],
+)
+def test_budget_keeps_costliest_per_byte(budget, kept):
+    """The candidates: the matmul output (8 KiB, 2 * 64 * 16 * 32 FLOPs: 8 per byte), the GELU output (8 KiB, one
+    per element: 1/4 per byte), the bfloat16 cast (4 KiB, 1/2 per byte) whose transposed view the backward reads
+    (counted on the cast and kept with it): 20 KiB in all. Kept, costliest per byte first, each that still fits
+    within budget x 20 KiB: below 0.4 the matmul does not fit and the cast does; from 0.4 the matmul, from 0.6 the
+    cast with it, GELU only at 1."""
+    from funcamp import _regions
+
+    graph = _tagged_graph(budget)
+    recompute = _regions._recomputed(graph)
+    names = {n.target.overloadpacket.__name__: n for n in recompute if hasattr(n.target, "overloadpacket")}
+    assert {"mm", "gelu", "t"} <= set(names), names
+    got = _regions._kept(graph, recompute)
+    aliases = {"_to_copy": "conv", "convert_element_type": "conv"}
+    assert {aliases.get(n.target.overloadpacket.__name__, n.target.overloadpacket.__name__) for n in got} == kept
+
+
+def test_budget_cost_of_attention_on_cpu():
+    """The CPU flash attention (no formula of its own in torch.utils.flop_counter) costs the CUDA one's FLOPs,
+    4 * batch * heads * seq^2 * head_dim, charged to each of its outputs (it was one per element, so its output
+    ranked below the matmuls, 0.5 per byte against 8.25 for its small log-sum-exp)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from funcamp import _regions
+
+    q = torch.randn(2, 4, 128, 32, dtype=torch.bfloat16)
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    graph = make_fx(lambda q, k, v: sdpa(q, k, v, 0.0, True), tracing_mode="fake")(q, q, q).graph
+    costs = [_regions._flops(n) for n in graph.nodes if n.op == "call_function"]
+    assert costs == [4 * 2 * 4 * 128 * 128 * 32] * 3  # the op and its two outputs

@@ -21,7 +21,8 @@ that copy, and runs it with the tensors passed to ``apply_fn``; each parameter i
 uses it.
 ``torch.utils.checkpoint`` inside the module's forward works (see :mod:`funcamp.nn._remat`), and
 ``functionalize(..., remat=...)`` checkpoints chosen submodules (by type, name pattern or predicate)
-without editing the model; memory is saved where torch can recompute (eager plain autograd).
+without editing the model; memory is saved eagerly (plain autograd) and in the inductor-compiled step;
+``remat=Remat(modules, budget=b)`` keeps the fraction ``b`` of their activation bytes there (:class:`Remat`).
 
 The way back: :func:`load_into` ``(model, state.params, state.buffers, frozen=apply_fn.frozen)`` writes
 trained tensors into the module (``load_state_dict(strict=True)``: tied weights under each name, int8
@@ -43,13 +44,14 @@ from funcamp.nn._functionalize import Functional, FunctionalWithBuffers, functio
 from funcamp.nn._load import load_into, state_dict
 from funcamp.nn._loss import linear_cross_entropy
 from funcamp.nn._plan import EMBEDDING_TYPES, NORM_TYPES, float32_lookup, keep_in_float32, param_policies
-from funcamp.nn._remat import RematInactiveWarning
+from funcamp.nn._remat import Remat, RematInactiveWarning
 
 __all__ = [
     "EMBEDDING_TYPES",
     "NORM_TYPES",
     "Functional",
     "FunctionalWithBuffers",
+    "Remat",
     "RematInactiveWarning",
     "float32_lookup",
     "functionalize",

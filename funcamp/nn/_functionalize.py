@@ -72,7 +72,7 @@ def functionalize(
     trainable: Trainable = None,
     op_policies: Mapping[Any, OpRule | None] | None = None,
     quantize: quant.Int8WeightOnlyConfig | None = None,
-    remat: _remat.Remat = None,
+    remat: _remat.RematLike = None,
 ) -> Functional | FunctionalWithBuffers:
     """Turn ``module`` into a pure function of its parameters (and buffers), under a precision policy.
 
@@ -215,7 +215,10 @@ def functionalize(
         (default); an ``nn.Module`` subclass (its instances, e.g. ``GPT2Block``); an fnmatch pattern of
         qualified module names (``"transformer.h.*"``); a list mixing the two; or a predicate
         ``remat(name, module) -> bool`` (``module`` is yours), as FSDP's
-        ``apply_activation_checkpointing(check_fn=...)``, ``jax.checkpoint`` and flax's ``nn.remat``.
+        ``apply_activation_checkpointing(check_fn=...)``, ``jax.checkpoint`` and flax's ``nn.remat``;
+        or :class:`funcamp.nn.Remat` ``(one of those, budget=b)``, which keeps the fraction ``b`` of the
+        chosen modules' activation bytes (the costliest to recompute per byte) in the compiled step
+        (``remat=Block`` is budget 0: recompute everything).
         Each chosen module's forward (on the internal copy, casts included) runs through
         ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: its activations are dropped
         after the forward and recomputed in the backward (RNG replayed, buffers as they were when that
@@ -224,11 +227,13 @@ def functionalize(
         Only the outermost chosen modules are wrapped (a module inside a chosen one is recomputed with
         it); the root module and containers without a forward (``ModuleList``, ``ModuleDict``)
         are never candidates. Gradients equal those without ``remat``, bitwise, in
-        both casting modes. Memory is saved only where torch can checkpoint: eager plain autograd
-        (:func:`funcamp.grad_and_value` called eagerly, ``make_train_step(compile=False)``). Under
-        ``torch.func`` transforms and in the compiled step torch 2.13 cannot (see above): the modules
-        run as is, keeping their activations, with a :class:`RematInactiveWarning` (under
-        ``torch.compile`` a module holding buffers runs as is without it). With gradients
+        both casting modes. Memory is saved eagerly with plain autograd (:func:`funcamp.grad_and_value`
+        called eagerly, ``make_train_step(compile=False)``: ``torch.utils.checkpoint``, which recomputes
+        a whole module at any budget below 1 and runs it as is at budget 1) and in the inductor-compiled
+        step (the modules' nodes are tagged while tracing and :class:`funcamp._regions.RematPass`
+        recomputes them, as far as the budget says; with ``backend="aot_eager"`` nothing is recomputed).
+        Under eager ``torch.func`` transforms torch 2.13 cannot checkpoint (see above): the modules run as
+        is, keeping their activations, with a :class:`RematInactiveWarning`. With gradients
         off (``torch.no_grad``) the forward runs as is. Unlike Hugging Face's
         ``gradient_checkpointing_enable()`` this does not touch your module.
     Returns:
@@ -254,9 +259,11 @@ def functionalize(
         ``quantize`` selects nothing (see :meth:`funcamp.quant.Int8WeightOnlyConfig.select`).
       TypeError: if ``quantize`` is not an ``Int8WeightOnlyConfig``, or one of its name patterns
         matches only modules that cannot take int8 (norms, convolutions).
-      TypeError: if ``remat`` (or an entry of its list) is not one of the forms above, or its predicate
-        returns a non-bool.
-      ValueError: if a ``remat`` type or pattern matches no submodule, or its predicate chooses none.
+      TypeError: if ``remat`` (or an entry of its list) is not one of the forms above (a ``Remat`` inside a
+        list is not), or its predicate returns a non-bool.
+      ValueError: if a ``remat`` type or pattern matches no submodule, or its predicate chooses none, or
+        ``remat="auto"`` (not offered, see :class:`funcamp.nn.Remat`).
+      TypeError, ValueError: from :class:`funcamp.nn.Remat` for a budget that is not a number in ``[0, 1]``.
       ValueError: at call time, if ``params`` or ``buffers`` do not have the module's names (a frozen
         name in ``params`` is named as such).
       TypeError: at call time, if ``params`` or ``buffers`` is not a dict.
@@ -289,7 +296,8 @@ def functionalize(
     remat_names = _remat.select(module, remat)
     _remat.install()
     uses = _use.Uses(store.frozen, store.int8, store.forward_dtypes, plan.aliases)
-    skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=remat_names)
+    budgets = dict.fromkeys(remat_names, _remat.budget(remat))
+    skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=budgets)
     op_mode = _wrappers.op_mode(policy, op_policies, autocast, store.forward_dtypes)
     run = _Apply(skeleton, plan, policy, autocast, store, uses, op_mode)
     if explicit:

@@ -33,15 +33,19 @@ above.
 ``functionalize(..., remat=...)`` checkpoints chosen modules without editing the model
 (:func:`select` chooses them, :func:`wrap_forward` routes each one's forward, on the internal copy,
 through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``), as FSDP's
-``apply_activation_checkpointing(model, check_fn=...)`` and flax's ``nn.remat`` do.
+``apply_activation_checkpointing(model, check_fn=...)`` and flax's ``nn.remat`` do; :class:`Remat` adds an
+activation memory budget for the compiled step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import fnmatch
 import functools
+import math
+import numbers
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -54,11 +58,72 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from funcamp import _regions
 
-__all__ = ["RematInactiveWarning"]
+__all__ = ["Remat", "RematInactiveWarning"]
 
-#: A value of ``functionalize(..., remat=...)``: ``None``; an ``nn.Module`` subclass; an fnmatch pattern of
+#: The modules ``functionalize(..., remat=...)`` checkpoints: an ``nn.Module`` subclass; an fnmatch pattern of
 #: qualified module names; a list mixing the two; or a predicate ``(name, module) -> bool``.
-Remat = type | str | Iterable[type | str] | Callable[[str, nn.Module], bool] | None
+Modules = type | str | Iterable[type | str] | Callable[[str, nn.Module], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """``functionalize(..., remat=Remat(modules, budget=...))``: checkpoint ``modules``, keeping a fraction of
+    their activations (an activation memory budget, as ``torch._functorch.config.activation_memory_budget``).
+
+    ``modules`` is anything ``remat=`` takes (a module type, an fnmatch pattern of qualified names, a list of
+    those, a predicate ``(name, module) -> bool``); ``remat=Block`` is ``Remat(Block)``, budget 0.
+
+    ``budget`` is the fraction of the bytes that the chosen modules' recomputed nodes would keep for the
+    backward without remat that may still be kept, in ``[0, 1]``: ``0.0`` recomputes every one of them (the
+    most memory saved, the default), ``1.0`` keeps them all (no memory saved, nothing recomputed). In the
+    compiled step (inductor, :class:`funcamp._regions.RematPass`) the backward-read values of all regions of
+    one budget are ranked by recompute cost per byte (matmul, convolution and attention FLOPs; other ops one
+    per output element; a view's bytes counted on its base, and a view kept with it), and the costliest per
+    byte are kept, in that order, while their bytes stay within ``budget`` times the total; the rest are
+    recomputed from what is kept. Eager (``torch.utils.checkpoint``) has no such choice: a budget below 1
+    recomputes the whole module, ``1.0`` runs it as is (nothing recomputed). The budget is a constant of the
+    traced graph (a tag on the region's nodes): it never recompiles, and gradients stay bitwise those
+    without remat at every budget. There is no ``remat="auto"``: choosing a budget automatically needs a
+    memory target (a device's capacity, less what else the step holds) that the graph pass does not know.
+
+    Example:
+      >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+      >>> from funcamp.nn import functionalize
+      >>> apply_fn, params = functionalize(model, "float32", remat=Remat(torch.nn.Linear, budget=0.5))
+      >>> apply_fn.remat
+      ('0', '2')
+
+    Raises:
+      TypeError: if ``budget`` is not a real number (a bool is not), or ``modules`` is itself a ``Remat``
+        or ``None``.
+      ValueError: if ``budget`` is NaN or outside ``[0, 1]``.
+    """
+
+    modules: Modules
+    budget: float = 0.0
+
+    def __post_init__(self) -> None:
+        budget = self.budget
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+            raise TypeError(
+                f"Remat: budget must be a real number in [0, 1] (0.0 recomputes everything, 1.0 keeps every "
+                f"activation); got {budget!r} ({type(budget).__name__})"
+            )
+        if math.isnan(budget) or not 0.0 <= budget <= 1.0:
+            raise ValueError(
+                f"Remat: budget must be in [0, 1] (the fraction of the activation bytes kept: 0.0 recomputes "
+                f"everything, 1.0 keeps every activation); got {budget!r}"
+            )
+        if self.modules is None or isinstance(self.modules, Remat):
+            raise TypeError(
+                f"Remat: modules must be an nn.Module subclass, an fnmatch pattern of module names, a list of "
+                f"those, or a predicate (name, module) -> bool; got {type(self.modules).__name__}"
+            )
+        object.__setattr__(self, "budget", float(budget))
+
+
+#: A value of ``functionalize(..., remat=...)``: ``None``, a :data:`Modules` value (budget 0) or a :class:`Remat`.
+RematLike = Modules | Remat | None
 
 
 class RematInactiveWarning(UserWarning):
@@ -241,11 +306,17 @@ def install() -> None:
 
 _ACCEPTED = (
     "remat must be None, an nn.Module subclass (e.g. GPT2Block), an fnmatch pattern of module names (e.g. "
-    "'transformer.h.*'), a list of those, or a predicate (name, module) -> bool"
+    "'transformer.h.*'), a list of those, a predicate (name, module) -> bool, or funcamp.nn.Remat(one of "
+    "those, budget=...)"
 )
 
 
 def _entry_matcher(entry: Any) -> Callable[[str, nn.Module], bool]:
+    if isinstance(entry, Remat):
+        raise TypeError(
+            f"functionalize: a Remat inside a remat list ({entry!r}) is not accepted: one budget per "
+            "functionalize; pass Remat([entries...], budget=...) instead"
+        )
     if isinstance(entry, str):
         return lambda name, module: fnmatch.fnmatchcase(name, entry)
     if isinstance(entry, type) and issubclass(entry, nn.Module):
@@ -262,7 +333,12 @@ def _sample(names: list[str], n: int = 6) -> str:
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
-def select(module: nn.Module, remat: Remat) -> list[str]:
+def budget(remat: RematLike) -> float:
+    """The activation memory budget of a ``remat=`` value: a :class:`Remat`'s, else 0.0 (recompute all)."""
+    return remat.budget if isinstance(remat, Remat) else 0.0
+
+
+def select(module: nn.Module, remat: RematLike) -> list[str]:
     """The qualified names of the submodules ``remat`` chooses, outermost only, in module order.
 
     Candidates are the submodules (every name, shared modules under each of theirs), never the root
@@ -272,10 +348,20 @@ def select(module: nn.Module, remat: Remat) -> list[str]:
     Raises:
       TypeError: if ``remat`` or one of its entries is not one of the accepted forms, or the predicate
         returns a non-bool.
-      ValueError: if a type or pattern matches no submodule, or the predicate chooses none.
+      ValueError: if a type or pattern matches no submodule, or the predicate chooses none; if ``remat`` is
+        ``"auto"`` (not offered: see :class:`Remat`) and no submodule is named ``auto``.
     """
     if remat is None:
         return []
+    if isinstance(remat, Remat):
+        remat = remat.modules
+    if isinstance(remat, str) and remat == "auto" and not any(n == "auto" for n, _ in module.named_modules()):
+        raise ValueError(
+            "functionalize: remat='auto' is not offered: an automatic budget needs a memory target the graph pass "
+            "does not know (no device capacity on a CPU, none given); choose the modules and a budget, e.g. "
+            "remat=funcamp.nn.Remat(Block, budget=0.5) (the fraction of their activation bytes kept), or "
+            f"{_ACCEPTED}"
+        )
     named = [
         (name, sub)
         for name, sub in module.named_modules(remove_duplicate=False)
@@ -336,7 +422,7 @@ _CHECKPOINT_KEYWORDS = frozenset(
 )
 
 
-def wrap_forward(module: nn.Module) -> None:
+def wrap_forward(module: nn.Module, budget: float = 0.0) -> None:
     """Run ``module``'s forward through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 
     Set on the internal copy, over the casting wrapper if any (the input cast is recomputed too). With
@@ -346,6 +432,10 @@ def wrap_forward(module: nn.Module) -> None:
     recomputes them for the backward (inductor), and dynamo's activation-checkpoint operator, which
     refuses a forward that reassigns a buffer ("HOP: Unsafe side effect", the fp8 delayed state), is
     never used.
+
+    ``budget`` (:class:`Remat`): compiled, carried by the region's tags (the pass keeps that fraction of its
+    activations); eager, ``1.0`` runs the forward as is (nothing recomputed, nothing to choose) and any lower
+    budget checkpoints the whole module, as ``0.0``.
     """
     forward = module.forward
     region = _regions.new_region_id()
@@ -355,8 +445,10 @@ def wrap_forward(module: nn.Module) -> None:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         if torch.compiler.is_compiling():  # tagged for the compiled step's recompute pass (funcamp._regions)
-            with _regions.remat_region(region):
+            with _regions.remat_region(region, budget):
                 return forward(*args, **kwargs)
+        if budget == 1.0:  # eager: keep every activation, as the compiled pass does at this budget
+            return forward(*args, **kwargs)
         if _CHECKPOINT_KEYWORDS.isdisjoint(kwargs):
             return torch_checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return torch_checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -82,7 +82,7 @@ def skeleton(
     *,
     autocast: bool,
     training: bool | None,
-    remat: Sequence[str],
+    remat: Mapping[str, float],
 ) -> nn.Module:
     """A copy of ``module``'s structure with the plan of per-module wrappers installed, innermost first."""
     copied = _copy(module, plan, training)
@@ -140,14 +140,15 @@ def _casts(copied: nn.Module, plan: _Plan, autocast: bool) -> None:
             _wrap_cast(modules[name], policy, autocast)
 
 
-def _checkpoints(copied: nn.Module, remat: Sequence[str]) -> None:
-    """``remat=``: over the casting wrapper, so that the region starts at the module's own inputs."""
+def _checkpoints(copied: nn.Module, remat: Mapping[str, float]) -> None:
+    """``remat=``: over the casting wrapper, so that the region starts at the module's own inputs; ``remat``
+    maps each chosen module's name to its activation memory budget (:class:`funcamp.nn.Remat`)."""
     modules = dict(copied.named_modules(remove_duplicate=False))
     checkpointed: set[int] = set()
-    for name in remat:
+    for name, budget in remat.items():
         if id(modules[name]) not in checkpointed:
             checkpointed.add(id(modules[name]))
-            _remat.wrap_forward(modules[name])
+            _remat.wrap_forward(modules[name], budget)
 
 
 def op_mode(
