@@ -195,31 +195,47 @@ def _sink(
     return moved
 
 
+def _of_inputs_only(node: torch.fx.Node) -> bool:
+    """A graph input, or views, casts and ``where`` of graph inputs only (a weight's cast, its transpose)."""
+    if node.op == "placeholder":
+        return True
+    ops = _VIEWS | {torch.ops.aten.where.self}
+    return node.op == "call_function" and node.target in ops and all(map(_of_inputs_only, node.all_input_nodes))
+
+
 def _wait_for_user(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> None:
-    """Make ``group`` (casts and views of graph inputs, just before ``user``) wait for the value computed last
-    before it: each graph input it reads is read as ``where(flag, x, x)`` (bitwise ``x``), ``flag`` made from
-    that value.
+    """Make ``group`` (casts and views of graph inputs, moved to just before their first user) wait for the
+    value the forward computed last before it: each graph input it reads is read as ``where(flag, x, x)``
+    (bitwise ``x``), ``flag`` made from that value (not from another parameter's cast).
 
     Moving the casts in the graph is not enough: inductor fuses nodes that have no inputs in the graph into
     any earlier kernel, and put every block's bfloat16 weights into the step's first kernel, all alive through
     the forward (GPT-2 124M: 74 MiB at its peak)."""
     source = group[0].prev
-    while source.op != "root" and not (source.op == "call_function" and _gateable(source)):
+    while source.op != "root" and not (
+        source.op == "call_function"
+        and _tags(source).get(_PHASE) == "forward"
+        and _gateable(source)
+        and not _of_inputs_only(source)
+    ):
         source = source.prev
     if source.op == "root":
         return
+    made = []
     with graph.inserting_before(group[0]):
         first = source
         for _ in range(source.meta["val"].ndim):  # its first element, a 0-d view
             first = _call(graph, torch.ops.aten.select.int, first, 0, 0)
+            made.append(first)
         flag = _call(graph, torch.ops.aten.eq.Tensor, first, first)
+        made.append(flag)
         gated = {}
         for node in group:
             for inp in node.all_input_nodes:
                 if inp.op == "placeholder" and inp not in gated:
                     gated[inp] = _call(graph, torch.ops.aten.where.self, flag, inp, inp)
-        for new in (flag, first, *gated.values()):
-            new.meta["custom"] = {_PHASE: "forward"}
+    for new in made + list(gated.values()):
+        new.meta["custom"] = {_PHASE: "forward"}
     for node in group:
         for inp, late in gated.items():
             node.replace_input_with(inp, late)

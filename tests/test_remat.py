@@ -402,7 +402,10 @@ def test_compiled_inductor_remat_keeps_region_inputs_only(inductor_runs):
     ref, got = _saved_bytes(inductor_runs[None]["graph"]), _saved_bytes(inductor_runs[Fp8Block]["graph"])
     stream = ROWS * 32 * 4  # one block's input (or dropout mask, bool since the mask fix) in bytes
     assert got <= (2 * DEPTH + 2) * stream < ref / 3, (got, ref)  # inputs, masks, the head's input and weight
-    assert inductor_runs[Fp8Block]["peak"] < 0.7 * inductor_runs[None]["peak"], (
+    # 0.66x with inductor's locality reordering, 0.75x since the step turns it off (one more ROWS x 128 float32
+    # activation alive in a block's backward; the pass keeps the tied LM head's logits and weight gradients
+    # from living through the whole backward: test_embedding_gradient_zeros_made_after_the_logits_die)
+    assert inductor_runs[Fp8Block]["peak"] < 0.8 * inductor_runs[None]["peak"], (
         inductor_runs[Fp8Block]["peak"],
         inductor_runs[None]["peak"],
     )
@@ -647,3 +650,144 @@ def test_budget_cost_of_attention_on_cpu():
     graph = make_fx(lambda q, k, v: sdpa(q, k, v, 0.0, True), tracing_mode="fake")(q, q, q).graph
     costs = [_regions._flops(n) for n in graph.nodes if n.op == "call_function"]
     assert costs == [4 * 2 * 4 * 128 * 128 * 32] * 3  # the op and its two outputs
+
+
+# --- what the compiled step holds besides the regions: parameter casts, the backward's large buffers ----------
+
+
+class TiedLM(nn.Module):
+    """A tied-head language model: an embedding whose float32 gradient (V x D zeros the lookup's backward
+    accumulates into) is as large as the model's activations, and bfloat16 weights cast by the policy."""
+
+    V, D, ROWS = 8192, 64, 512
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(self.V, self.D)
+        self.blocks = nn.ModuleList(Block64() for _ in range(2))
+        self.ln = nn.LayerNorm(self.D)
+        self.head = nn.Linear(self.D, self.V, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.wte(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+class Block64(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(TiedLM.D)
+        self.fc = nn.Linear(TiedLM.D, 4 * TiedLM.D)
+        self.proj = nn.Linear(4 * TiedLM.D, TiedLM.D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+@pytest.fixture(scope="module")
+def tied_lm_run():
+    """TiedLM, bfloat16 compute, every block checkpointed, one inductor-compiled AdamW step profiled: the
+    post-grad graph and each allocation's (bytes, born, freed) in allocation order."""
+    import sys
+    from pathlib import Path
+
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_train_step import _walk
+
+    graphs: list[torch.fx.Graph] = []
+    with torch._inductor.config.patch(fx_graph_cache=False, post_grad_custom_post_pass=graphs.append):
+        torch._dynamo.reset()
+        apply_fn, params = functionalize(TiedLM(), MIXED, remat=Block64)
+        params = {k: v.detach().clone() for k, v in params.items()}
+        idx = torch.randint(0, TiedLM.V, (2, TiedLM.ROWS + 1), generator=torch.Generator().manual_seed(1))
+        batch = {"x": idx[:, :-1], "y": idx[:, 1:]}
+
+        def loss_fn(p, b):
+            return F.cross_entropy(apply_fn(p, b["x"]).flatten(0, 1).float(), b["y"].flatten())
+
+        opt = optim.adamw(1e-3)
+        step = fa.make_train_step(loss_fn, opt, donate=True)
+        state, _ = step(fa.TrainState.create(params, opt), batch)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            state, _ = step(state, batch)
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    events = [n for n in _walk(tree) if n.tag == _EventType.Allocation]
+    events.sort(key=lambda n: n.start_time_ns)
+    born: dict[int, tuple[int, int]] = {}
+    spans = []
+    for i, n in enumerate(events):
+        f = n.extra_fields
+        if f.alloc_size > 0:
+            born[f.ptr] = (f.alloc_size, i)
+        elif f.ptr in born:
+            size, start = born.pop(f.ptr)
+            spans.append((size, start, i))
+    spans += [(size, start, len(events)) for size, start in born.values()]
+    return {"graph": graphs[-1], "spans": spans}
+
+
+@pytest.mark.slow
+def test_embedding_gradient_zeros_made_after_the_logits_die(tied_lm_run):
+    """The token embedding's float32 gradient (zeros the lookup's backward adds into) is allocated after the
+    bfloat16 logits (and their gradient, in the same buffer) are freed. Two faults made them coexist: inductor
+    filled the zeros in a forward kernel (they have no inputs: GPT-2 124M, 147 MiB of the 684 MiB peak at the
+    end of the forward), and its locality reordering moved the head's weight-gradient matmul, the logits'
+    gradient's last reader, to the end of the backward. This model shows the second (fails on the step with
+    inductor's locality reordering); the first showed on GPT-2 only (``benchmarks/bench_memory.py``)."""
+    spans = tied_lm_run["spans"]
+    logits = [s for s in spans if s[0] == 2 * TiedLM.ROWS * TiedLM.V * 2]  # bfloat16 (2 x ROWS) x V
+    grads = [s for s in spans if s[0] == TiedLM.V * TiedLM.D * 4]  # float32 V x D
+    assert logits and grads, (len(logits), len(grads))
+    first_logits = min(logits, key=lambda s: s[1])
+    assert all(g[1] >= first_logits[2] for g in grads), (first_logits, grads)
+
+
+@pytest.mark.slow
+def test_checkpointed_blocks_weight_casts_not_kept(tied_lm_run):
+    """A checkpointed block's bfloat16 weight casts (made up front, outside the region, when compiled) are
+    recomputed for the backward, as torch.utils.checkpoint recomputes a module's input casts: no backward node
+    reads a forward cast of a block's weight; the tied head's cast (outside every region) is kept."""
+    from funcamp import _regions
+
+    def of_a_parameter(node):  # a graph input, or one read as where(flag, x, x) (made to wait for its use)
+        if node.target is torch.ops.aten.where.self:
+            node = node.args[1]
+        return node.op == "placeholder"
+
+    graph = tied_lm_run["graph"]
+    casts = [
+        n
+        for n in graph.nodes
+        if n.target is torch.ops.prims.convert_element_type.default
+        and _regions._tags(n).get(_regions._PHASE) == "forward"
+        and all(of_a_parameter(i) for i in n.all_input_nodes)
+        and n.meta["val"].dtype == torch.bfloat16
+        and n.meta["val"].ndim == 2
+    ]
+    blocks = [n for n in casts if tuple(n.meta["val"].shape) != (TiedLM.V, TiedLM.D)]
+    head = [n for n in casts if tuple(n.meta["val"].shape) == (TiedLM.V, TiedLM.D)]
+    assert len(blocks) == 4 and len(head) == 1, (len(blocks), len(head))
+
+    def backward_readers(node):
+        todo, seen, out = [node], set(), []
+        while todo:
+            n = todo.pop()
+            for user in n.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                if _regions._tags(user).get(_regions._PHASE) == "backward":
+                    out.append(user)
+                elif user.target in _regions._VIEWS:
+                    todo.append(user)
+        return out
+
+    assert all(not backward_readers(n) for n in blocks), [str(n) for n in blocks if backward_readers(n)]
+    assert backward_readers(head[0])

@@ -218,7 +218,17 @@ def _probes_for(
 
 
 def _inductor_options() -> dict[str, Any] | None:
-    """The inductor options of the compiled step: let AOTAutograd's cache store it.
+    """The inductor options of the compiled step: funcamp's graph pass, the backward's order kept, and a cache.
+
+    ``post_grad_custom_pre_pass``: :class:`funcamp._regions.RematPass` (``functionalize(remat=)`` regions
+    recomputed, sharded gathers at use, large backward buffers made late). ``reorder_for_locality=False``: the
+    step's forward and backward are traced into one graph without a forward/backward split, which inductor
+    takes for an inference graph and reorders for locality, moving each node to just before its first user:
+    each weight gradient's matmul went to the end of the backward, where the finite check first reads it, and
+    kept its inputs alive until then (a tied LM head: the logits' gradient through the whole backward,
+    ``tests/test_remat.py``); torch does not run that pass on the graphs it compiles for training.
+
+    Let AOTAutograd's cache store the step:
 
     funcamp's casting mode (:class:`funcamp.ops.OpPolicies`, a ``TorchFunctionMode``) makes Dynamo record the
     ``Tensor`` methods that torch writes in Python (``Tensor.split``, ``Tensor.unique``, ...) as calls to those
@@ -230,7 +240,7 @@ def _inductor_options() -> dict[str, Any] | None:
     """
     from torch._inductor import config as inductor_config
 
-    remat = {"post_grad_custom_pre_pass": _regions.RematPass()}  # functionalize(remat=) regions recomputed
+    remat = {"post_grad_custom_pre_pass": _regions.RematPass(), "reorder_for_locality": False}
     if not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # older torch: no such option
         return remat
     methods = (getattr(torch.Tensor, name, None) for name in _PYTHON_TENSOR_MATH)
