@@ -279,9 +279,14 @@ def _param_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
             todo += list(n.users) + list(n.all_input_nodes)
         done |= group
         users = [u for n in group for u in n.users if u not in group]
-        forward = {_tags(u).get(_REMAT) for u in users if _tags(u).get(_PHASE) != "backward"}
-        if len(forward) == 1 and None not in forward and all(u.op == "call_function" for u in users):
-            out.update(dict.fromkeys(group, forward.pop()))
+        forward = [u for u in users if _tags(u).get(_PHASE) != "backward"]
+        regions = {_tags(u).get(_REMAT) for u in forward}
+        if len(regions) == 1 and None not in regions and all(u.op == "call_function" for u in users):
+            region, budget = regions.pop(), _tags(forward[0]).get(_BUDGET)
+            for n in group:  # the region's budget: kept when it allows (casts rank last, one op per element)
+                if budget is not None:
+                    n.meta["custom"] = {**_tags(n), _BUDGET: budget}
+                out[n] = region
     return out
 
 
