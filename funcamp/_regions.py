@@ -29,6 +29,12 @@ collectives in the same order; its only input is the shard, a graph input), a ga
 up-front gather every use gathered again) is dropped, and each forward gather is moved to just before its
 first user.
 
+Two more things the pass does for memory, with the same ``where(flag, x, x)`` waits: a parameter's forward
+casts and views that only one region reads are recomputed with it and made just before their first use
+(:func:`_param_uses`, :func:`_wait_for_user`); a large tensor the backward builds from nothing (an embedding's
+gradient zeros) waits for the gradient its first user reads (:func:`_late_constructors`). Inductor fuses a
+node without graph inputs into any earlier kernel, which held such tensors from the start of the step.
+
 Limits: a module called twice in one forward is one region (its two calls are recomputed together); inductor's
 caches key on the graph's code, which does not show the tags, so in a process that has made a region the
 compiled steps bypass those caches (:meth:`RematPass.uuid`).
@@ -221,21 +227,13 @@ def _wait_for_user(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> None:
         source = source.prev
     if source.op == "root":
         return
-    made = []
     with graph.inserting_before(group[0]):
-        first = source
-        for _ in range(source.meta["val"].ndim):  # its first element, a 0-d view
-            first = _call(graph, torch.ops.aten.select.int, first, 0, 0)
-            made.append(first)
-        flag = _call(graph, torch.ops.aten.eq.Tensor, first, first)
-        made.append(flag)
+        flag = _flag(graph, source, phase="forward")
         gated = {}
         for node in group:
             for inp in node.all_input_nodes:
                 if inp.op == "placeholder" and inp not in gated:
-                    gated[inp] = _call(graph, torch.ops.aten.where.self, flag, inp, inp)
-    for new in made + list(gated.values()):
-        new.meta["custom"] = {_PHASE: "forward"}
+                    gated[inp] = _call(graph, torch.ops.aten.where.self, flag, inp, inp, phase="forward")
     for node in group:
         for inp, late in gated.items():
             node.replace_input_with(inp, late)
@@ -455,14 +453,24 @@ def _gateable(node: torch.fx.Node) -> bool:
     return hasattr(val, "fake_mode") and val.numel() > 0 and not val.is_complex()
 
 
-def _call(graph: torch.fx.Graph, op: Any, *args: Any) -> torch.fx.Node:
-    """A new backward node of ``op`` at the graph's insertion point, with the fake value later passes read."""
+def _call(graph: torch.fx.Graph, op: Any, *args: Any, phase: str = "backward") -> torch.fx.Node:
+    """A new node of ``op`` at the graph's insertion point, tagged ``phase``, with the fake value later passes
+    read."""
     node = graph.call_function(op, args)
     vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
     with vals[0].fake_mode:
         node.meta["val"] = op(*vals)
-    node.meta["custom"] = {_PHASE: "backward"}
+    node.meta["custom"] = {_PHASE: phase}
     return node
+
+
+def _flag(graph: torch.fx.Graph, source: torch.fx.Node, phase: str = "backward") -> torch.fx.Node:
+    """A 0-d bool computed from ``source`` (its first element compared with itself), at the insertion point: a
+    value that exists only once ``source`` does, for ``where(flag, x, x)`` (bitwise ``x``, NaN or not)."""
+    first = source
+    for _ in range(source.meta["val"].ndim):  # its first element, a 0-d view
+        first = _call(graph, torch.ops.aten.select.int, first, 0, 0, phase=phase)
+    return _call(graph, torch.ops.aten.eq.Tensor, first, first, phase=phase)
 
 
 class _Gate:
@@ -487,10 +495,7 @@ class _Gate:
         if source is None:
             return None
         with self.graph.inserting_before(before):
-            first = source
-            for _ in range(source.meta["val"].ndim):  # its first element, a 0-d view
-                first = _call(self.graph, torch.ops.aten.select.int, first, 0, 0)
-            return _call(self.graph, torch.ops.aten.eq.Tensor, first, first)
+            return _flag(self.graph, source)
 
 
 class _Recompute:
