@@ -537,6 +537,7 @@ def test_budget_graph_tags_and_no_recompile():
     assert budgets == [{None}, {None}, {None, 0.25}]
 
 
+@pytest.mark.filterwarnings("ignore::funcamp.nn.RematBudgetWarning")
 @pytest.mark.parametrize("budget, calls", [(0.0, 4), (0.5, 4), (1.0, 2)])
 def test_budget_eager(budget, calls):
     """Eager (torch.utils.checkpoint): a budget below 1 recomputes every chosen block (twice its forward), 1.0
@@ -545,6 +546,23 @@ def test_budget_eager(budget, calls):
     grads, got, blocks, _ = _grads(Remat(Block, budget=budget))
     assert blocks == calls
     assert torch.equal(value, got) and all(torch.equal(grads[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("budget, warns", [(0.0, False), (0.5, True), (1.0, False)])
+def test_budget_eager_warns_once_where_it_recomputes_all(budget, warns, monkeypatch):
+    """Eagerly a budget between 0 and 1 cannot keep a fraction (the whole module is recomputed): that is said
+    once per process (RematBudgetWarning), never for 0 (nothing asked) or 1 (nothing recomputed)."""
+    from funcamp.nn import RematBudgetWarning, _remat
+
+    monkeypatch.setattr(_remat, "_warned_budget", [False])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _grads(Remat(Block, budget=budget))
+        _grads(Remat(Block, budget=budget))
+    found = [w for w in caught if issubclass(w.category, RematBudgetWarning)]
+    assert len(found) == (1 if warns else 0), [str(w.message) for w in caught]
+    if warns:
+        assert "budget=0.5" in str(found[0].message) and "compiled step keeps the fraction" in str(found[0].message)
 
 
 def test_remat_value_forms():

@@ -44,7 +44,7 @@ from funcamp.nn._functionalize import Functional, FunctionalWithBuffers, functio
 from funcamp.nn._load import load_into, state_dict
 from funcamp.nn._loss import linear_cross_entropy
 from funcamp.nn._plan import EMBEDDING_TYPES, NORM_TYPES, float32_lookup, keep_in_float32, param_policies
-from funcamp.nn._remat import Remat, RematInactiveWarning
+from funcamp.nn._remat import Remat, RematBudgetWarning, RematInactiveWarning
 
 __all__ = [
     "EMBEDDING_TYPES",
@@ -52,6 +52,7 @@ __all__ = [
     "Functional",
     "FunctionalWithBuffers",
     "Remat",
+    "RematBudgetWarning",
     "RematInactiveWarning",
     "float32_lookup",
     "functionalize",

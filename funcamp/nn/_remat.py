@@ -58,7 +58,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from funcamp import _regions
 
-__all__ = ["Remat", "RematInactiveWarning"]
+__all__ = ["Remat", "RematBudgetWarning", "RematInactiveWarning"]
 
 #: The modules ``functionalize(..., remat=...)`` checkpoints: an ``nn.Module`` subclass; an fnmatch pattern of
 #: qualified module names; a list mixing the two; or a predicate ``(name, module) -> bool``.
@@ -82,9 +82,12 @@ class Remat:
     byte are kept, in that order, while their bytes stay within ``budget`` times the total; the rest are
     recomputed from what is kept. Eager (``torch.utils.checkpoint``) has no such choice: a budget below 1
     recomputes the whole module, ``1.0`` runs it as is (nothing recomputed). The budget is a constant of the
-    traced graph (a tag on the region's nodes): it never recompiles, and gradients stay bitwise those
-    without remat at every budget. There is no ``remat="auto"``: choosing a budget automatically needs a
-    memory target (a device's capacity, less what else the step holds) that the graph pass does not know.
+    traced graph (a tag on the region's nodes): it never recompiles. Gradients are bitwise those without remat
+    at every budget eagerly and, compiled, with float32 compute; with bfloat16 compute inductor's fused kernels
+    round at other points when values are recomputed (the last digits can differ). Eager runs of a budget
+    between 0 and 1 warn once (:class:`RematBudgetWarning`). There is no ``remat="auto"``: choosing a budget
+    automatically needs a memory target (a device's capacity, less what else the step holds) that the graph
+    pass does not know.
 
     Example:
       >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
@@ -124,6 +127,10 @@ class Remat:
 
 #: A value of ``functionalize(..., remat=...)``: ``None``, a :data:`Modules` value (budget 0) or a :class:`Remat`.
 RematLike = Modules | Remat | None
+
+
+class RematBudgetWarning(UserWarning):
+    """A :class:`Remat` budget between 0 and 1 ran eagerly, where the whole module is recomputed (as budget 0)."""
 
 
 class RematInactiveWarning(UserWarning):
@@ -232,6 +239,21 @@ def _hooks_disabled() -> bool:
 
 
 _warned = False
+
+
+_warned_budget = [False]
+
+
+def _warn_budget_eager(budget: float) -> None:
+    if not _warned_budget[0]:
+        _warned_budget[0] = True
+        warnings.warn(
+            f"funcamp: Remat(..., budget={budget}) ran eagerly (make_train_step(compile=False) or an eager "
+            "grad_and_value): torch.utils.checkpoint recomputes a whole module, so the module is recomputed as "
+            "at budget 0; the compiled step keeps the fraction. Gradients are unchanged.",
+            RematBudgetWarning,
+            stacklevel=4,
+        )
 
 
 def _warn_inactive() -> None:
@@ -449,6 +471,8 @@ def wrap_forward(module: nn.Module, budget: float = 0.0) -> None:
                 return forward(*args, **kwargs)
         if budget == 1.0:  # eager: keep every activation, as the compiled pass does at this budget
             return forward(*args, **kwargs)
+        if budget > 0.0:
+            _warn_budget_eager(budget)
         if _CHECKPOINT_KEYWORDS.isdisjoint(kwargs):
             return torch_checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return torch_checkpoint.checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False)
