@@ -201,12 +201,15 @@ def _sink(
     return moved
 
 
+#: What a graph input's forward tensor is made with: views, casts and the waits' ``where(flag, x, x)``.
+_INPUT_OPS = _VIEWS | {torch.ops.aten.where.self}
+
+
 def _of_inputs_only(node: torch.fx.Node) -> bool:
     """A graph input, or views, casts and ``where`` of graph inputs only (a weight's cast, its transpose)."""
     if node.op == "placeholder":
         return True
-    ops = _VIEWS | {torch.ops.aten.where.self}
-    return node.op == "call_function" and node.target in ops and all(map(_of_inputs_only, node.all_input_nodes))
+    return node.op == "call_function" and node.target in _INPUT_OPS and all(map(_of_inputs_only, node.all_input_nodes))
 
 
 def _wait_for_user(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> None:
