@@ -11,6 +11,7 @@ side effects (pytest imports it).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -119,9 +120,11 @@ def run(
         backend=compile_backend,
         **where,
     )
-    records = []
-    for batch in batches(world, world - 1, cfg["poison"]):
-        state, m = step(state, shard_batch(batch, rank))
+    records, wire = [], []
+    for n, batch in enumerate(batches(world, world - 1, cfg["poison"])):
+        eager_sharded_first = n == 0 and sharded and compile_backend is None
+        with _recording(wire) if eager_sharded_first else contextlib.nullcontext():
+            state, m = step(state, shard_batch(batch, rank))
         whole = sharding.unshard_params(state.params, layout, group) if sharded else state.params
         records.append(
             {
@@ -141,7 +144,7 @@ def run(
                 },
             }
         )
-    out = {"records": records}
+    out = {"records": records, "wire": wire}
     if sharded:
         out["shards"] = {k: v.clone() for k, v in state.params.items()}
         out["opt_shards"] = _tree.tree_map(lambda x: x.clone(), state.opt_state)
@@ -149,6 +152,30 @@ def run(
     else:
         out["state_bytes"] = _tree.tree_bytes(state.params) + _tree.tree_bytes(state.opt_state)
     return out
+
+
+@contextlib.contextmanager
+def _recording(wire: list[tuple[str, str, int]]) -> Any:
+    """Record ``(op, dtype, bytes)`` of each functional all-gather (its result) and reduce-scatter (its input) run
+    inside: what travels, every rank's rows."""
+    from unittest import mock
+
+    from torch.distributed import _functional_collectives as funcol
+
+    def spy(name: str, real: Any) -> Any:
+        def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = real(x, *args, **kwargs)
+            seen = out if name == "all_gather" else x
+            wire.append((name, str(seen.dtype), seen.numel() * seen.element_size()))
+            return out
+
+        return call
+
+    with (
+        mock.patch.object(funcol, "all_gather_single", spy("all_gather", funcol.all_gather_single)),
+        mock.patch.object(funcol, "reduce_scatter_single", spy("reduce_scatter", funcol.reduce_scatter_single)),
+    ):
+        yield
 
 
 def _resume(out: str, group: Any, rank: int) -> dict[str, Any]:

@@ -481,6 +481,29 @@ def test_two_ranks_sharded_equals_unsharded_bitwise(ranks, name):
     assert _max_diff(plain[-1]["params"], W.init_params()) > 0.05  # it did train
 
 
+@pytest.mark.parametrize("name", [n for names in W.PAIR_SCENARIOS for n in names])
+def test_eager_sharded_step_collectives_travel_in_the_layout_dtypes(ranks, name):
+    """The eager sharded step's first step: one all-gather of every parameter in ``layout.gather_dtype`` (None: the
+    masters' float32) and one reduce-scatter of every gradient in the policy's ``reduce_dtype``, each with the bytes
+    of every rank's padded rows (``sharding.wire_bytes``' per-rank ring bytes times ``N / (N - 1)``), recorded at
+    the functional collectives. ``bf16_gather``'s loss casts every parameter right after the gather, so its
+    numbers cannot show shards gathered in float32 (planted, the step gathering with ``unshard_params``: caught
+    here only)."""
+    cfg = W.SCENARIOS[name]
+    policy = fa.get_policy(cfg["policy"])
+    gather = policy.compute_dtype if cfg.get("gather") == "compute" else torch.float32
+    wire = policy.reduce_dtype or torch.float32
+    sizes = sharding.wire_bytes(W.init_params(), 2, reduce_dtype=wire, gather_dtype=gather)
+    want = [
+        ("all_gather", str(gather), 2 * sizes["all_gather"]),
+        ("reduce_scatter", str(wire), 2 * sizes["reduce_scatter"]),
+    ]
+    for r in _pair_ranks(ranks, name):
+        assert r["pair"][name]["sharded"]["wire"] == want, (name, r["pair"][name]["sharded"]["wire"])
+    if name == "bf16_gather":
+        assert gather == torch.bfloat16
+
+
 # Measured on 4 gloo ranks (AMD EPYC, AVX2), max |sharded - unsharded| over the parameters after 20
 # steps: f32 3.0e-8, bf16 5.0e-4, f16 5.8e-5. Bounds: 4x that, rounded up.
 FOUR_RANK_BOUND = {"f32": 1.2e-7, "bf16": 2e-3, "f16": 2.5e-4}
@@ -894,9 +917,9 @@ def test_gather_at_use_op_alone_is_the_mean_of_whole_gradients(at_use_ranks):
 
 
 # (parameters, gathers) in the compiled graph: every parameter gathered up front (dead code where nothing uses that
-# tensor) and at each use (the hand-written losses: 8, w2 and b1 twice; functionalize: once per name and call,
-# the tied weight under both its names)
-AT_USE_COUNTS = {"bf16": (6, 6 + 8), "f32": (6, 6 + 8), "mixed": (6, 6 + 8), "functionalize": (9, 9 + 10)}
+# tensor) and at each use (the hand-written losses: 9, w2 three times and b1 twice; functionalize: once per name and
+# call, the tied weight under both its names)
+AT_USE_COUNTS = {"bf16": (6, 6 + 9), "f32": (6, 6 + 9), "mixed": (6, 6 + 9), "functionalize": (9, 9 + 10)}
 
 
 @pytest.mark.parametrize("name", list(AT_USE_COUNTS))
@@ -929,6 +952,42 @@ def test_compiled_at_use_step_equals_unsharded_bitwise(at_use_ranks, name):
         assert _max_diff(plain["records"][-1]["params"], A.init_params()) > 0.01
 
 
+def _padded_bytes(params: dict, world: int, dtype_of) -> list[tuple[str, int]]:
+    """``(dtype, bytes)`` of each parameter's rows on every rank (padding included), in tree order, in the dtype
+    ``dtype_of(parameter)``: what one all-gather of it, or one reduce-scatter of its gradient, moves."""
+    layout = dataclasses.replace(sharding.shard_layout(params, None), world_size=world)
+    out = []
+    for i, x in enumerate(fa._tree.tree_leaves(params)):
+        dtype = dtype_of(x)
+        out.append((str(dtype), world * layout.rows(i) * math.prod(layout.shapes[i][1:]) * dtype.itemsize))
+    return out
+
+
+@pytest.mark.parametrize("name", list(AT_USE_COUNTS))
+def test_compiled_collectives_travel_in_the_layout_dtypes(at_use_ranks, name):
+    """The compiled sharded step's all-gathers carry ``layout.gather_dtype`` (None: each master's own dtype) and its
+    reduce-scatters the policy's ``reduce_dtype``, with the bytes of every rank's padded rows: read from the traced
+    values of the collectives in the graph (the numbers alone cannot tell: a loss that casts every parameter
+    right after the gather computes the same with shards gathered in float32, at twice the gather bytes; planted,
+    ``Sharded._specs`` ignoring ``gather_dtype`` left every other test passing). ``bf16`` gathers in bfloat16, the
+    others in the masters' dtypes (the bfloat16 master ``row`` in bfloat16); gradients of bfloat16 masters are
+    reduced in float32 at least."""
+    A, ranks = at_use_ranks
+    cfg = A.SCENARIOS[name]
+    policy = fa.get_policy(cfg["policy"])
+    params = A.functionalized(policy)[1] if cfg["mode"] == "functionalize" else A.init_params()
+    gather = _padded_bytes(params, 2, lambda x: cfg.get("gather") or x.dtype)
+    wire = _padded_bytes(params, 2, lambda x: policy.reduce_dtype or torch.promote_types(x.dtype, torch.float32))
+    n, total = AT_USE_COUNTS[name]
+    for r in ranks:
+        got = r[name]["sharded"]["collectives"]
+        gathers = [(d, b) for op, d, b in got if op == "all_gather"]
+        scatters = [(d, b) for op, d, b in got if op == "reduce_scatter"]
+        assert len(gathers) == total and sorted(scatters) == sorted(wire), (name, got)
+        assert sorted(gathers[:n]) == sorted(gather), (name, gathers)  # the up-front gathers, one per parameter
+        assert set(gathers) <= set(gather), (name, gathers)  # each use's gather: one of them again
+
+
 def test_compiled_at_use_losssum_with_micro_batches(at_use_ranks):
     """A LossSum over 2 micro-batches: each rank's micro-batch gradient is weighted by its own count before the
     reduction (count * mean is differentiated), and the reduction runs per micro-batch, so the sums are added in
@@ -944,15 +1003,22 @@ def test_compiled_at_use_losssum_with_micro_batches(at_use_ranks):
 
 
 def test_inductor_regathers_for_the_backward(at_use_ranks):
-    """Inductor with funcamp's post-grad pass: no backward node uses a gather made in the forward (each backward use
-    gathers again), the unused up-front gathers are dropped, and the step matches the aot_eager one to bf16
-    compute round-off (inductor rounds fused bf16 ops once; AdamW's normalised update carries the difference):
-    measured max |inductor - aot_eager| after 2 steps 3.3e-4."""
+    """Inductor with funcamp's post-grad pass: the backward keeps nothing of the forward's gathers (no node after the
+    forward reads a forward value computed from gathered parameters alone, whatever op made it: the gathered
+    tensor, ``F.linear``'s transpose of it, the head's float32 cast of it), so each backward use gathers again; the
+    unused up-front gathers are dropped; the step matches the aot_eager one to bf16 compute round-off (inductor
+    rounds fused bf16 ops once; AdamW's normalised update carries the difference): measured max |inductor -
+    aot_eager| after 2 steps ?.
+
+    Planted, a view or a cast of a gathered tensor left out of the pass's recompute (``funcamp._regions._gathered``
+    without its views clause, or ``_VIEWS`` without the casts) leaves the backward reading the forward's
+    transposed weight or float32 head: caught here. The loss used ``F.linear(h, w.t())`` before, whose views the
+    backward made itself, and no cast: neither fault showed."""
     A, ranks = at_use_ranks
     for r in ranks:
         ind = r["inductor"]
         assert not ind["leaks"] and ind["finite"], ind["leaks"]
-        assert ind["gathers"].count("forward") == 8  # one per use; the 6 up-front ones are gone
+        assert ind["gathers"].count("forward") == AT_USE_COUNTS["bf16"][1] - AT_USE_COUNTS["bf16"][0]  # one per use
         assert ind["gathers"].count("backward") >= 1
         want = r["bf16"]["sharded"]["records"][1]["params"]
         got = {k: v.float() for k, v in ind["params"].items()}
