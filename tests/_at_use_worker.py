@@ -6,8 +6,10 @@ reduce-scattered in its backward, :mod:`funcamp._at_use`) and the eager unsharde
 reference), and records the whole parameters and metrics of every step. The loss asks the step's layout for
 each parameter at its use (``param_at_use``, the hook ``funcamp.nn.functionalize`` calls) through
 :func:`at_use`, except in the ``direct`` scenario (parameters used directly: gathered up front) and the
-``mixed`` one (both). Also the op alone: eager, under ``torch.func.grad`` and plain autograd, against the
-mean of the whole gradients. Importing this module has no side effects.
+``mixed`` one (both). The compiled runs also record each collective's dtype and bytes, from the traced graph.
+Also the op alone: eager, under ``torch.func.grad`` and plain autograd, against the mean of the whole gradients;
+and the ``bf16`` scenario compiled with inductor: what its backward keeps of the forward's gathers. Importing
+this module has no side effects.
 """
 
 from __future__ import annotations

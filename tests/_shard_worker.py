@@ -5,7 +5,8 @@ One launch of 4 gloo ranks on CPU. Ranks {0, 1} and {2, 3} form two groups of tw
 default group. Each scenario trains the same small model for ``STEPS`` steps twice from the same
 start: sharded (``make_train_step(shard=layout)``) and unsharded data parallel (``data_parallel=group``,
 the reference), and records per step the whole parameters (the sharded ones all-gathered eagerly
-after the step) and the metrics. Each rank saves ``OUT/rank<r>.pt``. Importing this module has no
+after the step) and the metrics; the eager sharded runs also record their first step's collectives (dtype and
+bytes). Each rank saves ``OUT/rank<r>.pt``. Importing this module has no
 side effects (pytest imports it).
 """
 
