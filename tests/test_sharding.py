@@ -487,8 +487,8 @@ def test_eager_sharded_step_collectives_travel_in_the_layout_dtypes(ranks, name)
     masters' float32) and one reduce-scatter of every gradient in the policy's ``reduce_dtype``, each with the bytes
     of every rank's padded rows (``sharding.wire_bytes``' per-rank ring bytes times ``N / (N - 1)``), recorded at
     the functional collectives. ``bf16_gather``'s loss casts every parameter right after the gather, so its
-    numbers cannot show shards gathered in float32 (planted, the step gathering with ``unshard_params``: caught
-    here only)."""
+    numbers cannot show shards gathered in float32 (planted, the step gathering with ``unshard_params``: the
+    bitwise test still passed, this one failed)."""
     cfg = W.SCENARIOS[name]
     policy = fa.get_policy(cfg["policy"])
     gather = policy.compute_dtype if cfg.get("gather") == "compute" else torch.float32
@@ -972,7 +972,7 @@ def test_compiled_collectives_travel_in_the_layout_dtypes(at_use_ranks, name):
     reduce-scatters the policy's ``reduce_dtype``, with the bytes of every rank's padded rows: read from the traced
     values of the collectives in the graph (the numbers alone cannot tell: a loss that casts every parameter
     right after the gather computes the same with shards gathered in float32, at twice the gather bytes; planted,
-    ``Sharded._specs`` ignoring ``gather_dtype`` left every other test passing). ``bf16`` gathers in bfloat16, the
+    ``Sharded._specs`` ignoring ``gather_dtype`` left the bitwise test passing). ``bf16`` gathers in bfloat16, the
     others in the masters' dtypes (the bfloat16 master ``row`` in bfloat16); gradients of bfloat16 masters are
     reduced in float32 at least."""
     A, ranks = at_use_ranks
