@@ -6,8 +6,10 @@ reduce-scattered in its backward, :mod:`funcamp._at_use`) and the eager unsharde
 reference), and records the whole parameters and metrics of every step. The loss asks the step's layout for
 each parameter at its use (``param_at_use``, the hook ``funcamp.nn.functionalize`` calls) through
 :func:`at_use`, except in the ``direct`` scenario (parameters used directly: gathered up front) and the
-``mixed`` one (both). Also the op alone: eager, under ``torch.func.grad`` and plain autograd, against the
-mean of the whole gradients. Importing this module has no side effects.
+``mixed`` one (both). The compiled runs also record each collective's dtype and bytes, from the traced graph.
+Also the op alone: eager, under ``torch.func.grad`` and plain autograd, against the mean of the whole gradients;
+and the ``bf16`` scenario compiled with inductor: what its backward keeps of the forward's gathers. Importing
+this module has no side effects.
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ def at_use(p: Any, name: str) -> torch.Tensor:
 
 
 def make_loss_fn(policy: fa.Policy, mode: str = "at_use"):
-    """An MLP; ``w2`` is applied twice (a module called twice) and ``head`` is tied to ``w1`` through ``head2``-less
-    reuse of ``w2`` in the logits; ``mode``: ``at_use`` (every use through the hook), ``direct`` (none),
-    ``mixed`` (the hook, plus an L2 term on the parameters as the loss was handed them), ``losssum``."""
+    """An MLP; ``w2`` is applied three times (a weight used in several places, once as ``nn.Linear`` applies it),
+    ``head`` in float32 (cast after the gather); ``mode``: ``at_use`` (every use through the hook), ``direct``
+    (none), ``mixed`` (the hook, plus an L2 term on the parameters as the loss was handed them), ``losssum``."""
     get = (lambda p, k: p[k]) if mode == "direct" else at_use
 
     def loss_fn(params: Any, batch: Any) -> Any:
@@ -73,10 +75,14 @@ def make_loss_fn(policy: fa.Policy, mode: str = "at_use"):
         x = batch["x"].to(c)
         h = torch.tanh(x @ w("w1") + w("b1"))
         h = torch.tanh(h @ w("w2"))
-        # the same module again, gathered per call, applied as a Linear applies its weight (a view of the gathered
-        # tensor, through which the backward must not reach the forward's gather)
-        h = torch.tanh(torch.nn.functional.linear(h, w("w2").t()))
-        logits = ((h @ w("head") + w("row")) * w("temp")).float()
+        # the same weight again, gathered per use, applied as a plain nn.Linear applies its weight: F.linear
+        # transposes it, a view of the gathered tensor that the backward must make again from a new gather
+        h = torch.tanh(torch.nn.functional.linear(h, w("w2")))
+        # and a third time: the three uses' bfloat16 gradients must add up in the master's float32 before the
+        # reduce-scatter, as the unsharded step adds them (two terms round alike in bfloat16, three do not)
+        h = torch.tanh(h @ w("w2"))
+        # the head in float32: a cast of the gathered weight, which the backward must make again as well
+        logits = ((h.float() @ w("head").float() + w("row")) * w("temp")).float()
         trap = (w("b1") * batch["poison"].mean().to(c)).sum().float()
         if mode == "losssum":
             per = torch.nn.functional.cross_entropy(logits, batch["y"], reduction="none") * batch["n"]
@@ -140,12 +146,20 @@ def make_functionalized_loss(policy: fa.Policy) -> Any:
     return loss_fn
 
 
-def run(name: str, group: Any, rank: int, *, sharded: bool) -> dict[str, Any]:
+def _setup(name: str, group: Any, sharded: bool) -> tuple[Any, ...]:
+    """``(policy, optimizer, params, layout, loss_fn)`` of scenario ``name`` (``layout`` None unsharded)."""
     cfg = SCENARIOS[name]
     policy = fa.get_policy(cfg["policy"])
     opt = optim.adamw(1e-2, weight_decay=0.1)
     params = functionalized(policy)[1] if cfg["mode"] == "functionalize" else init_params()
     layout = sharding.shard_layout(params, group, gather_dtype=cfg.get("gather")) if sharded else None
+    loss_fn = make_functionalized_loss(policy) if cfg["mode"] == "functionalize" else make_loss_fn(policy, cfg["mode"])
+    return policy, opt, params, layout, loss_fn
+
+
+def run(name: str, group: Any, rank: int, *, sharded: bool) -> dict[str, Any]:
+    cfg = SCENARIOS[name]
+    policy, opt, params, layout, loss_fn = _setup(name, group, sharded)
     state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=3), shard=layout)
     counter = None
     if sharded:
@@ -153,7 +167,6 @@ def run(name: str, group: Any, rank: int, *, sharded: bool) -> dict[str, Any]:
 
         torch._dynamo.reset()
         counter = CompileCounterWithBackend("aot_eager")
-    loss_fn = make_functionalized_loss(policy) if cfg["mode"] == "functionalize" else make_loss_fn(policy, cfg["mode"])
     step = fa.make_train_step(
         loss_fn,
         opt,
@@ -181,34 +194,73 @@ def run(name: str, group: Any, rank: int, *, sharded: bool) -> dict[str, Any]:
         out["code"] = "\n".join(
             m.code for g in counter.graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule)
         )
+        out["collectives"] = _collectives(counter.graphs)
     return out
 
 
-_aten = torch.ops.aten
-#: views and casts of a gathered weight in the post-grad graph (through which a forward gather can leak)
-_VIEWS = {_aten.permute.default, _aten.t.default, _aten.transpose.int, _aten.view.default, _aten.reshape.default}
-_VIEWS |= {_aten._unsafe_view.default, _aten.expand.default, _aten.slice.Tensor, _aten.alias.default}
-_VIEWS |= {torch.ops.prims.convert_element_type.default, _aten._to_copy.default}
+def _collectives(graphs: list[Any]) -> list[tuple[str, str, int]]:
+    """``(op, dtype, bytes)`` of each all-gather and reduce-scatter of the Dynamo graphs (and their subgraphs, the
+    Functions' forwards and backwards), in graph order, from the traced values: what the collective sends and
+    receives (an all-gather's result, a reduce-scatter's input: every rank's rows)."""
+    out = []
+    for graph in graphs:
+        for module in graph.modules():
+            if not isinstance(module, torch.fx.GraphModule):
+                continue
+            for node in module.graph.nodes:
+                name = str(node.target)
+                if node.op != "call_function" or not ("all_gather" in name or "reduce_scatter" in name):
+                    continue
+                op = "all_gather" if "all_gather" in name else "reduce_scatter"
+                val = node.meta["example_value"] if op == "all_gather" else node.args[0].meta["example_value"]
+                out.append((op, str(val.dtype), val.numel() * val.element_size()))
+    return out
 
 
-def _inductor(group: Any, rank: int) -> dict[str, Any]:
-    """The ``bf16`` scenario compiled with inductor, 2 steps: the post-grad graph after funcamp's pass.
+def _from_gathers(graph: Any) -> set[Any]:
+    """The forward nodes of ``graph`` computed from the forward's gathers alone: a gather's own nodes, and every
+    forward node whose inputs are all such nodes (a view, a cast, a Linear's transposed weight: any op)."""
+    from funcamp import _regions
 
-    For each all-gather: its phase tag and whether a backward node uses the forward's gathered tensor."""
+    made: set[Any] = set()
+    for node in graph.nodes:
+        tags = _regions._tags(node)
+        if node.op != "call_function" or tags.get(_regions._PHASE) != "forward":
+            continue
+        if tags.get(_regions._GATHER) or (node.all_input_nodes and all(i in made for i in node.all_input_nodes)):
+            made.add(node)
+    return made
+
+
+def _after_forward(graph: Any) -> set[Any]:
+    """The nodes after the forward: those tagged backward, and the untagged ones (the update; a node an inductor
+    pattern rewrote, which loses its tag) placed after the first backward node."""
+    from funcamp import _regions
+
+    out, started = set(), False
+    for node in graph.nodes:
+        phase = _regions._tags(node).get(_regions._PHASE) if node.op == "call_function" else None
+        started = started or phase == "backward"
+        if phase == "backward" or (started and phase is None):
+            out.add(node)
+    return out
+
+
+def _inductor(group: Any, rank: int, name: str) -> dict[str, Any]:
+    """Scenario ``name`` compiled with inductor, 2 steps: the post-grad graph after funcamp's pass.
+
+    For each all-gather its phase tag, and what the backward keeps of the forward's gathers: every node after the
+    forward (the backward, the update) that reads a forward value computed from gathered parameters alone (the
+    gathered tensor, or a view or cast of it, whatever op made it), which the pass must have given a new gather."""
     from torch._inductor import config as inductor_config
 
     from funcamp import _regions
 
     graphs: list[Any] = []
-
-    cfg = SCENARIOS["bf16"]
-    policy = fa.get_policy(cfg["policy"])
-    opt = optim.adamw(1e-2, weight_decay=0.1)
-    params = init_params()
-    layout = sharding.shard_layout(params, group, gather_dtype=cfg["gather"])
+    policy, opt, params, layout, loss_fn = _setup(name, group, sharded=True)
     state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=3), shard=layout)
     torch._dynamo.reset()
-    step = fa.make_train_step(make_loss_fn(policy), opt, data_parallel=group, policy=policy, shard=layout)
+    step = fa.make_train_step(loss_fn, opt, data_parallel=group, policy=policy, shard=layout)
     with inductor_config.patch(post_grad_custom_post_pass=graphs.append):
         for batch in batches(group.size())[:2]:
             state, m = step(state, {k: v[rank * B : (rank + 1) * B] for k, v in batch.items()})
@@ -217,26 +269,11 @@ def _inductor(group: Any, rank: int) -> dict[str, Any]:
     for node in graph.nodes:
         if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
             gathers.append(_regions._tags(node).get(_regions._PHASE))
-    waits = [n for n in graph.nodes if n.target is torch.ops._c10d_functional.wait_tensor.default]
-    # a forward gather's result (and the views of it) used by a backward node: what the pass must prevent
-    leaks: list[str] = []
-    for w in waits:
-        if _regions._tags(w).get(_regions._PHASE) != "forward" or not _regions._tags(w).get(_regions._GATHER):
-            continue
-        todo, seen_nodes = [w], set()
-        while todo:
-            n = todo.pop()
-            for u in n.users:
-                if u in seen_nodes:
-                    continue
-                seen_nodes.add(u)
-                forward = _regions._tags(u).get(_regions._PHASE) == "forward"
-                if forward and (_regions._tags(u).get(_regions._GATHER) or u.target in _VIEWS):
-                    todo.append(u)  # a gather's own nodes, or a view of it made by the module (a Linear's permute)
-                elif _regions._tags(u).get(_regions._PHASE) == "backward":
-                    leaks.append(f"{n.name} -> {u.name} ({u.target}, {_regions._tags(u)})")
+    made, later = _from_gathers(graph), _after_forward(graph)
+    kept = [f"{n.name} ({n.target}) -> {u.name} ({u.target}, {_regions._tags(u)})" for n in made for u in n.users]
+    kept = [k for k, u in zip(kept, (u for n in made for u in n.users)) if u in later]
     whole = sharding.unshard_params(state.params, layout, group)
-    return {"gathers": gathers, "leaks": leaks, "params": whole, "finite": bool(m["grads_finite"])}
+    return {"gathers": gathers, "leaks": kept, "params": whole, "finite": bool(m["grads_finite"])}
 
 
 def _op_alone(group: Any, rank: int) -> dict[str, Any]:
@@ -269,7 +306,11 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     rank, world, _ = parallel.setup_from_env("gloo", timeout_s=120)
     group = parallel.resolve_group(True)
-    results: dict[str, Any] = {"rank": rank, "op": _op_alone(group, rank), "inductor": _inductor(group, rank)}
+    results: dict[str, Any] = {
+        "rank": rank,
+        "op": _op_alone(group, rank),
+        "inductor": _inductor(group, rank, "bf16"),
+    }
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SCENARIOS)
     for name in names:
         results[name] = {

@@ -5,12 +5,14 @@ One launch of 4 gloo ranks on CPU. Ranks {0, 1} and {2, 3} form two groups of tw
 default group. Each scenario trains the same small model for ``STEPS`` steps twice from the same
 start: sharded (``make_train_step(shard=layout)``) and unsharded data parallel (``data_parallel=group``,
 the reference), and records per step the whole parameters (the sharded ones all-gathered eagerly
-after the step) and the metrics. Each rank saves ``OUT/rank<r>.pt``. Importing this module has no
+after the step) and the metrics; the eager sharded runs also record their first step's collectives (dtype and
+bytes). Each rank saves ``OUT/rank<r>.pt``. Importing this module has no
 side effects (pytest imports it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -119,9 +121,11 @@ def run(
         backend=compile_backend,
         **where,
     )
-    records = []
-    for batch in batches(world, world - 1, cfg["poison"]):
-        state, m = step(state, shard_batch(batch, rank))
+    records, wire = [], []
+    for n, batch in enumerate(batches(world, world - 1, cfg["poison"])):
+        eager_sharded_first = n == 0 and sharded and compile_backend is None
+        with _recording(wire) if eager_sharded_first else contextlib.nullcontext():
+            state, m = step(state, shard_batch(batch, rank))
         whole = sharding.unshard_params(state.params, layout, group) if sharded else state.params
         records.append(
             {
@@ -141,7 +145,7 @@ def run(
                 },
             }
         )
-    out = {"records": records}
+    out = {"records": records, "wire": wire}
     if sharded:
         out["shards"] = {k: v.clone() for k, v in state.params.items()}
         out["opt_shards"] = _tree.tree_map(lambda x: x.clone(), state.opt_state)
@@ -149,6 +153,30 @@ def run(
     else:
         out["state_bytes"] = _tree.tree_bytes(state.params) + _tree.tree_bytes(state.opt_state)
     return out
+
+
+@contextlib.contextmanager
+def _recording(wire: list[tuple[str, str, int]]) -> Any:
+    """Record ``(op, dtype, bytes)`` of each functional all-gather (its result) and reduce-scatter (its input) run
+    inside: what travels, every rank's rows."""
+    from unittest import mock
+
+    from torch.distributed import _functional_collectives as funcol
+
+    def spy(name: str, real: Any) -> Any:
+        def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = real(x, *args, **kwargs)
+            seen = out if name == "all_gather" else x
+            wire.append((name, str(seen.dtype), seen.numel() * seen.element_size()))
+            return out
+
+        return call
+
+    with (
+        mock.patch.object(funcol, "all_gather_single", spy("all_gather", funcol.all_gather_single)),
+        mock.patch.object(funcol, "reduce_scatter_single", spy("reduce_scatter", funcol.reduce_scatter_single)),
+    ):
+        yield
 
 
 def _resume(out: str, group: Any, rank: int) -> dict[str, Any]:

@@ -260,3 +260,29 @@ def test_has_aux_without_aux_is_named():
     step = fa.make_train_step(lambda p, b: W.token_loss(p, b).total, optim.sgd(1.0), has_aux=True, compile=False)
     with pytest.raises(TypeError, match=r"must return \(loss, aux\), got Tensor"):
         step(_state(), W.global_batch())
+
+
+@pytest.mark.parametrize("count_type", ["tensor", "int"])
+@pytest.mark.parametrize(("dtype", "count"), [(torch.bfloat16, 257), (torch.float16, 2049)], ids=["bf16", "f16"])
+def test_half_total_and_count_are_divided_in_float32(dtype, count, count_type):
+    """A 16-bit ``LossSum`` total is divided by its count in float32 at least: the first count its dtype cannot
+    hold (257 in bfloat16's 8 significant bits, 2049 in float16's 11) would read as 256 / 2048 there, 0.4% / 0.05%
+    off the mean. Oracle: the metric loss is the float64 quotient of the 16-bit total and the exact count; the
+    update (SGD, learning rate 1) is ``x / count`` to the bfloat16 / float16 rounding of the total's gradient
+    (``loss_scale / count``, rounded once by the cast's backward). Planted, ``_full_precision`` dividing in the
+    total's dtype: both fail."""
+    x = torch.tensor([0.75, -1.5, 3.0])
+    n = torch.tensor(count) if count_type == "tensor" else count
+
+    def loss_fn(p, b):
+        return fa.LossSum((p["w"] * b).sum().to(dtype), n)
+
+    params = {"w": torch.tensor([1.0, 2.0, -0.5])}
+    state = fa.TrainState.create(params, optim.sgd(1.0), loss_scale=fa.DynamicLossScale(2.0**10))
+    new, m = fa.make_train_step(loss_fn, optim.sgd(1.0), compile=False)(state, x)
+    total = float((params["w"] * x).sum().to(dtype))
+    assert torch.equal(m["loss"], torch.tensor(total / count, dtype=torch.float32)), (float(m["loss"]), total / count)
+    moved = (params["w"] - new.params["w"]).double()
+    want = x.double() / count
+    eps = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    assert ((moved - want).abs() <= eps / 2 * want.abs() + 2.0**-24).all(), (moved, want)

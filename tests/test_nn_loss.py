@@ -267,10 +267,14 @@ def test_bad_inputs_raise_clear_errors(kwargs, error, match):
         linear_cross_entropy(args["hidden"], args["weight"], args["targets"], **rest)
 
 
-def test_compiled_bad_target_is_nan_not_a_wrong_number(compiled_grad):
+@pytest.mark.parametrize("bad", [V, V + 3, -1, -101], ids=["vocab", "vocab+3", "minus1", "below_ignore"])
+def test_compiled_bad_target_is_nan_not_a_wrong_number(compiled_grad, bad):
     """Compiled, a target outside [0, vocab) cannot raise (no host sync): the loss and gradients are NaN, so a
-    train step sees a non-finite step instead of a loss computed from a clamped index."""
+    train step sees a non-finite step instead of a loss computed from a clamped index. The edges included: a
+    target equal to the vocabulary size (planted, the check off by one, ``t > vocab``: the gather read past the
+    row) and -1; only the bad row's gradient is NaN, the other rows' are finite."""
     h, w, t = _inputs()
-    t[5] = V + 3
+    t[5] = bad
     (gh, gw), loss = compiled_grad(h, w, t)
-    assert loss.isnan() and gh.isnan().any() and gw.isnan().any()
+    assert loss.isnan() and gh[5].isnan().all() and gw.isnan().any()
+    assert torch.isfinite(torch.cat([gh[:5], gh[6:]])).all()
