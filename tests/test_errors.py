@@ -416,7 +416,8 @@ def test_positional_arguments_mean_what_they_mean_in_jmp_optax_torch():
             a, b = optim.apply_updates(a, ua), optim.apply_updates(b, ub)
         assert torch.equal(a["w"], b["w"]) and not torch.equal(a["w"], params["w"]), name
     schedules = {
-        "cosine_decay": (optim.cosine_decay(1.0, 10, 0.1), optim.cosine_decay(init_value=1.0, decay_steps=10, alpha=0.1)),
+        "cosine_decay": (optim.cosine_decay(1.0, 10, 0.1),
+                         optim.cosine_decay(init_value=1.0, decay_steps=10, alpha=0.1)),
         "linear_schedule": (optim.linear_schedule(1.0, 0.5, 10),
                             optim.linear_schedule(init_value=1.0, end_value=0.5, transition_steps=10)),
     }  # fmt: skip
