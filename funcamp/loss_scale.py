@@ -131,8 +131,8 @@ def _check_grads_finite(grads_finite: Any) -> None:
 
 
 def _full_precision(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in float32, or float64 if it is float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    """``x`` in float32, or float64 if it is float64 (a narrower sparse tensor coalesced first: ``_tree.widened``)."""
+    return _tree.widened(x, torch.promote_types(x.dtype, torch.float32))
 
 
 class LossScale:
