@@ -74,7 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
+    return args
 
 
 def gpt2(**config: Any) -> torch.nn.Module:
@@ -245,9 +248,8 @@ def finetune(
         "val_loss": val_loss,
         "seconds": train_s,
         "first_step_seconds": first_step_s,
-        # steps after the first (which compiles) per second of wall time, over the whole run
-        "steps_per_second": (args.steps - 1) / (train_s - first_step_s) if args.steps > 1 else float("nan"),
-        "final_loss": float(metrics["loss"]) if args.steps else float("nan"),
+        "steps_per_second": _steps_per_second(args.steps, train_s, first_step_s),
+        "final_loss": float(metrics["loss"]),
         "int8_tensors": n_int8,
         "report": report,
         "time_steps": time_steps,
@@ -302,7 +304,7 @@ def torch_amp_finetune(args: argparse.Namespace, policy: fa.Policy, train: torch
     return {
         "seconds": train_s,
         "first_step_seconds": first_step_s,
-        "steps_per_second": (args.steps - 1) / (train_s - first_step_s) if args.steps > 1 else float("nan"),
+        "steps_per_second": _steps_per_second(args.steps, train_s, first_step_s),
         "final_loss": float(loss),
         "time_steps": time_steps,
     }
@@ -339,11 +341,20 @@ def _small_config(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _steps_per_second(steps: int, train_s: float, first_step_s: float) -> float | None:
+    """Steps after the first (which compiles) per second of wall time; None when only the first step ran."""
+    return (steps - 1) / (train_s - first_step_s) if steps > 1 else None
+
+
 def _speed(run: dict[str, Any]) -> str:
-    return (
-        f"{run['seconds']:.1f} s ({run['first_step_seconds']:.1f} s to the first step, then "
-        f"{run['steps_per_second']:.1f} steps/s)"
-    )
+    rate = run["steps_per_second"]
+    then = "no step after it: steps/s not measured" if rate is None else f"then {rate:.1f} steps/s"
+    return f"{run['seconds']:.1f} s ({run['first_step_seconds']:.1f} s to the first step, {then})"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` as the summary lines print it, or why there is none."""
+    return "not measured (run 2 steps or more)" if a is None or b is None else f"{a / b:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -371,14 +382,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"float frozen matrices: val loss {base['val_loss']:.6f}, {last}; {_speed(base)}")
         print(
             f"int8 / float: val loss {run['val_loss'] / base['val_loss']:.4f}x, "
-            f"step time {base['steps_per_second'] / run['steps_per_second']:.2f}x (same run, same machine)"
+            f"step time {_ratio(base['steps_per_second'], run['steps_per_second'])} (same run, same machine)"
         )
     if args.torch_amp:
         amp = torch_amp_finetune(args, policy, train)
         results["torch_amp"] = amp
         print(
             f"torch.amp (eager, float frozen matrices): last loss {amp['final_loss']:.4f}; {_speed(amp)}; "
-            f"funcamp int8 steps/s over torch.amp's: {run['steps_per_second'] / amp['steps_per_second']:.2f}x"
+            f"funcamp int8 steps/s over torch.amp's: {_ratio(run['steps_per_second'], amp['steps_per_second'])}"
         )
     timers = {"funcamp, int8 frozen matrices": run["time_steps"]}
     if args.baseline:

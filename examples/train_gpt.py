@@ -453,6 +453,13 @@ def _fmt(loss: float | None) -> str:
     return "none" if loss is None else f"{loss:.4f}"
 
 
+def _rate(value: float | None, unit: str) -> str:
+    """A throughput as the end-of-run line prints it, or why there is none (only the first step ran, untimed)."""
+    if value is None:
+        return f"{unit} not measured (the first step compiles and is not timed: run 2 steps or more)"
+    return f"{value:,.0f} {unit}"
+
+
 def make_policy(policy: fa.Policy, master_weights: str) -> fa.Policy:
     """``policy`` with the parameter dtype of ``--master-weights`` (compute, output, reduce dtypes kept).
 
@@ -833,7 +840,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bar.close()
 
     train_s = loop_end - (t_first or loop_end) - other_s
-    tokens_per_second = tokens_per_step * steps_timed / train_s if steps_timed and train_s > 0 else float("nan")
+    # None when no step was timed: the first step compiles and is not timed (--steps 1, or one step left)
+    tokens_per_second = tokens_per_step * steps_timed / train_s if steps_timed and train_s > 0 else None
     results: dict[str, Any] = {
         "state": state,
         "history": history,
@@ -861,7 +869,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"done: step {int(state.step)}, val loss {_fmt(results['val_loss'])} (at step {val_step}), "
             f"{skipped} skipped steps, "
-            f"final loss scale {float(state.loss_scale.loss_scale):g}, {tokens_per_second:,.0f} tokens/s "
+            f"final loss scale {float(state.loss_scale.loss_scale):g}, {_rate(tokens_per_second, 'tokens/s')} "
             f"({'after compile: ' if args.compile else 'eager: '}{compile_s:.1f} s to the first step), "
             f"wall {results['wall_seconds']:.1f} s"
             if compile_s is not None

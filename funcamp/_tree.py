@@ -43,6 +43,7 @@ __all__ = [
     "tree_paths",
     "tree_structure",
     "tree_unflatten",
+    "widened",
 ]
 
 NAMESPACE = "funcamp"
@@ -351,6 +352,19 @@ def _describe(leaf: Any) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"a tensor of dtype {leaf.dtype} and layout {leaf.layout}"
     return f"a {type(leaf).__name__}"
+
+
+def widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``; a sparse COO tensor narrower than ``dtype`` is coalesced first, in its own dtype.
+
+    An uncoalesced COO tensor means the sum of its duplicate entries. Summed after the cast, float16 entries
+    of 40000 and 40000 make a finite 80000 in float32, where the tensor itself (coalesced, densified, or
+    applied to a float16 parameter) holds inf: ``torch.amp.GradScaler`` coalesces a float16 sparse gradient
+    before it checks it, and so does this (bfloat16 too, where GradScaler checks the entries one by one).
+    """
+    if x.layout == torch.sparse_coo and x.dtype.itemsize < dtype.itemsize:
+        x = x.coalesce()
+    return x.to(dtype)
 
 
 def _stored_values(fn: str, name: Callable[[], str], x: torch.Tensor) -> torch.Tensor | None:

@@ -128,6 +128,29 @@ def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
+def _check_path(fn: str, path: Any, tree: Any = None) -> None:
+    """Refuse a ``path`` that is not a path, saying so when the arguments are in ``torch.save``'s order."""
+    if isinstance(path, (str, os.PathLike)):
+        return
+    swapped = (
+        f"; the arguments are swapped: {fn}(path, tree), the path first (torch.save(obj, f) and "
+        "torch.distributed.checkpoint.save(state_dict, ...) put the tree first)"
+        if isinstance(tree, (str, os.PathLike))
+        else ""
+    )
+    raise TypeError(f"funcamp.checkpoint.{fn}: path must be a str or path, got {type(path).__name__}{swapped}")
+
+
+def _check_like(fn: str, like: Any) -> None:
+    """Refuse a device given as ``like`` (``torch.load(f, map_location)``'s second positional argument)."""
+    if isinstance(like, (str, torch.device)):
+        raise TypeError(
+            f"funcamp.checkpoint.{fn}: like must be None or a tree shaped like the saved one, got {like!r}; "
+            f"to choose the device, pass it by keyword ({fn}(path, map_location={str(like)!r}) as in torch.load); "
+            "with like, each tensor goes to the device of the tensor it replaces"
+        )
+
+
 def save(path: str | os.PathLike[str], state: Any) -> None:
     """Write ``state`` to ``path`` atomically, in a file ``torch.load(weights_only=True)`` accepts.
 
@@ -157,8 +180,7 @@ def save(path: str | os.PathLike[str], state: Any) -> None:
       ...     load(f"{d}/ckpt.pt")["scale"].loss_scale
       tensor(1024.)
     """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"funcamp.checkpoint.save: path must be a str or path, got {type(path).__name__}")
+    _check_path("save", path, state)
     payload = {"format": FORMAT, "version": VERSION, "tree": _encode(state, "")}
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -259,7 +281,8 @@ def load(
     Returns:
       The saved tree, tensors included (dtypes and values as saved).
     Raises:
-      TypeError: if ``path`` is not a path.
+      TypeError: if ``path`` is not a path, or ``like`` is a str or ``torch.device`` (``map_location`` is
+        keyword-only, unlike ``torch.load``'s second argument).
       FileNotFoundError: if ``path`` does not exist.
       CorruptCheckpointError: if the file is truncated, corrupt, not a funcamp checkpoint, or of a
         newer format version; or (without ``like``) names a type outside funcamp; or ``path`` is a
@@ -267,8 +290,8 @@ def load(
       CheckpointMismatchError: if the saved tree differs from ``like`` (the message gives the path in
         the tree, e.g. ``state.params.wte.weight``, and what differs).
     """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"funcamp.checkpoint.load: path must be a str or path, got {type(path).__name__}")
+    _check_path("load", path)
+    _check_like("load", like)
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"funcamp.checkpoint.load: no checkpoint at {path!r}")
@@ -657,8 +680,7 @@ def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any = None, *,
 
     import torch.distributed.checkpoint as dcp
 
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"funcamp.checkpoint.save_sharded: path must be a str or path, got {type(path).__name__}")
+    _check_path("save_sharded", path, tree)
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(os.path.dirname(path)):
         raise FileNotFoundError(f"funcamp.checkpoint.save_sharded: the parent directory of {path!r} does not exist")
@@ -768,8 +790,7 @@ def load_sharded(
 
     from funcamp import sharding
 
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"funcamp.checkpoint.load_sharded: path must be a str or path, got {type(path).__name__}")
+    _check_path("load_sharded", path)
     layout = _carried_layout(like, layout, "load_sharded")
     if not isinstance(layout, sharding.ShardLayout):
         raise TypeError(

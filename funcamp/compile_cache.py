@@ -27,6 +27,11 @@ On the CPU the file also carries the C++ kernel libraries the step loaded, which
 out (it bundles GPU kernels only): without them a process with an empty inductor cache directory would
 run the C++ compiler again for every kernel.
 
+A cache file is code (pickles and shared libraries that this process loads), so, as ssh refuses a key file
+that others can change, :func:`load` and :func:`save` refuse a file, or a directory holding it, that another
+user owns or can write (POSIX; the checks and their reasons are :func:`_untrusted`'s): the result says why in
+one line, and the step compiles as without a cache.
+
 File layout (version 1): the line ``funcamp compile cache 1``; one line of JSON ``{"key": fields, "digest":
 sha256 hex of the key, "payload_bytes": n, "payload_sha256": hex, "torch_bytes": m, "artifacts": {type:
 [torch's keys]}, "kernels": [[name, bytes, sha256 hex], ...]}``; then the payload: the ``m`` bytes
@@ -42,6 +47,7 @@ import json
 import os
 import platform
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -71,8 +77,9 @@ class CacheResult:
 
     Attributes:
       action: ``"loaded"``, ``"saved"``, ``"unchanged"`` (save: the file already holds these artifacts),
-        ``"missing"`` (load: no file yet), ``"ignored"`` (load: the file was not used) or ``"nothing"``
-        (save: torch recorded no artifacts).
+        ``"missing"`` (load: no file yet), ``"ignored"`` (load: the file was not used), ``"nothing"``
+        (save: torch recorded no artifacts) or ``"refused"`` (load and save: another user owns or can write
+        the file or a directory holding it; nothing was read or written).
       path: the cache file.
       artifacts: how many artifacts were loaded or saved (0 otherwise).
       reason: why a file was ignored or nothing was saved ("" otherwise).
@@ -94,6 +101,8 @@ class CacheResult:
             return f"compile cache: none yet at {self.path} (this run compiles, then saves it)"
         if self.action == "ignored":
             return f"compile cache: ignored {self.path} ({self.reason}); compiling instead"
+        if self.action == "refused":
+            return f"compile cache: refused {self.path} ({self.reason}); compiling without a cache"
         return f"compile cache: nothing saved to {self.path} ({self.reason})"
 
 
@@ -175,6 +184,51 @@ def path(directory: str | os.PathLike[str], key: CacheKey) -> Path:
     return Path(directory) / f"step-{key.digest[:24]}.bin"
 
 
+# --- who may have written the file --------------------------------------------------------------------------
+
+
+def _untrusted(file: Path) -> str | None:
+    """Why ``file`` must not be loaded nor written, or None: the rule ssh applies to a key file (StrictModes).
+
+    On the real path (symbolic links resolved) and on the path as given: the file (if it exists) and the
+    directory holding it must be owned by this user or root and writable by nobody else (no group or other
+    write bit); every directory above must be owned by this user or root and, if others may write it, sticky
+    (``/tmp``: others can add entries there, but not rename or remove this user's). On a system without
+    POSIX owners (Windows) nothing is checked.
+    """
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    if uid is None:
+        return None
+    given = Path(os.path.abspath(file))
+    for chain in dict.fromkeys((given, Path(os.path.realpath(given)))):
+        for i, entry in enumerate((chain, *chain.parents)):
+            try:
+                st = os.lstat(entry)
+            except FileNotFoundError:
+                continue  # not made yet (save makes it, with no write bit for others)
+            except OSError as e:
+                return f"cannot check {entry}: {e.strerror or e}"
+            what = "the cache file" if i == 0 else "its directory" if i == 1 else "a directory above it"
+            if stat.S_ISLNK(st.st_mode):
+                continue  # the real path is checked too
+            if st.st_uid not in (uid, 0):
+                return f"{what} {entry} is owned by another user (uid {st.st_uid}); it holds code this process loads"
+            others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+            if others_write and (i < 2 or not st.st_mode & stat.S_ISVTX):
+                return (
+                    f"{what} {entry} is writable by {'its group' if others_write == stat.S_IWGRP else 'others'} "
+                    f"(mode {stat.S_IMODE(st.st_mode):o}); it holds code this process loads: chmod go-w it"
+                )
+    return None
+
+
+def _make_private_dirs(directory: Path) -> None:
+    """Make ``directory`` and its missing parents, each writable by this user only (mode 700)."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
+
+
 class _Unfit(Exception):
     """A cache file that cannot be used; the message says why."""
 
@@ -208,12 +262,17 @@ def _read(file: Path, key: CacheKey) -> tuple[dict[str, Any], bytes]:
     if digest != key.digest:
         differ = sorted(k for k in set(key.fields) | set(fields) if key.fields.get(k) != fields.get(k))
         raise _Unfit(f"made for another step: its key differs in {', '.join(differ) or 'its digest'}")
-    if len(payload) != total or torch_bytes + sum(n for _, n, _ in kernels) != total:
+    if len(payload) != total or torch_bytes < 0 or torch_bytes + sum(n for _, n, _ in kernels) != total:
         raise _Unfit(f"corrupt: {len(payload)} payload bytes, the header says {total}")
     if hashlib.sha256(payload).hexdigest() != sha:
         raise _Unfit("corrupt: checksum mismatch")
     if not all(_KERNEL_NAME.fullmatch(name) for name, _, _ in kernels):
         raise _Unfit("corrupt: a kernel file name outside the inductor cache layout")
+    offset = torch_bytes  # each kernel where the header says (the header is outside the payload's checksum)
+    for name, n, h in kernels:
+        if n < 0 or hashlib.sha256(payload[offset : offset + n]).hexdigest() != h:
+            raise _Unfit(f"corrupt: kernel {name} does not match its checksum")
+        offset += n
     header["kernels"] = kernels
     return header, payload
 
@@ -291,17 +350,22 @@ def load(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
     the reason: nothing is loaded and nothing raises (the step then compiles as without a cache). Loading
     writes torch's artifacts into the inductor and AOTAutograd caches (``TORCHINDUCTOR_CACHE_DIR``) and the
     carried C++ libraries beside them where missing; torch uses each only for the graph or kernel source it
-    was compiled from. A cache file holds compiled code and pickles, as torch's own cache directory does:
-    load only files you or your jobs wrote.
+    was compiled from. A cache file holds compiled code and pickles, as torch's own cache directory does: a
+    file, or a directory holding it, that another user owns or can write (group or other write bit; a
+    directory above it may be sticky and world-writable, as ``/tmp``) is refused (``action="refused"``,
+    the reason in one line) and never read, as ssh refuses a key file others can change.
 
     Args:
       file: the cache file (see :func:`path`).
       key: the step's key (:func:`step_key`).
     Returns:
-      A :class:`CacheResult` (``loaded``, ``missing`` or ``ignored``); ``artifacts`` counts torch's
-      artifacts and the C++ libraries.
+      A :class:`CacheResult` (``loaded``, ``missing``, ``ignored`` or ``refused``); ``artifacts`` counts
+      torch's artifacts and the C++ libraries.
     """
     file = Path(file)
+    untrusted = _untrusted(file)
+    if untrusted is not None:
+        return CacheResult("refused", str(file), reason=untrusted)
     if not file.exists():
         return CacheResult("missing", str(file))
     try:
@@ -328,7 +392,8 @@ def save(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
     :func:`torch.compiler.save_cache_artifacts` (AOTAutograd and inductor entries, autotuning results) and,
     on the CPU, the C++ kernel libraries this process loaded (torch's mega-cache leaves them out). The file
     is replaced atomically (a temporary file in the same directory, fsynced and renamed), so a reader sees
-    the old file or the new one; the directory is made if needed. A file that already holds the same
+    the old file or the new one; the directory is made if needed, writable by this user only. A file or
+    directory that :func:`load` would refuse is not written (``action="refused"``). A file that already holds the same
     artifacts for the same key is left as it is (``action="unchanged"``). With caches off
     (``TORCHINDUCTOR_FORCE_DISABLE_CACHES``) or a backend that writes none (``aot_eager``) there is nothing
     to save (``action="nothing"``).
@@ -337,13 +402,16 @@ def save(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
       file: the cache file (see :func:`path`).
       key: the step's key (:func:`step_key`).
     Returns:
-      A :class:`CacheResult` (``saved``, ``unchanged`` or ``nothing``).
+      A :class:`CacheResult` (``saved``, ``unchanged``, ``nothing`` or ``refused``).
     Raises:
       OSError: if the directory cannot be made or the file cannot be written.
     """
     from funcamp.checkpoint import _replace_atomically
 
     file = Path(file)
+    untrusted = _untrusted(file)
+    if untrusted is not None:
+        return CacheResult("refused", str(file), reason=untrusted)
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return CacheResult("nothing", str(file), reason="torch recorded no compile artifacts in this process")
@@ -367,7 +435,7 @@ def save(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
     }
     if _holds(file, key, artifacts, kernels):
         return CacheResult("unchanged", str(file), count)
-    file.parent.mkdir(parents=True, exist_ok=True)
+    _make_private_dirs(file.parent)
 
     def write(f: Any) -> None:
         f.write(MAGIC)

@@ -107,8 +107,11 @@ def scaled_grad_and_value(
 
 
 def _at_least_float32(tree: Any) -> Any:
-    """Floating leaves narrower than float32 cast to float32; float32 and float64 leaves as they are (no copy)."""
-    return _tree.tree_map(lambda g: g.float() if _tree.is_floating(g) and g.dtype.itemsize < 4 else g, tree)
+    """Floating leaves narrower than float32 cast to float32 (a sparse one coalesced first, in its own dtype:
+    :func:`funcamp._tree.widened`); float32 and float64 leaves as they are (no copy)."""
+    return _tree.tree_map(
+        lambda g: _tree.widened(g, torch.float32) if _tree.is_floating(g) and g.dtype.itemsize < 4 else g, tree
+    )
 
 
 def _unscaled_grad_and_value(

@@ -65,6 +65,33 @@ def _initial_value(x: Any) -> float | None:
         return None
 
 
+def _initial_count(x: Any) -> int | None:
+    """The value of a Python int, or of a 0-d int32 CPU tensor that can be read without device work; else None."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x
+    if (
+        type(x) is not torch.Tensor
+        or x.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or torch._C._functorch.is_functorch_wrapped_tensor(x)
+        or x.dtype != torch.int32
+        or x.ndim != 0
+    ):
+        return None
+    try:
+        return int(x.numpy())
+    except (RuntimeError, TypeError):  # fake, functional or other tensors without storage
+        return None
+
+
+#: Appended to the error of a counter beyond the period, which a positional call in another order gives.
+_JMP_ORDER = (
+    "; the positional order is jmp's, DynamicLossScale(loss_scale, counter, period, growth_factor, "
+    "min_loss_scale), not torch.amp.GradScaler's (init_scale, growth_factor, backoff_factor, growth_interval); "
+    "the other fields are keyword-only"
+)
+
+
 def _as_float32(x: float) -> float:
     """``x`` rounded to the nearest float32 on the host: no tensor, so no ATen op a profiler counts as a read."""
     try:
@@ -80,6 +107,8 @@ def _scalar_tensor(x: Any, name: str, dtype: torch.dtype) -> Any:
     returned as is, so that optree can rebuild the object from arbitrary leaves.
     """
     if _is_number(x):
+        if not dtype.is_floating_point and not isinstance(x, numbers.Integral):
+            raise TypeError(f"{name} must be a {dtype} 0-d tensor or a Python int, got {x!r}")
         return torch.tensor(x, dtype=dtype)
     if isinstance(x, (str, bytes, bool)):
         raise TypeError(f"{name} must be a {dtype} 0-d tensor or a Python number, got {x!r}")
@@ -102,8 +131,8 @@ def _check_grads_finite(grads_finite: Any) -> None:
 
 
 def _full_precision(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in float32, or float64 if it is float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    """``x`` in float32, or float64 if it is float64 (a narrower sparse tensor coalesced first: ``_tree.widened``)."""
+    return _tree.widened(x, torch.promote_types(x.dtype, torch.float32))
 
 
 class LossScale:
@@ -250,23 +279,31 @@ class DynamicLossScale(LossScale):
     backoff_factor=0.5`` and a tiny ``min_loss_scale`` it equals ``torch.amp.GradScaler``'s, which has
     no floor. Unlike jmp, ``min_loss_scale`` survives flattening, and a float16 scale is refused.
 
+    The first five arguments may be given by position, in jmp's order (``loss_scale, counter, period,
+    factor, min_loss_scale``: jmp's ``factor`` is ``growth_factor`` here, with the default backoff
+    dividing by it as jmp does); the other four are keyword-only.
+
     Args:
       loss_scale: initial scale, a Python number or a 0-d float32 tensor (default ``2**15``).
-      counter: consecutive finite steps since the last change, 0-d int32 (default 0).
-      hysteresis_left: non-finite steps still tolerated before backing off, 0-d int32
-        (default ``hysteresis``).
+      counter: consecutive finite steps since the last change, a Python int or 0-d int32 tensor in
+        [0, ``period``) (default 0).
       period: finite steps between two growths, an int >= 1 (default 2000).
       growth_factor: a float > 1 (default 2.0).
-      backoff_factor: a float in (0, 1), or None to divide by ``growth_factor`` (default None).
       min_loss_scale: the floor, a float in [2**-126, float32 max], so that the scale and its
         reciprocal stay finite float32 (default 1.0).
-      max_loss_scale: the cap, None (default), inf, or a float in [``min_loss_scale``, float32 max].
-      hysteresis: consecutive non-finite steps before a backoff, an int >= 1 (default 1).
+      hysteresis_left: keyword-only; non-finite steps still tolerated before backing off, a Python int or
+        0-d int32 tensor in [0, ``hysteresis``] (default ``hysteresis``; 0 acts as 1).
+      backoff_factor: keyword-only; a float in (0, 1), or None to divide by ``growth_factor`` (default None).
+      max_loss_scale: keyword-only; the cap, None (default), inf, or a float in [``min_loss_scale``,
+        float32 max].
+      hysteresis: keyword-only; consecutive non-finite steps before a backoff, an int >= 1 (default 1).
     Raises:
-      TypeError: if a state field is a tensor of the wrong dtype, or an option has the wrong type.
+      TypeError: if a state field is a tensor of the wrong dtype or a counter a Python float, an option has
+        the wrong type, or more than five arguments are given by position.
       ValueError: if a state tensor is not 0-d, or an option is out of the range above, or the
         initial scale (a Python number, or a float32 CPU tensor; a device tensor at
-        ``TrainState.create``) is below ``min_loss_scale``, above ``max_loss_scale`` or not finite.
+        ``TrainState.create``) is below ``min_loss_scale``, above ``max_loss_scale`` or not finite, or
+        ``counter`` or ``hysteresis_left`` (a Python int, or a CPU tensor) is out of its range.
 
     Example:
       >>> ls = DynamicLossScale(2.0**15, period=1)
@@ -276,13 +313,16 @@ class DynamicLossScale(LossScale):
       tensor(16384.)
     """
 
+    # jmp's positional order (loss_scale, counter, period, factor, min_loss_scale); funcamp's additions are
+    # keyword-only, so that jmp's DynamicLossScale(scale, counter, 2000, 2) means here what it means there.
     loss_scale: torch.Tensor = 2.0**15  # type: ignore[assignment]
     counter: torch.Tensor = 0  # type: ignore[assignment]
-    hysteresis_left: torch.Tensor | None = None
     period: int = _tree.field(default=2000, pytree_node=False)
     growth_factor: float = _tree.field(default=2.0, pytree_node=False)
-    backoff_factor: float | None = _tree.field(default=None, pytree_node=False)
     min_loss_scale: float = _tree.field(default=1.0, pytree_node=False)
+    _: dataclasses.KW_ONLY
+    hysteresis_left: torch.Tensor | None = None
+    backoff_factor: float | None = _tree.field(default=None, pytree_node=False)
     max_loss_scale: float | None = _tree.field(default=None, pytree_node=False)
     hysteresis: int = _tree.field(default=1, pytree_node=False)
 
@@ -291,6 +331,7 @@ class DynamicLossScale(LossScale):
         self._check_initial_scale(_initial_value(self.loss_scale))
         if self.hysteresis_left is None:
             object.__setattr__(self, "hysteresis_left", self.hysteresis)
+        self._check_counters()
         scale = _scalar_tensor(self.loss_scale, f"{type(self).__name__}: loss_scale", torch.float32)
         object.__setattr__(self, "loss_scale", scale)
         object.__setattr__(self, "counter", _scalar_tensor(self.counter, "DynamicLossScale: counter", torch.int32))
@@ -312,6 +353,21 @@ class DynamicLossScale(LossScale):
             raise ValueError(
                 f"DynamicLossScale: loss_scale must be >= min_loss_scale={self.min_loss_scale} and {upper}, got {value}"
             )
+
+    def _check_counters(self) -> None:
+        """Raise ``ValueError`` if ``counter`` is outside [0, period) or ``hysteresis_left`` outside [0, hysteresis].
+
+        Checked where the value is known without device work (a Python int, or a CPU tensor outside tracing);
+        ``adjust`` keeps both in range.
+        """
+        bounds = (("counter", self.period - 1, "period - 1"), ("hysteresis_left", self.hysteresis, "hysteresis"))
+        for name, high, high_name in bounds:
+            value = _initial_count(getattr(self, name))
+            if value is not None and not 0 <= value <= high:
+                raise ValueError(
+                    f"DynamicLossScale: {name} must be an int in [0, {high_name}={high}], got {value}"
+                    + (_JMP_ORDER if name == "counter" and value > high else "")
+                )
 
     def _check_options(self) -> None:
         def fail(name: str, accepted: str) -> None:

@@ -62,8 +62,9 @@ def test_step_key_is_stable_and_names_what_it_covers():
             ),
             _batch(),
         ),  # a loss scale's static configuration
+        lambda: (_state(), {**_batch(), "x": torch.zeros(4, 3).requires_grad_()}),  # a leaf's requires_grad
     ],
-    ids=["shape", "dtype", "batch-shape", "batch-structure", "strides", "constant", "static-field"],
+    ids=["shape", "dtype", "batch-shape", "batch-structure", "strides", "constant", "static-field", "requires-grad"],
 )
 def test_step_key_changes_with_what_the_graph_depends_on(other):
     base = compile_cache.step_key(_state(), _batch(), extra={"k": 3})
@@ -155,6 +156,11 @@ def _corrupt(kind: str, data: bytes) -> bytes:
     fields = json.loads(header)
     if kind == "kernel-name":  # a path out of the inductor cache, with a matching checksum
         fields["kernels"][0][0] = "../../evil.so"
+    if kind == "header-sizes":  # the parts' sizes no longer add up to the payload (whose checksum still holds)
+        fields["torch_bytes"] -= 1
+    if kind == "header-boundary":  # the sizes add up, but torch's part ends inside the kernel
+        fields["torch_bytes"] += 5
+        fields["kernels"][0][1] -= 5
     if kind == "header-type":
         fields["kernels"] = "none"
     return magic + b"\n" + json.dumps(fields).encode() + b"\n" + payload
@@ -170,6 +176,8 @@ CORRUPTIONS = [
     "kernel-byte",
     "kernel-name",
     "header-type",
+    "header-sizes",
+    "header-boundary",
 ]
 
 
@@ -186,6 +194,24 @@ def test_corrupt_file_is_ignored(fake_torch, kind):
     assert not (fake_torch.file.parent.parent / "evil.so").exists()
     fake_torch.lib.write_bytes(KERNEL)
     assert compile_cache.save(fake_torch.file, fake_torch.key).action == "saved"  # and the next save repairs it
+
+
+@pytest.mark.parametrize("kernels", [0, 1])
+@pytest.mark.parametrize("shift", [-1, 1])
+def test_sizes_that_do_not_add_up_are_corrupt(fake_torch, monkeypatch, kernels, shift):
+    """The header's part sizes (torch's bytes plus each kernel's) must add up to the payload: with no kernel
+    (a GPU step) that sum is the only check on where torch's part ends."""
+    if not kernels:
+        monkeypatch.setattr(compile_cache, "_kernel_files", lambda: [])
+    compile_cache.save(fake_torch.file, fake_torch.key)
+    magic, header, payload = fake_torch.file.read_bytes().split(b"\n", 2)
+    fields = json.loads(header)
+    assert len(fields["kernels"]) == kernels
+    fields["torch_bytes"] += shift
+    fake_torch.file.write_bytes(magic + b"\n" + json.dumps(fields).encode() + b"\n" + payload)
+    result = compile_cache.load(fake_torch.file, fake_torch.key)
+    assert result.action == "ignored" and result.reason.startswith("corrupt"), result
+    assert fake_torch.loads == []
 
 
 def test_file_of_another_key_is_ignored(fake_torch):
@@ -219,6 +245,103 @@ def test_unreadable_file_is_ignored(fake_torch):
     fake_torch.file.mkdir(parents=True)  # a directory where the file should be
     result = compile_cache.load(fake_torch.file, fake_torch.key)
     assert result.action == "ignored" and "cannot read it" in result.reason
+
+
+# --- a file that another user owns or can write: refused (issue 33, item 11) ----------------------------------
+
+
+def _saved(fake_torch):
+    assert compile_cache.save(fake_torch.file, fake_torch.key).action == "saved"
+    fake_torch.lib.unlink()  # a fresh inductor cache: loading would install the library
+    return fake_torch.file.read_bytes()
+
+
+def _assert_refused(fake_torch, result, contents, what):
+    assert result.action == "refused" and what in result.reason, result
+    message = str(result)
+    assert "\n" not in message and message.startswith(f"compile cache: refused {fake_torch.file} (")
+    assert message.endswith("; compiling without a cache")
+    assert fake_torch.loads == [] and not fake_torch.lib.exists()  # nothing read, nothing installed
+    assert fake_torch.file.read_bytes() == contents  # nothing written either
+
+
+WRITABLE = {  # where the write bit for others is, the mode, and the reason's words
+    "directory-group": ("dir", 0o770, "its directory"),
+    "directory-world": ("dir", 0o777, "its directory"),
+    "directory-world-sticky": ("dir", 0o1777, "its directory"),
+    "file-group": ("file", 0o660, "the cache file"),
+    "file-world": ("file", 0o606, "the cache file"),
+    "above-group": ("above", 0o770, "a directory above it"),
+    "above-world": ("above", 0o777, "a directory above it"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRITABLE))
+def test_file_others_can_write_is_refused(fake_torch, case):
+    """A cache file, its directory or a directory above that a group or others can write: load and save refuse,
+    in one line, and read or write nothing; with the write bits removed the same file loads."""
+    where, mode, what = WRITABLE[case]
+    contents = _saved(fake_torch)
+    target = {"file": fake_torch.file, "dir": fake_torch.file.parent, "above": fake_torch.file.parent.parent}[where]
+    private = target.stat().st_mode & 0o7777
+    target.chmod(mode)
+    try:
+        _assert_refused(fake_torch, compile_cache.load(fake_torch.file, fake_torch.key), contents, what)
+        _assert_refused(fake_torch, compile_cache.save(fake_torch.file, fake_torch.key), contents, what)
+        assert f"mode {mode:o}" in compile_cache.load(fake_torch.file, fake_torch.key).reason
+    finally:
+        target.chmod(private)
+    assert compile_cache.load(fake_torch.file, fake_torch.key).action == "loaded"
+
+
+def test_sticky_world_writable_directory_above_is_allowed(fake_torch, tmp_path):
+    """``/tmp``'s mode (1777) on a directory above the cache directory: others can add entries there, not change
+    this user's; the file loads."""
+    _saved(fake_torch)
+    tmp_path.chmod(0o1777)
+    try:
+        assert compile_cache.load(fake_torch.file, fake_torch.key).action == "loaded"
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_file_of_another_user_is_refused(fake_torch, monkeypatch):
+    """A file or directory owned by another user (as root: chown to nobody; else this process seen as another
+    uid, root's entries aside): refused. Root's own are trusted, as ssh trusts them."""
+    contents = _saved(fake_torch)
+    if os.geteuid() != 0:
+        uid = os.geteuid()
+        monkeypatch.setattr(compile_cache.os, "geteuid", lambda: uid + 1000)
+        _assert_refused(fake_torch, compile_cache.load(fake_torch.file, fake_torch.key), contents, "another user")
+        return
+    for target, what in ((fake_torch.file, "the cache file"), (fake_torch.file.parent, "its directory")):
+        os.chown(target, 65534, 65534)
+        try:
+            result = compile_cache.load(fake_torch.file, fake_torch.key)
+            _assert_refused(fake_torch, result, contents, f"{what} {target} is owned by another user (uid 65534)")
+        finally:
+            os.chown(target, 0, 0)
+    assert compile_cache.load(fake_torch.file, fake_torch.key).action == "loaded"
+
+
+def test_link_into_a_writable_directory_is_refused(fake_torch, tmp_path):
+    """A cache file that is a symbolic link: the real file's directories are checked too."""
+    contents = _saved(fake_torch)
+    public = tmp_path / "public"
+    public.mkdir(mode=0o777)
+    public.chmod(0o777)
+    real = public / "step.bin"
+    fake_torch.file.rename(real)
+    fake_torch.file.symlink_to(real)
+    _assert_refused(fake_torch, compile_cache.load(fake_torch.file, fake_torch.key), contents, str(public))
+
+
+def test_save_makes_private_directories(fake_torch):
+    file = fake_torch.file.parent / "a" / "b" / "step.bin"
+    assert compile_cache.save(file, fake_torch.key).action == "saved"
+    for d in (file.parent, file.parent.parent):
+        assert d.stat().st_mode & 0o077 == 0, oct(d.stat().st_mode)
+    assert file.stat().st_mode & 0o077 == 0
 
 
 # --- a warm start in a second process (inductor) ---------------------------------------------------------

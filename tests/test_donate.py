@@ -453,3 +453,85 @@ def test_in_place_step_adds_gradients_and_one_leaf(name):
     updates = 2 * grads if dtype == torch.bfloat16 else 0  # float32 updates beside bfloat16 gradients
     leaf = 512 * 512 * 4
     assert added <= grads + updates + LEAF_TEMPORARIES[name] * leaf + 2**16, (name, added / 2**20)
+
+
+# --- metrics and aux that alias the donated state (issue 33, item 1) -----------------------------------------------
+
+
+class _Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+_SEEN: dict[str, torch.Tensor] = {}  # the optimizer-state tensor the loss logs (set before each step)
+
+
+def _aliasing_aux(params, buffers, mu):
+    """An aux tree whose every leaf shares storage with a state tensor, in every nesting a user writes."""
+    w, t = params["w"], params["temp"]
+    return {
+        "param": t,
+        "view": w[0],
+        "slice": w[:, 1:],
+        "transposed": w.t(),
+        "flat": w.view(-1),
+        "detached": w.detach(),
+        "list": [t, w[1]],
+        "tuple": (w[:1], (t,)),
+        "named": _Pair(t, {"row": w[2]}),
+        "buffer": buffers["calls"],
+        "buffer_view": buffers["mean"][1:],
+        "opt_state": mu,
+    }
+
+
+def _aliasing_loss(params, buffers, batch):
+    h = (batch @ params["w"]) / params["temp"]
+    new_buffers = {"mean": 0.5 * buffers["mean"] + 0.5 * h.detach().mean(0), "calls": buffers["calls"] + 1}
+    return (h.square().mean(), _aliasing_aux(params, buffers, _SEEN["mu"])), new_buffers
+
+
+def _aliasing_state(opt):
+    g = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(3, 3, generator=g), "temp": torch.tensor(2.0)}
+    buffers = {"mean": torch.zeros(3), "calls": torch.zeros(())}
+    scale = fa.DynamicLossScale(2.0**4, period=1)  # grows every step: the metric must be the scale used
+    return fa.TrainState.create(params, opt, loss_scale=scale, buffers=buffers)
+
+
+def _aliasing_run(mode, donate):
+    """Three steps; each step's expected aux, made from a copy of the state taken before it; the metrics."""
+    opt = optim.adam(optim.linear_schedule(1e-1, 1e-2, 10))
+    state = _aliasing_state(opt)
+    compiled = mode in ("aot_eager", "inductor")
+    extra = {"telemetry": 1} if mode == "eager_telemetry" else {}  # the eager step that copies (_donate.copying)
+    step = fa.make_train_step(
+        _aliasing_loss, opt, has_aux=True, donate=donate, compile=compiled, backend=mode if compiled else None, **extra
+    )
+    g = torch.Generator().manual_seed(6)
+    expected, metrics = [], []
+    for _ in range(3):
+        _SEEN["mu"] = state.opt_state[1].mu["w"]  # the loss logs the first moment this step reads
+        before = _tree.tree_map(torch.clone, (state.params, state.buffers, _SEEN["mu"], state.loss_scale.loss_scale))
+        expected.append((_aliasing_aux(*before[:3]), before[3]))
+        state, m = step(state, torch.randn(4, 3, generator=g))
+        metrics.append(m)
+    return expected, metrics
+
+
+@pytest.mark.parametrize("mode", ["eager", "eager_telemetry", "aot_eager", "inductor"])
+def test_metrics_and_aux_hold_what_the_step_used(mode):
+    """Every aux leaf (a parameter, its views and slices, a detached alias, in dicts, lists, tuples, NamedTuples;
+    a buffer and a view of one; an optimizer-state tensor) and the ``loss_scale`` metric hold the values the step
+    used, after that step and after the later ones; bitwise equal to the pure step's metrics (one backend)."""
+    torch._dynamo.reset()
+    expected, donated = _aliasing_run(mode, donate=True)
+    for i, ((aux, scale), m) in enumerate(zip(expected, donated)):
+        S._assert_bitwise(m["aux"], aux, f"{mode} step {i} aux")
+        assert torch.equal(m["loss_scale"], scale), (mode, i)
+    if mode == "inductor":  # the pure inductor step: another compile on 2 cores; aot_eager is compared below
+        return
+    torch._dynamo.reset()
+    _, pure = _aliasing_run(mode, donate=False)
+    for i, (m1, m2) in enumerate(zip(pure, donated)):
+        S._assert_bitwise(m1, m2, f"{mode} step {i} metrics")

@@ -149,6 +149,32 @@ CASES = [
          r"loss_scale must be .* finite in float32"),
     case("dynamic-float-counter", lambda: fa.DynamicLossScale(counter=torch.tensor(0.0)), TypeError,
          r"counter must be a torch.int32 tensor or a Python number"),
+    # --- positional arguments in a counterpart's order (jmp, optax, torch): the same meaning, or refused ------
+    case("dynamic-sixth-positional", lambda: fa.DynamicLossScale(2.0**15, 0, 2000, 2.0, 1.0, 2), TypeError,
+         r"takes from 1 to 6 positional arguments but 7 were given"),
+    case("dynamic-gradscaler-order", lambda: fa.DynamicLossScale(2.0**16, 2.0, 0.5, 2000), TypeError,
+         r"period must be an int >= 1, got 0.5"),
+    case("dynamic-counter-is-period", lambda: fa.DynamicLossScale(2.0**16, 2000), ValueError,
+         r"counter must be an int in \[0, period - 1=1999\], got 2000; the positional order is jmp's"),
+    case("dynamic-float-counter-number", lambda: fa.DynamicLossScale(2.0**16, 2.0), TypeError,
+         r"counter must be a torch.int32 0-d tensor or a Python int, got 2.0"),
+    case("dynamic-hysteresis-left-above", lambda: fa.DynamicLossScale(hysteresis_left=3, hysteresis=2), ValueError,
+         r"hysteresis_left must be an int in \[0, hysteresis=2\], got 3"),
+    case("dynamic-hysteresis-left-tensor-above",
+         lambda: fa.DynamicLossScale(hysteresis_left=torch.tensor(2, dtype=torch.int32)), ValueError,
+         r"hysteresis_left must be an int in \[0, hysteresis=1\], got 2"),
+    case("adamw-optax-eps-root", lambda: optim.adamw(1e-3, 0.9, 0.999, 1e-8, 0.0), TypeError,
+         r"adamw\(\) takes from 1 to 4 positional arguments but 5 were given"),
+    case("lion-optax-mu-dtype", lambda: optim.lion(1e-4, 0.9, 0.99, None), TypeError,
+         r"lion\(\) takes from 1 to 3 positional arguments but 4 were given"),
+    case("sgd-optax-accumulator-dtype", lambda: optim.sgd(0.1, 0.9, False, torch.float32), TypeError,
+         r"sgd\(\) takes from 1 to 3 positional arguments but 4 were given"),
+    case("sgd-torch-dampening", lambda: optim.sgd(0.1, 0.9, 0.1), TypeError,
+         r"sgd: nesterov must be a bool \(True or False\), got 0.1"),
+    case("trace-number-nesterov", lambda: optim.trace(0.9, 0.5), TypeError,
+         r"trace: nesterov must be a bool \(True or False\), got 0.5"),
+    case("warmup-cosine-optax-order", lambda: optim.warmup_cosine_decay(0, 1, 100, 5000), TypeError,
+         r"warmup_cosine_decay\(\) takes 3 positional arguments but 4 were given"),
     case("adjust-python-bool", lambda: LS.adjust(True), TypeError,
          r"grads_finite must be a 0-d torch.bool tensor \(e.g. funcamp.all_finite\(grads\)\), got bool"),
     case("adjust-vector", lambda: LS.adjust(torch.tensor([True, False])), ValueError,
@@ -286,6 +312,12 @@ CHECKPOINT_CASES = [
          r"cannot save fn of type function; a checkpoint holds tensors, None"),
     case("save-path-not-a-path", lambda f: checkpoint.save(None, {"state": STATE}), TypeError,
          r"path must be a str or path, got NoneType"),
+    case("save-torch-order", lambda f: checkpoint.save({"state": STATE}, f["good"]), TypeError,
+         r"path must be a str or path, got dict; the arguments are swapped: save\(path, tree\), the path first"),
+    case("load-device-as-like", lambda f: checkpoint.load(f["good"], "cpu"), TypeError,
+         r"like must be None or a tree shaped like the saved one, got 'cpu'; .* map_location='cpu'"),
+    case("load-torch-device-as-like", lambda f: checkpoint.load(f["good"], torch.device("cpu")), TypeError,
+         r"like must be None or a tree .* got device\(type='cpu'\)"),
 ]  # fmt: skip
 
 
@@ -339,6 +371,62 @@ def test_bad_input_is_refused(call, exc, match):
         call()
     assert type(info.value) is exc  # the specific type, not a subclass such as dynamo's errors
     assert all(_unchanged(t, s) for t, s in zip(WATCHED, before)), "a refused call changed a shared object"
+
+
+def _fields(x: Any) -> dict[str, Any]:
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in x.state_dict().items()}
+
+
+def test_positional_arguments_mean_what_they_mean_in_jmp_optax_torch():
+    """Calls written in the counterpart's positional order build what the same call builds there (the refused
+    orders are in CASES): jmp's tests write DynamicLossScale(loss_scale, counter, period, factor)."""
+    scale, counter = torch.tensor(2.0**15), torch.tensor(5, dtype=torch.int32)
+    jmp_like = fa.DynamicLossScale(scale, counter, 2000, 2, 0.5)  # jmp: loss_scale, counter, period, factor, min
+    assert _fields(jmp_like) == _fields(
+        fa.DynamicLossScale(loss_scale=scale, counter=counter, period=2000, growth_factor=2, min_loss_scale=0.5)
+    )
+    assert int(jmp_like.hysteresis_left) == 1 and jmp_like.hysteresis == 1
+    grown = jmp_like
+    for _ in range(1995):  # jmp's rule: the counter wraps at period, then the scale doubles
+        grown = grown.adjust(TRUE)
+    assert float(grown.loss_scale) == 2.0**16 and int(grown.counter) == 0
+    assert fa.Policy(torch.float32, torch.bfloat16, torch.float16) == fa.get_policy("p=f32,c=bf16,o=f16")  # jmp
+    assert float(fa.StaticLossScale(4.0).loss_scale) == 4.0
+    # optax's positional orders (the leading arguments funcamp shares with it), torch.nn.Linear's for fp8.
+    params = {"w": torch.tensor([1.0, -2.0, 3.0])}
+    grads = [{"w": torch.tensor([0.5, 0.25, -1.0])}, {"w": torch.tensor([-0.5, 1.0, 2.0])}]
+    same = {
+        "sgd": (optim.sgd(0.1, 0.9, True), optim.sgd(learning_rate=0.1, momentum=0.9, nesterov=True)),
+        "sgd-none": (optim.sgd(0.1, None), optim.sgd(learning_rate=0.1, momentum=0.0)),
+        "adam": (optim.adam(0.1, 0.8, 0.9, 1e-3), optim.adam(learning_rate=0.1, b1=0.8, b2=0.9, eps=1e-3)),
+        "adamw": (optim.adamw(0.1, 0.8, 0.9, 1e-3), optim.adamw(learning_rate=0.1, b1=0.8, b2=0.9, eps=1e-3)),
+        "lion": (optim.lion(0.1, 0.8, 0.9), optim.lion(learning_rate=0.1, b1=0.8, b2=0.9)),
+        "scale_by_adam": (optim.scale_by_adam(0.8, 0.9, 1e-3, 1e-4), optim.scale_by_adam(b1=0.8, b2=0.9, eps=1e-3,
+                                                                                         eps_root=1e-4)),
+        "trace": (optim.trace(0.9, True), optim.trace(decay=0.9, nesterov=True)),
+        "add_decayed_weights": (optim.add_decayed_weights(0.1, {"w": True}),
+                                optim.add_decayed_weights(weight_decay=0.1, mask={"w": True})),
+    }  # fmt: skip
+    for name, (positional, keywords) in same.items():
+        a, b = params, params
+        sa, sb = positional.init(params), keywords.init(params)
+        for g in grads:
+            ua, sa = positional.update(g, sa, a)
+            ub, sb = keywords.update(g, sb, b)
+            a, b = optim.apply_updates(a, ua), optim.apply_updates(b, ub)
+        assert torch.equal(a["w"], b["w"]) and not torch.equal(a["w"], params["w"]), name
+    schedules = {
+        "cosine_decay": (optim.cosine_decay(1.0, 10, 0.1),
+                         optim.cosine_decay(init_value=1.0, decay_steps=10, alpha=0.1)),
+        "linear_schedule": (optim.linear_schedule(1.0, 0.5, 10),
+                            optim.linear_schedule(init_value=1.0, end_value=0.5, transition_steps=10)),
+    }  # fmt: skip
+    for name, (positional, keywords) in schedules.items():
+        assert all(torch.equal(positional(t), keywords(t)) for t in range(12)), name
+    from funcamp import fp8
+
+    layer = fp8.Float8Linear(32, 16, False)  # torch.nn.Linear(in_features, out_features, bias)
+    assert layer.in_features == 32 and layer.out_features == 16 and layer.bias is None
 
 
 def test_catalogue_size():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import re
 import subprocess
 import sys
 import time
@@ -73,10 +74,14 @@ def test_end_of_run_lines_name_the_mode_and_the_readme_command(default_run, tmp_
     assert "step 0: val loss" in compiled_out and "after compile: " in compiled_out
     # The README's command, the same in both modes.
     assert f"TensorBoard: python3 -m tensorboard.main --logdir {default_run[1]}" in compiled_out
-    train_gpt.main([*TINY, "--steps", "1", "--no-compile", "--logdir", str(tmp_path)])
+    assert re.search(r"[\d,]+ tokens/s", compiled_out) and "nan" not in compiled_out.lower()
+    one_step = train_gpt.main([*TINY, "--steps", "1", "--no-compile", "--logdir", str(tmp_path)])
     eager_out = capsys.readouterr().out
     assert "after compile" not in eager_out and "(eager: " in eager_out
     assert "TensorBoard: python3 -m tensorboard.main --logdir" in eager_out
+    # One step: the first is not timed (it compiles), so there is no rate to print; it says so, not "nan".
+    assert "nan" not in eager_out.lower() and "tokens/s not measured" in eager_out, eager_out
+    assert one_step["tokens_per_second"] is None
 
 
 def test_default_run_logs_every_tag_once_per_interval(default_run):

@@ -424,6 +424,70 @@ def test_sparse_duplicates_are_summed_before_the_check():
     assert not fa.all_finite({"e": leaf})
 
 
+#: Per half dtype: entries at one index, each finite, whose sum is not finite in that dtype but is in float32
+#: (float16: max 65504; bfloat16: max 2**128 - 2**120, the sum lies above the rounding midpoint to inf).
+_DUPLICATES = {torch.float16: (40000.0, 40000.0), torch.bfloat16: (2.0**127, 2.0**127 - 2.0**119, 2.0**118)}
+
+
+def _sparse_embedding_loss(p, batch):
+    """Row 1 of ``p["emb"]`` looked up once per duplicate, row 2 once: row 1's gradient (``batch["w"]``, one
+    entry per lookup) is an uncoalesced run of duplicates."""
+    rows = torch.nn.functional.embedding(batch["ids"], p["emb"], sparse=True).float()
+    return (rows * batch["w"][:, None]).sum()
+
+
+def _gradscaler_found_inf(grad: torch.Tensor) -> bool:
+    """``torch.amp.GradScaler``'s verdict on ``grad`` (its unscale, float16 gradients allowed)."""
+    p = torch.nn.Parameter(torch.zeros(grad.shape, dtype=grad.dtype))
+    p.grad = grad.clone()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    found = scaler._unscale_grads_(torch.optim.SGD([p], lr=0.1), torch.ones(()), torch.zeros(()), True)
+    return bool(found[torch.device("cpu")])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("overflow", [True, False], ids=["overflow", "finite"])
+def test_sweep_sparse_half_duplicates_overflow_in_their_dtype(dtype, overflow):
+    """Sweep: a float16/bfloat16 uncoalesced sparse gradient whose duplicate entries sum past the dtype's
+    range is not finite on every path funcamp checks gradients on: the checks, ``unscale`` then
+    ``all_finite`` (jmp's loop), ``grad_and_value`` with each loss scale, the float32 gradients of the step's
+    accumulation and the eager train step. GradScaler reports the float16 overflow (it coalesces float16
+    sparse gradients before its check); bfloat16 is checked as the tensor means (GradScaler checks its
+    entries one by one). Duplicates that do not overflow stay finite everywhere. Before the fix ``unscale``
+    and the step's float32 gradients summed the duplicates after widening them: finite."""
+    values = _DUPLICATES[dtype] if overflow else (2.0, 2.0)
+    assert all(math.isfinite(v) for v in torch.tensor(values, dtype=dtype).tolist())
+    assert math.isfinite(math.fsum(values)) and float(torch.tensor(values).sum()) < torch.finfo(torch.float32).max
+    ids = torch.tensor([1] * len(values) + [2])
+    w = torch.tensor([*values, 1.0])
+    grad = torch.sparse_coo_tensor(ids[None], w.to(dtype), (4,))
+    assert not grad.is_coalesced()
+    if dtype == torch.float16:
+        assert _gradscaler_found_inf(grad) is overflow
+    scales = (fa.NoOpLossScale(), fa.StaticLossScale(1.0), fa.DynamicLossScale(1.0))
+    verdicts = {
+        "all_finite": fa.all_finite({"e": grad}),
+        "finite_flags": _tree.finite_flags({"e": grad}).all(),
+        "global_norm": torch.isfinite(fa.global_norm({"e": grad})),
+    }
+    for ls in scales[1:]:
+        verdicts[f"unscale {type(ls).__name__}"] = fa.all_finite(ls.unscale({"e": grad}))
+    params = {"emb": torch.zeros(4, 2, dtype=dtype)}
+    batch = {"ids": ids, "w": w}
+    for ls in scales:
+        name = type(ls).__name__
+        verdicts[f"grad_and_value {name}"] = fa.grad_and_value(_sparse_embedding_loss, ls)(params, batch).grads_finite
+        grads32, _ = fa.grad.scaled_grad_and_value(_sparse_embedding_loss, ls)(params, batch)
+        verdicts[f"float32 grads {name}"] = fa.all_finite(grads32)
+        opt = optim.sgd(0.1)
+        state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, opt, loss_scale=ls)
+        verdicts[f"train step {name}"] = fa.make_train_step(_sparse_embedding_loss, opt, compile=False)(state, batch)[
+            1
+        ]["grads_finite"]
+    wrong = sorted(k for k, v in verdicts.items() if bool(v) is overflow)
+    assert not wrong, f"{dtype} overflow={overflow}: {wrong}"
+
+
 @pytest.mark.parametrize("kind", sorted(UNSUPPORTED_LEAVES))
 def test_sweep_unsupported_leaves_are_refused_by_name(kind):
     """Sweep: a leaf funcamp cannot check is refused with a TypeError naming it, by every finite

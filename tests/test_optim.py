@@ -313,7 +313,7 @@ def test_learning_rate_recorded_in_state():
 def test_lion_matches_hand_written_reference():
     lr, b1, b2, wd = 1e-2, 0.9, 0.99, 0.3
     params, grads = _params(), _grad_sequence(30)
-    mine, state = _run(optim.lion(lr, b1, b2, wd), params, grads)
+    mine, state = _run(optim.lion(lr, b1, b2, weight_decay=wd), params, grads)
     ref, m = dict(params), {k: torch.zeros_like(v) for k, v in params.items()}
     for g in grads:
         for k in ref:

@@ -163,17 +163,38 @@ def _only_b(tree):  # one level down, the other groups' leaves are None and stay
     return {k: None if v is None else k == "b" for k, v in tree.items()}
 
 
-@pytest.fixture(scope="module")
-def compiled_step():
-    opt = multi_transform(
+def _none_of(tree):  # a mask that selects nothing (the other groups' leaves stay None)
+    return {k: None if v is None else False for k, v in tree.items()}
+
+
+def _all_x(tree):
+    return {k: None if v is None else "x" for k, v in tree.items()}
+
+
+def _groups():
+    """Three groups, and every way a group can hold no parameter (allowed, as in optax): labels that no parameter
+    carries (a chain; a mask inside, which then sees only None), a label unused one level down, a mask that
+    selects nothing."""
+    return multi_transform(
         {
             "decay": optim.adamw(1e-2, weight_decay=0.1),
             # a masked transform with a callable mask inside a group: L2 decay on "b" only
-            "no_decay": optim.chain(masked(optim.add_decayed_weights(0.5), _only_b), optim.adam(1e-2)),
-            "head": set_to_zero(),
+            "no_decay": optim.chain(
+                masked(optim.add_decayed_weights(0.5), _only_b),
+                masked(optim.add_decayed_weights(0.1), _none_of),
+                optim.adam(1e-2),
+            ),
+            "head": multi_transform({"x": set_to_zero(), "unused": optim.adam(1.0)}, _all_x),
+            "unused_chain": optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1.0)),
+            "unused_masked": masked(optim.sgd(1.0, momentum=0.9), _none_of),
         },
         _labels,
     )
+
+
+@pytest.fixture(scope="module")
+def compiled_step():
+    opt = _groups()
     torch._dynamo.reset()
     return opt, make_train_step(_loss_fn, opt, backend="aot_eager")
 
@@ -204,6 +225,35 @@ def test_compiled_train_step_with_groups_skips_and_freezes(compiled_step):
     assert not torch.equal(s_c.params["w"], params["w"])
     for k in params:
         torch.testing.assert_close(s_c.params[k], s_e.params[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "donated"])
+def test_groups_without_parameters_train_as_in_eager(mode, request):
+    """The groups that hold no parameter, in the compiled step (aot_eager; Dynamo failed on them) and the eager
+    donating step: the parameters move as in the pure eager step, and the empty groups keep no tensor for any
+    parameter."""
+    if mode == "compiled":
+        opt, step = request.getfixturevalue("compiled_step")
+    else:
+        opt = _groups()
+        step = make_train_step(_loss_fn, opt, compile=False, donate=True)
+    eager = make_train_step(_loss_fn, opt, compile=False)
+    gen = torch.Generator().manual_seed(4)
+    s_new, s_ref = (TrainState.create(_params(), opt, loss_scale=fa.DynamicLossScale(2.0**15)) for _ in "12")
+    for _ in range(3):
+        batch = {"x": torch.randn(4, 5, generator=gen)}
+        s_new, m = step(s_new, batch)
+        s_ref, _ = eager(s_ref, batch)
+        assert bool(m["grads_finite"])
+    groups = s_new.opt_state.inner_states
+    assert groups["unused_chain"][1][0].mu == {k: None for k in SHAPES}
+    assert groups["head"].inner_states["unused"][1].mu == {k: None for k in SHAPES}
+    for k in SHAPES:
+        if mode == "donated":
+            assert torch.equal(s_new.params[k], s_ref.params[k]), k
+        else:
+            torch.testing.assert_close(s_new.params[k], s_ref.params[k], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(s_new.params["b"], _params()["b"])
 
 
 def test_state_round_trips(tmp_path):

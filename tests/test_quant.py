@@ -597,3 +597,25 @@ def test_finetune_int8_example_runs(tmp_path):
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert "train/loss" in tags and "memory/stored_bytes" in tags
+
+
+def test_finetune_int8_one_step_prints_no_nan(tmp_path, capsys):
+    """One step (the first, which compiles, is not timed): every rate and ratio says it was not measured, not nan
+    (issue 33, item 10's kind); zero steps are refused."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import finetune_int8
+
+    argv = ["--batch-size", "2", "--block-size", "16", "--no-compile", "--logdir", str(tmp_path), "--quiet"]
+    argv += ["--no-footprint-124m", "--threads", "1", "--baseline", "--torch-amp", "--timing-rounds", "0"]
+    threads = torch.get_num_threads()
+    try:
+        results = finetune_int8.main(["--steps", "1", *argv])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower(), out
+    assert out.count("steps/s not measured") == 3 and out.count("not measured (run 2 steps or more)") == 2, out
+    assert results["steps_per_second"] is None and results["baseline"]["steps_per_second"] is None
+    with pytest.raises(SystemExit):
+        finetune_int8.parse_args(["--steps", "0"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from funcamp.optim.base import GradientTransformation, chain, check_nonnegative
+from funcamp.optim.base import GradientTransformation, chain, check_bool, check_nonnegative
 from funcamp.optim.schedules import Schedule
 from funcamp.optim.transforms import (
     Mask,
@@ -34,10 +34,10 @@ LearningRate = float | Schedule
 
 def sgd(
     learning_rate: LearningRate,
-    momentum: float = 0.0,
+    momentum: float | None = 0.0,
     nesterov: bool = False,
-    weight_decay: float = 0.0,
     *,
+    weight_decay: float = 0.0,
     moment_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     r"""Stochastic gradient descent with optional (Nesterov) momentum and L2 weight decay.
@@ -48,11 +48,13 @@ def sgd(
 
     As ``torch.optim.SGD(lr, momentum, nesterov=..., weight_decay=..., dampening=0)``; torch's
     ``dampening`` and ``maximize`` have no counterpart (chain ``scale(-1.0)`` first to maximize).
+    Positional arguments are optax's (``learning_rate, momentum, nesterov``); ``weight_decay`` and
+    ``moment_dtype`` are keyword-only (optax's fourth is its ``accumulator_dtype``).
 
     Args:
       learning_rate: ``eta``, a float >= 0 or a schedule ``count -> 0-d float32 tensor``.
-      momentum: ``mu``, >= 0 (0: no momentum buffer is kept).
-      nesterov: use Nesterov momentum (needs ``momentum > 0``).
+      momentum: ``mu``, >= 0 (0 or None, as optax: no momentum buffer is kept).
+      nesterov: a bool, use Nesterov momentum (needs ``momentum > 0``).
       weight_decay: ``lambda``, >= 0, added to the gradient (coupled, as in torch).
       moment_dtype: dtype of the momentum buffer; ``None`` (default): float32 for float16 and bfloat16
         parameters, else the parameter's dtype (see ``funcamp.optim.transforms``).
@@ -61,6 +63,7 @@ def sgd(
       ``momentum > 0``).
     Raises:
       ValueError: if ``learning_rate``, ``momentum`` or ``weight_decay`` is negative or not finite.
+      TypeError: if ``nesterov`` is not a bool (torch's third positional argument is ``dampening``).
       ValueError: if ``nesterov`` is set and ``momentum`` is 0.
       ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
 
@@ -73,7 +76,8 @@ def sgd(
       >>> optim.apply_updates(params, updates)["w"]
       tensor([0.9000, 0.9000])
     """
-    momentum = check_nonnegative("sgd", "momentum", momentum)
+    momentum = check_nonnegative("sgd", "momentum", 0.0 if momentum is None else momentum)
+    nesterov = check_bool("sgd", "nesterov", nesterov)
     if nesterov and momentum == 0.0:
         raise ValueError("sgd: nesterov=True needs momentum > 0, got momentum=0")
     transforms = [add_decayed_weights(weight_decay)]
@@ -137,8 +141,8 @@ def adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 0.01,
     *,
+    weight_decay: float = 0.01,
     mask: Mask | None = None,
     moment_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
@@ -148,6 +152,8 @@ def adamw(
 
     As ``torch.optim.AdamW``, including its default ``weight_decay=0.01`` (optax's ``adamw``
     defaults to 1e-4). The decay is scaled by the learning rate, so it follows a schedule.
+    Positional arguments are ``learning_rate, b1, b2, eps`` (optax's and torch's order); the others are
+    keyword-only (optax's fifth positional argument is its ``eps_root``).
 
     Warning: ``torch.optim.AdamW`` multiplies the parameters by ``1 - lr * weight_decay`` rounded
     to float32, which misstates a small decay (by 0.13% at ``lr * weight_decay = 1e-5``); funcamp
@@ -194,8 +200,8 @@ def lion(
     learning_rate: LearningRate,
     b1: float = 0.9,
     b2: float = 0.99,
-    weight_decay: float = 0.0,
     *,
+    weight_decay: float = 0.0,
     mask: Mask | None = None,
     moment_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
@@ -206,7 +212,8 @@ def lion(
        m \leftarrow \beta_2 m + (1 - \beta_2) g
 
     There is no ``torch.optim`` counterpart; ``b1`` and ``b2`` default to the paper's values, and
-    ``weight_decay`` to 0 (optax's ``lion`` defaults to 1e-3).
+    ``weight_decay`` to 0 (optax's ``lion`` defaults to 1e-3). Positional arguments are ``learning_rate,
+    b1, b2``; the others are keyword-only (optax's fourth positional argument is its ``mu_dtype``).
 
     Args:
       learning_rate: ``eta``, a float >= 0 or a schedule ``count -> 0-d float32 tensor``.

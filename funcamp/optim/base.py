@@ -252,6 +252,13 @@ def check_steps(fn: str, name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def check_bool(fn: str, name: str, value: Any) -> bool:
+    """``value`` if it is a Python bool; ``TypeError`` otherwise (a number here is an argument out of place)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be a bool (True or False), got {value!r}")
+    return value
+
+
 def check_dtype(fn: str, value: Any) -> torch.dtype | None:
     """``value`` if it is ``None`` or a floating torch dtype; ``ValueError`` otherwise."""
     if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):

@@ -230,24 +230,43 @@ def _group_leaves(fn: str, name: str, spec: Any, tree: Any, check: Check) -> lis
     """The leaves of ``spec`` (or of ``spec(tree)``), one per leaf of ``tree``, each checked."""
     if callable(spec):
         spec = spec(tree)
-    tree_def = _tree.tree_structure(tree)
-    # flatten_up_to, not tree_flatten: dynamo cannot flatten a dict of Python values (bools, strings).
-    try:
-        leaves = tree_def.flatten_up_to(spec)
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            f"{fn}: {name} must have the structure of the parameters (one entry per parameter), got {spec!r} "
-            f"for parameters {tree_def} ({error})"
-        ) from None
+    fast = _tree.flatten_same(tree, spec)  # traced: plain containers of one structure (see _flatten)
+    if fast is not None:
+        leaves = fast[0][1]
+    else:
+        tree_def = _tree.tree_structure(tree)
+        # flatten_up_to, not tree_flatten: dynamo cannot flatten a dict of Python values (bools, strings).
+        try:
+            leaves = tree_def.flatten_up_to(spec)
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                f"{fn}: {name} must have the structure of the parameters (one entry per parameter), got {spec!r} "
+                f"for parameters {tree_def} ({error})"
+            ) from None
     for i, x in enumerate(leaves):
         check(fn, lambda i=i: _tree.tree_paths(tree)[i], x)
     return leaves
 
 
+def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """``(leaves, rebuild)`` of ``tree``; ``rebuild(new_leaves)`` is a tree of its structure.
+
+    While Dynamo traces, the fast path's (:func:`funcamp._tree.flatten_same`): Dynamo's polyfill of optree fails
+    on a tree whose every leaf is ``None`` (a group that holds no parameter: a label that no parameter carries,
+    a mask that selects nothing), in ``tree_flatten``, ``tree_unflatten`` and ``tree_structure`` alike, so the
+    group helpers here take the fast path first.
+    """
+    fast = _tree.flatten_same(tree)
+    if fast is not None:
+        return fast[0][0], fast[1]
+    leaves, spec = _tree.tree_flatten(tree)
+    return leaves, lambda new: _tree.tree_unflatten(spec, new)
+
+
 def _subtree(tree: Any, keep: list[bool]) -> Any:
     """``tree`` with the leaves where ``keep`` is False replaced by ``None`` (an empty node)."""
-    leaves, spec = _tree.tree_flatten(tree)
-    return _tree.tree_unflatten(spec, [x if k else None for x, k in zip(leaves, keep, strict=True)])
+    leaves, rebuild = _flatten(tree)
+    return rebuild([x if k else None for x, k in zip(leaves, keep, strict=True)])
 
 
 def _init_group(inner: GradientTransformation, params: Params, keep: list[bool]) -> OptState:
@@ -263,9 +282,7 @@ def _update_group(
 ) -> tuple[Any, OptState]:
     sub = _subtree(updates, keep)
     out, new_state = _inplace.call(inner, sub, state, None if params is None else _subtree(params, keep))
-    out_leaves, out_spec = _tree.tree_flatten(out)
-    sub_leaves, sub_spec = _tree.tree_flatten(sub)
-    if not _tree.same_structure(out_spec, sub_spec, len(out_leaves), len(sub_leaves)):
+    if not _same_structure(out, sub):
         raise ValueError(
             f"{fn}: an inner transformation changed the structure of its updates, from {_tree.tree_structure(sub)} "
             f"to {_tree.tree_structure(out)}"
@@ -273,16 +290,26 @@ def _update_group(
     return out, new_state
 
 
+def _same_structure(a: Any, b: Any) -> bool:
+    """Whether trees ``a`` and ``b`` have one structure; while Dynamo traces, by the fast path where it can
+    (see :func:`_flatten`)."""
+    if _tree.flatten_same(a, b) is not None:
+        return True
+    leaves_a, spec_a = _tree.tree_flatten(a)
+    leaves_b, spec_b = _tree.tree_flatten(b)
+    return _tree.same_structure(spec_a, spec_b, len(leaves_a), len(leaves_b))
+
+
 def _merge(updates: Updates, parts: list[tuple[Any, list[bool]]]) -> Updates:
     """``updates`` with, for each ``(out, keep)``, the kept leaves replaced by ``out``'s leaves in order."""
-    leaves, spec = _tree.tree_flatten(updates)
+    leaves, rebuild = _flatten(updates)
     merged = list(leaves)
     for out, keep in parts:
         it = iter(_tree.tree_leaves(out))
         for i, k in enumerate(keep):
             if k:
                 merged[i] = next(it)
-    return _tree.tree_unflatten(spec, merged)
+    return rebuild(merged)
 
 
 def _outermost_if_inside(result: GradientTransformation, inner: list[GradientTransformation]) -> GradientTransformation:

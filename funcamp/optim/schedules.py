@@ -148,7 +148,7 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Sch
 
 
 def warmup_cosine_decay(
-    peak_value: float, warmup: int, total: int, init_value: float = 0.0, end_value: float = 0.0
+    peak_value: float, warmup: int, total: int, *, init_value: float = 0.0, end_value: float = 0.0
 ) -> Schedule:
     r"""Return a linear warmup to ``peak_value`` followed by a cosine decay to ``end_value``.
 
@@ -160,14 +160,16 @@ def warmup_cosine_decay(
        \end{cases}
 
     ``total`` counts the warmup steps, as optax's ``decay_steps`` does; the rate is ``end_value`` from
-    step ``total`` on.
+    step ``total`` on. ``init_value`` and ``end_value`` are keyword-only: optax's
+    ``warmup_cosine_decay_schedule`` takes ``init_value`` first, so a call in its order is refused rather
+    than read as another schedule.
 
     Args:
       peak_value: the rate at the end of warmup.
       warmup: ``W``, the number of warmup steps, an integer >= 0 (0: start at ``peak_value``).
       total: the step at which the decay ends, an integer > ``warmup``.
-      init_value: the rate at step 0 (default 0).
-      end_value: the rate at step ``total`` and after (default 0).
+      init_value: keyword-only, the rate at step 0 (default 0).
+      end_value: keyword-only, the rate at step ``total`` and after (default 0).
     Returns:
       ``schedule(count) -> 0-d float32 tensor``.
     Raises:

@@ -32,6 +32,7 @@ from funcamp.optim.base import (
     Params,
     Updates,
     check_beta,
+    check_bool,
     check_dtype,
     check_nonnegative,
     check_positive,
@@ -310,6 +311,7 @@ def trace(decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | N
       A ``GradientTransformation`` with a ``TraceState``.
     Raises:
       ValueError: if ``decay`` is negative or not finite.
+      TypeError: if ``nesterov`` is not a bool.
       ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
 
     Example:
@@ -322,6 +324,7 @@ def trace(decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | N
       tensor([1.5000])
     """
     decay = check_nonnegative("trace", "decay", decay)
+    nesterov = check_bool("trace", "nesterov", nesterov)
     moment_dtype = check_dtype("trace", moment_dtype)
 
     def init(params: Params) -> TraceState:

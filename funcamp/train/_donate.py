@@ -102,16 +102,23 @@ def donating(body: Callable[..., Any]) -> Callable[..., Any]:
     """``body(state, batch) -> (new_state, metrics)`` made to write ``new_state`` into ``state``'s tensors.
 
     Returns ``fn(state, batch) -> metrics``: every tensor leaf of ``new_state`` is copied into the leaf of
-    ``state`` in the same place (the two trees have one structure), and every metric that is a state tensor
-    (``loss_scale``, the scale this step used) is a copy taken before the writes. The compiled step's body
-    (identity checks only, which Dynamo traces); eagerly, :func:`copying` and :func:`in_place`.
+    ``state`` in the same place (the two trees have one structure), and every tensor in the metrics, at any
+    depth (``metrics["aux"]`` is the user's tree), is a copy taken before the writes. The compiled step's body;
+    eagerly, :func:`copying` and :func:`in_place`.
+
+    Why every metric: a metric may alias a state tensor in ways a trace cannot see (the scale this step used
+    is the state's ``loss_scale``; an aux output may be a parameter, a slice of one, or the detached alias that
+    the differentiation made of it), and an output that aliases a mutated graph input is rebuilt from the
+    input *after* the writes, so it would hold the next state's value. Dynamo cannot ask a tensor for its
+    storage; a copy is always right. Inductor drops the copy of a tensor that aliases no graph input (its
+    no-op ``clone`` pass keeps only those that would make an output alias an input), so only the aliasing
+    metrics cost a copy there; other backends (``aot_eager``) copy every metric.
     """
 
     def fn(state: Any, batch: Any) -> dict[str, Any]:
         new_state, metrics = body(state, batch)
-        old = _tree.tree_leaves(state)
-        metrics = {k: _copy_if_is(v, old) for k, v in metrics.items()}
-        for dst, src in zip(old, _tree.tree_leaves(new_state)):
+        metrics = _tree.tree_map(_copy, metrics)  # before any write
+        for dst, src in zip(_tree.tree_leaves(state), _tree.tree_leaves(new_state)):
             if isinstance(dst, torch.Tensor) and src is not dst:
                 dst.copy_(src)
         return metrics
@@ -119,10 +126,8 @@ def donating(body: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def _copy_if_is(x: Any, leaves: list[Any]) -> Any:
-    if isinstance(x, torch.Tensor) and any(x is leaf for leaf in leaves):
-        return x.clone()
-    return x
+def _copy(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
 
 
 def copying(body: Callable[..., Any]) -> Callable[..., Any]:
