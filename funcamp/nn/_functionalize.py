@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from funcamp import quant
-from funcamp.nn import _remat, _store, _use, _wrappers
+from funcamp.nn import _remat, _scan, _store, _use, _wrappers
 from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
 from funcamp.nn._reductions import buffer_reductions
 from funcamp.nn._store import Trainable, _sample
@@ -73,6 +73,7 @@ def functionalize(
     op_policies: Mapping[Any, OpRule | None] | None = None,
     quantize: quant.Int8WeightOnlyConfig | None = None,
     remat: _remat.RematLike = None,
+    scan: _scan.ScanLike = None,
 ) -> Functional | FunctionalWithBuffers:
     """Turn ``module`` into a pure function of its parameters (and buffers), under a precision policy.
 
@@ -297,7 +298,20 @@ def functionalize(
     _remat.install()
     uses = _use.Uses(store.frozen, store.int8, store.forward_dtypes, plan.aliases)
     budgets = dict.fromkeys(remat_names, _remat.budget(remat))
+    scan_names = _scan.select(module, scan)
+    for name in scan_names:
+        _scan.check(
+            module,
+            name,
+            plan,
+            frozen=store.frozen,
+            int8=store.int8,
+            forward_dtypes=store.forward_dtypes,
+            remat=remat_names,
+            autocast=autocast,
+        )
     skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=budgets)
+    _scan.install(skeleton, scan_names, uses)
     op_mode = _wrappers.op_mode(policy, op_policies, autocast, store.forward_dtypes)
     run = _Apply(skeleton, plan, policy, autocast, store, uses, op_mode)
     if explicit:
