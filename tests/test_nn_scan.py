@@ -176,3 +176,32 @@ def test_bad_scan_arguments():
         fa.nn.functionalize(_Net([_Res(), _Res()]), POLICY, scan="blocks.0")
     with pytest.raises(TypeError, match="scan must be None"):
         fa.nn.functionalize(_Net([_Res(), _Res()]), POLICY, scan=3)
+
+
+class _Drop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        return x + nn.functional.dropout(self.w.expand_as(x), 0.5, self.training)
+
+
+def test_dropout_masks_differ_per_layer_and_backward_uses_the_forwards():
+    """out[b, j] = sum over layers of 2 * mask_l[b, j], and d sum(out) / d w_l[j] = sum over b of 2 * mask_l[b, j]:
+    the batch sum of the output equals the sum of the layers' gradients only if each layer's backward uses the
+    mask its forward drew; equal masks in every layer would make every output a multiple of 2 * 4."""
+    apply_fn, params = fa.nn.functionalize(_Net([_Drop() for _ in range(4)]), "float32", scan="blocks", training=True)
+
+    def grads(p, x):
+        ps = {k: v.detach().requires_grad_() for k, v in p.items()}
+        with torch.enable_grad():
+            out = apply_fn(ps, x)
+        return out.detach(), torch.autograd.grad(out.sum(), list(ps.values()))
+
+    seen = []
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        out, g = torch.compile(grads, fullgraph=True, backend=_recording(seen))(params, torch.zeros(16, 64))
+    assert all(seen)
+    assert torch.equal(out.sum(0), sum(g))
+    assert {2.0, 4.0, 6.0} & set(out.flatten().tolist())
