@@ -80,6 +80,7 @@ import torch
 import torch.distributed as dist
 
 from funcamp import _tree
+from funcamp._deprecated import check_optimizer, clip_by_global_norm
 from funcamp.optim.base import GradientTransformation
 from funcamp.parallel import _check_wire_args, _share
 
@@ -531,49 +532,6 @@ def global_norm(shards: Any, layout: ShardLayout, group: Any) -> torch.Tensor:
 
         sumsq = _wait(funcol.all_reduce(sumsq, "sum", pg))
     return torch.sqrt(sumsq)
-
-
-def clip_by_global_norm(max_norm: float, group: Any = True) -> GradientTransformation:
-    """Deprecated: use ``funcamp.optim.clip_by_global_norm(max_norm)``, which is right in every layout.
-
-    Inside a train step ``funcamp.optim.clip_by_global_norm`` takes the norm from the step's layout (the
-    state's): over all ranks' shards in a sharded step (one float64 ``all_reduce``, as this function
-    did), the local norm of the (already averaged) gradients otherwise. This alias warns and returns
-    that transform; ``group`` is ignored (the step's layout has it).
-
-    Raises:
-      ValueError: if ``max_norm`` is not a finite number > 0.
-    """
-    import warnings
-
-    from funcamp.optim.transforms import clip_by_global_norm as clip
-
-    del group
-    warnings.warn(
-        "funcamp.sharding.clip_by_global_norm is deprecated: use funcamp.optim.clip_by_global_norm(max_norm), "
-        "which takes the norm over all shards from the sharded step's layout",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return clip(max_norm)
-
-
-def check_optimizer(optimizer: GradientTransformation, group: Any = None, **kwargs: Any) -> None:
-    """Deprecated, does nothing: no optimizer needs refusing any more.
-
-    ``funcamp.optim.clip_by_global_norm`` and ``funcamp.optim.stochastic_rounding`` take the norm and the
-    element offsets from the layout of the step they run in, so the same optimizer is right with and
-    without ``shard=``.
-    """
-    import warnings
-
-    del optimizer, group, kwargs
-    warnings.warn(
-        "funcamp.sharding.check_optimizer is deprecated and does nothing: funcamp.optim.clip_by_global_norm and "
-        "funcamp.optim.stochastic_rounding take the norm and element offsets from the train step's layout",
-        DeprecationWarning,
-        stacklevel=2,
-    )
 
 
 def check_consistent(layout: ShardLayout, group: Any, *, optimizer: Any = None, **config: Any) -> None:

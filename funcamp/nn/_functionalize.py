@@ -26,7 +26,7 @@ from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _
 from funcamp.nn._reductions import buffer_reductions
 from funcamp.nn._store import Trainable, _sample
 from funcamp.ops import OpRule
-from funcamp.policy import Policy, get_policy
+from funcamp.policy import Policy, _split_fp8, get_policy
 
 __all__ = ["Functional", "FunctionalWithBuffers", "functionalize"]
 
@@ -419,9 +419,9 @@ def _with_fp8(
     """
     if not isinstance(policy, str) or "fp8" not in policy.lower():
         return module, policy, module_policies
-    from funcamp import fp8  # funcamp.fp8 imports funcamp.nn
+    from funcamp import fp8  # a feature: imported when a policy string asks for it
 
-    rest, recipe = fp8._split_policy(policy)
+    rest, recipe = _split_fp8(policy)
     if recipe is None:
         return module, policy, module_policies
     r = fp8.get_recipe(recipe)
