@@ -19,7 +19,7 @@ compiled (the default):
    made it), in the policy's ``reduce_dtype`` with the loss scale on a narrower wire: the operations of
    :func:`funcamp.parallel.mean_gradients` on a ``reduce_scatter_single``, each rank receiving its rows
    (:func:`reduce_scatter_gradients` documents the arithmetic). With inductor, each backward use of a
-   parameter gathers it again (:class:`funcamp._regions.RematPass`), so a rank holds at once only the
+   parameter gathers it again (:class:`funcamp.passes.RematPass`), so a rank holds at once only the
    whole parameters and whole gradients of the modules at work, never all of them (FSDP2's
    ``reshard_after_forward=True``), when ``gather_dtype`` is the dtype the loss computes in (a cast after
    the gather is kept for the backward, as any forward value).

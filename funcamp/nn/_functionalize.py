@@ -230,7 +230,7 @@ def functionalize(
         both casting modes. Memory is saved eagerly with plain autograd (:func:`funcamp.grad_and_value`
         called eagerly, ``make_train_step(compile=False)``: ``torch.utils.checkpoint``, which recomputes
         a whole module at any budget below 1 and runs it as is at budget 1) and in the inductor-compiled
-        step (the modules' nodes are tagged while tracing and :class:`funcamp._regions.RematPass`
+        step (the modules' nodes are tagged while tracing and :class:`funcamp.passes.RematPass`
         recomputes them, as far as the budget says; with ``backend="aot_eager"`` nothing is recomputed).
         Under eager ``torch.func`` transforms torch 2.13 cannot checkpoint (see above): the modules run as
         is, keeping their activations, with a :class:`RematInactiveWarning`. With gradients

@@ -245,7 +245,7 @@ class Sharded(DataParallel):
         Each shard gets a reduce point and an up-front gather (:class:`funcamp._at_use.Uses`) that the loss
         is handed; :meth:`param_at_use` (``funcamp.nn.functionalize``'s hook) gathers a parameter again where
         its module uses it, so the up-front gather is dead code in the compiled graph wherever every use goes
-        through it, and :class:`funcamp._regions.RematPass` drops it. Each gradient is reduce-scattered once,
+        through it, and :class:`funcamp.passes.RematPass` drops it. Each gradient is reduce-scattered once,
         in its backward. A :class:`funcamp.LossSum`'s micro-batch mean is differentiated times its count
         (each rank's own weight must be applied before the reduction). Eager: as the other layouts.
         """

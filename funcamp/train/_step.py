@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _regions, _tree, numerics, sharding
+from funcamp import _tree, numerics, passes, sharding
 from funcamp.optim import GradientTransformation
 from funcamp.policy import Policy
 from funcamp.train import _donate, _hints, _layout, _loss, _probes, _stages
@@ -220,7 +220,7 @@ def _probes_for(
 def _inductor_options() -> dict[str, Any] | None:
     """The inductor options of the compiled step: funcamp's graph pass, the backward's order kept, and a cache.
 
-    ``post_grad_custom_pre_pass``: :class:`funcamp._regions.RematPass` (``functionalize(remat=)`` regions
+    ``post_grad_custom_pre_pass``: :class:`funcamp.passes.RematPass` (``functionalize(remat=)`` regions
     recomputed, sharded gathers at use, large backward buffers made late). ``reorder_for_locality=False``: the
     step's forward and backward are traced into one graph without a forward/backward split, which inductor
     takes for an inference graph and reorders for locality, moving each node to just before its first user:
@@ -240,7 +240,7 @@ def _inductor_options() -> dict[str, Any] | None:
     """
     from torch._inductor import config as inductor_config
 
-    remat = {"post_grad_custom_pre_pass": _regions.RematPass(), "reorder_for_locality": False}
+    remat = {"post_grad_custom_pre_pass": passes.RematPass(), "reorder_for_locality": False}
     if not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # older torch: no such option
         return remat
     methods = (getattr(torch.Tensor, name, None) for name in _PYTHON_TENSOR_MATH)
