@@ -21,8 +21,9 @@ compiled (the default):
    (:func:`reduce_scatter_gradients` documents the arithmetic). With inductor, each backward use of a
    parameter gathers it again (:class:`funcamp.passes.RematPass`), so a rank holds at once only the
    whole parameters and whole gradients of the modules at work, never all of them (FSDP2's
-   ``reshard_after_forward=True``), when ``gather_dtype`` is the dtype the loss computes in (a cast after
-   the gather is kept for the backward, as any forward value).
+   ``reshard_after_forward=True``); a cast or view of a gathered parameter (its compute-dtype copy, a
+   Linear's transposed weight) is recomputed with its gather for the backward, not kept
+   (:mod:`funcamp.passes.sharded_gathers`).
 3. :func:`global_stats`: one float64 ``all_reduce`` gives the global gradient norm (the sum of squares
    over all shards) and the per-parameter finite flags (padding rows excluded), so that every rank
    agrees on one ``grads_finite`` and the metrics are those of the unsharded step.
@@ -204,9 +205,10 @@ def shard_layout(params: Any, group: Any = True, *, gather_dtype: torch.dtype | 
         dtype (e.g. the policy's compute dtype, as FSDP2's ``param_dtype``): gathered already cast,
         which halves the gather bytes for a 16-bit dtype; exact only when the loss casts every
         parameter to that dtype before using it (``policy.cast_to_compute`` on all of them; not with
-        ``funcamp.nn.functionalize``'s float32 norms, which are then rounded to it). It also saves
-        memory in the compiled step: there a parameter's cast after the gather is a forward value kept
-        for the backward, where the gathered tensor itself is gathered again.
+        ``funcamp.nn.functionalize``'s float32 norms, which are then rounded to it). In the compiled
+        step a cast after the gather is recomputed with the gather for the backward, as the gathered
+        tensor is (:mod:`funcamp.passes.sharded_gathers`); ``gather_dtype`` saves the gather's bytes and
+        the whole tensor in the parameter's own dtype at each use.
     Returns:
       A :class:`ShardLayout`.
     Raises:
