@@ -137,3 +137,34 @@ def test_the_finders_find_planted_faults(tmp_path: pathlib.Path) -> None:
     ]
     clean = _plant(tmp_path / "clean", {"__init__.py": "from funcamp import a\n", "a.py": "import torch\n"})
     assert cycles(import_graph(clean)) == [] and upward(import_graph(clean)) == []
+
+
+def _members(protocol: type) -> set[str]:
+    return {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
+
+
+def _called_on(path: pathlib.Path, name: str) -> set[str]:
+    """The attributes read on a variable ``name`` in the file at ``path`` (``layout.stats(...)`` -> ``stats``)."""
+    tree = ast.parse(path.read_text())
+    return {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == name
+    }
+
+
+def test_layout_interface_is_split_by_caller() -> None:
+    """The stages read only :class:`StageLayout`'s members of their layout, ``make_train_step`` only
+    ``BuildLayout``'s on the host, the optimizer's transforms only ``StepLayout``'s of the scope's; every layout
+    class has all of them. (Planted: a stage reading ``layout.group`` fails the first assertion.)"""
+    from funcamp import _scope
+    from funcamp.train import _layout
+
+    stage, build, step = _members(_layout.StageLayout), _members(_layout.BuildLayout), _members(_scope.StepLayout)
+    train, optim = ROOT / "train", ROOT / "optim"
+    assert _called_on(train / "_stages.py", "layout") | _called_on(train / "_probes.py", "layout") <= stage
+    assert _called_on(train / "_step.py", "built") | _called_on(train / "_step.py", "layout") <= build
+    assert _called_on(optim / "transforms.py", "layout") | _called_on(optim / "low_precision.py", "step") <= step
+    for cls in (_layout.SingleProcess, _layout.DataParallel, _layout.Sharded):
+        assert all(hasattr(cls, m) for m in stage | build | step), cls
+    assert hasattr(_layout.Sharded, "param_at_use") and not hasattr(_layout.DataParallel, "param_at_use")
