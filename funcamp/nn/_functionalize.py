@@ -148,7 +148,8 @@ def functionalize(
     autograd (eager :func:`funcamp.grad_and_value`, ``make_train_step(compile=False)``) the region is
     recomputed in the backward with this call's tensors; under ``torch.func`` transforms torch 2.13
     cannot checkpoint and the region runs as is (a :class:`RematInactiveWarning`, once); the compiled
-    train step traces it as is (no warning: :mod:`funcamp._dynamo_autograd`). Gradients equal those of the model without checkpointing, bitwise, in every case.
+    train step traces it as is (no warning: :mod:`funcamp._dynamo_autograd`). Gradients equal those
+    of the model without checkpointing, bitwise, in every case.
 
     Inputs and outputs are walked with ``torch.utils._pytree`` (so Hugging Face's ``ModelOutput`` is
     cast); only real floating tensors are cast.
