@@ -20,11 +20,12 @@ placeholders. This module makes the recompute see what the forward saw:
   when no input requires grad (the reentrant variant's known pitfall).
 - Under ``torch.func`` gradient transforms (``torch.func.grad``, ``vjp``, a compiled
   :func:`funcamp.grad_and_value`, eager calls nested in another transform) torch 2.13 cannot
-  checkpoint at all: saved-tensor hooks are disabled there, and ``torch.utils.checkpoint`` raises "torch.func transforms don't yet support
-  saved tensor hooks". There the region runs without recomputation (the same gradients; its
-  activations are kept, so no memory is saved) and a :class:`RematInactiveWarning` says so once. The
-  compiled train step differentiates with traced ``torch.autograd.grad`` (:mod:`funcamp._dynamo_autograd`):
-  Dynamo traces the region as is, with no warning, and the activations are kept there too.
+  checkpoint at all: saved-tensor hooks are disabled there, and ``torch.utils.checkpoint`` raises
+  "torch.func transforms don't yet support saved tensor hooks". There the region runs without
+  recomputation (the same gradients; its activations are kept, so no memory is saved) and a
+  :class:`RematInactiveWarning` says so once. The compiled train step differentiates with traced
+  ``torch.autograd.grad`` (:mod:`funcamp._dynamo_autograd`): Dynamo traces the region as is, with
+  no warning, and its activations are kept there too.
 
 How: the first ``functionalize`` call wraps two private entry points of ``torch.utils.checkpoint``
 (``_checkpoint_without_reentrant_generator`` and ``CheckpointFunction``; both are looked up at call
