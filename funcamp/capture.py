@@ -194,7 +194,7 @@ class CapturedStep:
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
-            warnings.warn(message, CaptureWarning, stacklevel=3)
+            warnings.warn(message, CaptureWarning, stacklevel=2)
 
 
 def _first_line(error: BaseException) -> str:
