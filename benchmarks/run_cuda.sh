@@ -21,7 +21,7 @@ OUT=${1:-benchmarks/results/cuda-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/funcamp_inductor_cache}
-T_TESTS=${T_TESTS:-100} T_BF16=${T_BF16:-200} T_FP16=${T_FP16:-110} T_FP8=${T_FP8:-140}
+T_TESTS=${T_TESTS:-150} T_BF16=${T_BF16:-180} T_FP16=${T_FP16:-100} T_FP8=${T_FP8:-120}
 if [ "$DRY" = 1 ]; then  # the same commands on the CPU: the harness works, nothing is measured
   DEV=cpu CONFIG=tiny FP8_CONFIG=tiny FP8_LAYERS=${FP8_LAYERS:-2} BACKEND=eager FP8_BACKEND=eager
   BS=2 FP8_BS=2 WARMUP=1 STEPS=1 ROUNDS=1
