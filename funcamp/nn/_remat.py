@@ -56,7 +56,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from funcamp import _regions
+from funcamp import passes
 
 __all__ = ["Remat", "RematBudgetWarning", "RematInactiveWarning"]
 
@@ -76,7 +76,7 @@ class Remat:
     ``budget`` is the fraction of the bytes that the chosen modules' recomputed nodes would keep for the
     backward without remat that may still be kept, in ``[0, 1]``: ``0.0`` recomputes every one of them (the
     most memory saved, the default), ``1.0`` keeps them all (no memory saved, nothing recomputed). In the
-    compiled step (inductor, :class:`funcamp._regions.RematPass`) the backward-read values of all regions of
+    compiled step (inductor, :class:`funcamp.passes.RematPass`) the backward-read values of all regions of
     one budget are ranked by recompute cost per byte (matmul, convolution and attention FLOPs; other ops one
     per output element; a view's bytes counted on its base, and a view kept with it), and the costliest per
     byte are kept, in that order, while their bytes stay within ``budget`` times the total; the rest are
@@ -450,7 +450,7 @@ def wrap_forward(module: nn.Module, budget: float = 0.0) -> None:
     Set on the internal copy, over the casting wrapper if any (the input cast is recomputed too). With
     gradients off (inference, ``torch.no_grad``) the forward runs as is. RNG state is preserved
     (dropout masks are replayed), as torch's default. Under ``torch.compile`` the forward runs as is,
-    its nodes tagged (:func:`funcamp._regions.remat_region`): the compiled train step's graph pass
+    its nodes tagged (:func:`funcamp.passes.remat_region`): the compiled train step's graph pass
     recomputes them for the backward (inductor), and dynamo's activation-checkpoint operator, which
     refuses a forward that reassigns a buffer ("HOP: Unsafe side effect", the fp8 delayed state), is
     never used.
@@ -460,14 +460,14 @@ def wrap_forward(module: nn.Module, budget: float = 0.0) -> None:
     budget checkpoints the whole module, as ``0.0``.
     """
     forward = module.forward
-    region = _regions.new_region_id()
+    region = passes.new_region_id()
 
     @functools.wraps(forward)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if torch.compiler.is_compiling():  # tagged for the compiled step's recompute pass (funcamp._regions)
-            with _regions.remat_region(region, budget):
+        if torch.compiler.is_compiling():  # tagged for the compiled step's recompute pass (funcamp.passes)
+            with passes.remat_region(region, budget):
                 return forward(*args, **kwargs)
         if budget == 1.0:  # eager: keep every activation, as the compiled pass does at this budget
             return forward(*args, **kwargs)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _scope, _tree
-from funcamp.grad import scaled_grad_and_value
+from funcamp.grad import _Route, scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, _inplace, apply_updates, learning_rate
 from funcamp.train import _loss
@@ -131,6 +131,7 @@ def gradients(
     accumulation_steps: int = 1,
     layout: SingleProcess = _ONE_PROCESS,
     buffer_reductions: Any = None,
+    route: _Route | None = None,
 ) -> Gradients:
     """The gradients of ``loss_fn`` on ``batch``, scaled by ``loss_scale``, unscaled in float32, over ``layout``.
 
@@ -152,6 +153,8 @@ def gradients(
       layout: the process layout (default one process).
       buffer_reductions: the buffers' reductions over ranks (``TrainState.buffer_reductions``: a buffer's
         dotted name -> ``"max"`` or ``"min"``; the others are averaged), or None.
+      route: how to differentiate (:data:`funcamp.grad._Route`); default ``torch.func``'s semantics. The
+        compiled step passes :data:`funcamp._dynamo_autograd.route`, traced ``torch.autograd.grad``.
     Returns:
       A :class:`Gradients`.
     Raises:
@@ -162,7 +165,7 @@ def gradients(
     with_buffers = buffers is not None
     scale = None if isinstance(loss_scale, NoOpLossScale) else loss_scale.loss_scale
     fun = _loss.as_differentiable(loss_fn, has_aux=has_aux, with_buffers=with_buffers)
-    grad_fn = scaled_grad_and_value(layout.around_loss(fun, scale), loss_scale, has_aux=True)
+    grad_fn = scaled_grad_and_value(layout.around_loss(fun, scale), loss_scale, has_aux=True, route=route)
     whole = layout.gather(params)
     new_buffers, total, losses, sums, aux = (buffers if with_buffers else ()), None, [], [], ()
     for mb in _loss.micro_batches(batch, accumulation_steps):
@@ -306,8 +309,11 @@ def run(
     has_aux: bool = False,
     accumulation_steps: int = 1,
     layout: SingleProcess = _ONE_PROCESS,
+    route: _Route | None = None,
 ) -> StepRecord:
     """One whole train step from the stages: gradients, cast, check, update, commit, metrics.
+
+    ``route`` is :func:`gradients`' (default ``torch.func``'s semantics).
 
     Returns:
       A :class:`StepRecord`; ``record.new_state`` and ``record.metrics`` are what the train step returns
@@ -323,6 +329,7 @@ def run(
         accumulation_steps=accumulation_steps,
         layout=layout,
         buffer_reductions=state.buffer_reductions,
+        route=route,
     )
     grads = cast_like(g.grads, state.params)
     verdict = check(grads, g.loss, layout)
