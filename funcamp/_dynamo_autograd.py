@@ -10,8 +10,10 @@ inductor, and its graph is the same single graph (:func:`funcamp.grad._autograd_
 
 :func:`compile` is ``torch.compile`` with that setting switched on while the compiled function traces, and
 only then: ``torch._dynamo.config.patch`` around each call, never a process-wide change (another compiled
-function in the process keeps Dynamo's default). :data:`route` is the route the compiled step differentiates
-with; the public :func:`funcamp.grad_and_value` keeps ``torch.func``'s (it composes with ``vmap``).
+function in the process keeps Dynamo's default). AOTAutograd's pass that recomputes
+``torch.utils.checkpoint`` regions in such graphs is switched off in the same scope (:data:`_AS_TORCH_FUNC`).
+:data:`route` is the route the compiled step differentiates with; the public
+:func:`funcamp.grad_and_value` keeps ``torch.func``'s (it composes with ``vmap``).
 
 A Function whose forward or backward Dynamo cannot trace (a ``print``, an ``.item()``, a call into another
 library) is refused by ``fullgraph=True`` with Dynamo's error at the line in question; :func:`function_note`
@@ -33,6 +35,13 @@ __all__ = ["compile", "function_note", "route"]
 #: The compiled step's route (:data:`funcamp.grad._Route`): ``torch.autograd.grad`` on detached inputs.
 route = _autograd_route
 
+#: AOTAutograd's settings that differ for a graph with a traced ``torch.autograd.grad``, kept as they act on
+#: torch.func's graph: its pass that recomputes ``torch.utils.checkpoint`` regions in a forward-loss-backward
+#: graph (``remat_using_tags_for_fwd_loss_bwd_graph``) refuses a region holding dropout ("does not support RNG
+#: ops in recompute regions"); under torch.func the step kept those regions' activations, as it still does
+#: (funcamp's own ``functionalize(remat=)`` is :class:`funcamp._regions.RematPass`'s, not this pass's).
+_AS_TORCH_FUNC = {"remat_using_tags_for_fwd_loss_bwd_graph": False}
+
 _FUNCTION_OP = "autograd.Function"  # the higher-order operator Dynamo names in a Function's trace errors
 
 
@@ -46,52 +55,70 @@ def compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with (
+            torch._dynamo.config.patch(trace_autograd_ops=True),
+            torch._functorch.config.patch(**_AS_TORCH_FUNC),
+        ):
             return compiled(*args, **kwargs)
 
     return call
 
 
 def function_note(error: BaseException) -> str | None:
-    """A note naming the user's ``torch.autograd.Function`` that Dynamo could not trace, or None.
+    """A note for a compile failure met while tracing the loss's backward, naming the user's Function, or None.
 
-    Recognised by the higher-order operator Dynamo names (``autograd.Function``) in its error; the Function is
-    the subclass whose ``forward``, ``setup_context`` or ``backward`` holds the last line of the error's user
-    stack that lies in one of them.
+    Two forms are recognised. Dynamo names the higher-order operator (``autograd.Function``) when it cannot
+    trace a Function's ``forward`` or ``backward`` (a ``print``, a call into another library): the Function is
+    the subclass whose method holds the last line of the error's user stack that lies in one. An error whose
+    user stack ends at the step's ``torch.autograd.grad`` (``.item()`` in a backward, say) happened while the
+    backward was traced: the note says so, without a name.
     """
     message = str(error)
-    if _FUNCTION_OP not in message:
-        return None
-    where = _function_frame(message)
-    name = f"the torch.autograd.Function {where}" if where else "a torch.autograd.Function"
-    return (
-        f"funcamp: torch.compile cannot trace {name} in the loss, so the compiled step cannot use its backward, "
-        "and refuses rather than differentiate its forward. Make its forward and backward traceable (no print, "
-        ".item(), numpy or other host work), or run make_train_step(..., compile=False), which uses its backward "
-        "eagerly"
-    )
+    frames = _user_frames(message)
+    if _FUNCTION_OP in message:
+        where = next((_describe(f) for f in reversed(frames) if f[2] in _METHODS), None)
+        name = f"the torch.autograd.Function {where}" if where else "a torch.autograd.Function"
+        return (
+            f"funcamp: torch.compile cannot trace {name} in the loss, so the compiled step cannot use its "
+            f"backward, and refuses rather than differentiate its forward. {_FIX}"
+        )
+    if frames and frames[-1][0].endswith(_GRAD_FILE) and "torch.autograd.grad(" in frames[-1][3]:
+        return (
+            "funcamp: torch.compile failed while tracing the backward of the loss (torch.autograd.grad in the "
+            "step), where every custom torch.autograd.Function's backward is traced; if the loss applies one, "
+            f"its backward is the likely cause. {_FIX}"
+        )
+    return None
 
 
+_FIX = (
+    "Make its forward and backward traceable (no print, .item(), numpy or other host work), or run "
+    "make_train_step(..., compile=False), which uses its backward eagerly"
+)
+_GRAD_FILE = "funcamp/grad.py"
 _METHODS = ("forward", "setup_context", "backward")
 
 
-def _function_frame(message: str) -> str | None:
-    """``'Name.method (file:line)'`` for the last frame of ``message``'s user stack inside a Function method."""
-    found = None
-    for line in message.splitlines():
+def _user_frames(message: str) -> list[tuple[str, int, str, str]]:
+    """``(path, line, function, source)`` of each ``File "...", line N, in f`` frame of ``message``."""
+    frames, lines = [], message.splitlines()
+    for i, line in enumerate(lines):
         text = line.strip()
         if not text.startswith('File "'):
             continue
         try:
             path, rest = text[len('File "') :].split('", line ', 1)
-            lineno, method = rest.split(", in ", 1)
-            lineno_int = int(lineno)
+            lineno, function = rest.split(", in ", 1)
+            frames.append((path, int(lineno), function, lines[i + 1].strip() if i + 1 < len(lines) else ""))
         except ValueError:
             continue
-        if method in _METHODS:
-            owner = _owner(path, lineno_int, method)
-            found = f"{owner}.{method} ({path}:{lineno})" if owner else f"{method} ({path}:{lineno})"
-    return found
+    return frames
+
+
+def _describe(frame: tuple[str, int, str, str]) -> str:
+    path, lineno, method, _ = frame
+    owner = _owner(path, lineno, method)
+    return f"{owner}.{method} ({path}:{lineno})" if owner else f"{method} ({path}:{lineno})"
 
 
 def _owner(path: str, lineno: int, method: str) -> str | None:

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as torch_pytree
 
-from funcamp import _regions, _tree
+from funcamp import _tree, passes
 from funcamp.loss_scale import LossScale
 
 __all__ = ["GradAndValue", "grad_and_value"]
@@ -134,7 +134,7 @@ def _unscaled_grad_and_value(
     """
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        with _regions.phase("forward"):  # compiling: tags for funcamp._regions' recompute pass
+        with passes.phase("forward"):  # compiling: tags for funcamp.passes' recompute
             out = fun(*args, **kwargs)
         if has_aux:
             if not isinstance(out, tuple) or len(out) != 2:
@@ -150,7 +150,7 @@ def _unscaled_grad_and_value(
 
     def fn(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         _check_differentiable(args, argnums)
-        with _regions.phase("backward"):  # the forward inside is tagged "forward" again
+        with passes.phase("backward"):  # the forward inside is tagged "forward" again
             grads, (_, value) = _call_without_autocast(run, *args, **kwargs)
         return loss_scale.unscale(grads), value
 

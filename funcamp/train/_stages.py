@@ -267,16 +267,24 @@ def metrics(state: TrainState, new_state: TrainState, loss: torch.Tensor, verdic
     device = state.step.device
     return {
         "loss": loss,
-        # On the parameters' device (state.step lives there): NoOpLossScale has no tensor to carry a
-        # device, and a stateless optimizer's learning_rate is a NaN made on the CPU.
-        "loss_scale": state.loss_scale.loss_scale.to(device),
+        # Made on the parameters' device (state.step lives there), not copied from the host: NoOpLossScale has
+        # no tensor to carry a device, and a stateless optimizer's state has none to place its NaN rate. A CPU
+        # constant copied in would be baked into a CUDA graph (funcamp.capture.check finds it).
+        "loss_scale": _scale_on(state.loss_scale, device),
         "grads_finite": verdict.finite,
         "grad_norm": verdict.grad_norm,
-        "learning_rate": learning_rate(opt_state).to(device),
+        "learning_rate": learning_rate(opt_state, device=device).to(device),
         "skipped_steps": new_state.skipped_steps,
         "consecutive_skips": new_state.consecutive_skips,
         "nonfinite_leaf": torch.where(flags.all(), -1, first_bad.to(torch.int32)),
     }
+
+
+def _scale_on(loss_scale: LossScale, device: torch.device) -> torch.Tensor:
+    """The loss scale's 0-d float32 value on ``device`` (NoOpLossScale's 1.0 made there)."""
+    if isinstance(loss_scale, NoOpLossScale):
+        return torch.ones((), dtype=torch.float32, device=device)
+    return loss_scale.loss_scale.to(device)
 
 
 class StepRecord(NamedTuple):
