@@ -37,7 +37,8 @@ Layout: ``_functionalize`` (the assembly, one call of ``apply_fn``, the return c
 the dtypes tensors are stored and used in), ``_wrappers`` (the module copy and its per-module wrappers:
 casts, and the per-op mode), ``_use`` (each parameter made into its forward tensor where its module
 uses it, through the step layout's ``param_at_use``), ``_remat`` (activation checkpointing inside
-``apply_fn``, and ``remat=``), ``_load`` (the way back into the module), ``_loss`` (the chunked head and loss).
+``apply_fn``, and ``remat=``), ``_scan`` (``scan=``: a run of identical blocks compiled once), ``_load``
+(the way back into the module), ``_loss`` (the chunked head and loss).
 """
 
 from funcamp.nn._functionalize import Functional, FunctionalWithBuffers, functionalize

@@ -141,6 +141,13 @@ def functionalize(
         an ``nn.Module`` subclass; an fnmatch pattern of qualified module names; a list mixing the two; a
         predicate ``remat(name, module) -> bool``; or :class:`funcamp.nn.Remat` ``(one of those, budget=b)``.
         Gradients are bitwise those without ``remat`` (docs/module.md, docs/memory.md).
+      scan: ``None`` (default), or the qualified name (fnmatch pattern, or a list of them) of a ``ModuleList``
+        or ``Sequential`` of identical blocks: under ``torch.compile`` their forward tensors are stacked on a
+        leading layer axis and one block runs over them with ``torch._higher_order_ops.scan``, so that the
+        block is traced and compiled once; eagerly they run as written. ``params`` keeps one leaf per layer.
+        A ``ModuleList`` must be applied as ``for block in blocks: x = block(x, *same_args)``. Differentiable
+        inside ``torch.compile`` by Dynamo-traced ``torch.autograd.grad`` (the compiled train step's route), not
+        by ``torch.func`` transforms. See :mod:`funcamp.nn._scan` and docs/module.md.
     Returns:
       :class:`Functional` ``(apply_fn, params)`` or :class:`FunctionalWithBuffers` ``(apply_fn, params,
       buffers)`` (named tuples), see above. ``apply_fn.frozen`` is a
@@ -169,6 +176,12 @@ def functionalize(
       ValueError: if a ``remat`` type or pattern matches no submodule, or its predicate chooses none, or
         ``remat="auto"`` (not offered, see :class:`funcamp.nn.Remat`).
       TypeError, ValueError: from :class:`funcamp.nn.Remat` for a budget that is not a number in ``[0, 1]``.
+      TypeError: if ``scan`` is not None, a str or a list of str, or names a module that is not a ``ModuleList``
+        or ``Sequential``.
+      ValueError: if a ``scan`` pattern matches no submodule, or the run's layers differ (class, shapes, dtypes,
+        policies, plain attributes, buffers) or hold what a scan does not support yet (hooks, persistent
+        buffers, frozen or int8 or tied tensors, fp8 layers, ``remat`` on or around it, ``autocast=True``);
+        at call time, under a sharded layout.
       ValueError: at call time, if ``params`` or ``buffers`` do not have the module's names (a frozen
         name in ``params`` is named as such).
       TypeError: at call time, if ``params`` or ``buffers`` is not a dict.
