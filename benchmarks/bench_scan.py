@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -115,9 +116,9 @@ def worker(layers: int, route: str, backend: str) -> dict[str, Any]:
     template, params, x, names = build(layers)
     _, ref, ref_loss = make_step(make_loss(template, names, layers, "unrolled"))(params, x)
     step = torch.compile(make_step(make_loss(template, names, layers, route)), fullgraph=True, backend=backend)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     new, grads, value = step(params, x)
-    compile_s = time.perf_counter() - t0
+    compile_s, cpu_s = time.perf_counter() - t0, _cpu_s() - c0
     times = []
     for _ in range(5):
         t = time.perf_counter()
@@ -128,6 +129,7 @@ def worker(layers: int, route: str, backend: str) -> dict[str, Any]:
         "route": route,
         "backend": backend,
         "compile_s": compile_s,
+        "compile_cpu_s": cpu_s,
         "step_ms": 1e3 * statistics.median(times),
         "max_abs_grad_diff": max((grads[k] - ref[k]).abs().max().item() for k in ref),
         "max_abs_grad": max(g.abs().max().item() for g in ref.values()),
@@ -136,9 +138,17 @@ def worker(layers: int, route: str, backend: str) -> dict[str, Any]:
     }
 
 
-def run_one(layers: int, route: str, backend: str, threads: int) -> dict[str, Any]:
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children reaped so far (the C++ compiler, with one compile thread)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def run_one(layers: int, route: str, backend: str, threads: int, compile_threads: int = 0) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench_scan_") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": str(threads)}
+        if compile_threads:
+            env["TORCHINDUCTOR_COMPILE_THREADS"] = str(compile_threads)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
         cmd = [sys.executable, __file__, "--worker", f"{layers},{route},{backend}"]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
@@ -153,6 +163,13 @@ def main() -> None:
     p.add_argument("--backends", default="aot_eager,inductor")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--compile-threads",
+        type=int,
+        default=0,
+        help="TORCHINDUCTOR_COMPILE_THREADS for the workers (1: the C++ compiler runs as a child of the worker, so "
+        "that compile cpu s counts it; default: inductor's own choice)",
+    )
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -167,7 +184,7 @@ def main() -> None:
             for layers in map(int, args.layers.split(",")):
                 routes = ROUTES if (r + layers) % 2 == 0 else ROUTES[::-1]
                 for route in routes:
-                    row = {**run_one(layers, route, backend, args.threads), "round": r}
+                    row = {**run_one(layers, route, backend, args.threads, args.compile_threads), "round": r}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if args.out:
@@ -176,24 +193,29 @@ def main() -> None:
 
 
 def report(rows: list[dict[str, Any]]) -> None:
-    print("\nbackend    layers  route     compile s  step ms  max |dg|   scan/unrolled compile (per round)")
+    """Per backend and layer count: medians per route, and the per-round ratios scan / unrolled (wall, cpu)."""
+    print("\nbackend    layers  route    compile s  cpu s   step ms  max |dg|  scan/unrolled per round: wall; cpu")
     for backend in dict.fromkeys(r["backend"] for r in rows):
         for layers in dict.fromkeys(r["layers"] for r in rows):
             by = [r for r in rows if r["backend"] == backend and r["layers"] == layers and "error" not in r]
-            ratios = []
+            wall, cpu = [], []
             for rnd in dict.fromkeys(r["round"] for r in by):
-                pair = {r["route"]: r["compile_s"] for r in by if r["round"] == rnd}
+                pair = {r["route"]: r for r in by if r["round"] == rnd}
                 if len(pair) == 2:
-                    ratios.append(pair["scan"] / pair["unrolled"])
+                    wall.append(pair["scan"]["compile_s"] / pair["unrolled"]["compile_s"])
+                    if "compile_cpu_s" in pair["scan"] and "compile_cpu_s" in pair["unrolled"]:
+                        cpu.append(pair["scan"]["compile_cpu_s"] / pair["unrolled"]["compile_cpu_s"])
             for route in ROUTES:
                 rs = [r for r in by if r["route"] == route]
                 if not rs:
                     continue
                 c = statistics.median(r["compile_s"] for r in rs)
+                u = statistics.median(r.get("compile_cpu_s", float("nan")) for r in rs)
                 s = statistics.median(r["step_ms"] for r in rs)
                 d = max(r["max_abs_grad_diff"] for r in rs)
-                ratio = " ".join(f"{q:.2f}" for q in ratios) if route == "scan" else ""
-                print(f"{backend:10} {layers:6}  {route:8} {c:9.1f} {s:8.1f}  {d:.1e}   {ratio}")
+                ratio = " ".join(f"{q:.2f}" for q in wall) + "; " + " ".join(f"{q:.2f}" for q in cpu)
+                ratio = ratio if route == "scan" else ""
+                print(f"{backend:10} {layers:6}  {route:8} {c:9.1f} {u:6.1f} {s:8.1f}  {d:.1e}  {ratio}")
     for r in rows:
         if "error" in r:
             print("error:", r)
