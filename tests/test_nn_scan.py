@@ -205,3 +205,10 @@ def test_dropout_masks_differ_per_layer_and_backward_uses_the_forwards():
     assert all(seen)
     assert torch.equal(out.sum(0), sum(g))
     assert {2.0, 4.0, 6.0} & set(out.flatten().tolist())
+
+
+def test_way_back_per_layer(runs):
+    scanned, _ = runs["scan"]
+    model = GPT(CFG)
+    fa.nn.load_into(model, scanned.params)
+    assert torch.equal(model.blocks[2].mlp.fc.weight, scanned.params["blocks.2.mlp.fc.weight"])
