@@ -19,7 +19,8 @@ neither run them during the forward nor fuse them into the forward's kernels. Th
 on the same inputs, so gradients are bitwise those without remat. Random ops (dropout masks) and ops that write
 to their inputs are never copied: their results are kept, so masks are replayed; a dropout draw (0 or 1) is
 kept as a bool. Inductor's own draws (``inductor_random``, from a seed it looks up per draw) are copied with
-their seed kept, which draws the same values again. Where torch has no ``annotate`` (before 2.9) nothing is tagged and the pass does nothing.
+their seed kept, which draws the same values again. Where torch has no ``annotate`` (before 2.9) nothing is
+tagged and the pass does nothing.
 A region with an activation memory budget (``funcamp.nn.Remat(modules, budget=b)``, a second tag) keeps the
 fraction ``b`` of the bytes it would recompute, the values costliest to recompute per byte first
 (:func:`_kept`), and recomputes the rest from them.
