@@ -99,6 +99,15 @@ def test_cpu_counter_in_a_device_state_is_found_by_path():
     assert capture.Violation("cpu tensor", "input", "args[0].step") in report.violations, str(report)
 
 
+def test_check_leaves_torch_as_it_was():
+    """The check swaps torch's default generator (for torch.random's functions) and sets the compiling flag only
+    while it traces: after it, both are torch's own and Dynamo still folds is_compiling() in a compiled function."""
+    assert "rng state" in report_for(PLANTED["rng state"]).kinds()
+    assert torch.random.default_generator is torch.default_generator and not torch.compiler.is_compiling()
+    fn = torch.compile(lambda x: x + 1 if torch.compiler.is_compiling() else x, fullgraph=True, backend="eager")
+    assert float(fn(torch.zeros(()))) == 1.0
+
+
 def test_telemetry_cond_is_found():
     """Telemetry's every-N-steps ``torch.cond``: inductor reads its predicate on the host."""
     report = report_for(mse, telemetry=2)
