@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -153,6 +154,7 @@ class CapturedStep:
     def _record(self, state: Any, batch: Any) -> tuple[Any, Any]:
         # A new container on the same tensors: recording marks it donated, not the caller's state (which an
         # uncaptured run after a failed recording still needs).
+        check_not_donated(state, "train_step")
         proxy = _tree.tree_map(lambda x: x, state)
         batch_leaves, batch_spec = _tree.tree_flatten(batch)
         static = [x.clone() if isinstance(x, torch.Tensor) else x for x in batch_leaves]
@@ -193,7 +195,15 @@ class CapturedStep:
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
-            warnings.warn(message, CaptureWarning, stacklevel=2)
+            warnings.warn(message, CaptureWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside this module (the user's call of the step)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _first_line(error: BaseException) -> str:
