@@ -70,6 +70,19 @@ def test_noop_loss_scale_and_stateless_rate_are_made_on_the_device():
     assert capture.check(fa.make_train_step(mse, sgd, compile=False), st, BATCH).ok
 
 
+@pytest.mark.parametrize("wrap", ["stochastic_rounding", "kahan_summation"])
+def test_bf16_master_steps_are_capturable(wrap):
+    """Stochastic rounding draws from a counter-based hash (no generator, no RNG state): nothing to object to."""
+    params = {k: v.bfloat16() for k, v in PARAMS.items()}
+    opt = getattr(optim, wrap)(optim.adamw(1e-3), **({"seed": 0} if wrap == "stochastic_rounding" else {}))
+
+    def loss_fn(p, b):
+        return ((b["x"].bfloat16() @ p["w"] + p["b"] - b["y"].bfloat16()) ** 2).float().mean()
+
+    report = capture.check(fa.make_train_step(loss_fn, opt, compile=False), fa.TrainState.create(params, opt), BATCH)
+    assert report.ok and report.random_ops == 0, str(report)
+
+
 PLANTED = {
     "host sync": lambda p, b: mse(p, b) * (1 + 0 * mse(p, b).detach().item()),
     "data-dependent shape": lambda p, b: mse(p, b) + 0.0 * torch.nonzero(b["x"] > 0).float().sum(),
