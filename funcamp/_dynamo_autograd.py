@@ -10,8 +10,10 @@ inductor, and its graph is the same single graph (:func:`funcamp.grad._autograd_
 
 :func:`compile` is ``torch.compile`` with that setting switched on while the compiled function traces, and
 only then: ``torch._dynamo.config.patch`` around each call, never a process-wide change (another compiled
-function in the process keeps Dynamo's default). :data:`route` is the route the compiled step differentiates
-with; the public :func:`funcamp.grad_and_value` keeps ``torch.func``'s (it composes with ``vmap``).
+function in the process keeps Dynamo's default). AOTAutograd's pass that recomputes
+``torch.utils.checkpoint`` regions in such graphs is switched off in the same scope (:data:`_AS_TORCH_FUNC`).
+:data:`route` is the route the compiled step differentiates with; the public
+:func:`funcamp.grad_and_value` keeps ``torch.func``'s (it composes with ``vmap``).
 
 A Function whose forward or backward Dynamo cannot trace (a ``print``, an ``.item()``, a call into another
 library) is refused by ``fullgraph=True`` with Dynamo's error at the line in question; :func:`function_note`
@@ -33,6 +35,13 @@ __all__ = ["compile", "function_note", "route"]
 #: The compiled step's route (:data:`funcamp.grad._Route`): ``torch.autograd.grad`` on detached inputs.
 route = _autograd_route
 
+#: AOTAutograd's settings that differ for a graph with a traced ``torch.autograd.grad``, kept as they act on
+#: torch.func's graph: its pass that recomputes ``torch.utils.checkpoint`` regions in a forward-loss-backward
+#: graph (``remat_using_tags_for_fwd_loss_bwd_graph``) refuses a region holding dropout ("does not support RNG
+#: ops in recompute regions"); under torch.func the step kept those regions' activations, as it still does
+#: (funcamp's own ``functionalize(remat=)`` is :class:`funcamp._regions.RematPass`'s, not this pass's).
+_AS_TORCH_FUNC = {"remat_using_tags_for_fwd_loss_bwd_graph": False}
+
 _FUNCTION_OP = "autograd.Function"  # the higher-order operator Dynamo names in a Function's trace errors
 
 
@@ -46,7 +55,10 @@ def compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with (
+            torch._dynamo.config.patch(trace_autograd_ops=True),
+            torch._functorch.config.patch(**_AS_TORCH_FUNC),
+        ):
             return compiled(*args, **kwargs)
 
     return call
