@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from funcamp import _tree
-from funcamp._errors import DonatedStateError
+from funcamp._errors import DONATED, DonatedStateError, check_not_donated, mark_donated
 from funcamp.optim import _inplace
 
 __all__ = [
@@ -45,22 +45,7 @@ __all__ = [
     "returning_state",
 ]
 
-_DONATED = "_funcamp_donated"
-
-
-def mark_donated(state: Any) -> None:
-    """Mark ``state`` (a :class:`funcamp.TrainState`) as consumed by a donating step."""
-    object.__setattr__(state, _DONATED, True)
-
-
-def check_not_donated(state: Any, fn: str) -> None:
-    """Raise :class:`DonatedStateError` if ``state`` was given to a donating step."""
-    if getattr(state, _DONATED, False):
-        raise DonatedStateError(
-            f"{fn}: this TrainState was donated to a train step built with donate=True, which wrote the next "
-            "state into its tensors; use the state that step returned (state, metrics = train_step(state, batch)), "
-            "or build the step with donate=False to keep every state"
-        )
+_DONATED = DONATED
 
 
 def check_donatable(state: Any) -> None:
