@@ -6,6 +6,7 @@ step composes these with optax-style optimizers and compiles whole with ``torch.
 """
 
 from funcamp import (
+    capture,
     checkpoint,
     compile_cache,
     debug,
@@ -59,6 +60,7 @@ __all__ = [
     "all_finite",
     "cast_to_full",
     "cast_to_half",
+    "capture",
     "check_skips",
     "checkpoint",
     "compile_cache",

@@ -18,11 +18,14 @@ placeholders. This module makes the recompute see what the forward saw:
   ``torch.func`` (which funcamp differentiates with: torch refuses ``.grad()`` there), so inside
   ``apply_fn`` they run as non-reentrant ones: the same gradients, and no lost parameter gradients
   when no input requires grad (the reentrant variant's known pitfall).
-- Under ``torch.func`` gradient transforms (``torch.func.grad``, ``vjp``: the compiled train step,
-  and eager calls nested in another transform) torch 2.13 cannot checkpoint at all: saved-tensor hooks
-  are disabled there, and ``torch.utils.checkpoint`` raises "torch.func transforms don't yet support
-  saved tensor hooks". There the region runs without recomputation (the same gradients; its
-  activations are kept, so no memory is saved) and a :class:`RematInactiveWarning` says so once.
+- Under ``torch.func`` gradient transforms (``torch.func.grad``, ``vjp``, a compiled
+  :func:`funcamp.grad_and_value`, eager calls nested in another transform) torch 2.13 cannot
+  checkpoint at all: saved-tensor hooks are disabled there, and ``torch.utils.checkpoint`` raises
+  "torch.func transforms don't yet support saved tensor hooks". There the region runs without
+  recomputation (the same gradients; its activations are kept, so no memory is saved) and a
+  :class:`RematInactiveWarning` says so once. The compiled train step differentiates with traced
+  ``torch.autograd.grad`` (:mod:`funcamp._dynamo_autograd`): Dynamo traces the region as is, with
+  no warning, and its activations are kept there too.
 
 How: the first ``functionalize`` call wraps two private entry points of ``torch.utils.checkpoint``
 (``_checkpoint_without_reentrant_generator`` and ``CheckpointFunction``; both are looked up at call
@@ -262,7 +265,7 @@ def _warn_inactive() -> None:
         _warned = True
         warnings.warn(
             "funcamp: a torch.utils.checkpoint region ran without recomputation, because torch.func "
-            "gradient transforms (the compiled train step, torch.func.grad) cannot use saved-tensor hooks "
+            "gradient transforms (torch.func.grad, a compiled funcamp.grad_and_value) cannot use saved-tensor hooks "
             "in this torch version. Gradients are unchanged; the region's activations are kept. Eager "
             "funcamp.grad_and_value and make_train_step(compile=False) do recompute.",
             RematInactiveWarning,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _tree, numerics, parallel, passes
+from funcamp import _dynamo_autograd, _tree, numerics, parallel, passes
 from funcamp.optim import GradientTransformation
 from funcamp.policy import Policy, get_policy
 from funcamp.train import _donate, _hints, _layout, _loss, _probes, _stages
@@ -112,11 +112,21 @@ def make_train_step(
     built = _layout.layout_from(data_parallel, shard, policy)
     run_as = _Assembly(built, _probes_for(built, max_consecutive_skips, has_aux, telemetry))
     built.check_ranks()
+    # Compiled, differentiate with traced torch.autograd.grad: torch.func's compiled grad ignores the backward
+    # of a custom autograd.Function applied to a parameter itself (funcamp._dynamo_autograd).
+    route = _dynamo_autograd.route if compile else None
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         layout = run_as.layout  # set by the first call's host-side check, before anything is traced
         record = _stages.run(
-            loss_fn, optimizer, state, batch, has_aux=has_aux, accumulation_steps=accumulation_steps, layout=layout
+            loss_fn,
+            optimizer,
+            state,
+            batch,
+            has_aux=has_aux,
+            accumulation_steps=accumulation_steps,
+            layout=layout,
+            route=route,
         )
         metrics = dict(record.metrics)
         for probe in run_as.probes:
@@ -140,7 +150,7 @@ def make_train_step(
     if compile:
         backend = backend or "inductor"
         options = _inductor_options() if backend == "inductor" else None  # None where torch lacks the option
-        compiled = torch.compile(body, fullgraph=True, backend=backend, options=options)
+        compiled = _dynamo_autograd.compile(body, fullgraph=True, backend=backend, options=options)
         run = _with_eager_errors(step, compiled, first_call)  # an eager re-run of an error writes nothing
     else:
         run = _with_checked_args(body, first_call)
@@ -397,7 +407,7 @@ def _with_eager_errors(
                 held.records.clear()  # the fake-tensor traceback of the same error: noise
                 error.add_note(EAGER_RERUN_NOTE)
                 raise error from None
-            _hints.add_known_fix(dynamo_error)  # a compile failure with a known fix (transformers' logging)
+            _hints.add_known_fix(dynamo_error)  # a known fix (transformers' logging, an untraceable Function)
             raise dynamo_error
         finally:
             logger.removeFilter(held)
