@@ -145,7 +145,7 @@ def is_main_process() -> bool:
 
 
 def resolve_group(data_parallel: Any) -> dist.ProcessGroup | None:
-    """The process group that ``make_train_step(data_parallel=...)`` reduces over (build time, host side).
+    """The process group that ``TrainState.create(data_parallel=...)`` gives the step to reduce over (host side).
 
     Args:
       data_parallel: None or False (no data parallelism), True (the default process group, all
