@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="small", help="examples/gpt.py size (default: small, the main job's)")
     p.add_argument("--repeats", type=int, default=3, help="rounds (default: 3)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads in each run (default: torch's)")
+    p.add_argument(
+        "--stack-layers",
+        action="store_true",
+        help="optimizer parts over the layers' tensors stacked (blocks.N.X -> blocks.X, one leading layer axis):\n"
+        "the tensors a scan over stacked layers would hand the optimizer (9 for GPT small, not 27)",
+    )
     p.add_argument("--baseline", default=None, metavar="PATH", help="also run the funcamp parts with PATH/funcamp")
     p.add_argument("--json", default=None, help="write the runs and the summary here")
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one part in this process
@@ -69,7 +75,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --- one part, in this process -------------------------------------------------------------------------------
 
 
-def _model_and_grads(size: str) -> tuple[Any, dict, dict]:
+def _stacked(params: dict) -> dict:
+    """``blocks.N.X`` entries stacked into one ``blocks.X`` tensor (layers on a new leading axis)."""
+    import torch
+
+    out: dict = {}
+    layers: dict[str, list] = {}
+    for name, x in params.items():
+        parts = name.split(".")
+        if parts[0] == "blocks" and parts[1].isdigit():
+            layers.setdefault(".".join(["blocks", *parts[2:]]), []).append(x)
+        else:
+            out[name] = x
+    return {**out, **{name: torch.stack(xs) for name, xs in layers.items()}}
+
+
+def _model_and_grads(size: str, stack_layers: bool = False) -> tuple[Any, dict, dict]:
     import torch
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -78,6 +99,8 @@ def _model_and_grads(size: str) -> tuple[Any, dict, dict]:
     torch.manual_seed(0)
     model = GPT(config_for(size))
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    if stack_layers:
+        params = _stacked(params)
     grads = {k: torch.randn_like(v) * 1e-2 for k, v in params.items()}
     return model, params, grads
 
@@ -86,17 +109,19 @@ def _main_job_optimizer(params: dict) -> Any:
     from funcamp import optim
 
     schedule = optim.warmup_cosine_decay(3e-3, warmup=40, total=400, end_value=3e-4)  # examples/train_gpt.py's
-    mask = {k: v.ndim >= 2 for k, v in params.items()}
+    mask = {k: not k.split(".")[-2].startswith("ln") for k in params}  # the matrices (no biases in this GPT)
     return optim.chain(
         optim.clip_by_global_norm(1.0), optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=mask)
     )
 
 
-def _build(part: str, size: str) -> Any:
+def _build(part: str, size: str, stack_layers: bool = False) -> Any:
     """``first()``: the part's first call (compiling it), on the model's tensors."""
     import torch
 
-    model, params, grads = _model_and_grads(size)
+    if stack_layers and part == "step":
+        raise ValueError("--stack-layers: the step part takes the model's own parameters")
+    model, params, grads = _model_and_grads(size, stack_layers)
     if part == "torch_optimizer":
         ps = [p.clone().requires_grad_() for p in params.values()]
         opt = torch.optim.AdamW(ps, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
@@ -165,7 +190,7 @@ def run_one(part: str, args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    first = _build(part, args.model)
+    first = _build(part, args.model, args.stack_layers)
     start = time.perf_counter()
     first()
     wall = time.perf_counter() - start
@@ -183,6 +208,8 @@ def spawn(part: str, args: argparse.Namespace, package_root: Path) -> dict[str, 
         cmd = [sys.executable, str(Path(__file__).resolve()), "--run", part, "--model", args.model]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
+        if args.stack_layers:
+            cmd += ["--stack-layers"]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
