@@ -1,13 +1,14 @@
 """Sub-pass ``remat_regions``: what the backward recomputes of the checkpointed regions.
 
-``torch.utils.checkpoint`` cannot recompute under ``torch.func`` gradient transforms (saved-tensor hooks are
-disabled there), and the compiled train step differentiates with ``torch.func``: without this pass a checkpointed
-region keeps its activations once compiled. It selects the region nodes (:func:`funcamp.passes.tags.remat_region`)
-whose every use is inside the region or in the backward (:func:`_recomputed`), and the parameters' casts and views
+The compiled train step is one graph with no forward/backward split for torch to recompute across (and
+``torch.utils.checkpoint`` cannot recompute under ``torch.func`` transforms: saved-tensor hooks are disabled
+there): without this pass a checkpointed region keeps its activations once compiled. It selects the region nodes
+(:func:`funcamp.passes.tags.remat_region`) whose every use is inside the region or in the backward (:func:`_recomputed`), and the parameters' casts and views
 that only one region reads (:func:`_param_uses`); :mod:`funcamp.passes.recompute` gives each backward use a copy.
 What a region computes for use outside it (the next region's input) is kept, as ``torch.utils.checkpoint`` keeps
 a region's inputs. Random ops (dropout draws, :func:`_draws`) and ops that write to their inputs are never copied:
-their results are kept (a draw as a bool), so masks are replayed.
+their results are kept (a draw as a bool), so masks are replayed. Inductor's own draws (``inductor_random``, from
+a seed it looks up per draw) are copied with their seed kept, which draws the same values again.
 
 Limit: a module called twice in one forward is one region (its two calls are recomputed together).
 """
@@ -33,7 +34,16 @@ def _recomputable(node: torch.fx.Node) -> bool:
     ):
         return False
     tags_of_op = getattr(target, "tags", ())
+    if isinstance(target, torch._ops.OpOverload) and target.name() in _KEPT_SEED_OPS:
+        return False
     return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
+
+
+#: Inductor's per-draw seed (``replace_random`` turns ``aten.rand``, e.g. ``native_dropout``'s decomposition
+#: in a graph with a traced ``torch.autograd.grad``, into ``inductor_random(size, inductor_lookup_seed(seeds,
+#: i))``): not tagged as seeded, but a copy reading a gated seeds buffer fails to lower ("NotImplementedError:
+#: Pointwise"). Kept from the forward; the draw itself is recomputed from the same seed, so the same values.
+_KEPT_SEED_OPS = frozenset({"prims::inductor_lookup_seed"})
 
 
 #: Random ops whose results are 0 or 1 (dropout's masks after decomposition): kept as bools for the backward.
