@@ -2,9 +2,10 @@
 
 The compiled train step differentiates inside one graph (traced ``torch.autograd.grad``,
 :mod:`funcamp._dynamo_autograd`; ``torch.utils.checkpoint`` cannot recompute under ``torch.func``, where
-saved-tensor hooks are disabled): without this pass a checkpointed region keeps its activations once compiled. It selects the region nodes (:func:`funcamp.passes.tags.remat_region`)
-whose every use is inside the region or in the backward (:func:`_recomputed`), and the parameters' casts and views
-that only one region reads (:func:`_param_uses`); :mod:`funcamp.passes.recompute` gives each backward use a copy.
+saved-tensor hooks are disabled): without this pass a checkpointed region keeps its activations once compiled.
+It selects the region nodes (:func:`funcamp.passes.tags.remat_region`) whose every use is inside the region or
+in the backward (:func:`_recomputed`), and the parameters' casts and views that only one region reads
+(:func:`_param_uses`); :mod:`funcamp.passes.recompute` gives each backward use a copy.
 What a region computes for use outside it (the next region's input) is kept, as ``torch.utils.checkpoint`` keeps
 a region's inputs. Random ops (dropout draws, :func:`_draws`) and ops that write to their inputs are never copied:
 their results are kept (a draw as a bool), so masks are replayed. Inductor's own draws (``inductor_random``,
