@@ -1,14 +1,15 @@
 """Sub-pass ``remat_regions``: what the backward recomputes of the checkpointed regions.
 
-The compiled train step is one graph with no forward/backward split for torch to recompute across (and
-``torch.utils.checkpoint`` cannot recompute under ``torch.func`` transforms: saved-tensor hooks are disabled
-there): without this pass a checkpointed region keeps its activations once compiled. It selects the region nodes
-(:func:`funcamp.passes.tags.remat_region`) whose every use is inside the region or in the backward
-(:func:`_recomputed`), and the parameters' casts and views that only one region reads (:func:`_param_uses`); :mod:`funcamp.passes.recompute` gives each backward use a copy.
+The compiled train step differentiates inside one graph (traced ``torch.autograd.grad``,
+:mod:`funcamp._dynamo_autograd`; ``torch.utils.checkpoint`` cannot recompute under ``torch.func``, where
+saved-tensor hooks are disabled): without this pass a checkpointed region keeps its activations once compiled.
+It selects the region nodes (:func:`funcamp.passes.tags.remat_region`) whose every use is inside the region or
+in the backward (:func:`_recomputed`), and the parameters' casts and views that only one region reads
+(:func:`_param_uses`); :mod:`funcamp.passes.recompute` gives each backward use a copy.
 What a region computes for use outside it (the next region's input) is kept, as ``torch.utils.checkpoint`` keeps
 a region's inputs. Random ops (dropout draws, :func:`_draws`) and ops that write to their inputs are never copied:
-their results are kept (a draw as a bool), so masks are replayed. Inductor's own draws (``inductor_random``, from
-a seed it looks up per draw) are copied with their seed kept, which draws the same values again.
+their results are kept (a draw as a bool), so masks are replayed. Inductor's own draws (``inductor_random``,
+from a seed looked up per draw) are copied with that seed kept (:data:`_KEPT_SEED_OPS`): the same values.
 
 Limit: a module called twice in one forward is one region (its two calls are recomputed together).
 """
@@ -33,9 +34,9 @@ def _recomputable(node: torch.fx.Node) -> bool:
         schema.is_mutable or any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
     ):
         return False
-    tags_of_op = getattr(target, "tags", ())
     if isinstance(target, torch._ops.OpOverload) and target.name() in _KEPT_SEED_OPS:
         return False
+    tags_of_op = getattr(target, "tags", ())
     return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
 
 
