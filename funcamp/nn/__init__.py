@@ -35,8 +35,9 @@ never the whole logits (plain torch: in a module's forward, eager, under ``torch
 Layout: ``_functionalize`` (the assembly, one call of ``apply_fn``, the return convention, ``fp8=``),
 ``_plan`` (which policy each module and tensor follows), ``_store`` (the trainable/frozen/int8 split and
 the dtypes tensors are stored and used in), ``_wrappers`` (the module copy and its per-module wrappers:
-casts, and the per-op mode), ``_use`` (each parameter made into its forward tensor where its module
-uses it, through the step layout's ``param_at_use``), ``_remat`` (activation checkpointing inside
+casts, and the per-op mode), ``_copy`` (the copy of the structure, with the callables that reach it),
+``_use`` (each parameter made into its forward tensor where its module uses it, through the step
+layout's ``param_at_use``), ``_remat`` (activation checkpointing inside
 ``apply_fn``, and ``remat=``), ``_load`` (the way back into the module), ``_loss`` (the chunked head and loss).
 """
 

@@ -150,6 +150,14 @@ def functionalize(
     step) torch 2.13 cannot checkpoint and the region runs as is (a :class:`RematInactiveWarning`,
     once). Gradients equal those of the model without checkpointing, bitwise, in every case.
 
+    Callables your ``__init__`` stores (a closure over a submodule, as minGPT's ``self.mlpf = lambda x:
+    m.dropout(m.c_proj(m.act(m.c_fc(x))))``, a ``functools.partial``, a bound method, a list of lambdas,
+    hooks) are copied with the module where they reach it, so they call the copy's submodules with the
+    tensors of the call, as :func:`torch.func.functional_call` would on your module. What cannot be
+    made to (a ``weakref`` to a submodule, a parameter kept in a plain list, a module with parameters
+    held in a plain list or dict instead of ``nn.ModuleList``/``nn.ModuleDict``) is refused, naming the
+    attribute (:mod:`funcamp.nn._copy`).
+
     Inputs and outputs are walked with ``torch.utils._pytree`` (so Hugging Face's ``ModelOutput`` is
     cast); only real floating tensors are cast.
 
@@ -249,6 +257,8 @@ def functionalize(
     Raises:
       TypeError: if ``module`` is not an ``nn.Module``, ``module_policies`` is malformed, or the module
         cannot be deep-copied.
+      TypeError: if an attribute reaches your module, a parameter or a persistent buffer other than
+        through the module structure, or holds a module with parameters that is not registered (named).
       TypeError: if ``trainable`` is not one of the forms above, or its predicate returns a non-bool.
       ValueError: if a policy string does not parse; if a ``trainable`` pattern or the predicate
         selects no parameter.
