@@ -25,8 +25,9 @@ without editing the model; memory is saved eagerly (plain autograd) and in the i
 ``remat=Remat(modules, budget=b)`` keeps the fraction ``b`` of their activation bytes there (:class:`Remat`).
 
 The way back: :func:`load_into` ``(model, state.params, state.buffers, frozen=apply_fn.frozen)`` writes
-trained tensors into the module (``load_state_dict(strict=True)``: tied weights under each name, int8
-weights dequantized, fp8 layers mapped back, each value in the module's dtype); :func:`state_dict` builds
+trained tensors into the module (``load_state_dict(strict=True)``: tied weights under each name, frozen
+weights kept bitwise as the module holds them (or refused where the module holds others), fp8 layers
+mapped back, each value in the module's dtype); :func:`state_dict` builds
 that state dict without loading it (for ``save_pretrained(dir, state_dict=...)`` or ``torch.save``).
 
 :func:`linear_cross_entropy` ``(hidden, weight, targets)`` is a language model's head and loss in chunks of rows,
