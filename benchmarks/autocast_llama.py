@@ -5,7 +5,9 @@ four ways, and prints the loss of each after every ``--every`` steps and the lar
 reference (``torch.autocast`` on the module, differentiated with autograd: ``loss.backward()``):
 
 - ``funcamp autograd``: ``apply_fn`` under ``autocast=True``, differentiated with autograd;
-- ``funcamp torch.func``: the same differentiated with ``torch.func.grad`` (funcamp's eager step);
+- ``funcamp grad_and_value``: the same through ``funcamp.grad_and_value`` (eager: plain autograd), as the
+  eager ``make_train_step`` differentiates;
+- ``funcamp torch.func``: the same differentiated with ``torch.func.grad``;
 - ``torch.func``: ``torch.autocast`` on the module through ``torch.func.functional_call``, ``torch.func.grad``.
 
     python benchmarks/autocast_llama.py --steps 50 --lr 3e-3 --dtype bfloat16
@@ -72,9 +74,14 @@ def main() -> None:
     def func(loss_fn):  # noqa: ANN001, ANN202
         return lambda p: torch.func.grad_and_value(loss_fn)(p)
 
+    def funcamp_grad(p: dict) -> tuple[dict, torch.Tensor]:
+        grads, loss, _ = fa.grad_and_value(funcamp, fa.NoOpLossScale())(p)
+        return grads, loss
+
     routes = {
         "torch.autocast autograd (reference)": autograd(reference),
         "funcamp autograd": autograd(funcamp),
+        "funcamp grad_and_value": funcamp_grad,
         "funcamp torch.func": func(funcamp),
         "torch.autocast torch.func": func(reference),
     }

@@ -3,7 +3,7 @@
 A region with noise injection (``randn_like``), a VAE's sample (``mu + exp(logvar / 2) * randn_like``),
 multiplicative ``rand_like`` noise, ``bernoulli`` of a tensor of probabilities, ``normal_``, ``torch.randn``,
 ``randint_like`` and dropout. Inductor turns ``rand``/``randn``/``randint`` into ``inductor_random(size,
-lookup_seed(seeds, i))``; :class:`funcamp._regions.RematPass` recomputes the draw from the forward's seed (the
+lookup_seed(seeds, i))``; :class:`funcamp.passes.RematPass` recomputes the draw from the forward's seed (the
 same values) and never copies the seed lookup (a copy read the seeds through its gate, which inductor cannot
 lower: "NotImplementedError: Pointwise" at every budget before). Elsewhere (``aten.randn`` and friends,
 ``nondeterministic_seeded``) the draw is kept, never drawn again.
@@ -12,9 +12,10 @@ Each run: one SGD step of ``make_train_step`` from the same seed, the new parame
 same step without remat. aot_eager at budgets 0, 0.5 and 1, plain and with the pass run on its graph
 (:func:`_aot_eager_with_pass`, the aten random ops: the "kept" rule); inductor at budget 0 (the replay).
 
-Planted: the seed lookup made recomputable again: the inductor case raises (NotImplementedError: Pointwise);
-random ops made recomputable (``_recomputable`` returning ``not node.is_impure(impure_random=False)``): the
-aot_eager-with-pass cases at budgets 0 and 0.5 fail (the backward draws new noise).
+Planted (in ``_recomputable``, funcamp/passes/remat_regions.py): the seed lookup made recomputable again: the
+inductor case raises (NotImplementedError: Pointwise); random ops made recomputable (returning ``not
+node.is_impure(impure_random=False)``): the aot_eager-with-pass cases at budgets 0 and 0.5 fail (the backward
+draws new noise).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
 import funcamp as fa
-from funcamp import _regions
+from funcamp import passes
 
 
 class Noisy(nn.Module):
@@ -60,7 +61,7 @@ def _aot_eager_with_pass():
     """aot_eager with RematPass run on the forward graph it compiles (the one graph of the step)."""
 
     def compiler(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
-        _regions.RematPass()(gm.graph)
+        passes.RematPass()(gm.graph)
         gm.recompile()
         return gm
 
@@ -105,14 +106,14 @@ def test_random_ops_bitwise_inductor_replayed(monkeypatch):
     """Budget 0 under inductor: bitwise the step without remat; the draws are recomputed (the pass copied
     them) from the forward's seed lookups, which are not copied."""
     seen: list[list[str]] = []
-    run = _regions.RematPass.__call__
+    run = passes.RematPass.__call__
 
     def record(self, graph):
         run(self, graph)
         seen.append([n.target.name() for n in graph.nodes if isinstance(n.target, torch._ops.OpOverload)])
 
     reference = _step_params("inductor", None)
-    monkeypatch.setattr(_regions.RematPass, "__call__", record)
+    monkeypatch.setattr(passes.RematPass, "__call__", record)
     got = _step_params("inductor", 0.0)
     _assert_bitwise(got, reference)
     ops = seen[-1]

@@ -22,18 +22,48 @@ name and torchtitan's train loop does not know which parallelisms were applied.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from funcamp import _at_use, _tree, parallel, sharding
 from funcamp.policy import Policy, get_policy
 
-__all__ = ["DataParallel", "Sharded", "SingleProcess", "layout_from"]
+__all__ = ["BuildLayout", "DataParallel", "Sharded", "SingleProcess", "StageLayout", "layout_from"]
+
+
+class StageLayout(Protocol):
+    """What the stages (:mod:`funcamp.train._stages`) ask of a process layout, inside the step: where the
+    parameters come from, how gradients, sums, buffers and the verdict are reduced over the ranks."""
+
+    size: int
+
+    def gather(self, params: Any) -> Any: ...
+    def around_loss(self, fun: Callable[..., Any], loss_scale: torch.Tensor | None) -> Callable[..., Any]: ...
+    def weigh(self, grads: Any, count: torch.Tensor) -> Any: ...
+    def reduce_gradients(self, grads: Any, loss_scale: torch.Tensor | None) -> Any: ...
+    def sum(self, x: torch.Tensor) -> torch.Tensor: ...
+    def mean(self, x: torch.Tensor) -> torch.Tensor: ...
+    def stats(self, grads: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def reduce_buffers(self, buffers: Any, reductions: Any = None) -> Any: ...
+    def finish_params(self, params: Any) -> Any: ...
+    def distinct(self, grads: Any) -> Any: ...
+
+
+class BuildLayout(Protocol):
+    """What ``make_train_step`` asks of a layout on the host, before anything is traced."""
+
+    def check_ranks(self) -> None: ...
+    def check_state(self, state: Any) -> None: ...
 
 
 class SingleProcess:
     """One process: the gradients, losses, norms and buffers stay as they are.
+
+    The layout interface, split by caller: :class:`StageLayout` (the stages, inside the step),
+    :class:`BuildLayout` (``make_train_step``, on the host) and :class:`funcamp._scope.StepLayout` (the
+    optimizer's transforms, through :func:`funcamp._scope.current`); :class:`Sharded` adds
+    :class:`funcamp._scope.GathersAtUse` (``funcamp.nn``'s parameter uses). This class has them all.
 
     Example:
       >>> import torch
@@ -245,7 +275,7 @@ class Sharded(DataParallel):
         Each shard gets a reduce point and an up-front gather (:class:`funcamp._at_use.Uses`) that the loss
         is handed; :meth:`param_at_use` (``funcamp.nn.functionalize``'s hook) gathers a parameter again where
         its module uses it, so the up-front gather is dead code in the compiled graph wherever every use goes
-        through it, and :class:`funcamp._regions.RematPass` drops it. Each gradient is reduce-scattered once,
+        through it, and :class:`funcamp.passes.RematPass` drops it. Each gradient is reduce-scattered once,
         in its backward. A :class:`funcamp.LossSum`'s micro-batch mean is differentiated times its count
         (each rank's own weight must be applied before the reduction). Eager: as the other layouts.
         """
@@ -331,10 +361,16 @@ class Sharded(DataParallel):
 
 
 def layout_from(
-    data_parallel: Any = None, shard: Any = None, policy: Policy | str | None = None, *, carried: Any = None
+    data_parallel: Any = None,
+    shard: Any = None,
+    policy: Policy | str | None = None,
+    *,
+    carried: Any = None,
+    state: Any = None,
 ) -> SingleProcess:
-    """The layout ``make_train_step``'s ``data_parallel``, ``shard`` and ``policy`` arguments describe, for a
-    state that carries the shard layout ``carried`` (``TrainState.shard``; None: a state of whole tensors).
+    """The layout that ``data_parallel``, ``shard`` and ``policy`` (``make_train_step``'s deprecated arguments)
+    and what ``state`` carries (``TrainState.create``'s ``shard``, ``data_parallel`` and ``policy``) describe;
+    ``carried``: a shard layout carried some other way (None: take ``state.shard``).
 
     The layout is given once: a state made with ``TrainState.create(params, optimizer, shard=layout)``
     carries it (and ``layout.group``, the group ``shard_layout`` was given), so a step built without
@@ -344,11 +380,27 @@ def layout_from(
       TypeError: if ``data_parallel`` is not None, a bool or a ProcessGroup, or ``shard`` not a ShardLayout.
       RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
       ValueError: if ``shard`` and ``carried`` are both given and differ, or ``data_parallel``'s group is
-        not the ranks of ``carried.group``; as :class:`Sharded`.
+        not the ranks of ``carried.group`` or of the state's group, or ``policy`` is not the state's; as
+        :class:`Sharded`.
     """
     policy = None if policy is None else get_policy(policy)
-    reduce_dtype = None if policy is None else policy.reduce_dtype
     group = parallel.resolve_group(data_parallel)  # None: one process
+    if state is not None:
+        carried = state.shard if carried is None else carried
+        held = None if state.data_parallel is None else state.data_parallel.group
+        if held is not None and data_parallel is not None and (group is None or not _same_ranks(group, held)):
+            raise ValueError(
+                "train_step: data_parallel= is another group than the state's (TrainState.create(data_parallel=)); "
+                "build the step without data_parallel= (it takes the state's)"
+            )
+        if state.policy is not None and policy is not None and policy != state.policy:
+            raise ValueError(
+                f"train_step: policy={policy} differs from the state's ({state.policy}, TrainState.create(policy=)); "
+                "build the step without policy= (it takes the state's)"
+            )
+        group = held if group is None else group
+        policy = state.policy if policy is None else policy
+    reduce_dtype = None if policy is None else policy.reduce_dtype
     if carried is not None:
         if shard is not None and isinstance(shard, sharding.ShardLayout) and shard != carried:
             raise ValueError(
