@@ -119,5 +119,6 @@ def test_random_ops_bitwise_inductor_replayed(monkeypatch):
     ops = seen[-1]
     draws = ops.count("prims::inductor_random") + ops.count("prims::inductor_randint")
     lookups = ops.count("prims::inductor_lookup_seed")
-    assert lookups == 6 and draws > lookups  # measured: 6 forward draws (one seed each), 5 of them copied
-    assert ops.count("aten::bernoulli.p") == 1  # dropout's draw: kept (as a bool), not drawn again
+    # Measured: 7 forward draws, one seed each (the six ops and dropout's, whose decomposition draws with rand
+    # under the step's autograd route), and some of them copied for the backward, each from its forward seed.
+    assert lookups == 7 and draws > lookups, (lookups, draws)
