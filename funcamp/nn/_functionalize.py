@@ -87,6 +87,9 @@ def functionalize(
     uses it, and the output to the output dtype; norms follow :func:`keep_in_float32`, embeddings
     :func:`float32_lookup`. The rules in full (frozen tensors, buffers, the casting and autocast modes,
     checkpointing, where parameters become forward tensors): docs/module.md, "What functionalize does".
+    Callables your ``__init__`` stores that reach the module (minGPT's ``self.mlpf = lambda x: ...``, a
+    closure over ``self.mlp``; partials, bound methods, hooks) run on the copy, with the tensors of the call
+    (:mod:`funcamp.nn._copy`); what cannot is refused by name.
 
     Args:
       module: the model; left unchanged (same parameters, dtypes, training flag, no hooks).
@@ -161,6 +164,8 @@ def functionalize(
     Raises:
       TypeError: if ``module`` is not an ``nn.Module``, ``module_policies`` is malformed, or the module
         cannot be deep-copied.
+      TypeError: if an attribute reaches your module, a parameter or a persistent buffer other than
+        through the module structure, or holds a module with parameters that is not registered (named).
       TypeError: if ``trainable`` is not one of the forms above, or its predicate returns a non-bool.
       ValueError: if a policy string does not parse; if a ``trainable`` pattern or the predicate
         selects no parameter.
