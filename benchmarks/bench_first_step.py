@@ -55,7 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train_step as bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("amp_compile", "funcamp_compile")
+VARIANTS = ("amp_compile", "funcamp_compile", "funcamp_scan")
+#: ``--variants``' default (``funcamp_scan`` on request).
+DEFAULT_VARIANTS = ("amp_compile", "funcamp_compile")
 KINDS = ("cold", "warm", "file")
 #: The ``examples/gpt.py`` size names accepted for the models they are.
 ALIASES = {"small": "main-small", "medium": "nanogpt-6l"}
@@ -65,7 +67,10 @@ MODELS: dict[str, tuple[str, int, str]] = {
     "main-small": ("small", 32, "the main job's default GPT and batch: 4 layers, width 128, context 128, batch 32"),
     "nanogpt-6l": ("medium", 8, "nanoGPT's shakespeare-char shape: 6 layers, 6 heads, width 384, context 256"),
     "gpt2-124m": ("gpt2-124m", 1, "GPT-2 small: 12 layers, width 768, context 1024, vocabulary 50257"),
+    "gpt2-body": ("gpt2-124m", 4, "GPT-2 124M's body: 12 layers, width 768, 12 heads; vocabulary 256, context 128"),
 }
+#: ``examples/gpt.py`` config fields a model replaces (the rest: its size's; vocabulary 256 but for ``gpt2-124m``).
+OVERRIDES: dict[str, dict[str, int]] = {"gpt2-body": {"block_size": 128}}
 #: The variant funcamp_compile run with the funcamp of ``--baseline`` (on PYTHONPATH).
 BASELINE = "funcamp_compile@base"
 
@@ -81,7 +86,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds of (cold, warm) runs per variant")
     p.add_argument("--steps", type=int, default=10, help="timed steps after the first (steady ms/step)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps between the first and the timed ones")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    p.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated, of {', '.join(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})",
+    )
+    p.add_argument(
+        "--layers",
+        default=None,
+        help="comma-separated layer counts (e.g. 2,4,8,12): each model at each depth, its width unchanged",
+    )
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of every variant (tests: aot_eager)")
     p.add_argument("--main-job-steps", type=int, default=0, help="also time the main job for N steps (0: skip)")
     p.add_argument(
         "--baseline",
@@ -106,8 +121,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = [ALIASES.get(m, m) for m in args.models]
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     for m in args.models:
-        if m not in MODELS:
+        if _split(m)[0] not in MODELS:
             p.error(f"--models: unknown model {m!r}; choose from {', '.join(MODELS)}")
+    if args.layers:
+        try:
+            layers = [int(x) for x in args.layers.split(",") if x.strip()]
+        except ValueError:
+            layers = []
+        if not layers or min(layers) < 1:
+            p.error(f"--layers: comma-separated layer counts >= 1, got {args.layers!r}")
+        args.models = [f"{m}@{n}L" for m in args.models for n in layers]
     if not args.kinds or "cold" not in args.kinds or any(k not in KINDS for k in args.kinds):
         p.error(f"--kinds: a comma-separated subset of {', '.join(KINDS)} with cold in it, got {args.kinds}")
     for name in ("repeats", "steps", "warmup", "threads"):
@@ -120,12 +143,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _split(key: str) -> tuple[str, int | None]:
+    """``"main-small@8L"`` -> ``("main-small", 8)`` (a ``--layers`` depth); ``"main-small"`` -> (it, None)."""
+    name, _, depth = key.partition("@")
+    return name, int(depth.removesuffix("L")) if depth else None
+
+
+def _describe(key: str) -> str:
+    name, layers = _split(key)
+    return MODELS[name][2] + (f"; at {layers} layers" if layers else "")
+
+
 def _bench_args(args: argparse.Namespace, model: str) -> argparse.Namespace:
-    config, batch, _ = MODELS[model]
+    name, _ = _split(model)
+    config, batch, _ = MODELS[name]
     batch = args.batch_size or batch
-    return bench.parse_args(
-        ["--config", config, "--dtype", args.dtype, "--threads", str(args.threads), "--batch-size", str(batch)]
-    )
+    argv = ["--config", config, "--dtype", args.dtype, "--threads", str(args.threads), "--batch-size", str(batch)]
+    argv += ["--backend", args.backend]
+    if "block_size" in OVERRIDES.get(name, {}):
+        argv += ["--block-size", str(OVERRIDES[name]["block_size"])]
+    return bench.parse_args(argv)
+
+
+def make_model(key: str, bargs: argparse.Namespace) -> torch.nn.Module:
+    """The GPT of ``key`` (a model of :data:`MODELS`, at its ``--layers`` depth if any), seeded."""
+    name, layers = _split(key)
+    vocab = None if name == "gpt2-124m" else 256
+    fields = {"vocab_size": vocab, "block_size": bargs.block_size, "n_layer": layers, **OVERRIDES.get(name, {})}
+    torch.manual_seed(bargs.seed)
+    return bench.GPT(bench.config_for(bargs.config, **fields))
+
+
+def build(variant: str, model: torch.nn.Module, bargs: argparse.Namespace) -> Any:
+    """``funcamp_scan``: funcamp_compile with ``functionalize(..., scan="blocks")`` (the GPT's layers, whose
+    forward applies each once, in order, to the previous one's output: ``scan=``'s contract); others as
+    ``bench_train_step.build_variant``."""
+    if variant == "funcamp_scan":
+        return bench.FuncampStep(model, bargs, compile=True, scan="blocks")
+    return bench.build_variant(variant, model, bargs)
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,7 +194,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     batches = bench.make_batches(
         n, batch_size=bargs.batch_size, block_size=bench.block_size(bargs), seed=0, device=device
     )
-    model = bench.make_model(bargs, device)
+    model = make_model(model_name, bargs)
     cache = None
     if args.save_cache or args.load_cache:
         from funcamp import compile_cache
@@ -148,7 +203,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         cache = compile_cache, key
     t0 = time.perf_counter()
     loaded = cache[0].load(args.load_cache, cache[1]) if args.load_cache else None  # timed: part of the start
-    step = bench.build_variant(args.run, model, bargs)
+    step = build(args.run, model, bargs)
     loss = step(batches[0])
     first = time.perf_counter() - t0
     graphs = bench.compiled_graphs()
@@ -171,6 +226,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "final_loss": float(loss),
         "funcamp": str(Path(bench.fa.__file__).parent),
         "compile_phases_s": bench.compile_phases(),
+        "load_end": os.getloadavg()[0],
+        "layers": model.config.n_layer,
     }
 
 
@@ -211,7 +268,7 @@ def _subprocess(
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     common = ["--models", model, "--dtype", args.dtype, "--threads", str(args.threads)]
-    common += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    common += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--backend", args.backend]
     common += ["--batch-size", str(args.batch_size)] if args.batch_size else []
     cmd = [sys.executable, str(Path(__file__).resolve()), *common, *extra, "--out", out]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
@@ -326,17 +383,17 @@ def markdown(result: dict[str, Any]) -> str:
     for model, block in result["models"].items():
         for name, ratios in block["paired_ratios"].items():
             summary.append(
-                f"| {model} ({name}) | {MODELS[model][2]} | {_ratio(ratios.get('cold', []))} | "
+                f"| {model} ({name}) | {_describe(model)} | {_ratio(ratios.get('cold', []))} | "
                 f"{_ratio(ratios.get('warm', []))} | {_ratio(ratios.get('file', []))} | "
                 f"{_ratio(ratios.get('steady', []))} |"
             )
     lines += summary
     for model, block in result["models"].items():
         rows = block["rows"]
-        config, batch, _ = MODELS[model]
+        config, batch, _ = MODELS[_split(model)[0]]
         lines += [
             "",
-            f"### {model}: GPT `{config}`, batch {args['batch_size'] or batch}",
+            f"### {model}: GPT `{config}` ({_describe(model)}), batch {args['batch_size'] or batch}",
             "",
             "| variant | first step s, cold | spread | warm | spread | file | spread | ms/step | spread | graphs | "
             "recompiles | final loss |",
@@ -380,6 +437,30 @@ def markdown(result: dict[str, Any]) -> str:
         if messages:
             lines += ["", "The file runs of round 1:"]
             lines += [f"- {name}: {message}" for name, message in messages]
+    sweep = result.get("layer_sweep")
+    if sweep:
+        variants = list(next(iter(sweep["cold_first_step_s"].values())))
+        lines += [
+            "",
+            "### Cold first step by depth (s, median over rounds)",
+            "",
+            "| layers | " + " | ".join(variants) + " |",
+            "|---:|" + "---:|" * len(variants),
+        ]
+        for layers, by_variant in sweep["cold_first_step_s"].items():
+            lines.append(f"| {layers} | " + " | ".join(f"{by_variant[v]:.1f}" for v in variants) + " |")
+        lines += [
+            "",
+            f"Growth from {sweep['from']} to {sweep['to']} layers (each round's own deepest / shallowest cold first "
+            "step; median, min-max): "
+            + "; ".join(f"{v} {_ratio(g)}" for v, g in sweep["growth"].items())
+            + ". Each variant over torch.compile(model) in the same round, cold, by depth: "
+            + "; ".join(
+                f"{layers} layers: " + ", ".join(f"{v} {_ratio(r)}" for v, r in by_variant.items())
+                for layers, by_variant in sweep["ratios"].items()
+            )
+            + ".",
+        ]
     if result.get("main_job"):
         j = result["main_job"]
         lines += [
@@ -390,6 +471,23 @@ def markdown(result: dict[str, Any]) -> str:
             f"logging), whole process: {j['torch_loop_s']:.1f} s; ratio {j['ratio']:.2f}x.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def layer_sweep(models: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """``--layers``: per depth each variant's median cold first step, and per variant each round's growth from the
+    shallowest to the deepest (runs of one round only); None without ``--layers`` (or with one depth)."""
+    depths = sorted({_split(k)[1] for k in models} - {None})
+    if len(depths) < 2:
+        return None
+    runs = {_split(k)[1]: block["runs"] for k, block in models.items()}
+    variants = list(runs[depths[0]])
+    cold = {d: {v: statistics.median(r["first_step_s"] for r in runs[d][v]["cold"]) for v in variants} for d in depths}
+    low, high = runs[depths[0]], runs[depths[-1]]
+    growth = {v: [b["first_step_s"] / a["first_step_s"] for a, b in zip(low[v]["cold"], high[v]["cold"])] for v in low}
+    ratios = {}
+    for key, block in models.items():
+        ratios[_split(key)[1]] = {v: r.get("cold", []) for v, r in block["paired_ratios"].items()}
+    return {"from": depths[0], "to": depths[-1], "cold_first_step_s": cold, "growth": growth, "ratios": ratios}
 
 
 def _round(args: argparse.Namespace, r: int, model: str, runs: Runs, tmp: str) -> None:
@@ -428,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             for model in args.models:
                 _round(args, r, model, runs[model], tmp)
+                partial = Path(args.json).with_suffix(".partial.json")  # what was measured so far, if cut short
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({"round": r + 1, "load_now": os.getloadavg()[0], "runs": runs}))
     internal = ("run", "out", "torch_loop", "save_cache", "load_cache")
     result = {
         "command": "python " + " ".join([str(Path(sys.argv[0]).as_posix()), *sys.argv[1:]]),
@@ -440,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in args.models
         },
     }
+    result["layer_sweep"] = layer_sweep(result["models"])
     if args.baseline:
         rev = subprocess.run(["git", "-C", args.baseline, "log", "-1", "--format=%h"], capture_output=True, text=True)
         result["baseline_rev"] = rev.stdout.strip() or "not a git checkout"

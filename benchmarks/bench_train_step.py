@@ -298,7 +298,10 @@ class TorchStep:
 
 
 class FuncampStep:
-    """Variants 4-6: ``functionalize`` + ``TrainState`` + ``make_train_step`` (6: with a tuned map)."""
+    """Variants 4-6: ``functionalize`` + ``TrainState`` + ``make_train_step`` (6: with a tuned map).
+
+    ``scan``: ``functionalize``'s ``scan=`` (e.g. ``"blocks"``: the GPT's layers compiled once; not with ``tuned``).
+    """
 
     def __init__(
         self,
@@ -309,6 +312,7 @@ class FuncampStep:
         tuned: bool = False,
         donate: bool = False,
         graph: bool = False,
+        scan: str | None = None,
     ) -> None:
         self.tune = None
         if tuned:
@@ -340,7 +344,7 @@ class FuncampStep:
             apply_fn, params = functionalize(model, policy, module_policies=result.module_policies)
         else:
             policy = fa.get_policy(f"params=float32,compute={args.dtype},output=float32")
-            apply_fn, params = functionalize(model, policy)
+            apply_fn, params = functionalize(model, policy, scan=scan)
 
         def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
             logits = apply_fn(params, batch["inputs"])  # float32 out

@@ -202,3 +202,57 @@ def test_run_cuda_dry_run_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     assert len(summary["targets"]) == 4 and all(t.endswith("not measured") for t in summary["targets"])
     md = (tmp_path / "summary.md").read_text()
     assert "NOT captured" in md and "| torch.amp eager |" in md and "| fp8_tensorwise |" in md
+
+
+@pytest.fixture(scope="module")
+def first_step_bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_first_step
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return bench_first_step
+
+
+def test_first_step_layers_scan_and_gpt2_body_options(first_step_bench) -> None:
+    """``bench_first_step.py --layers``, ``funcamp_scan`` and ``gpt2-body``: the models each run builds, without
+    compiling anything (the script's runs are the benchmark's; ``tests/test_nn_scan.py`` tests the scan)."""
+    b = first_step_bench
+    argv = ["--models", "tiny,gpt2-body", "--layers", "2,3", "--variants", "amp_compile,funcamp_scan"]
+    args = b.parse_args([*argv, "--kinds", "cold", "--backend", "aot_eager"])
+    assert args.models == ["tiny@2L", "tiny@3L", "gpt2-body@2L", "gpt2-body@3L"]
+    assert args.variants == ["amp_compile", "funcamp_scan"]
+    bargs = b._bench_args(args, "gpt2-body@2L")
+    assert (bargs.batch_size, bargs.block_size, bargs.backend) == (4, 128, "aot_eager")
+    cfg = b.make_model("gpt2-body@2L", bargs).config  # GPT-2 124M's width and heads, a byte vocabulary
+    assert (cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd) == (256, 128, 2, 12, 768)
+    tiny = b.make_model("tiny@3L", b._bench_args(args, "tiny@3L"))
+    assert tiny.config.n_layer == 3 and tiny.config.n_embd == 32
+    step = b.build("funcamp_scan", tiny, b._bench_args(args, "tiny@3L"))  # functionalize accepts scan="blocks"
+    assert sorted(step.state.params)[:1] == ["blocks.0.attn.proj.weight"]  # per-layer leaves, as unrolled
+    for bad in (["--layers", "0"], ["--layers", "x"], ["--variants", "funcamp_nope"]):
+        with pytest.raises(SystemExit):
+            b.parse_args(bad)
+
+
+def test_first_step_layer_sweep_compares_runs_of_one_round(first_step_bench) -> None:
+    """The growth from the shallowest to the deepest stack divides runs of the same round (the load moves between
+    rounds), and the markdown reports it."""
+    b = first_step_bench
+
+    def runs(seconds: list[float]) -> dict:
+        return {"cold": [{"first_step_s": s} for s in seconds]}
+
+    models = {
+        "tiny@2L": {"runs": {"amp_compile": runs([10.0, 20.0])}, "paired_ratios": {}},
+        "tiny@8L": {"runs": {"amp_compile": runs([15.0, 60.0])}, "paired_ratios": {}},
+    }
+    sweep = b.layer_sweep(models)
+    assert sweep["growth"]["amp_compile"] == [1.5, 3.0]
+    assert sweep["cold_first_step_s"] == {2: {"amp_compile": 15.0}, 8: {"amp_compile": 37.5}}
+    assert b.layer_sweep({"tiny": models["tiny@2L"]}) is None
+    result = {"machine": {}, "args": {}, "models": {}, "layer_sweep": sweep, "command": "c", "load": "1.0"}
+    result["machine"] = {k: "?" for k in ("cpu", "cores", "cpu_capability", "python", "torch", "funcamp")}
+    result["args"] = {"threads": 1, "dtype": "bfloat16", "repeats": 2}
+    md = b.markdown(result)
+    assert "| 8 | 37.5 |" in md and "amp_compile 2.25x (1.50-3.00)" in md
