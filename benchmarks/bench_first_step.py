@@ -4,6 +4,23 @@
     python benchmarks/bench_first_step.py --models main-small,nanogpt-6l,gpt2-124m --repeats 3 --steps 2 --warmup 1
     python benchmarks/bench_first_step.py --models tiny --threads 1 --repeats 3 --main-job-steps 400
 
+The cheapest informative set (cold only; ``--steps 2 --warmup 1``; each line a separate run, fastest first;
+all three variants: ``V=amp_compile,funcamp_compile,funcamp_scan``; ``S="--kinds cold --steps 2 --warmup 1"``):
+
+    # 1. the main job's GPT small, fixed bf16 policy, unrolled and scanned against torch.compile(model): ~6 runs
+    python benchmarks/bench_first_step.py --models main-small --variants $V $S --repeats 2
+    # 2. compile time by depth at width 128 (2 and 8 layers first; 4 and 12 when the machine is quiet)
+    python benchmarks/bench_first_step.py --models main-small --layers 2,8 --variants $V $S --repeats 1
+    python benchmarks/bench_first_step.py --models main-small --layers 2,4,8,12 --variants $V $S --repeats 2
+    # 3. GPT-2 124M's body (vocabulary 256, context 128, batch 4, bf16 fixed): torch compiles 12 layers, scan one
+    python benchmarks/bench_first_step.py --models gpt2-body --variants $V $S --repeats 2
+    # 4. the main job end to end to its first step against a torch.compile(model) process: defaults (auto
+    #    policy), then the GPT-2 body with bf16 fixed (the rounds on tiny are only there to run the harness)
+    python benchmarks/bench_first_step.py --models tiny --variants amp_compile $S --repeats 1 --main-job-steps 1
+    python benchmarks/bench_first_step.py --models tiny --variants amp_compile $S --repeats 1 --main-job-steps 1 \
+        --main-job-args="--model gpt2-124m --block-size 128 --batch-size 4 \
+        --policy params=float32,compute=bfloat16,output=float32"
+
 What a user waits for before training starts. Two variants of ``benchmarks/bench_train_step.py`` on the same
 GPT, batch and dtype (bfloat16 compute by default):
 
@@ -11,11 +28,21 @@ GPT, batch and dtype (bfloat16 compute by default):
   ``torch.compile(model)``; the first step compiles the forward graph, then the backward one.
 * ``funcamp_compile``: ``funcamp.make_train_step`` compiled whole (``fullgraph=True``): forward, backward,
   unscale, finite check, AdamW and the skip logic in one graph.
+* ``funcamp_scan`` (on request, ``--variants``): ``funcamp_compile`` with ``functionalize(..., scan="blocks")``:
+  the GPT's layers stacked and compiled once as one ``torch._higher_order_ops.scan`` (``examples/gpt.py``'s
+  forward applies each block once, in order, to the previous one's output: the contract of ``scan=``; needs two
+  or more layers).
 
 Models (``--models``, :data:`MODELS`): ``tiny`` (the tests' GPT), ``main-small`` (the main job's default GPT and
 batch), ``nanogpt-6l`` (the shape of nanoGPT's 6-layer shakespeare-char model: 6 layers, 6 heads, width 384,
 context 256, no biases; byte vocabulary) and ``gpt2-124m`` (OpenAI's GPT-2 small, 124M parameters, context
-1024, GPT-2's vocabulary; batch 1 on the CPU).
+1024, GPT-2's vocabulary; batch 1 on the CPU) and ``gpt2-body`` (GPT-2 small's 12 layers, width 768 and heads
+with a byte vocabulary and context 128, batch 4). ``--layers 2,4,8,12``: each model at each of these depths (its
+width unchanged; named ``main-small@8L``), and a table of the cold first step by depth with each round's own
+growth from the shallowest to the deepest. ``--backend``: the compile backend of every variant (inductor).
+The JSON records the machine (lscpu's model name, ``torch.backends.cpu.get_cpu_capability()``, torch), the load
+average at the start and end and after each run (``load_end``); after each model of each round the runs so far
+are written to ``<json>.partial.json``.
 
 Each run is a fresh process that builds the variant (deep copy of the model, ``functionalize``,
 ``torch.compile``'s wrapper) and times, on the wall clock, building it plus its first step (``first step s``),
@@ -32,7 +59,8 @@ the machine may be shared, and only runs made in the same round are compared.
 ``--main-job-steps N`` also times, cold, the main job ``examples/train_gpt.py`` (its defaults on this device,
 ``--steps N``) from process start to exit, against a plain loop of N steps of ``torch.compile(model)`` and
 ``torch.optim.AdamW`` on the same GPT, batch and compute dtype (the main job's policy on this device), which
-has no validation, checkpoints or logging: a lower bound for a torch.amp main job.
+has no validation, checkpoints or logging: a lower bound for a torch.amp main job. ``--main-job-args`` passes
+further ``train_gpt.py`` arguments (model, context, batch, policy) to both.
 """
 
 from __future__ import annotations
@@ -40,6 +68,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -98,6 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--backend", default="inductor", help="torch.compile backend of every variant (tests: aot_eager)")
     p.add_argument("--main-job-steps", type=int, default=0, help="also time the main job for N steps (0: skip)")
+    p.add_argument(
+        "--main-job-args",
+        default="",
+        help="further examples/train_gpt.py arguments for the main job and its torch loop (model, batch, policy),\n"
+        "e.g. '--model gpt2-124m --block-size 128 --batch-size 4\n"
+        "--policy params=float32,compute=bfloat16,output=float32' (default: none, the main job's defaults)",
+    )
     p.add_argument(
         "--baseline",
         default=None,
@@ -239,11 +275,12 @@ def torch_loop(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    jargs = train_gpt.parse_args([])  # the main job's defaults: model, batch size, learning rate
-    config = bench.config_for(jargs.model, vocab_size=256)
+    jargs = train_gpt.parse_args(shlex.split(args.main_job_args))  # the main job's: model, batch, learning rate
+    config = bench.config_for(jargs.model, vocab_size=256, block_size=jargs.block_size)
     torch.manual_seed(0)
     model = bench.GPT(config)
-    compute = fa.get_policy(train_gpt.default_policy(torch.device("cpu"))).compute_dtype
+    policy = jargs.policy if jargs.policy != "auto" else train_gpt.default_policy(torch.device("cpu"))
+    compute = fa.get_policy(policy).compute_dtype
     half = compute in (torch.bfloat16, torch.float16)
     opt = torch.optim.AdamW(model.parameters(), lr=jargs.lr, weight_decay=jargs.weight_decay, foreach=True)
     forward = torch.compile(model)
@@ -291,6 +328,7 @@ def main_job(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="funcamp-first-main-") as tmp:
         cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", str(args.main_job_steps)]
         cmd += ["--threads", str(args.threads), "--logdir", str(Path(tmp) / "runs"), "--quiet"]
+        cmd += shlex.split(args.main_job_args)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "cache-funcamp")}
         print(f"main job: {' '.join(cmd[1:])} ...", end=" ", flush=True)
         t0 = time.perf_counter()
@@ -301,7 +339,8 @@ def main_job(args: argparse.Namespace) -> dict[str, Any]:
         out["funcamp_main_job_tail"] = proc.stdout.strip().splitlines()[-3:]
         print(f"{out['funcamp_main_job_s']:.1f} s", flush=True)
         print(f"torch.compile(model) loop, {args.main_job_steps} steps ...", end=" ", flush=True)
-        loop, wall = _subprocess(["--torch-loop", str(args.main_job_steps)], args, str(Path(tmp) / "cache-torch"))
+        extra = ["--torch-loop", str(args.main_job_steps), f"--main-job-args={args.main_job_args}"]
+        loop, wall = _subprocess(extra, args, str(Path(tmp) / "cache-torch"))
         out["torch_loop_s"], out["torch_loop"] = wall, loop
         print(f"{wall:.1f} s", flush=True)
     out["ratio"] = out["funcamp_main_job_s"] / out["torch_loop_s"]
@@ -465,8 +504,9 @@ def markdown(result: dict[str, Any]) -> str:
         j = result["main_job"]
         lines += [
             "",
-            f"Main job, cold cache, {args['main_job_steps']} steps (`examples/train_gpt.py` defaults, whole "
-            f"process): {j['funcamp_main_job_s']:.1f} s; a torch.compile(model) + torch.optim.AdamW loop of the same "
+            f"Main job, cold cache, {args['main_job_steps']} steps (`examples/train_gpt.py` "
+            f"{args.get('main_job_args') or 'defaults'}, whole process): {j['funcamp_main_job_s']:.1f} s; "
+            "a torch.compile(model) + torch.optim.AdamW loop of the same "
             f"steps on the same GPT and batch in {j['torch_loop']['compute_dtype']} (no validation, checkpoints or "
             f"logging), whole process: {j['torch_loop_s']:.1f} s; ratio {j['ratio']:.2f}x.",
         ]
