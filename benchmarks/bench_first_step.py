@@ -143,6 +143,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", default="benchmarks/results/bench_first_step.json")
     p.add_argument("--markdown", default="benchmarks/results/bench_first_step.md")
+    p.add_argument(
+        "--summarize",
+        default=None,
+        metavar="PARTIAL",
+        help="measure nothing: report the runs of a run cut short (its <json>.partial.json)",
+    )
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one variant in this process
     p.add_argument("--save-cache", default=None, help=argparse.SUPPRESS)  # internal: compile_cache file to write
     p.add_argument("--load-cache", default=None, help=argparse.SUPPRESS)  # internal: compile_cache file to read
@@ -411,7 +417,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores ({args['threads']} torch threads, "
         f"`torch.backends.cpu.get_cpu_capability()` = {m['cpu_capability']}); Python {m['python']}, "
         f"torch {m['torch']}, funcamp {m['funcamp']}. Shared machine (load average at the start: {result['load']}, "
-        f"at the end: {result.get('load_end', '?')}).",
+        f"at the end: {result.get('load_end', '?')})."
+        + (f" Cut short: the runs of `{result['summarized_from']}`." if result.get("summarized_from") else ""),
         "",
         f"{args['dtype']} compute, {args['repeats']} rounds; each figure the median over the rounds, with the "
         "min-max spread. Ratios: the median (min-max) of the rounds' own ratios funcamp / torch.compile(model) "
@@ -520,10 +527,12 @@ def layer_sweep(models: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     if len(depths) < 2:
         return None
     runs = {_split(k)[1]: block["runs"] for k, block in models.items()}
-    variants = list(runs[depths[0]])
+    variants = [v for v in runs[depths[0]] if all(v in runs[d] for d in depths)]  # a run cut short may lack some
     cold = {d: {v: statistics.median(r["first_step_s"] for r in runs[d][v]["cold"]) for v in variants} for d in depths}
     low, high = runs[depths[0]], runs[depths[-1]]
-    growth = {v: [b["first_step_s"] / a["first_step_s"] for a, b in zip(low[v]["cold"], high[v]["cold"])] for v in low}
+    growth = {
+        v: [b["first_step_s"] / a["first_step_s"] for a, b in zip(low[v]["cold"], high[v]["cold"])] for v in variants
+    }
     ratios = {}
     for key, block in models.items():
         ratios[_split(key)[1]] = {v: r.get("cold", []) for v, r in block["paired_ratios"].items()}
@@ -554,6 +563,21 @@ def _round(args: argparse.Namespace, r: int, model: str, runs: Runs, tmp: str) -
                 )
 
 
+def measure(args: argparse.Namespace, load: float) -> dict[str, Runs]:
+    """The rounds: every model, every variant, every kind; after each model of each round, the runs so far in
+    ``<json>.partial.json`` (``--summarize`` reports them if the run is cut short)."""
+    runs: dict[str, Runs] = {m: {v: {k: [] for k in KINDS} for v in args.variants} for m in args.models}
+    partial = Path(args.json).with_suffix(".partial.json")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="funcamp-first-") as tmp:
+        for r in range(args.repeats):
+            for model in args.models:
+                _round(args, r, model, runs[model], tmp)
+                state = {"round": r + 1, "load_start": load, "load_now": os.getloadavg()[0], "runs": runs}
+                partial.write_text(json.dumps(state))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.run or args.torch_loop:
@@ -561,20 +585,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result))
         return 0
     load = os.getloadavg()[0]
-    runs: dict[str, Runs] = {m: {v: {k: [] for k in KINDS} for v in args.variants} for m in args.models}
-    with tempfile.TemporaryDirectory(prefix="funcamp-first-") as tmp:
-        for r in range(args.repeats):
-            for model in args.models:
-                _round(args, r, model, runs[model], tmp)
-                partial = Path(args.json).with_suffix(".partial.json")  # what was measured so far, if cut short
-                partial.parent.mkdir(parents=True, exist_ok=True)
-                partial.write_text(json.dumps({"round": r + 1, "load_now": os.getloadavg()[0], "runs": runs}))
+    if args.summarize:  # a run cut short: what its partial file holds (the variants with cold runs)
+        data = json.loads(Path(args.summarize).read_text())
+        runs = {m: {v: k for v, k in by_v.items() if k.get("cold")} for m, by_v in data["runs"].items()}
+        runs = {m: by_v for m, by_v in runs.items() if by_v}
+        args.models = list(runs)
+        load = data.get("load_start", load)
+    else:
+        runs = measure(args, load)
     internal = ("run", "out", "torch_loop", "save_cache", "load_cache")
     result = {
         "command": "python " + " ".join([str(Path(sys.argv[0]).as_posix()), *sys.argv[1:]]),
         "machine": bench.machine(),
         "load": f"{load:.1f}",
         "load_end": f"{os.getloadavg()[0]:.1f}",
+        "summarized_from": args.summarize,
         "args": {k: v for k, v in vars(args).items() if k not in internal},
         "models": {
             m: {"runs": runs[m], "rows": summarize(runs[m]), "paired_ratios": paired_ratios(runs[m])}

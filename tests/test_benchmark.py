@@ -256,3 +256,25 @@ def test_first_step_layer_sweep_compares_runs_of_one_round(first_step_bench) -> 
     result["args"] = {"threads": 1, "dtype": "bfloat16", "repeats": 2}
     md = b.markdown(result)
     assert "| 8 | 37.5 |" in md and "amp_compile 2.25x (1.50-3.00)" in md
+
+
+def test_first_step_summarize_reports_a_run_cut_short(first_step_bench, tmp_path: Path) -> None:
+    """``--summarize PARTIAL``: the runs a cut-short run left (a variant of round 2 missing) are reported, each
+    round's ratio against torch.compile(model)'s run of the same round."""
+
+    def run(seconds: float) -> dict:
+        return {"first_step_s": seconds, "ms_per_step": 10.0, "recompiles": 0, "graphs_first_step": 1}
+
+    def runs(*seconds: float) -> dict:
+        cold = [{**run(s), "final_loss": 5.0, "compile_phases_s": {}, "funcamp": "f"} for s in seconds]
+        return {"cold": cold, "warm": [], "file": []}
+
+    by_variant = {"amp_compile": runs(10.0, 20.0), "funcamp_compile": runs(30.0), "funcamp_scan": runs()}
+    partial = tmp_path / "r.partial.json"
+    partial.write_text(json.dumps({"round": 2, "load_start": 6.5, "load_now": 7.0, "runs": {"tiny@2L": by_variant}}))
+    out = ["--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md")]
+    assert first_step_bench.main(["--summarize", str(partial), *out]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["models"]["tiny@2L"]["paired_ratios"]["funcamp_compile"]["cold"] == [3.0]
+    assert "funcamp_scan" not in result["models"]["tiny@2L"]["rows"] and result["load"] == "6.5"
+    assert "Cut short" in (tmp_path / "r.md").read_text()
