@@ -632,7 +632,8 @@ def test_rounds_are_interleaved_and_the_median_is_kept() -> None:
 # --- choose_compute_dtype: one compute dtype for the whole step, timed on the step ---------------------------
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-AVX512_BOTH = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": True, "amx": False}
+# bfloat16 and float16 both measured: float16 is a candidate on a CPU with AMX-FP16 tiles only
+AVX512_BOTH = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": True, "amx": False, "amx_fp16": True}
 AVX512_BF16 = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": False, "amx": False}
 AVX2 = {"capability": "AVX2", "mkldnn_bf16": False, "mkldnn_fp16": False, "amx": False}
 
