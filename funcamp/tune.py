@@ -1282,6 +1282,7 @@ _KERNEL_NAMES = (
     "_efficient_attention_forward",
     "_efficient_attention_backward",
 )
+_MAX_CALLS = 256  # kernel calls in one replay, at most
 _KERNELS = frozenset(getattr(torch.ops.aten, n) for n in _KERNEL_NAMES if hasattr(torch.ops.aten, n))
 
 
@@ -1320,7 +1321,9 @@ class _Replay:
 class BlockProbe:
     """``make_step`` for :func:`choose_compute_dtype` that times one repeated block instead of the whole step.
 
-    Built by :func:`block_probe`. ``probe(dtype)`` runs the block's forward and backward once, eagerly, as
+    Built by :func:`block_probe`, which only finds the block: nothing runs until the first call, so a
+    decision read from the cache costs no forward. ``probe(dtype)`` captures the block's input (once: one
+    no-grad forward of the model), runs the block forward and backward once, eagerly, as
     :func:`funcamp.nn.functionalize` runs it under ``Policy(param_dtype, dtype, dtype)`` (norm layers in
     float32), records the library kernels it calls (matmuls, convolutions, attention, with their real arguments)
     and returns ``run()``, which calls those kernels again ``repeat`` times: the work a dtype changes in a
@@ -1330,75 +1333,101 @@ class BlockProbe:
       name: the block timed (``"blocks.0"``; ``""`` for the whole model when it has no repeated block).
       members: the names of the identical blocks it stands for.
       kind: the block's class name.
-      repeat: how many times one ``run()`` replays the kernels (so that a float32 run takes ``min_run_time``).
-      kernels: how many kernel calls one forward+backward of the block makes, in float32.
-      key: a JSON description of what is timed, for :func:`choose_compute_dtype`'s ``key``.
-      what: one phrase for :class:`ComputeDtypeChoice`'s explanation.
+      key: a JSON description of what is timed (the block, its signature, the base policy and op rules), for
+        :func:`choose_compute_dtype`'s ``key``.
+      what: one phrase for :class:`ComputeDtypeChoice`'s explanation (and ``choose_compute_dtype``'s ``what``).
+      repeat: how many times one ``run()`` replays the kernels, set by the first call so that a run takes
+        ``min_run_time`` (0 before it).
+      kernels: how many kernel calls one forward+backward of the block makes, in the first dtype run (0 before).
     """
 
     def __init__(
         self,
+        model: nn.Module,
         name: str,
         members: tuple[str, ...],
-        module: nn.Module,
-        inputs: Any,
+        example: tuple[tuple, dict],
         base: Policy,
         device: torch.device,
         op_policies: Any,
         min_run_time: float,
     ) -> None:
-        self.name, self.members, self.kind = name, members, type(module).__name__
-        self._module, self._inputs, self._base, self._device, self._op_policies = (
-            module,
-            inputs,
-            base,
-            device,
-            op_policies,
-        )
+        self.name, self.members = name, members
+        self._model, self._module = model, model.get_submodule(name)
+        self.kind = type(self._module).__name__
+        self._example, self._base, self._device, self._op_policies = example, base, device, op_policies
+        self._min_run_time = min_run_time
+        self._inputs: Any = None
         self._replays: dict[torch.dtype, _Replay] = {}
-        first = self._record(torch.float32, 1)
-        self.kernels = len(first.kernels)
-        if not first.kernels:
-            raise ValueError(
-                f"block_probe: {self._label()} calls no matmul, convolution or attention kernel; there is nothing a "
-                "compute dtype would speed up (choose another model or time the step)"
-            )
-        sync = _synchronize(device)
-        first()
-        sync()
-        start = time.perf_counter()
-        first()
-        sync()
-        seconds = max(time.perf_counter() - start, 1e-6)
-        self.repeat = max(1, min(1000, math.ceil(min_run_time / seconds)))
-        self._replays[torch.float32] = dataclasses.replace(first, repeat=self.repeat)
+        self.repeat = self.kernels = 0
         self.key = {
             "measure": "block kernels",
             "block": name,
             "members": len(members),
-            "module": _module_signature(module),
-            "inputs": _signature(inputs),
+            "module": _module_signature(self._module),
             "policy": str(base),
             "op_policies": repr(sorted((repr(k), repr(v)) for k, v in (op_policies or {}).items())),
+            "min_run_time": min_run_time,
         }
-        self.what = f"{self._label()}'s forward+backward kernels ({self.kernels} calls, x{self.repeat})"
+        if not name:
+            self.what = f"the whole {self.kind}'s forward+backward kernels"
+        else:
+            many = f", one of {len(members)}" if len(members) > 1 else ""
+            self.what = f"{name} ({self.kind}{many})'s forward+backward kernels"
 
-    def _label(self) -> str:
-        if not self.name:
-            return f"the whole {self.kind}"
-        many = f", one of {len(self.members)}" if len(self.members) > 1 else ""
-        return f"{self.name} ({self.kind}{many})"
+    def _capture(self) -> Any:
+        if self._inputs is None:
+            args, kwargs = self._example
+            if not self.name:
+                self._inputs = (args, kwargs)
+            else:
+                seen = _capture(self._model, [(self.name, self._module)], args, kwargs)
+                if self.name not in seen:
+                    raise ValueError(
+                        f"block_probe: {self.name} ({self.kind}) was not called by {type(self._model).__name__}'s "
+                        "forward"
+                    )
+                self._inputs = seen[self.name]
+        return self._inputs
 
-    def _record(self, dtype: torch.dtype, repeat: int) -> _Replay:
-        runner = _Runner(
-            self._module, _candidate_policy(self._base, dtype), self._inputs, self._device, None, self._op_policies
-        )
-        return _Replay(dtype, tuple(_record_kernels(runner.run)), repeat)
+    def _record(self, dtype: torch.dtype) -> _Replay:
+        policy = _candidate_policy(self._base, dtype)
+        runner = _Runner(self._module, policy, self._capture(), self._device, None, self._op_policies)
+        return _Replay(dtype, tuple(_record_kernels(runner.run)), max(self.repeat, 1))
+
+    def _calibrate(self, first: _Replay) -> None:
+        if not first.kernels:
+            raise ValueError(
+                f"block_probe: {self.name or 'the model'} ({self.kind}) calls no matmul, "
+                "convolution or attention kernel: nothing a compute dtype would speed up (time the step instead)"
+            )
+        sync = _synchronize(self._device)
+        first()
+        seconds = []
+        for _ in range(3):  # the quickest of three: the machine's load only makes runs longer
+            sync()
+            start = time.perf_counter()
+            first()
+            sync()
+            seconds.append(time.perf_counter() - start)
+        self.kernels = len(first.kernels)
+        # At most _MAX_CALLS kernel calls a run: tiny kernels under load cost a scheduler slice each, not microseconds
+        most = max(1, _MAX_CALLS // self.kernels)
+        self.repeat = max(1, min(most, math.ceil(self._min_run_time / max(min(seconds), 1e-9))))
+        first.repeat = self.repeat
 
     def __call__(self, dtype: torch.dtype) -> _Replay:
-        """``run()`` replaying the block's kernels as they run in ``dtype`` (``RuntimeError`` if it has none)."""
+        """``run()`` replaying the block's kernels as they run in ``dtype``.
+
+        Raises:
+          ValueError: if the block is not called by the model's forward or calls no kernel.
+          RuntimeError: whatever the block's forward or backward raises in ``dtype`` (no kernel for it).
+        """
         if dtype not in self._replays:
-            self._replays[dtype] = self._record(dtype, self.repeat)
+            replay = self._record(dtype)
+            if not self.repeat:
+                self._calibrate(replay)
+            self._replays[dtype] = replay
         return self._replays[dtype]
 
     def __repr__(self) -> str:
@@ -1442,11 +1471,12 @@ def block_probe(
     """A cheap ``make_step`` for :func:`choose_compute_dtype`: one repeated block's kernels, not the whole step.
 
     Finds the model's repeated block (the largest group of identical submodules: same class, parameter shapes
-    and settings, such as a transformer's blocks; the whole model when there is none), captures the input the
-    first of them receives in one no-grad forward of ``model(*example_args, **example_kwargs)``, runs that block
-    forward and backward once in float32 and records the library kernels it calls (matmuls, convolutions,
-    attention). ``probe(dtype)`` does the same in ``dtype`` and returns a ``run()`` that replays them: a few
-    milliseconds a candidate, no compile, where timing the compiled step costs a compile per candidate.
+    and settings, such as a transformer's blocks; the whole model when there is none); nothing runs yet. The
+    first ``probe(dtype)`` captures the input the first of them receives in one no-grad forward of
+    ``model(*example_args, **example_kwargs)``; each ``probe(dtype)`` runs that block forward and backward once
+    in ``dtype`` and records the library kernels it calls (matmuls, convolutions, attention), and returns a
+    ``run()`` that replays them: milliseconds to seconds a candidate, no compile, where timing the compiled
+    step costs a compile per candidate.
 
     What it leaves out: elementwise work (fused by the compiled step; about the same or cheaper in a half
     dtype), the casts of the weights, and everything outside the block (embedding, head, loss, optimizer,
@@ -1461,21 +1491,25 @@ def block_probe(
         dtypes are the candidate's.
       device: where to run; default the model's parameters' device.
       op_policies: per-op rules the step uses (as :func:`tune_policy`).
-      min_run_time: seconds one float32 ``run()`` should take at least (the kernels are replayed as often as
-        needed, at most 1000 times); each timed round of :func:`choose_compute_dtype` is one ``run()`` per candidate.
+      min_run_time: seconds one ``run()`` of the first dtype timed should take at least on a quiet machine (the
+        kernels are replayed as often as needed, at most 256 kernel calls a run); each timed round of
+        :func:`choose_compute_dtype` is one ``run()`` per candidate.
     Returns:
       A :class:`BlockProbe`: pass it as ``make_step`` and its ``key`` in the ``key`` mapping.
     Raises:
       TypeError: if ``model`` is not an ``nn.Module`` or ``example_args`` is not a tuple or list.
-      ValueError: if the device is ``meta``, ``min_run_time`` is not positive, the block is not called by the
-        forward, or it calls no matmul, convolution or attention kernel.
-      RuntimeError: whatever the model's forward or the block's float32 forward or backward raises.
+      ValueError: if the device is ``meta`` or ``min_run_time`` is not positive; from ``probe(dtype)``, if the
+        block is not called by the forward or calls no matmul, convolution or attention kernel.
+      RuntimeError: from ``probe(dtype)``, whatever the model's forward or the block's forward or backward raises.
 
     Example:
       >>> model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
       >>> probe = block_probe(model, (torch.randn(8, 16),))
-      >>> probe.name, probe.members, probe.kernels     # forward addmm, backward two mm
-      ('0', ('0', '1', '2'), 3)
+      >>> probe.name, probe.members
+      ('0', ('0', '1', '2'))
+      >>> run = probe(torch.float32)   # captures, runs forward+backward once, records
+      >>> probe.kernels                # forward addmm, backward two mm
+      3
     """
     fn = "block_probe"
     _check_module(model, fn)
@@ -1490,13 +1524,6 @@ def block_probe(
     base = get_policy(policy)
     device = _timing_device(model, device, fn, "pass a model and inputs on a real device")
     name, members = _repeated_block(model)
-    if name:
-        module = model.get_submodule(name)
-        inputs = _capture(model, [(name, module)], tuple(example_args), kwargs).get(name)
-        if inputs is None:
-            raise ValueError(
-                f"{fn}: {name} ({type(module).__name__}) was not called by {type(model).__name__}'s forward"
-            )
-    else:
-        module, inputs = model, (tuple(example_args), kwargs)
-    return BlockProbe(name, members, module, inputs, base, device, op_policies, float(min_run_time))
+    return BlockProbe(
+        model, name, members, (tuple(example_args), kwargs), base, device, op_policies, float(min_run_time)
+    )
