@@ -412,7 +412,10 @@ def auto_policy(
         # measures trains exactly like one that reads the cache.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             cap = fa.hardware.capability(device)
-            probe = None if cap.decided is not None else fa.tune.block_probe(model, (batch["inputs"],), policy=base)
+            probe = None
+            if cap.decided is None:
+                fp8_policies = fp8.MODULE_POLICIES if args.fp8 else None  # as build_run's functionalize
+                probe = fa.tune.block_probe(model, (batch["inputs"],), policy=base, module_policies=fp8_policies)
             if probe is not None:
                 key["measure"] = probe.key
             choice = fa.tune.choose_compute_dtype(

@@ -255,9 +255,16 @@ def _units(model: nn.Module, depth: int) -> list[tuple[str, nn.Module]]:
 
 
 def _capture(model: nn.Module, units: list[tuple[str, nn.Module]], args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The ``(args, kwargs)`` each unit is first called with during one forward of ``model`` (no grad)."""
+    """The ``(args, kwargs)`` each unit is first called with during one forward of ``model`` (no grad).
+
+    The model's buffers come back as they were (the same tensors, the same values): a forward may update
+    them (BatchNorm statistics, fp8 amax histories), and measuring must not."""
     seen: dict[str, Any] = {}
     handles = []
+    saved = [
+        (model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], b, b.detach().clone())
+        for name, b in model.named_buffers(remove_duplicate=False)
+    ]
 
     def hook(name: str) -> Callable[..., None]:
         def record(module: nn.Module, a: tuple, k: dict) -> None:
@@ -274,6 +281,10 @@ def _capture(model: nn.Module, units: list[tuple[str, nn.Module]], args: tuple, 
     finally:
         for h in handles:
             h.remove()
+        with torch.no_grad():
+            for owner, attr, buffer, value in saved:
+                owner._buffers[attr] = buffer  # a forward may have rebound it
+                buffer.copy_(value)
     return seen
 
 
@@ -391,12 +402,25 @@ class _Runner:
     """One module under one policy: ``run()`` = forward + backward on its captured inputs."""
 
     def __init__(
-        self, module: nn.Module, policy: Policy, inputs: Any, device: torch.device, training: bool | None, op_policies
+        self,
+        module: nn.Module,
+        policy: Policy,
+        inputs: Any,
+        device: torch.device,
+        training: bool | None,
+        op_policies,
+        module_policies: Mapping[Any, Any] | None = None,
     ) -> None:
         # {"": policy}: the unit itself follows the candidate even where functionalize has a default for its
-        # type, as the map's entry (a user entry, which wins over the defaults) makes it in the whole model.
+        # type, as the map's entry (a user entry, which wins over the defaults) makes it in the whole model;
+        # the user's own entries come first (first match wins).
         apply_fn, params, buffers = functionalize(
-            module, policy, module_policies={"": policy}, with_buffers=True, training=training, op_policies=op_policies
+            module,
+            policy,
+            module_policies={**(module_policies or {}), "": policy},
+            with_buffers=True,
+            training=training,
+            op_policies=op_policies,
         )
         self.apply_fn = apply_fn
         self.params = {k: v.to(device) for k, v in params.items()}
@@ -1350,9 +1374,11 @@ class BlockProbe:
         base: Policy,
         device: torch.device,
         op_policies: Any,
+        module_policies: Any,
         min_run_time: float,
     ) -> None:
         self.name, self.members = name, members
+        self._module_policies = dict(module_policies or {})
         self._model, self._module = model, model.get_submodule(name)
         self.kind = type(self._module).__name__
         self._example, self._base, self._device, self._op_policies = example, base, device, op_policies
@@ -1367,6 +1393,7 @@ class BlockProbe:
             "module": _module_signature(self._module),
             "policy": str(base),
             "op_policies": repr(sorted((repr(k), repr(v)) for k, v in (op_policies or {}).items())),
+            "module_policies": [[_setting(k, 0), _setting(v, 0)] for k, v in self._module_policies.items()],
             "min_run_time": min_run_time,
         }
         if not name:
@@ -1392,7 +1419,9 @@ class BlockProbe:
 
     def _record(self, dtype: torch.dtype) -> _Replay:
         policy = _candidate_policy(self._base, dtype)
-        runner = _Runner(self._module, policy, self._capture(), self._device, None, self._op_policies)
+        runner = _Runner(
+            self._module, policy, self._capture(), self._device, None, self._op_policies, self._module_policies
+        )
         return _Replay(dtype, tuple(_record_kernels(runner.run)), max(self.repeat, 1))
 
     def _calibrate(self, first: _Replay) -> None:
@@ -1466,6 +1495,7 @@ def block_probe(
     policy: Policy | str = "params=float32,compute=float32,output=float32",
     device: str | torch.device | None = None,
     op_policies: Mapping[Any, Any] | None = None,
+    module_policies: Mapping[Any, Any] | None = None,
     min_run_time: float = 0.02,
 ) -> BlockProbe:
     """A cheap ``make_step`` for :func:`choose_compute_dtype`: one repeated block's kernels, not the whole step.
@@ -1491,6 +1521,9 @@ def block_probe(
         dtypes are the candidate's.
       device: where to run; default the model's parameters' device.
       op_policies: per-op rules the step uses (as :func:`tune_policy`).
+      module_policies: the step's ``functionalize`` entries that keep some modules off the candidate dtype
+        (``{type: policy}``, such as :data:`funcamp.fp8.MODULE_POLICIES`; name patterns are matched against
+        names inside the block); the rest of the block computes in the candidate.
       min_run_time: seconds one ``run()`` of the first dtype timed should take at least on a quiet machine (the
         kernels are replayed as often as needed, at most 256 kernel calls a run); each timed round of
         :func:`choose_compute_dtype` is one ``run()`` per candidate.
@@ -1524,6 +1557,5 @@ def block_probe(
     base = get_policy(policy)
     device = _timing_device(model, device, fn, "pass a model and inputs on a real device")
     name, members = _repeated_block(model)
-    return BlockProbe(
-        model, name, members, (tuple(example_args), kwargs), base, device, op_policies, float(min_run_time)
-    )
+    example = (tuple(example_args), kwargs)
+    return BlockProbe(model, name, members, example, base, device, op_policies, module_policies, float(min_run_time))

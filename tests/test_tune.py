@@ -1118,3 +1118,16 @@ def test_block_probe_refuses_blocks_it_cannot_time() -> None:
         fa.tune.block_probe(norms, (torch.randn(4, 8),), min_run_time=0)
     with pytest.raises(TypeError, match=r"example_args must be a tuple .* \(write \(x,\) for one tensor\)"):
         fa.tune.block_probe(norms, torch.randn(4, 8))
+
+
+def test_block_probe_leaves_the_models_buffers_as_they_were() -> None:
+    """Capturing the block's input runs the model in training mode: BatchNorm's statistics (as fp8 amax
+    histories) must come back unchanged, the same tensors, for the step that trains next."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(2)))
+    before = {n: (b, b.clone()) for n, b in model.named_buffers()}
+    probe = fa.tune.block_probe(model, (torch.randn(16, 8) + 3,))
+    probe(F32)
+    assert probe.name == "0" and model[0][1].num_batches_tracked is before["0.1.num_batches_tracked"][0]
+    for name, b in model.named_buffers():
+        assert b is before[name][0] and torch.equal(b, before[name][1]), name
