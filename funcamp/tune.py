@@ -1468,8 +1468,6 @@ def _repeated_block(model: nn.Module) -> tuple[str, tuple[str, ...]]:
     and settings), the one holding the most parameters, the outermost on a tie; ``("", ("",))`` when none."""
     groups: dict[str, list[tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules():
-        if name and isinstance(module, _CONTAINERS):
-            continue
         if name:
             groups.setdefault(json.dumps(_module_signature(module), sort_keys=True), []).append((name, module))
     best: tuple[int, int, tuple[str, ...]] | None = None
