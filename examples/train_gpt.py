@@ -11,11 +11,12 @@ The model is a plain ``nn.Module`` (``examples/gpt.py``); ``funcamp.nn.functiona
 function of float32 master parameters that computes in the policy's half dtype; the whole train step
 (loss scaling, gradients, finite check, clipping, AdamW, skip on overflow, loss-scale update) is one
 ``torch.compile`` graph. Default (``--policy auto``): float32 params and outputs, computing in the dtype
-``funcamp.tune.choose_compute_dtype`` finds faster for this very step: torch's report decides where it can
+``funcamp.tune.choose_compute_dtype`` finds faster for this model: torch's report decides where it can
 (bfloat16 on Ampere+ GPUs, float16 with a dynamic loss scale on older ones, float32 on CPUs without oneDNN
-half kernels, such as AVX2-only ones); elsewhere (AVX-512 and AMX CPUs) the compiled step of each
-candidate dtype is timed in interleaved rounds, float32 unless a half dtype is faster by more than the
-rounds' spread, and the decision is cached (``$FUNCAMP_CACHE_DIR/tune`` or ``~/.cache/funcamp/tune``) so
+half kernels, such as AVX2-only ones); elsewhere (AVX-512 and AMX CPUs) one decoder block's forward+backward
+kernels (``funcamp.tune.block_probe``: no compile) are timed in each candidate dtype in interleaved rounds,
+float32 unless a half dtype is faster by more than the rounds' spread, the winner's step alone is built and
+compiled, and the decision is cached (``$FUNCAMP_CACHE_DIR/tune`` or ``~/.cache/funcamp/tune``) so
 that every later run on the machine makes the same choice; ``--retune`` times again. The header says
 which, why, and where the decision came from.
 
@@ -134,13 +135,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--policy",
         default="auto",
-        help="precision policy string, or auto: the compute dtype whose compiled train step is faster here,\n"
-        "timed once per model, batch shape, settings and machine and cached (default: auto)",
+        help="precision policy string, or auto: the compute dtype in which one decoder block's matmuls and\n"
+        "attention run faster here, timed once per model, batch shape, settings and machine and cached\n"
+        "(default: auto)",
     )
     p.add_argument(
         "--retune",
         action="store_true",
-        help="--policy auto: time the candidate dtypes' steps again instead of reading the cached decision",
+        help="--policy auto: time the candidate dtypes again instead of reading the cached decision",
     )
     p.add_argument(
         "--master-weights",

@@ -28,11 +28,12 @@ No library in the field measures this per module; torch.amp's op lists and jmp's
 hand, and torchtitan filters small matmuls out of fp8 by shape only.
 
 :func:`choose_compute_dtype` answers the coarser question a program asks first (the main job's
-``--policy auto``): which one compute dtype for the whole step. It times the step itself (the compiled
-step, as it will run) in each candidate dtype, interleaved, medians over rounds, refuses a half dtype
-whose gain is inside the spread of the rounds, and caches the decision per model structure, shapes,
-device and torch version in the same directory, so every fresh process on a machine makes the same
-choice whatever the load.
+``--policy auto``): which one compute dtype for the whole step. It times what ``make_step`` gives it in each
+candidate dtype: the compiled step (a compile per candidate) or, at a fraction of one compile,
+:func:`block_probe`'s replay of one repeated block's library kernels (matmuls, attention, forward and
+backward); interleaved, medians over rounds, it refuses a half dtype whose gain is inside the spread of the
+rounds, and caches the decision per model structure, shapes and settings, device and torch version in the
+same directory, so every fresh process on a machine makes the same choice whatever the load.
 """
 
 from __future__ import annotations
