@@ -17,7 +17,7 @@ initial weights with AdamW (lr 1e-3), float32 throughout (this benchmark is abou
    checkpoint; under ``torch.func`` and in the compiled step it cannot, see ``funcamp.nn``).
 4. ``funcamp_remat``: variant 3 with ``functionalize(..., remat=<block type>)``.
 5. ``funcamp_compiled`` / ``funcamp_compiled_remat`` (``--variants``): the inductor-compiled step without / with
-   ``remat=`` (``funcamp._regions.RematPass`` recomputes the regions); no separate forward+backward peak.
+   ``remat=`` (``funcamp.passes.RematPass`` recomputes the regions); no separate forward+backward peak.
    ``--remat-budgets 0,0.5,1`` runs each ``funcamp*_remat`` variant once per activation memory budget
    (``remat=funcamp.nn.Remat(block, budget=b)``), named ``<variant>@<b>``, all interleaved in the rounds;
    ``--compute bfloat16`` and ``--donate`` set the funcamp variants' compute dtype and ``make_train_step(donate=)``
@@ -85,7 +85,7 @@ from funcamp import optim  # noqa: E402
 from funcamp.nn import functionalize  # noqa: E402
 
 VARIANTS = ("torch", "torch_ckpt", "funcamp", "funcamp_remat")
-#: The inductor-compiled step (funcamp._regions.RematPass recomputes the regions): ``--variants`` adds them;
+#: The inductor-compiled step (funcamp.passes.RematPass recomputes the regions): ``--variants`` adds them;
 #: ``_lce``: with the chunked LM head and loss (``bench_train_step.ChunkedHeadLoss``, ``--model gpt`` only).
 COMPILED = ("funcamp_compiled", "funcamp_compiled_remat", "funcamp_compiled_remat_lce")
 LR = 1e-3

@@ -18,6 +18,12 @@ hyperparameters and, for the mixed-precision variants, the same dynamic loss sca
    this device for this model and batch shape (base policy float32; each attention, MLP, embedding and the LM
    head in the dtype that was fastest among those accurate enough). The tuning table is printed.
 
+Two more, on request (``--variants``; not in the default six):
+
+7. ``funcamp_donate``: variant 5 with ``donate=True`` (the next state written into the given one's tensors).
+8. ``funcamp_graph``: variant 7 replayed as one CUDA graph (:func:`funcamp.capture.cuda_graph`; on a machine
+   without CUDA it warns once and runs variant 7: the harness is tested on the CPU, the speed only on a GPU).
+
 Timing: one process; each variant is warmed up (its first call, compile included, is timed on its own),
 then ``--rounds`` rounds run ``--steps`` steps of every variant in turn, the order rotated each round; a
 round's time over its steps is one sample (device synchronised at both ends). Reported: the median and
@@ -69,9 +75,10 @@ from funcamp import optim  # noqa: E402
 from funcamp.nn import functionalize  # noqa: E402
 from funcamp.tune import tune_policy  # noqa: E402
 
-VARIANTS = ("fp32_eager", "amp_eager", "amp_compile", "funcamp_eager", "funcamp_compile", "funcamp_tuned")
+DEFAULT_VARIANTS = ("fp32_eager", "amp_eager", "amp_compile", "funcamp_eager", "funcamp_compile", "funcamp_tuned")
+VARIANTS = (*DEFAULT_VARIANTS, "funcamp_donate", "funcamp_graph")
 #: Variants whose step is compiled (graphs and recompiles are counted for these).
-COMPILED = ("amp_compile", "funcamp_compile", "funcamp_tuned")
+COMPILED = ("amp_compile", "funcamp_compile", "funcamp_tuned", "funcamp_donate", "funcamp_graph")
 #: Dense bf16 peak of an H100/H200 SXM (TFLOP/s), the default denominator of MFU (``--peak-tflops``).
 H100_BF16_DENSE_TFLOPS = 989.0
 #: Per-config defaults: (batch size, device) -> sequences per step.
@@ -152,7 +159,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16"], help="compute dtype (default bf16)")
     p.add_argument("--loss-scale", default="dynamic", choices=["dynamic", "none"], help="GradScaler / funcamp scale")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of variants 3 and 5")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (default: all six)")
+    p.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, of variants 1-8 (default: 1-6)"
+    )
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant, the first call included")
     p.add_argument("--steps", type=int, default=None, help="steps per variant per timed round (CPU 2, CUDA 10)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds, samples per variant (CPU 30, CUDA 10)")
@@ -291,7 +300,16 @@ class TorchStep:
 class FuncampStep:
     """Variants 4-6: ``functionalize`` + ``TrainState`` + ``make_train_step`` (6: with a tuned map)."""
 
-    def __init__(self, model: GPT, args: argparse.Namespace, *, compile: bool, tuned: bool = False) -> None:
+    def __init__(
+        self,
+        model: GPT,
+        args: argparse.Namespace,
+        *,
+        compile: bool,
+        tuned: bool = False,
+        donate: bool = False,
+        graph: bool = False,
+    ) -> None:
         self.tune = None
         if tuned:
             policy = fa.get_policy("params=float32,compute=float32,output=float32")
@@ -334,8 +352,17 @@ class FuncampStep:
         else:
             scale = fa.NoOpLossScale()
         self.state = fa.TrainState.create(params, opt, loss_scale=scale)
-        self.step = fa.make_train_step(loss_fn, opt, compile=compile, backend=args.backend)
+        self.step = fa.make_train_step(loss_fn, opt, compile=compile, backend=args.backend, donate=donate or graph)
+        if graph:  # variant 8: the donating step replayed as one CUDA graph (uncaptured, with a warning, on a CPU)
+            self.step = fa.capture.cuda_graph(self.step)
         self.optimizer_kind = "funcamp.optim.adamw"
+
+    @property
+    def capture(self) -> dict[str, Any] | None:
+        """Variant 8: graph replays so far and why the step ran uncaptured (None when it was captured)."""
+        if not isinstance(self.step, fa.capture.CapturedStep):
+            return None
+        return {"replays": self.step.replays, "uncaptured_because": self.step.reason}
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.state, metrics = self.step(self.state, batch)
@@ -350,7 +377,14 @@ def build_variant(name: str, base: GPT, args: argparse.Namespace) -> TorchStep |
         return TorchStep(model, args, amp=True, compile_model=False)
     if name == "amp_compile":
         return TorchStep(model, args, amp=True, compile_model=True)
-    return FuncampStep(model, args, compile=name in COMPILED, tuned=name == "funcamp_tuned")
+    return FuncampStep(
+        model,
+        args,
+        compile=name in COMPILED,
+        tuned=name == "funcamp_tuned",
+        donate=name == "funcamp_donate",
+        graph=name == "funcamp_graph",
+    )
 
 
 def compiled_graphs() -> int:
@@ -774,6 +808,7 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
             "final_loss": float(r.loss),
             "optimizer": r.step.optimizer_kind,
             "tune": getattr(r.step, "tune", None),
+            "capture": getattr(r.step, "capture", None),
         }
         if args.peak_tflops:
             row["mfu"] = 6 * n_params * row["tokens_per_s"] / (args.peak_tflops * 1e12)
@@ -807,6 +842,8 @@ LABELS = {
     "funcamp_eager": "4 funcamp eager",
     "funcamp_compile": "5 funcamp compiled step",
     "funcamp_tuned": "6 funcamp tuned policy, compiled step",
+    "funcamp_donate": "7 funcamp compiled step, donate=True",
+    "funcamp_graph": "8 funcamp compiled step, donate=True, CUDA graph",
 }
 
 
@@ -871,6 +908,26 @@ def _targets(rows: dict[str, dict]) -> list[str]:
         if ref and mine:
             parts.append(f"{LABELS[name][0]}'s first step {mine / ref:.2f}x torch.compile(model)'s (target <= 1.5x)")
     return ["", "Targets (issue 12), variant 6: " + "; ".join(parts) + "."] if parts else []
+
+
+def _capture_targets(rows: dict[str, dict]) -> list[str]:
+    """Variant 8 against its targets: >= 1.1x the tokens/s of variant 3, >= 45% MFU; variant 7's or 8's peak at
+    most variant 2's (torch.amp with a fused AdamW where the device has it); and whether it was captured."""
+    graph = rows.get("funcamp_graph")
+    if not graph:
+        return []
+    capture = graph.get("capture") or {}
+    why = capture.get("uncaptured_because")
+    parts = [f"captured ({capture.get('replays')} replays)" if why is None else f"NOT captured: {why}"]
+    if graph.get("ratio_vs_3") is not None:
+        parts.append(f"tokens/s {1 / graph['ratio_vs_3']:.2f}x torch.amp + compile(model)'s (target >= 1.1x)")
+    if graph.get("mfu") is not None:
+        parts.append(f"MFU {100 * graph['mfu']:.1f}% (target >= 45%)")
+    for name in ("funcamp_donate", "funcamp_graph"):
+        ratio = rows.get(name, {}).get("peak_vs_2")
+        if ratio is not None:
+            parts.append(f"{LABELS[name][0]}'s peak {ratio:.2f}x torch.amp eager's (target <= 1.0x)")
+    return ["", "Targets (issue 34), variant 8: " + "; ".join(parts) + "."]
 
 
 def _tuned_note(rows: dict[str, dict]) -> list[str]:
@@ -939,7 +996,7 @@ def markdown(result: dict[str, Any]) -> str:
             cells.append(_fmt(100 * r["mfu"], ".1f") + "%")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", result["loss_check"]]
-    lines += _first_step_note(cfg, rows) + _targets(rows) + _tuned_note(rows)
+    lines += _first_step_note(cfg, rows) + _targets(rows) + _capture_targets(rows) + _tuned_note(rows)
     probed = next((r for r in rows.values() if r.get("memory_method")), None)
     if probed:
         lines += [

@@ -6,6 +6,7 @@ step composes these with optax-style optimizers and compiles whole with ``torch.
 """
 
 from funcamp import (
+    capture,
     checkpoint,
     compile_cache,
     debug,
@@ -23,6 +24,7 @@ from funcamp import (
     tune,
 )
 from funcamp._tree import all_finite, global_norm, select_tree, tree_bytes
+from funcamp._version import __version__
 from funcamp.grad import GradAndValue, grad_and_value
 from funcamp.loss_scale import (
     DynamicLossScale,
@@ -38,8 +40,6 @@ from funcamp.policy import Policy, cast_to_full, cast_to_half, get_policy, half_
 from funcamp.tensorboard import TensorBoardLogger
 from funcamp.train import LossSum, SkippedStepsError, TrainState, check_skips, make_train_step, nonfinite_leaf_name
 from funcamp.tune import TuneResult, tune_policy
-
-__version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
@@ -60,6 +60,7 @@ __all__ = [
     "all_finite",
     "cast_to_full",
     "cast_to_half",
+    "capture",
     "check_skips",
     "checkpoint",
     "compile_cache",

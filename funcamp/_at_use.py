@@ -16,8 +16,8 @@ A sharded train step differentiates this rank's shards. Inside the differentiate
 - *gathers* ``w = _Gather.apply(s, h, spec)``, one per use: one ``all_gather`` of every rank's shard in the
   gather dtype, padding cut, the whole shape. Its backward gives the incoming gradient to ``h`` (and nothing
   to ``s``). Gathered per use, a parameter's whole tensor lives from its gather to its module's last forward
-  op; in the compiled step :class:`funcamp._regions.RematPass` gathers it again for the backward (the
-  nodes are tagged by :func:`funcamp._regions.gather_region`) and drops gathers nothing uses.
+  op; in the compiled step :class:`funcamp.passes.RematPass` gathers it again for the backward (the
+  nodes are tagged by :func:`funcamp.passes.gather_region`) and drops gathers nothing uses.
 
 The arithmetic of the reduction is that of :func:`funcamp.sharding.reduce_scatter_gradients` applied to the
 scaled gradient, so that the step's unscale after ``torch.func.grad`` (``* 1 / loss_scale`` in float32)
@@ -156,9 +156,9 @@ def reduce_point(shard: torch.Tensor, loss_scale: torch.Tensor | None, spec: Spe
 
 def gather(shard: torch.Tensor, point: torch.Tensor, spec: Spec) -> torch.Tensor:
     """The whole parameter from every rank's ``shard``, in ``spec.gather_dtype``; its gradient goes to ``point``."""
-    from funcamp import _regions
+    from funcamp import passes
 
-    with _regions.gather_region():  # compiling: tagged, so that the backward gathers it again
+    with passes.gather_region():  # compiling: tagged, so that the backward gathers it again
         return _Gather.apply(shard, point, spec)
 
 

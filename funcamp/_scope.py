@@ -14,10 +14,12 @@ is None, which callers treat as one process.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Scope", "current", "within"]
+import torch
+
+__all__ = ["GathersAtUse", "Scope", "StepLayout", "current", "within"]
 
 R = TypeVar("R")
 
@@ -46,6 +48,33 @@ class Scope:
         return self._stack[-1] if self._stack else None
 
 
+@runtime_checkable
+class StepLayout(Protocol):
+    """What the code a step calls asks of the step's layout (:func:`current`): the optimizer's transforms.
+
+    ``optim.clip_by_global_norm`` takes the norm over every rank's shards; ``optim.stochastic_rounding``
+    places each shard in its whole tensor. :class:`funcamp.train.SingleProcess` and its subclasses have both.
+    """
+
+    def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(t, s)``, the global L2 norm of ``tree`` over the layout being ``t / s``."""
+        ...
+
+    def element_offsets(self) -> Mapping[str, int] | None:
+        """Each parameter's first element in its whole tensor, by dotted name; None for whole tensors."""
+        ...
+
+
+@runtime_checkable
+class GathersAtUse(Protocol):
+    """A layout that makes each parameter where a module uses it (``funcamp.nn``'s parameter uses ask it):
+    :class:`funcamp.train.Sharded` gathers the shard there."""
+
+    def param_at_use(self, name: str, stored: Any) -> Any:
+        """The tensor the module computes with, for the parameter ``name`` stored as ``stored``."""
+        ...
+
+
 _LAYOUT = Scope()
 
 
@@ -54,6 +83,6 @@ def within(layout: Any, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R
     return _LAYOUT.within(layout, fn, *args, **kwargs)
 
 
-def current() -> Any:
+def current() -> StepLayout | None:
     """The layout of the innermost :func:`within`, or None outside every step."""
     return _LAYOUT.current()

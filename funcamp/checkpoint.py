@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from funcamp._errors import DonatedStateError
+
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
@@ -102,8 +104,6 @@ def _encode(x: Any, path: str) -> Any:
         return {"$": kind, "items": [_encode(v, _join(path, i)) for i, v in enumerate(x)]}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         if getattr(x, "_funcamp_donated", False):  # funcamp.train._donate.mark_donated
-            from funcamp.train import DonatedStateError
-
             raise DonatedStateError(
                 f"funcamp.checkpoint.save: {path or 'the state'} was donated to a train step built with donate=True, "
                 "which wrote the next state into its tensors; save the state that step returned"

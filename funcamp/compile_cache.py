@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from funcamp import _tree
+from funcamp._version import __version__
 
 __all__ = ["CacheKey", "CacheResult", "default_dir", "load", "path", "save", "step_key"]
 
@@ -152,8 +153,6 @@ def step_key(*trees: Any, extra: Mapping[str, Any] | None = None) -> CacheKey:
     Raises:
       TypeError: if ``extra`` is not a mapping, or not JSON-able.
     """
-    from funcamp import __version__
-
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"compile_cache.step_key: extra must be a mapping (dict) or None, got {type(extra).__name__}")
     devices: set[str] = set()

@@ -57,8 +57,8 @@ as torchao without ``reduce_amax``); for the delayed state the fp8 layers declar
 ``apply_fn.buffer_reductions`` and ``TrainState.create(..., buffer_reductions=apply_fn.buffer_reductions)``
 carries to the step, so that :func:`funcamp.parallel.reduce_buffers` (the data-parallel train step's
 reduction of the new buffers) takes the maximum of the amax histories and the minimum of the scales over
-the ranks (for a state made without them, the same rule by the buffers' names, deprecated: one
-registration per name at import, :func:`funcamp.parallel.register_buffer_reduction`'s table): every
+the ranks (for a state made without them, the same rule by the buffers' names, deprecated: the
+table of :func:`funcamp.parallel.register_buffer_reduction`, which starts with these names): every
 rank casts with the scale of the largest amax, as
 TransformerEngine's amax reduction gives (an average would let a rank whose activations are larger
 than the mean saturate).
@@ -100,11 +100,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from funcamp import nn as fnn
-from funcamp import parallel
 from funcamp.formats import get_format
-from funcamp.nn import keep_in_float32
-from funcamp.policy import Policy
+from funcamp.policy import keep_in_float32
 
 __all__ = [
     "MODULE_POLICIES",
@@ -116,7 +113,6 @@ __all__ = [
     "amax_to_scale",
     "convert",
     "fp8_linear",
-    "functionalize",
     "get_recipe",
     "init_delayed_state",
     "update_delayed_state",
@@ -140,8 +136,6 @@ _REDUCTIONS = {
     **{f"fp8_amax_history_{role}": "max" for role in _ROLES},
     **{f"fp8_scale_{role}": "min" for role in _ROLES},
 }
-for _name, _how in _REDUCTIONS.items():  # deprecated fallback for states made without buffer_reductions=
-    parallel._register(_name, _how)
 
 
 class Fp8FallbackWarning(UserWarning):
@@ -833,121 +827,3 @@ def convert(model: nn.Module, recipe: Recipe | str = "tensorwise", *, filter: Fi
             stacklevel=2,
         )
     return model
-
-
-def _split_policy(policy: str) -> tuple[str, str | None]:
-    """``(dtype policy, recipe name or None)`` of a policy string with an optional ``fp8=<recipe>`` part.
-
-    Raises:
-      TypeError: if ``policy`` is not a string.
-      ValueError: if ``fp8=`` is given twice or is the only part.
-
-    Example:
-      >>> _split_policy("p=f32,c=bf16,o=f32, fp8=delayed")
-      ('p=f32,c=bf16,o=f32', 'delayed')
-    """
-    if isinstance(policy, Policy):
-        return policy, None
-    if not isinstance(policy, str):
-        raise TypeError(
-            f"fp8: the policy must be a string such as 'p=f32,c=bf16,o=f32,fp8=tensorwise' or a Policy, got {policy!r}"
-        )
-    parts = policy.split(",")
-    fp8 = [p for p in parts if p.partition("=")[0].strip().lower() == "fp8"]
-    if len(fp8) > 1:
-        raise ValueError(f"fp8: fp8= given twice in {policy!r}; give one recipe: {', '.join(_RECIPES)}")
-    if not fp8:
-        return policy, None
-    rest = ",".join(p for p in parts if p not in fp8)
-    if not rest.strip():
-        raise ValueError(f"fp8: {policy!r} has no dtypes besides fp8=; e.g. 'p=f32,c=bf16,o=f32,fp8=tensorwise'")
-    return rest, fp8[0].partition("=")[2].strip()
-
-
-def functionalize(
-    model: nn.Module,
-    policy: str,
-    *,
-    filter: Filter = None,
-    module_policies: Mapping[Any, Any] | None = None,
-    **kwargs: Any,
-) -> tuple[Any, ...]:
-    """Deprecated: :func:`funcamp.nn.functionalize` takes the ``fp8=<recipe>`` part of the policy string itself.
-
-    Use ``funcamp.nn.functionalize(model, policy, with_buffers=True)`` (the same three values), and for
-    ``filter=``, ``funcamp.nn.functionalize(convert(model, recipe, filter=filter), dtypes,
-    module_policies=MODULE_POLICIES, with_buffers=True)``. This alias warns (``DeprecationWarning``) and
-    otherwise behaves as before:
-
-    The ``fp8=<recipe>`` part (``tensorwise``, ``rowwise``, ``delayed``) makes this
-    ``funcamp.nn.functionalize(convert(model, recipe, filter=filter), rest, module_policies=merged, **kwargs)``,
-    ``merged`` being your ``module_policies`` followed by :data:`MODULE_POLICIES` (yours win where both
-    match a module) and ``rest`` the other parts of the string (the dtypes, parsed by
-    :func:`funcamp.get_policy`). Without an ``fp8=`` part it is ``funcamp.nn.functionalize`` of the model
-    as it is. ``funcamp.get_policy`` itself refuses ``fp8=`` (a :class:`funcamp.Policy` holds dtypes only),
-    so the key cannot be dropped silently by a function that takes a policy; the main job's equivalent
-    is ``--fp8 R``. Keras 3 has fp8 in its dtype policies; torchao and TransformerEngine ask for it by a
-    module swap or a context, as :func:`convert` does here.
-
-    Args:
-      model: any ``nn.Module``; not changed (converted as a copy).
-      policy: the policy string, with at most one ``fp8=`` part (or a :class:`funcamp.Policy`: no fp8).
-      filter: which layers :func:`convert` swaps (default: every Linear but the first and the last).
-      module_policies: your own per-module policies, placed before :data:`MODULE_POLICIES`.
-      **kwargs: the other arguments of ``funcamp.nn.functionalize`` (``trainable``, ``remat``...);
-        ``with_buffers`` defaults to True here.
-    Returns:
-      ``(apply_fn, params, buffers)`` whatever the recipe, with ``apply_fn(params, buffers, *args) ->
-      (out, new_buffers)`` (``buffers`` is ``{}`` for ``tensorwise`` and ``rowwise`` on a model without
-      buffers), so that changing ``fp8=`` in the string does not change the code around it.
-      ``funcamp.nn.functionalize`` returns two values for a model without buffers and three for one
-      with the delayed state: unpacking two from the latter fails with Python's bare "too many
-      values to unpack (expected 2)". Pass ``with_buffers=None`` for that rule.
-    Raises:
-      TypeError: if ``policy`` is not a string or Policy, or ``module_policies`` not a mapping.
-      ValueError: if ``fp8=`` names an unknown recipe or is given twice, or the rest does not parse.
-      ValueError: if ``with_buffers=False`` with the delayed recipe (its state would never advance).
-
-    Example:
-      What to write instead:
-
-      >>> import funcamp as fa
-      >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
-      >>> apply_fn, params, buffers = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32,fp8=tensorwise", with_buffers=True)
-      >>> out, new_buffers = apply_fn(params, buffers, torch.randn(4, 16))
-      >>> out.dtype, new_buffers
-      (torch.float32, {})
-    """
-    warnings.warn(
-        "fp8.functionalize is deprecated: funcamp.nn.functionalize takes the fp8= part of the policy string "
-        "itself; funcamp.nn.functionalize(model, policy, with_buffers=True) returns the same three values"
-        + (
-            " (for filter=: funcamp.nn.functionalize(fp8.convert(model, recipe, filter=filter), dtypes, "
-            "module_policies=fp8.MODULE_POLICIES, with_buffers=True))"
-            if filter is not None
-            else ""
-        ),
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    rest, recipe = _split_policy(policy)
-    kwargs.setdefault("with_buffers", True)  # three values whatever the recipe
-    if module_policies is not None and not isinstance(module_policies, Mapping):
-        raise TypeError(
-            "fp8.functionalize: module_policies must be None or a dict from module types or names to policies "
-            f"(merged over fp8.MODULE_POLICIES), got {type(module_policies).__name__}"
-        )
-    if recipe is None:
-        return fnn.functionalize(model, rest, module_policies=module_policies, **kwargs)
-    r = get_recipe(recipe)
-    if r.scaling == "delayed" and kwargs["with_buffers"] is False:
-        raise ValueError(
-            "fp8.functionalize: with_buffers=False keeps the buffers constant, so the delayed recipe's amax "
-            "histories and scales would never advance (every call would cast with scale 1); leave with_buffers "
-            "as it is, or use fp8=tensorwise or fp8=rowwise"
-        )
-    converted = convert(model, r, filter=filter)
-    merged = dict(module_policies or {})  # yours first: functionalize takes the first entry that matches
-    for key, value in MODULE_POLICIES.items():
-        merged.setdefault(key, value)
-    return fnn.functionalize(converted, rest, module_policies=merged, **kwargs)

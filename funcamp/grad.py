@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as torch_pytree
 
-from funcamp import _regions, _tree
+from funcamp import _tree, passes
 from funcamp.loss_scale import LossScale
 
 __all__ = ["GradAndValue", "grad_and_value"]
@@ -87,6 +87,7 @@ def scaled_grad_and_value(
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: bool = False,
+    route: _Route | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
     """Like :func:`grad_and_value`, without the final cast and check: gradients stay unscaled float32.
 
@@ -96,8 +97,11 @@ def scaled_grad_and_value(
     :class:`funcamp.NoOpLossScale`, so that a sum of many bfloat16 or float16 gradients is not
     rounded to 8 or 11 bits at every term (``torch.amp`` keeps ``.grad`` in the parameter's dtype;
     funcamp casts to it once, after the sum).
+
+    ``route`` differentiates (:data:`_Route`): default :func:`_func_route` (``torch.func``'s semantics); the
+    compiled train step passes :func:`_autograd_route` (see :mod:`funcamp._dynamo_autograd`).
     """
-    unscaled = _unscaled_grad_and_value(fun, loss_scale, argnums=argnums, has_aux=has_aux)
+    unscaled = _unscaled_grad_and_value(fun, loss_scale, argnums=argnums, has_aux=has_aux, route=route or _func_route)
 
     def fn(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         grads, value = unscaled(*args, **kwargs)
@@ -120,15 +124,17 @@ def _unscaled_grad_and_value(
     *,
     argnums: int | tuple[int, ...],
     has_aux: bool,
+    route: _Route,
 ) -> Callable[..., tuple[Any, Any]]:
-    """``fn(*args, **kwargs) -> (grads, value)``: the gradients of the scaled loss, unscaled.
+    """``fn(*args, **kwargs) -> (grads, value)``: the gradients of the scaled loss, unscaled, differentiated by
+    ``route``.
 
     Unscaled in float32 by a loss scale; as autograd gave them (the parameters' dtypes) with a
     :class:`funcamp.NoOpLossScale`, so that :func:`grad_and_value` makes no float32 copy there.
     """
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        with _regions.phase("forward"):  # compiling: tags for funcamp._regions' recompute pass
+        with passes.phase("forward"):  # compiling: tags for funcamp.passes' recompute
             out = fun(*args, **kwargs)
         if has_aux:
             if not isinstance(out, tuple) or len(out) != 2:
@@ -140,17 +146,53 @@ def _unscaled_grad_and_value(
         return loss_scale.scale(loss), ((loss, aux) if has_aux else loss)
 
     _check_arguments(fun, loss_scale, argnums)
-    inner = torch.func.grad_and_value(scaled, argnums=argnums, has_aux=True)
-    eager = _autograd_grad_and_value(scaled, argnums)
+    run = route(scaled, argnums)
 
     def fn(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         _check_differentiable(args, argnums)
-        run = eager if _plain_autograd_suffices(args, kwargs) else inner
-        with _regions.phase("backward"):  # the forward inside is tagged "forward" again
+        with passes.phase("backward"):  # the forward inside is tagged "forward" again
             grads, (_, value) = _call_without_autocast(run, *args, **kwargs)
         return loss_scale.unscale(grads), value
 
     return fn
+
+
+#: How a gradient is taken: ``route(fun, argnums) -> fn``, where ``fun(*args, **kwargs) -> (out, aux)`` (``out`` a
+#: 0-d tensor) and ``fn(*args, **kwargs) -> (grads, (out, aux))`` is ``torch.func.grad_and_value(fun, argnums,
+#: has_aux=True)``'s contract: gradients with the structure of the differentiated argument(s), zeros where
+#: ``out`` does not depend on a leaf, ``out`` and ``aux`` detached.
+_Route = Callable[[Callable[..., tuple[torch.Tensor, Any]], "int | tuple[int, ...]"], Callable[..., tuple[Any, Any]]]
+
+
+def _func_route(
+    fun: Callable[..., tuple[torch.Tensor, Any]], argnums: int | tuple[int, ...]
+) -> Callable[..., tuple[Any, tuple[torch.Tensor, Any]]]:
+    """The public route, ``torch.func.grad_and_value``'s semantics: it composes with ``vmap``, ``jacrev`` and an
+    outer ``torch.func.grad``; eager calls outside any transform run on plain ``torch.autograd.grad``, which
+    gives the same gradients at a lower peak memory (:func:`_autograd_grad_and_value`).
+
+    Inside ``torch.compile`` it is ``torch.func.grad_and_value``: on torch 2.13 that differentiates the
+    *forward* of a custom ``torch.autograd.Function`` applied directly to a differentiated input, silently
+    (pytorch/pytorch#193279); the compiled train step uses :func:`_autograd_route` instead.
+    """
+    inner = torch.func.grad_and_value(fun, argnums=argnums, has_aux=True)
+    eager = _autograd_grad_and_value(fun, argnums)
+
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, tuple[torch.Tensor, Any]]:
+        return (eager if _plain_autograd_suffices(args, kwargs) else inner)(*args, **kwargs)
+
+    return run
+
+
+def _autograd_route(
+    fun: Callable[..., tuple[torch.Tensor, Any]], argnums: int | tuple[int, ...]
+) -> Callable[..., tuple[Any, tuple[torch.Tensor, Any]]]:
+    """Always plain ``torch.autograd.grad`` on detached copies of the differentiated inputs: every custom
+    ``torch.autograd.Function``'s backward is used, wherever it is applied. Under ``torch.compile`` Dynamo
+    traces it only with ``torch._dynamo.config.trace_autograd_ops`` set (:mod:`funcamp._dynamo_autograd`
+    compiles with it); it does not compose with an enclosing ``torch.func`` transform (the differentiated
+    inputs are detached from it)."""
+    return _autograd_grad_and_value(fun, argnums)
 
 
 def _plain_autograd_suffices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -166,7 +208,8 @@ def _autograd_grad_and_value(
     """``torch.func.grad_and_value(fun, argnums, has_aux=True)`` on plain ``torch.autograd.grad``.
 
     The same gradients (zeros for inputs the loss does not use), the output and aux detached; for eager
-    calls only (see :func:`_plain_autograd_suffices`). ``torch.func`` differentiates with
+    calls (see :func:`_plain_autograd_suffices`), and traced by Dynamo for the compiled train step
+    (:func:`_autograd_route`). ``torch.func`` differentiates with
     ``create_graph=True`` so that transforms nest, which keeps the backward's intermediates alive: in eager
     mode that cost 1.5-1.7x the peak memory of ``loss.backward()`` on a GPT (benchmarks/bench_train_step.py).
     Inputs are walked with ``torch.utils._pytree``, as ``torch.func`` walks them.
@@ -248,7 +291,7 @@ def grad_and_value(
       >>> out.grads["w"], out.value, out.grads_finite
       (tensor([1., 1.]), tensor(7., dtype=torch.float16), tensor(True))
     """
-    scaled = _unscaled_grad_and_value(fun, loss_scale, argnums=argnums, has_aux=has_aux)
+    scaled = _unscaled_grad_and_value(fun, loss_scale, argnums=argnums, has_aux=has_aux, route=_func_route)
 
     def fn(*args: Any, **kwargs: Any) -> GradAndValue:
         grads32, value = scaled(*args, **kwargs)

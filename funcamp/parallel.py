@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from funcamp import _tree
+from funcamp._deprecated import BUFFER_REDUCTIONS as _BUFFER_REDUCTIONS
+from funcamp._deprecated import register_buffer_reduction
 
 __all__ = [
     "all_ranks_true",
@@ -308,11 +310,6 @@ def mean_gradients(
     return _tree.tree_unflatten(spec, out)
 
 
-#: Deprecated (:func:`register_buffer_reduction`): buffer attribute name -> "max" or "min", for buffers whose
-#: reduction the state does not carry (``TrainState.buffer_reductions``).
-_BUFFER_REDUCTIONS: dict[str, str] = {}
-
-
 def _attribute(path: str) -> str:
     return path.rpartition(".")[2]
 
@@ -343,48 +340,6 @@ def warn_undeclared_reductions(buffers: Any, reductions: Any, fn: str) -> list[s
             stacklevel=3,
         )
     return names
-
-
-def register_buffer_reduction(name: str, reduction: str) -> None:
-    """Deprecated: declare the reduction on the module that owns the buffer instead.
-
-    A module class declares ``buffer_reductions = {"attribute_name": "max" | "min"}`` (as
-    :class:`funcamp.fp8.Float8Linear` does for its delayed-scaling state); ``funcamp.nn.functionalize``
-    reads it for each buffer and gives ``apply_fn.buffer_reductions`` (dotted name -> reduction), which
-    ``TrainState.create(..., buffer_reductions=...)`` carries to the step. This function still makes
-    :func:`reduce_buffers` take the maximum or the minimum over ranks of every buffer called ``name`` (the
-    last part of its dotted path) whose reduction the state does not give, and warns.
-
-    Args:
-      name: the buffer's attribute name, without dots.
-      reduction: ``"max"`` or ``"min"``.
-    Raises:
-      TypeError: if ``name`` is not a string.
-      ValueError: if ``name`` is empty or has a dot, ``reduction`` is not ``"max"`` or ``"min"``, or
-        ``name`` is registered already with the other reduction.
-    """
-    import warnings
-
-    warnings.warn(
-        "funcamp.parallel.register_buffer_reduction is deprecated: declare buffer_reductions = {name: 'max' | "
-        "'min'} on the module class that owns the buffer, and pass apply_fn.buffer_reductions (from "
-        "funcamp.nn.functionalize) to TrainState.create(..., buffer_reductions=)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    _register(name, reduction)
-
-
-def _register(name: str, reduction: str) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"register_buffer_reduction: name must be a buffer's attribute name (str), got {name!r}")
-    if not name or "." in name:
-        raise ValueError(f"register_buffer_reduction: name must be an attribute name without dots, got {name!r}")
-    if reduction not in ("max", "min"):
-        raise ValueError(f"register_buffer_reduction: reduction must be 'max' or 'min', got {reduction!r}")
-    old = _BUFFER_REDUCTIONS.setdefault(name, reduction)
-    if old != reduction:
-        raise ValueError(f"register_buffer_reduction: {name!r} is registered with {old!r} already, not {reduction!r}")
 
 
 def _max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -21,6 +21,7 @@ __all__ = [
     "cast_to_half",
     "get_policy",
     "half_dtype",
+    "keep_in_float32",
 ]
 
 T = TypeVar("T")
@@ -274,3 +275,65 @@ def cast_to_full(tree: T) -> T:
 def cast_to_half(tree: T, device: str | torch.device | None = None) -> T:
     """Cast the floating leaves of ``tree`` to :func:`half_dtype` of ``device`` (float32 where no half is fast)."""
     return _tree.cast_floating(tree, half_dtype(device))
+
+
+def _full(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def keep_in_float32(surrounding: Policy) -> Policy:
+    """The default policy of normalisation layers, given the policy of the module around them.
+
+    Parameters are stored and the layer computes in float32 (float64 stays float64: never lower than
+    the surrounding dtypes); its output is cast to the surrounding compute dtype, so the next layer
+    sees what it would have seen without the norm's policy (haiku's recipe for BatchNorm). Embeddings
+    have a default of their own, :func:`float32_lookup`, which keeps the param dtype.
+
+    Args:
+      surrounding: the policy of the enclosing module (the top-level policy for most layers).
+    Returns:
+      ``Policy(param=max(param, float32), compute=max(compute, float32), output=surrounding compute)``.
+
+    Example:
+      >>> str(keep_in_float32(get_policy("params=float32,compute=bfloat16,output=float32")))
+      'params=float32,compute=float32,output=bfloat16'
+    """
+    return Policy(
+        _full(surrounding.param_dtype),
+        _full(surrounding.compute_dtype),
+        surrounding.compute_dtype,
+        surrounding.reduce_dtype,
+    )
+
+
+#: The names of :mod:`funcamp.fp8`'s recipes (``fp8.get_recipe``), for the ``fp8=`` part of a policy string.
+_FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
+
+
+def _split_fp8(policy: str | Policy) -> tuple[str | Policy, str | None]:
+    """``(dtype policy, recipe name or None)`` of a policy string with an optional ``fp8=<recipe>`` part.
+
+    Raises:
+      TypeError: if ``policy`` is not a string.
+      ValueError: if ``fp8=`` is given twice or is the only part.
+
+    Example:
+      >>> _split_fp8("p=f32,c=bf16,o=f32, fp8=delayed")
+      ('p=f32,c=bf16,o=f32', 'delayed')
+    """
+    if isinstance(policy, Policy):
+        return policy, None
+    if not isinstance(policy, str):
+        raise TypeError(
+            f"fp8: the policy must be a string such as 'p=f32,c=bf16,o=f32,fp8=tensorwise' or a Policy, got {policy!r}"
+        )
+    parts = policy.split(",")
+    fp8 = [p for p in parts if p.partition("=")[0].strip().lower() == "fp8"]
+    if len(fp8) > 1:
+        raise ValueError(f"fp8: fp8= given twice in {policy!r}; give one recipe: {', '.join(_FP8_RECIPES)}")
+    if not fp8:
+        return policy, None
+    rest = ",".join(p for p in parts if p not in fp8)
+    if not rest.strip():
+        raise ValueError(f"fp8: {policy!r} has no dtypes besides fp8=; e.g. 'p=f32,c=bf16,o=f32,fp8=tensorwise'")
+    return rest, fp8[0].partition("=")[2].strip()

@@ -19,10 +19,11 @@ compiled (the default):
    made it), in the policy's ``reduce_dtype`` with the loss scale on a narrower wire: the operations of
    :func:`funcamp.parallel.mean_gradients` on a ``reduce_scatter_single``, each rank receiving its rows
    (:func:`reduce_scatter_gradients` documents the arithmetic). With inductor, each backward use of a
-   parameter gathers it again (:class:`funcamp._regions.RematPass`), so a rank holds at once only the
+   parameter gathers it again (:class:`funcamp.passes.RematPass`), so a rank holds at once only the
    whole parameters and whole gradients of the modules at work, never all of them (FSDP2's
-   ``reshard_after_forward=True``), when ``gather_dtype`` is the dtype the loss computes in (a cast after
-   the gather is kept for the backward, as any forward value).
+   ``reshard_after_forward=True``); a cast or view of a gathered parameter (its compute-dtype copy, a
+   Linear's transposed weight) is recomputed with its gather for the backward, not kept
+   (:mod:`funcamp.passes.sharded_gathers`).
 3. :func:`global_stats`: one float64 ``all_reduce`` gives the global gradient norm (the sum of squares
    over all shards) and the per-parameter finite flags (padding rows excluded), so that every rank
    agrees on one ``grads_finite`` and the metrics are those of the unsharded step.
@@ -80,6 +81,7 @@ import torch
 import torch.distributed as dist
 
 from funcamp import _tree
+from funcamp._deprecated import check_optimizer, clip_by_global_norm
 from funcamp.optim.base import GradientTransformation
 from funcamp.parallel import _check_wire_args, _share
 
@@ -203,9 +205,10 @@ def shard_layout(params: Any, group: Any = True, *, gather_dtype: torch.dtype | 
         dtype (e.g. the policy's compute dtype, as FSDP2's ``param_dtype``): gathered already cast,
         which halves the gather bytes for a 16-bit dtype; exact only when the loss casts every
         parameter to that dtype before using it (``policy.cast_to_compute`` on all of them; not with
-        ``funcamp.nn.functionalize``'s float32 norms, which are then rounded to it). It also saves
-        memory in the compiled step: there a parameter's cast after the gather is a forward value kept
-        for the backward, where the gathered tensor itself is gathered again.
+        ``funcamp.nn.functionalize``'s float32 norms, which are then rounded to it). In the compiled
+        step a cast after the gather is recomputed with the gather for the backward, as the gathered
+        tensor is (:mod:`funcamp.passes.sharded_gathers`); ``gather_dtype`` saves the gather's bytes and
+        the whole tensor in the parameter's own dtype at each use.
     Returns:
       A :class:`ShardLayout`.
     Raises:
@@ -531,49 +534,6 @@ def global_norm(shards: Any, layout: ShardLayout, group: Any) -> torch.Tensor:
 
         sumsq = _wait(funcol.all_reduce(sumsq, "sum", pg))
     return torch.sqrt(sumsq)
-
-
-def clip_by_global_norm(max_norm: float, group: Any = True) -> GradientTransformation:
-    """Deprecated: use ``funcamp.optim.clip_by_global_norm(max_norm)``, which is right in every layout.
-
-    Inside a train step ``funcamp.optim.clip_by_global_norm`` takes the norm from the step's layout (the
-    state's): over all ranks' shards in a sharded step (one float64 ``all_reduce``, as this function
-    did), the local norm of the (already averaged) gradients otherwise. This alias warns and returns
-    that transform; ``group`` is ignored (the step's layout has it).
-
-    Raises:
-      ValueError: if ``max_norm`` is not a finite number > 0.
-    """
-    import warnings
-
-    from funcamp.optim.transforms import clip_by_global_norm as clip
-
-    del group
-    warnings.warn(
-        "funcamp.sharding.clip_by_global_norm is deprecated: use funcamp.optim.clip_by_global_norm(max_norm), "
-        "which takes the norm over all shards from the sharded step's layout",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return clip(max_norm)
-
-
-def check_optimizer(optimizer: GradientTransformation, group: Any = None, **kwargs: Any) -> None:
-    """Deprecated, does nothing: no optimizer needs refusing any more.
-
-    ``funcamp.optim.clip_by_global_norm`` and ``funcamp.optim.stochastic_rounding`` take the norm and the
-    element offsets from the layout of the step they run in, so the same optimizer is right with and
-    without ``shard=``.
-    """
-    import warnings
-
-    del optimizer, group, kwargs
-    warnings.warn(
-        "funcamp.sharding.check_optimizer is deprecated and does nothing: funcamp.optim.clip_by_global_norm and "
-        "funcamp.optim.stochastic_rounding take the norm and element offsets from the train step's layout",
-        DeprecationWarning,
-        stacklevel=2,
-    )
 
 
 def check_consistent(layout: ShardLayout, group: Any, *, optimizer: Any = None, **config: Any) -> None:

@@ -62,6 +62,7 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from funcamp import hardware
+from funcamp._version import __version__
 from funcamp.nn import functionalize
 from funcamp.nn._plan import _is_default_norm
 from funcamp.policy import Policy, get_policy
@@ -1200,8 +1201,6 @@ def choose_compute_dtype(
         return ComputeDtypeChoice(torch.float32, "capability", why, str(device), machine)
     dtypes = (torch.float32, *halves)
 
-    import funcamp  # the package's version: the step's code is funcamp's
-
     key_doc = {
         "format": _CHOICE_FORMAT,
         "model": [[n, *_module_signature(m)] for n, m in model.named_modules()],
@@ -1210,7 +1209,7 @@ def choose_compute_dtype(
         "machine": machine,
         "facts": {k: str(v) for k, v in sorted(hardware._cpu_facts().items())} if device.type == "cpu" else None,
         "torch": torch.__version__,
-        "funcamp": funcamp.__version__,
+        "funcamp": __version__,  # the step's code is funcamp's
         "what": what,
         "candidates": [_label(d) for d in dtypes],
         "rounds": rounds,

@@ -220,14 +220,14 @@ def _collectives(graphs: list[Any]) -> list[tuple[str, str, int]]:
 def _from_gathers(graph: Any) -> set[Any]:
     """The forward nodes of ``graph`` computed from the forward's gathers alone: a gather's own nodes, and every
     forward node whose inputs are all such nodes (a view, a cast, a Linear's transposed weight: any op)."""
-    from funcamp import _regions
+    from funcamp.passes import tags as ptags
 
     made: set[Any] = set()
     for node in graph.nodes:
-        tags = _regions._tags(node)
-        if node.op != "call_function" or tags.get(_regions._PHASE) != "forward":
+        tags = ptags._tags(node)
+        if node.op != "call_function" or tags.get(ptags._PHASE) != "forward":
             continue
-        if tags.get(_regions._GATHER) or (node.all_input_nodes and all(i in made for i in node.all_input_nodes)):
+        if tags.get(ptags._GATHER) or (node.all_input_nodes and all(i in made for i in node.all_input_nodes)):
             made.add(node)
     return made
 
@@ -235,11 +235,11 @@ def _from_gathers(graph: Any) -> set[Any]:
 def _after_forward(graph: Any) -> set[Any]:
     """The nodes after the forward: those tagged backward, and the untagged ones (the update; a node an inductor
     pattern rewrote, which loses its tag) placed after the first backward node."""
-    from funcamp import _regions
+    from funcamp.passes import tags as ptags
 
     out, started = set(), False
     for node in graph.nodes:
-        phase = _regions._tags(node).get(_regions._PHASE) if node.op == "call_function" else None
+        phase = ptags._tags(node).get(ptags._PHASE) if node.op == "call_function" else None
         started = started or phase == "backward"
         if phase == "backward" or (started and phase is None):
             out.add(node)
@@ -254,7 +254,7 @@ def _inductor(group: Any, rank: int, name: str) -> dict[str, Any]:
     gathered tensor, or a view or cast of it, whatever op made it), which the pass must have given a new gather."""
     from torch._inductor import config as inductor_config
 
-    from funcamp import _regions
+    from funcamp.passes import tags as ptags
 
     graphs: list[Any] = []
     policy, opt, params, layout, loss_fn = _setup(name, group, sharded=True)
@@ -268,9 +268,9 @@ def _inductor(group: Any, rank: int, name: str) -> dict[str, Any]:
     gathers = []
     for node in graph.nodes:
         if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
-            gathers.append(_regions._tags(node).get(_regions._PHASE))
+            gathers.append(ptags._tags(node).get(ptags._PHASE))
     made, later = _from_gathers(graph), _after_forward(graph)
-    kept = [f"{n.name} ({n.target}) -> {u.name} ({u.target}, {_regions._tags(u)})" for n in made for u in n.users]
+    kept = [f"{n.name} ({n.target}) -> {u.name} ({u.target}, {ptags._tags(u)})" for n in made for u in n.users]
     kept = [k for k, u in zip(kept, (u for n in made for u in n.users)) if u in later]
     whole = sharding.unshard_params(state.params, layout, group)
     return {"gathers": gathers, "leaks": kept, "params": whole, "finite": bool(m["grads_finite"])}

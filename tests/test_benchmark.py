@@ -177,3 +177,28 @@ def test_auto_policy_benchmark_runs_on_the_tiny_gpt(tmp_path: Path, monkeypatch:
     assert all(row["ms_per_step"] > 0 and row["q1"] <= row["ratio"] <= row["q3"] for row in out["rows"])
     assert out["verdict"].startswith("the chosen dtype")  # speed is the benchmark's to measure, not the test's
     assert json.loads((tmp_path / "r.json").read_text())["choice"] == out["choice"]
+
+
+@pytest.mark.slow
+def test_run_cuda_dry_run_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
+    """``benchmarks/run_cuda.sh --dry-run``: the prepared GPU run's every part, on the CPU (tiny GPT, 1 step, no
+    inductor): each exits 0, writes its JSON, and the summary reports the targets as not measured (no figure made
+    up) and the CUDA graph as not captured, saying why."""
+    script = ROOT / "benchmarks" / "run_cuda.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    proc = subprocess.run(
+        ["bash", str(script), "--dry-run", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status = (tmp_path / "status.txt").read_text().splitlines()
+    assert [line.split()[:3] for line in status] == [
+        [name, "exit", "0"] for name in ("test_cuda", "bench_bf16", "bench_fp16", "bench_fp8")
+    ], status
+    bf16 = json.loads((tmp_path / "bench_train_step_bf16.json").read_text())
+    assert list(bf16["rows"]) == ["amp_eager", "funcamp_graph"] and bf16["valid"] is True
+    assert "CUDA is not available" in bf16["rows"]["funcamp_graph"]["capture"]["uncaptured_because"]
+    assert json.loads((tmp_path / "bench_fp8.json").read_text())["results"][0]["variant"] == "fp8_tensorwise"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary["targets"]) == 4 and all(t.endswith("not measured") for t in summary["targets"])
+    md = (tmp_path / "summary.md").read_text()
+    assert "NOT captured" in md and "| torch.amp eager |" in md and "| fp8_tensorwise |" in md

@@ -9,6 +9,7 @@ and the state before a checkpoint for the state after it.
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from pathlib import Path
 
@@ -243,3 +244,103 @@ def test_checkpoint_round_trip_keeps_cuda_state_bitwise(tmp_path) -> None:
     a_state, a_metrics = step(state, _batch(3))
     b_state, b_metrics = step(loaded, _batch(3))
     assert torch.equal(a_metrics["loss"], b_metrics["loss"])
+
+
+# --- funcamp.capture.cuda_graph: the donating step replayed as one CUDA graph ----------------------------------
+
+
+@functools.cache
+def _donating_step(dtype: str, dropout: float = 0.0, backend: str = "inductor"):
+    """One compiled donating step per setting, shared by the tests (each compiles once), and a state factory."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64, dropout=dropout)).to(CUDA)
+    apply_fn, params = fa.nn.functionalize(model, f"p=f32,c={dtype},o=f32")
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine_decay(1e-3, 2, 20)))
+    step = fa.make_train_step(_loss_fn(apply_fn), opt, donate=True, backend=backend)
+
+    def new_state(init_scale: float) -> fa.TrainState:
+        own = {k: v.detach().clone() for k, v in params.items()}
+        return fa.TrainState.create(own, opt, loss_scale=fa.DynamicLossScale(init_scale))
+
+    return step, new_state
+
+
+def _captured_and_plain(dtype: str, init_scale: float, dropout: float = 0.0, backend: str = "inductor"):
+    """The shared donating step wrapped by cuda_graph and as it is, each with its own state (the same start)."""
+    step, new_state = _donating_step(dtype, dropout, backend)
+    return (fa.capture.cuda_graph(step), new_state(init_scale)), (step, new_state(init_scale))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_cuda_graph_step_bitwise_the_uncaptured_steps_with_skips(dtype) -> None:
+    """24 steps, all but the warm-up replayed from one graph, equal the uncaptured donating step's bitwise, the loss
+    scale's backoffs included (f16 from 2**32: the first steps overflow and are skipped, inside the graph too)."""
+    n = 24
+    (captured, st_c), (plain, st_p) = _captured_and_plain(dtype, 2.0**32 if dtype == "f16" else 2.0**15)
+    kept, start = dict(st_c.params), {k: v.clone() for k, v in st_c.params.items()}
+    for s in range(n):
+        st_c, m_c = captured(st_c, _batch(s))
+        st_p, m_p = plain(st_p, _batch(s))
+    assert captured.reason is None and captured.replays == n - captured.warmup
+    assert all(st_c.params[k] is kept[k] for k in kept)  # the recorded addresses
+    for k in st_p.params:
+        assert torch.equal(st_c.params[k], st_p.params[k]), k
+    skipped = int(st_c.skipped_steps)
+    assert skipped == int(st_p.skipped_steps)
+    if dtype == "f16":
+        assert captured.warmup < skipped < n, skipped  # skips replayed, and updates after them
+    else:
+        assert skipped == 0
+    assert any(not torch.equal(st_c.params[k], start[k]) for k in start)
+    assert torch.equal(st_c.loss_scale.loss_scale, st_p.loss_scale.loss_scale)
+    assert torch.equal(m_c["loss"], m_p["loss"])
+
+
+def test_cuda_graph_metrics_survive_replays_and_no_host_sync() -> None:
+    (captured, state), _ = _captured_and_plain("bf16", 2.0**15)
+    for s in range(3):
+        state, _ = captured(state, _batch(s))
+    torch.cuda.synchronize()
+    kept = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in range(3, 8):
+            state, metrics = captured(state, _batch(s))
+            kept.append(metrics["loss"])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    losses = [float(x) for x in kept]
+    assert len(set(losses)) == len(losses), losses  # each step's own loss, not the last replay's
+
+
+def test_cuda_graph_dropout_draws_anew_at_each_replay() -> None:
+    """Dropout inside the graph: replay advances the default generator, so one batch gives other losses."""
+    (captured, state), _ = _captured_and_plain("bf16", 2.0**15, dropout=0.5)
+    batch = _batch(0)
+    losses = []
+    for _ in range(6):
+        state, metrics = captured(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert captured.replays == 6 - captured.warmup
+    assert len(set(losses[captured.warmup :])) == len(losses) - captured.warmup, losses
+
+
+def test_cuda_graph_falls_back_with_one_message() -> None:
+    """A step that does not donate: one CaptureWarning naming donate=True, then it trains uncaptured; a batch of
+    another shape: that call runs uncaptured with its own message."""
+    apply_fn, params = fa.nn.functionalize(_model(), "p=f32,c=bf16,o=f32")
+    opt = optim.adamw(1e-3)
+    state = fa.TrainState.create(params, opt)
+    pure = fa.capture.cuda_graph(fa.make_train_step(_loss_fn(apply_fn), opt, backend="aot_eager"))
+    with pytest.warns(fa.capture.CaptureWarning, match="donate=True") as record:
+        for s in range(5):
+            state, _ = pure(state, _batch(s))
+    assert len(record) == 1 and pure.replays == 0
+    (captured, st), _ = _captured_and_plain("bf16", 2.0**15, backend="aot_eager")  # a new shape recompiles
+    for s in range(4):
+        st, _ = captured(st, _batch(s))
+    with pytest.warns(fa.capture.CaptureWarning, match="shape|recorded graph"):
+        st, metrics = captured(st, _batch(4, size=4))
+    assert captured.reason is None and bool(torch.isfinite(metrics["loss"]))
+    st, _ = captured(st, _batch(5))
+    assert captured.replays == 4 - captured.warmup + 1

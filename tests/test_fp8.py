@@ -824,24 +824,15 @@ def test_functionalize_with_fp8_in_the_policy_string() -> None:
     assert len(fa.nn.functionalize(model, POLICY + ",fp8=rowwise")) == 2
 
 
-def test_fp8_functionalize_is_a_deprecated_alias() -> None:
-    """fp8.functionalize warns, names what to use, and returns what it returned (three values always)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
-    x = torch.randn(8, 32)
-    with pytest.warns(DeprecationWarning, match=r"funcamp.nn.functionalize\(model, policy, with_buffers=True\)"):
-        apply_fn, params, buffers = fp8.functionalize(model, "p=f32,c=bf16,o=f32,fp8=delayed")
-    ref_fn, ref_params, ref_buffers = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32,fp8=delayed", with_buffers=True)
-    out, new = apply_fn(params, buffers, x)
-    ref, ref_new = ref_fn(ref_params, ref_buffers, x)
-    assert torch.equal(out, ref) and all(torch.equal(new[k], ref_new[k]) for k in new)
-    with pytest.warns(DeprecationWarning, match="fp8.convert"):  # filter=: the message says convert first
-        apply_fn, params, buffers = fp8.functionalize(model, "p=f32,c=bf16,o=f32,fp8=tensorwise", filter="*")
-    assert buffers == {} and apply_fn.forward_dtypes["3.weight"] == torch.float32
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="policy must be a string"):
-        fp8.functionalize(model, None)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="with_buffers=False keeps the buffers"):
-        fp8.functionalize(model, "p=f32,fp8=delayed", with_buffers=False)
+def test_fp8_names_below_the_policy_grammar_are_fp8s() -> None:
+    """The policy grammar (funcamp.policy, below fp8) names fp8's recipes, and the deprecated buffer-name table
+    (funcamp._deprecated, below parallel) starts with the fp8 layers' own reductions; fp8 registers nothing."""
+    from funcamp import _deprecated, policy
+
+    assert policy._FP8_RECIPES == tuple(fp8._RECIPES)
+    assert {k: _deprecated.BUFFER_REDUCTIONS[k] for k in fp8._REDUCTIONS} == fp8._REDUCTIONS
+    assert dict(fp8.Float8Linear.buffer_reductions) == fp8._REDUCTIONS
+    assert not hasattr(fp8, "functionalize")
 
 
 def test_fp8_in_the_policy_string_errors() -> None:

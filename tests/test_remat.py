@@ -255,7 +255,7 @@ def test_no_warning_eager():
         _grads(Block)
 
 
-# --- the inductor-compiled step (issue 21, item 2): funcamp._regions.RematPass ------------------------------
+# --- the inductor-compiled step (issue 21, item 2): funcamp.passes.RematPass -------------------------------
 
 
 class Fp8Block(nn.Module):
@@ -292,14 +292,14 @@ class DeepNet(nn.Module):
 
 def _saved_bytes(graph: torch.fx.Graph) -> int:
     """Bytes of the forward's values that the backward reads (kept alive from one to the other)."""
-    from funcamp import _regions
+    from funcamp.passes import tags as ptags
 
     total = 0
     for node in graph.nodes:
         val = node.meta.get("val")
-        if _regions._tags(node).get(_regions._PHASE) != "forward" or not isinstance(val, torch.Tensor):
+        if ptags._tags(node).get(ptags._PHASE) != "forward" or not isinstance(val, torch.Tensor):
             continue
-        if any(_regions._tags(user).get(_regions._PHASE) == "backward" for user in node.users):
+        if any(ptags._tags(user).get(ptags._PHASE) == "backward" for user in node.users):
             total += val.numel() * val.element_size()
     return total
 
@@ -326,12 +326,12 @@ def inductor_runs():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from bench_train_step import profiled_step
 
-    from funcamp import _regions
+    from funcamp import passes
 
     made: list[int] = []
     graphs: list[torch.fx.Graph] = []
     pre: list[torch.fx.Graph] = []
-    original = _regions.RematPass.__call__
+    original = passes.RematPass.__call__
 
     def counting(self, graph):
         pre.append(_copy_graph(graph))
@@ -348,7 +348,7 @@ def inductor_runs():
         ),
         torch._functorch.config.patch(enable_autograd_cache=False),
     ):
-        mp.setattr(_regions.RematPass, "__call__", counting)
+        mp.setattr(passes.RematPass, "__call__", counting)
         for remat in (None, Fp8Block, HALF):
             torch._dynamo.reset()
             apply_fn, params, buffers = functionalize(
@@ -420,15 +420,15 @@ def test_remat_steps_bypass_inductor_caches():
     import sys
     from pathlib import Path
 
-    from funcamp import _regions
+    from funcamp import passes
 
     root = str(Path(__file__).resolve().parents[1])
-    code = "from funcamp import _regions; print(_regions.RematPass().uuid() is not None)"
+    code = "from funcamp import passes; print(passes.RematPass().uuid() is not None)"
     env = dict(os.environ, PYTHONPATH=root)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=root)
     assert out.stdout.strip() == "True"
     functionalize(Net(), MIXED, remat=Block)
-    assert _regions.RematPass().uuid() is None
+    assert passes.RematPass().uuid() is None
 
 
 def test_region_ids_fixed_per_module():
@@ -478,14 +478,14 @@ def test_compiled_budget_bitwise_one_graph(inductor_runs):
 
 def _with_budget(graph: torch.fx.Graph, budget: float) -> torch.fx.Graph:
     """A copy of ``graph`` whose remat regions carry ``budget`` (as functionalize(remat=Remat(..., budget)) tags)."""
-    from funcamp import _regions
+    from funcamp.passes import tags as ptags
 
     new = _copy_graph(graph)
     for node in new.nodes:
-        tags = dict(_regions._tags(node))
-        if _regions._REMAT in tags:
-            tags.pop(_regions._BUDGET, None)
-            node.meta["custom"] = {**tags, _regions._BUDGET: budget} if budget > 0 else tags
+        tags = dict(ptags._tags(node))
+        if ptags._REMAT in tags:
+            tags.pop(ptags._BUDGET, None)
+            node.meta["custom"] = {**tags, ptags._BUDGET: budget} if budget > 0 else tags
     return new
 
 
@@ -494,22 +494,23 @@ def test_budget_monotone_in_what_is_recomputed(inductor_runs):
     """The pass on the budget-0.5 run's graph retagged with budgets 0 ... 1: the bytes kept grow and the copies
     made shrink with the budget, the kept bytes stay within budget x the candidates' bytes; 0 recomputes what
     remat=Fp8Block does (the same copies, nothing kept), 1 keeps every candidate and makes no copy."""
-    from funcamp import _regions
+    from funcamp import passes
+    from funcamp.passes import remat_budget, remat_regions
 
     kept_bytes, copies, totals = [], [], []
     for budget in (0.0, 0.25, 0.5, 0.75, 1.0):
         graph = _with_budget(inductor_runs[HALF]["pre"], budget)
-        recompute = _regions._recomputed(graph)
-        kept = _regions._kept(graph, recompute)
+        recompute = remat_regions._recomputed(graph)
+        kept = remat_budget._kept(graph, recompute)
         assert kept <= recompute
-        bases = {n for n in kept if not _regions._is_view(n)}
-        kept_bytes.append(sum(_regions._nbytes(n) for n in bases))
+        bases = {n for n in kept if not remat_budget._is_view(n)}
+        kept_bytes.append(sum(remat_budget._nbytes(n) for n in bases))
         before = len(graph.nodes)
-        _regions.RematPass()(graph)
+        passes.RematPass()(graph)
         copies.append(len(graph.nodes) - before)
         tagged = _with_budget(inductor_runs[HALF]["pre"], 1.0)  # every candidate's bytes: what budget 1 keeps
-        everything = _regions._kept(tagged, _regions._recomputed(tagged))
-        totals.append(sum(_regions._nbytes(n) for n in everything if not _regions._is_view(n)))
+        everything = remat_budget._kept(tagged, remat_regions._recomputed(tagged))
+        totals.append(sum(remat_budget._nbytes(n) for n in everything if not remat_budget._is_view(n)))
         assert kept_bytes[-1] <= budget * totals[-1]
     assert kept_bytes == sorted(kept_bytes) and kept_bytes[0] == 0 < kept_bytes[2] < kept_bytes[-1], kept_bytes
     assert copies == sorted(copies, reverse=True), copies
@@ -604,7 +605,7 @@ def _tagged_graph(budget: float) -> torch.fx.Graph:
     read them, tagged as funcamp's tracing tags them (fake values: shapes and dtypes only)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from funcamp import _regions
+    from funcamp.passes import tags as ptags
 
     def fn(x, w):
         h = torch.mm(x, w)  # 64 x 32 float32, 2 * 64 * 16 * 32 FLOPs
@@ -617,11 +618,11 @@ def _tagged_graph(budget: float) -> torch.fx.Graph:
         if node.op != "call_function":
             continue
         if node.target is torch.ops.aten.mul.Tensor:
-            tags = {_regions._PHASE: "backward"}
+            tags = {ptags._PHASE: "backward"}
         else:
-            tags = {_regions._PHASE: "forward", _regions._REMAT: 1}
+            tags = {ptags._PHASE: "forward", ptags._REMAT: 1}
             if budget > 0:
-                tags[_regions._BUDGET] = budget
+                tags[ptags._BUDGET] = budget
         node.meta["custom"] = tags
     return graph
 
@@ -644,13 +645,13 @@ def test_budget_keeps_costliest_per_byte(budget, kept):
     (counted on the cast and kept with it): 20 KiB in all. Kept, costliest per byte first, each that still fits
     within budget x 20 KiB: below 0.4 the matmul does not fit and the cast does; from 0.4 the matmul, from 0.6 the
     cast with it, GELU only at 1."""
-    from funcamp import _regions
+    from funcamp.passes import remat_budget, remat_regions
 
     graph = _tagged_graph(budget)
-    recompute = _regions._recomputed(graph)
+    recompute = remat_regions._recomputed(graph)
     names = {n.target.overloadpacket.__name__: n for n in recompute if hasattr(n.target, "overloadpacket")}
     assert {"mm", "gelu", "t"} <= set(names), names
-    got = _regions._kept(graph, recompute)
+    got = remat_budget._kept(graph, recompute)
     aliases = {"_to_copy": "conv", "convert_element_type": "conv"}
     assert {aliases.get(n.target.overloadpacket.__name__, n.target.overloadpacket.__name__) for n in got} == kept
 
@@ -661,12 +662,12 @@ def test_budget_cost_of_attention_on_cpu():
     ranked below the matmuls, 0.5 per byte against 8.25 for its small log-sum-exp)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from funcamp import _regions
+    from funcamp.passes import remat_budget
 
     q = torch.randn(2, 4, 128, 32, dtype=torch.bfloat16)
     sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     graph = make_fx(lambda q, k, v: sdpa(q, k, v, 0.0, True), tracing_mode="fake")(q, q, q).graph
-    costs = [_regions._flops(n) for n in graph.nodes if n.op == "call_function"]
+    costs = [remat_budget._flops(n) for n in graph.nodes if n.op == "call_function"]
     assert costs == [4 * 2 * 4 * 128 * 128 * 32] * 3  # the op and its two outputs
 
 
@@ -772,7 +773,8 @@ def test_checkpointed_blocks_weight_casts_not_kept(tied_lm_run):
     """A checkpointed block's bfloat16 weight casts (made up front, outside the region, when compiled) are
     recomputed for the backward, as torch.utils.checkpoint recomputes a module's input casts: no backward node
     reads a forward cast of a block's weight; the tied head's cast (outside every region) is kept."""
-    from funcamp import _regions
+    from funcamp.passes import _graph
+    from funcamp.passes import tags as ptags
 
     def of_a_parameter(node):  # a graph input, or one read as where(flag, x, x) (made to wait for its use)
         if node.target is torch.ops.aten.where.self:
@@ -784,7 +786,7 @@ def test_checkpointed_blocks_weight_casts_not_kept(tied_lm_run):
         n
         for n in graph.nodes
         if n.target is torch.ops.prims.convert_element_type.default
-        and _regions._tags(n).get(_regions._PHASE) == "forward"
+        and ptags._tags(n).get(ptags._PHASE) == "forward"
         and all(of_a_parameter(i) for i in n.all_input_nodes)
         and n.meta["val"].dtype == torch.bfloat16
         and n.meta["val"].ndim == 2
@@ -801,9 +803,9 @@ def test_checkpointed_blocks_weight_casts_not_kept(tied_lm_run):
                 if user in seen:
                     continue
                 seen.add(user)
-                if _regions._tags(user).get(_regions._PHASE) == "backward":
+                if ptags._tags(user).get(ptags._PHASE) == "backward":
                     out.append(user)
-                elif user.target in _regions._VIEWS:
+                elif user.target in _graph._VIEWS:
                     todo.append(user)
         return out
 

@@ -1023,10 +1023,10 @@ def test_inductor_regathers_for_the_backward(at_use_ranks):
     rounds fused bf16 ops once; AdamW's normalised update carries the difference): measured max |inductor -
     aot_eager| after 2 steps 5.5e-4 (3.3e-4 with the loss before the third use of ``w2`` and the float32 head).
 
-    Planted, a view or a cast of a gathered tensor left out of the pass's recompute (``funcamp._regions._gathered``
-    without its views clause, or ``_VIEWS`` without the casts) leaves the backward reading the forward's
-    transposed weight or float32 head: caught here. The loss used ``F.linear(h, w.t())`` before, whose views the
-    backward made itself, and no cast: neither fault showed."""
+    Planted, a view or a cast of a gathered tensor left out of the pass's recompute
+    (``funcamp.passes.sharded_gathers._gathered`` without its views clause, or ``_VIEWS`` without the casts)
+    leaves the backward reading the forward's transposed weight or float32 head: caught here. The loss used
+    ``F.linear(h, w.t())`` before, whose views the backward made itself, and no cast: neither fault showed."""
     A, ranks = at_use_ranks
     for r in ranks:
         ind = r["inductor"]

@@ -26,7 +26,7 @@ from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _
 from funcamp.nn._reductions import buffer_reductions
 from funcamp.nn._store import Trainable, _sample
 from funcamp.ops import OpRule
-from funcamp.policy import Policy, get_policy
+from funcamp.policy import Policy, _split_fp8, get_policy
 
 __all__ = ["Functional", "FunctionalWithBuffers", "functionalize"]
 
@@ -77,90 +77,15 @@ def functionalize(
     """Turn ``module`` into a pure function of its parameters (and buffers), under a precision policy.
 
     The number of values follows the arguments, not the model: :class:`FunctionalWithBuffers`
-    ``(apply_fn, params, buffers)`` with ``with_buffers=True`` (BatchNorm statistics, fp8 delayed
-    state; ``{}`` for a model without persistent buffers), else :class:`Functional` ``(apply_fn,
-    params)``. Left out for a model with persistent buffers, ``with_buffers`` still gives the three
-    values, with a ``FutureWarning`` (a later version raises there instead).
-
-    - ``apply_fn(params, *args, **kwargs) -> out``, or with buffers
-      ``apply_fn(params, buffers, *args, **kwargs) -> (out, new_buffers)``. Pure: ``params``,
-      ``buffers`` and ``module`` are never changed; in-place buffer updates (running statistics) land
-      in fresh copies, which come back as ``new_buffers``.
-    - ``params``: the *trainable* parameters, detached copies of ``named_parameters()`` (new memory,
-      not views of the module's), floating ones in their policy's ``param_dtype``. A tied weight
-      (GPT-2's token embedding and LM head) is one master tensor, under its first name; each use gets
-      its own compute-dtype copy, so its gradient is the sum of the gradients of both uses, added in
-      the parameter dtype.
-    - Frozen parameters (``requires_grad=False`` in your module by default, see ``trainable``) are not
-      in ``params``: ``apply_fn`` holds them as constants (``apply_fn.frozen``, a read-only dict by
-      name), so they are never differentiated, never in an optimizer state, a :class:`funcamp.TrainState`
-      or a checkpoint, and never written. They are stored in the dtype they enter the forward in, with
-      no float32 master: their module's compute dtype (bf16 under a bf16 policy; float32 in norm
-      layers and, with float32 params, embeddings), but never wider than their param dtype (a float16
-      table under ``params=float16`` stays float16 and is cast to float32 at each call); under
-      ``autocast=True``, in modules computing in half precision, their own dtype if it is a half one,
-      else the param dtype (autocast casts them per op, as torch.amp does). They are
-      copies: later changes to your module do not reach ``apply_fn`` (``del model`` frees its weights).
-      torch.amp differs: there a frozen weight stays in your module, in its dtype, and autocast casts
-      it at every use.
-    - ``buffers``: copies of the persistent buffers, floating ones in ``param_dtype`` (BatchNorm
-      statistics in float32), integer ones (``num_batches_tracked``) unchanged. Non-persistent buffers
-      (causal masks, rotary tables, position ids) are constants of ``apply_fn``, used as the module
-      holds them: not cast, and not copied (a forward that writes one in place writes your module's).
-      Buffers of frozen modules still update in training mode, as in torch (use ``training=False``
-      or ``with_buffers=False`` to keep frozen statistics).
-
-    Casting (``autocast=False``, the rule of jmp and haiku): floating inputs are cast to
-    ``policy.compute_dtype``, each parameter and floating buffer to the compute dtype of the module
-    that holds it, and the output to ``policy.output_dtype``. A module with a policy of its own casts
-    its floating inputs to that policy's compute dtype and its output to that policy's output dtype.
-    By default normalisation layers (:data:`NORM_TYPES`, and classes named ``*LayerNorm``,
-    ``*RMSNorm``, ``*GroupNorm``, ``*BatchNorm{1,2,3}d``, ``*InstanceNorm{1,2,3}d``, such as Hugging
-    Face's ``LlamaRMSNorm``) follow :func:`keep_in_float32`: float32 parameters, statistics and
-    arithmetic, output in the surrounding compute dtype. Embeddings (:data:`EMBEDDING_TYPES`) follow
-    :func:`float32_lookup`: the table stays in the param dtype, is looked up in float32 and the rows
-    are cast to the surrounding compute dtype, so its gradient (a sum over every use of a row) is added
-    in float32. With float32 params the table is not copied at all; with half params it is cast to
-    float32 at each call (the cast the ``"embedding"`` op rule made before). ``{nn.Embedding: None}``
-    turns this off (the table is then cast to the compute dtype, and the op rule casts it back).
-
-    With ``autocast=True`` the forward runs under ``torch.autocast(device, compute_dtype)`` instead
-    (the parameters' device type), with parameters in their param dtype and inputs not cast, so that
-    torch's op lists decide every op: matmuls and convolutions in the compute dtype; losses, and on
-    CUDA softmax and layer_norm, in float32; ops on neither list (CPU layer_norm and batch_norm,
-    embedding, residual additions) in the dtypes their inputs come in. funcamp adds no rule of its
-    own: the norm and embedding defaults set only the dtype their tensors are stored and enter in
-    (float32; a half embedding table is cast to float32), not the dtypes of their inputs and outputs,
-    and :data:`funcamp.ops.FLOAT32_ACCUMULATION` is not applied.
-    With ``params=float32`` outputs and gradients are therefore bitwise those of ``torch.autocast`` on
-    your module with the same inputs, differentiated the same way (``torch.func.grad`` and autograd
-    differ for CPU LSTM; tests/test_nn_autocast.py). The rules you give apply on top: a module of
-    ``module_policies`` computing in float32 (``{nn.LayerNorm: funcamp.nn.keep_in_float32}``) runs
-    with autocast off on float32 inputs and hands its output on in its output dtype, and
-    ``op_policies`` rules win over autocast's lists. Both modes give gradients in the parameters'
-    dtypes and compile with ``fullgraph=True``. Known torch 2.13 failure: on CPU, differentiating
-    ``scaled_dot_product_attention`` with ``dropout_p > 0`` under ``torch.func.grad`` and autocast
-    raises a dtype error in the backward (Hugging Face GPT-2 in training mode); the default casting
-    mode is not affected.
-
-    Activation checkpointing (``torch.utils.checkpoint.checkpoint``, reentrant or not, and
-    ``checkpoint_sequential``) in the module's forward works: differentiated eagerly with plain
-    autograd (eager :func:`funcamp.grad_and_value`, ``make_train_step(compile=False)``) the region is
-    recomputed in the backward with this call's tensors; under ``torch.func`` transforms (the compiled
-    step) torch 2.13 cannot checkpoint and the region runs as is (a :class:`RematInactiveWarning`,
-    once). Gradients equal those of the model without checkpointing, bitwise, in every case.
-
-    Inputs and outputs are walked with ``torch.utils._pytree`` (so Hugging Face's ``ModelOutput`` is
-    cast); only real floating tensors are cast.
-
-    Where parameters become forward tensors: each one is cast (an int8 weight dequantized) where its
-    module uses it, just before that module's own forward runs, and dropped when it returns (a read
-    outside that forward, such as ``nn.MultiheadAttention``'s of ``out_proj.weight``, is made at that
-    read); once per name and call (a module run twice uses one copy; a tied weight's second module its
-    own). Each is made by one function, which first hands the stored tensor, under the parameter's
-    first name, to the step's process layout (``param_at_use(name, stored)``, where it has one: a
-    sharded layout gathers there). Under ``torch.compile`` all are made when ``apply_fn`` starts (the
-    compiler schedules them). See :mod:`funcamp.nn._use`.
+    ``(apply_fn, params, buffers)`` with ``with_buffers=True``, else :class:`Functional` ``(apply_fn,
+    params)``. ``apply_fn(params, *args, **kwargs) -> out`` (or ``apply_fn(params, buffers, *args, **kwargs)
+    -> (out, new_buffers)``) is pure: ``params``, ``buffers`` and ``module`` are never changed. ``params``
+    are detached copies of the trainable parameters in their policy's ``param_dtype`` (a tied weight once,
+    under its first name); frozen ones are constants of ``apply_fn`` (``apply_fn.frozen``). Floating inputs
+    are cast to the compute dtype, each parameter to the compute dtype of the module that uses it, where it
+    uses it, and the output to the output dtype; norms follow :func:`keep_in_float32`, embeddings
+    :func:`float32_lookup`. The rules in full (frozen tensors, buffers, the casting and autocast modes,
+    checkpointing, where parameters become forward tensors): docs/module.md, "What functionalize does".
 
     Args:
       module: the model; left unchanged (same parameters, dtypes, training flag, no hooks).
@@ -211,31 +136,10 @@ def functionalize(
         frozen. Storage only: during a call the dequantized copies exist as any compute-dtype copy does
         (the forward is the model's own, not an int8 matmul). See :mod:`funcamp.quant` for the error
         bound and the differences from bitsandbytes (``load_in_8bit``) and torchao.
-      remat: activation checkpointing of chosen submodules without editing the model: ``None``
-        (default); an ``nn.Module`` subclass (its instances, e.g. ``GPT2Block``); an fnmatch pattern of
-        qualified module names (``"transformer.h.*"``); a list mixing the two; or a predicate
-        ``remat(name, module) -> bool`` (``module`` is yours), as FSDP's
-        ``apply_activation_checkpointing(check_fn=...)``, ``jax.checkpoint`` and flax's ``nn.remat``;
-        or :class:`funcamp.nn.Remat` ``(one of those, budget=b)``, which keeps the fraction ``b`` of the
-        chosen modules' activation bytes (the costliest to recompute per byte) in the compiled step
-        (``remat=Block`` is budget 0: recompute everything).
-        Each chosen module's forward (on the internal copy, casts included) runs through
-        ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: its activations are dropped
-        after the forward and recomputed in the backward (RNG replayed, buffers as they were when that
-        module ran: a module run twice in one forward, such as an fp8 layer whose delayed state advances
-        at each call, is recomputed with the state each call saw).
-        Only the outermost chosen modules are wrapped (a module inside a chosen one is recomputed with
-        it); the root module and containers without a forward (``ModuleList``, ``ModuleDict``)
-        are never candidates. Gradients equal those without ``remat``, bitwise, in
-        both casting modes. Memory is saved eagerly with plain autograd (:func:`funcamp.grad_and_value`
-        called eagerly, ``make_train_step(compile=False)``: ``torch.utils.checkpoint``, which recomputes
-        a whole module at any budget below 1 and runs it as is at budget 1) and in the inductor-compiled
-        step (the modules' nodes are tagged while tracing and :class:`funcamp._regions.RematPass`
-        recomputes them, as far as the budget says; with ``backend="aot_eager"`` nothing is recomputed).
-        Under eager ``torch.func`` transforms torch 2.13 cannot checkpoint (see above): the modules run as
-        is, keeping their activations, with a :class:`RematInactiveWarning`. With gradients
-        off (``torch.no_grad``) the forward runs as is. Unlike Hugging Face's
-        ``gradient_checkpointing_enable()`` this does not touch your module.
+      remat: activation checkpointing of chosen submodules without editing the model: ``None`` (default);
+        an ``nn.Module`` subclass; an fnmatch pattern of qualified module names; a list mixing the two; a
+        predicate ``remat(name, module) -> bool``; or :class:`funcamp.nn.Remat` ``(one of those, budget=b)``.
+        Gradients are bitwise those without ``remat`` (docs/module.md, docs/memory.md).
     Returns:
       :class:`Functional` ``(apply_fn, params)`` or :class:`FunctionalWithBuffers` ``(apply_fn, params,
       buffers)`` (named tuples), see above. ``apply_fn.frozen`` is a
@@ -419,9 +323,9 @@ def _with_fp8(
     """
     if not isinstance(policy, str) or "fp8" not in policy.lower():
         return module, policy, module_policies
-    from funcamp import fp8  # funcamp.fp8 imports funcamp.nn
+    from funcamp import fp8  # a feature: imported when a policy string asks for it
 
-    rest, recipe = fp8._split_policy(policy)
+    rest, recipe = _split_fp8(policy)
     if recipe is None:
         return module, policy, module_policies
     r = fp8.get_recipe(recipe)

@@ -64,9 +64,8 @@ def state_dict(
     state dict and are not touched.
 
     Args:
-      model: the module ``params`` were made from by :func:`funcamp.nn.functionalize` (or
-        :func:`funcamp.fp8.functionalize`), or another instance of the same architecture, or its
-        :func:`funcamp.fp8.convert`-ed copy; not changed.
+      model: the module ``params`` were made from by :func:`funcamp.nn.functionalize`, or another instance
+        of the same architecture, or its :func:`funcamp.fp8.convert`-ed copy; not changed.
       params: the trained parameters by first name (``state.params``), tensors of the module's shapes,
         floating ones in any floating dtype.
       buffers: the persistent buffers (``state.buffers``, functionalize's third value), or None for a

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from funcamp.policy import Policy, get_policy
+from funcamp.policy import Policy, _full, get_policy, keep_in_float32
 
 __all__ = ["EMBEDDING_TYPES", "NORM_TYPES", "float32_lookup", "keep_in_float32", "param_policies"]
 
@@ -37,35 +37,6 @@ EMBEDDING_TYPES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
 # FusedLayerNorm, torchvision's FrozenBatchNorm2d, ...
 _NORM_NAME = re.compile(r"(Layer|RMS|Group|Batch|Instance)Norm(\dd)?$")
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def _full(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def keep_in_float32(surrounding: Policy) -> Policy:
-    """The default policy of normalisation layers, given the policy of the module around them.
-
-    Parameters are stored and the layer computes in float32 (float64 stays float64: never lower than
-    the surrounding dtypes); its output is cast to the surrounding compute dtype, so the next layer
-    sees what it would have seen without the norm's policy (haiku's recipe for BatchNorm). Embeddings
-    have a default of their own, :func:`float32_lookup`, which keeps the param dtype.
-
-    Args:
-      surrounding: the policy of the enclosing module (the top-level policy for most layers).
-    Returns:
-      ``Policy(param=max(param, float32), compute=max(compute, float32), output=surrounding compute)``.
-
-    Example:
-      >>> str(keep_in_float32(get_policy("params=float32,compute=bfloat16,output=float32")))
-      'params=float32,compute=float32,output=bfloat16'
-    """
-    return Policy(
-        _full(surrounding.param_dtype),
-        _full(surrounding.compute_dtype),
-        surrounding.compute_dtype,
-        surrounding.reduce_dtype,
-    )
 
 
 def float32_lookup(surrounding: Policy) -> Policy:

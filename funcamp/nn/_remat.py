@@ -18,11 +18,14 @@ placeholders. This module makes the recompute see what the forward saw:
   ``torch.func`` (which funcamp differentiates with: torch refuses ``.grad()`` there), so inside
   ``apply_fn`` they run as non-reentrant ones: the same gradients, and no lost parameter gradients
   when no input requires grad (the reentrant variant's known pitfall).
-- Under ``torch.func`` gradient transforms (``torch.func.grad``, ``vjp``: the compiled train step,
-  and eager calls nested in another transform) torch 2.13 cannot checkpoint at all: saved-tensor hooks
-  are disabled there, and ``torch.utils.checkpoint`` raises "torch.func transforms don't yet support
-  saved tensor hooks". There the region runs without recomputation (the same gradients; its
-  activations are kept, so no memory is saved) and a :class:`RematInactiveWarning` says so once.
+- Under ``torch.func`` gradient transforms (``torch.func.grad``, ``vjp``, a compiled
+  :func:`funcamp.grad_and_value`, eager calls nested in another transform) torch 2.13 cannot
+  checkpoint at all: saved-tensor hooks are disabled there, and ``torch.utils.checkpoint`` raises
+  "torch.func transforms don't yet support saved tensor hooks". There the region runs without
+  recomputation (the same gradients; its activations are kept, so no memory is saved) and a
+  :class:`RematInactiveWarning` says so once. The compiled train step differentiates with traced
+  ``torch.autograd.grad`` (:mod:`funcamp._dynamo_autograd`): Dynamo traces the region as is, with
+  no warning, and its activations are kept there too.
 
 How: the first ``functionalize`` call wraps two private entry points of ``torch.utils.checkpoint``
 (``_checkpoint_without_reentrant_generator`` and ``CheckpointFunction``; both are looked up at call
@@ -56,7 +59,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from funcamp import _regions
+from funcamp import passes
 
 __all__ = ["Remat", "RematBudgetWarning", "RematInactiveWarning"]
 
@@ -76,7 +79,7 @@ class Remat:
     ``budget`` is the fraction of the bytes that the chosen modules' recomputed nodes would keep for the
     backward without remat that may still be kept, in ``[0, 1]``: ``0.0`` recomputes every one of them (the
     most memory saved, the default), ``1.0`` keeps them all (no memory saved, nothing recomputed). In the
-    compiled step (inductor, :class:`funcamp._regions.RematPass`) the backward-read values of all regions of
+    compiled step (inductor, :class:`funcamp.passes.RematPass`) the backward-read values of all regions of
     one budget are ranked by recompute cost per byte (matmul, convolution and attention FLOPs; other ops one
     per output element; a view's bytes counted on its base, and a view kept with it), and the costliest per
     byte are kept, in that order, while their bytes stay within ``budget`` times the total; the rest are
@@ -262,7 +265,7 @@ def _warn_inactive() -> None:
         _warned = True
         warnings.warn(
             "funcamp: a torch.utils.checkpoint region ran without recomputation, because torch.func "
-            "gradient transforms (the compiled train step, torch.func.grad) cannot use saved-tensor hooks "
+            "gradient transforms (torch.func.grad, a compiled funcamp.grad_and_value) cannot use saved-tensor hooks "
             "in this torch version. Gradients are unchanged; the region's activations are kept. Eager "
             "funcamp.grad_and_value and make_train_step(compile=False) do recompute.",
             RematInactiveWarning,
@@ -450,7 +453,7 @@ def wrap_forward(module: nn.Module, budget: float = 0.0) -> None:
     Set on the internal copy, over the casting wrapper if any (the input cast is recomputed too). With
     gradients off (inference, ``torch.no_grad``) the forward runs as is. RNG state is preserved
     (dropout masks are replayed), as torch's default. Under ``torch.compile`` the forward runs as is,
-    its nodes tagged (:func:`funcamp._regions.remat_region`): the compiled train step's graph pass
+    its nodes tagged (:func:`funcamp.passes.remat_region`): the compiled train step's graph pass
     recomputes them for the backward (inductor), and dynamo's activation-checkpoint operator, which
     refuses a forward that reassigns a buffer ("HOP: Unsafe side effect", the fp8 delayed state), is
     never used.
@@ -460,14 +463,14 @@ def wrap_forward(module: nn.Module, budget: float = 0.0) -> None:
     budget checkpoints the whole module, as ``0.0``.
     """
     forward = module.forward
-    region = _regions.new_region_id()
+    region = passes.new_region_id()
 
     @functools.wraps(forward)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if torch.compiler.is_compiling():  # tagged for the compiled step's recompute pass (funcamp._regions)
-            with _regions.remat_region(region, budget):
+        if torch.compiler.is_compiling():  # tagged for the compiled step's recompute pass (funcamp.passes)
+            with passes.remat_region(region, budget):
                 return forward(*args, **kwargs)
         if budget == 1.0:  # eager: keep every activation, as the compiled pass does at this budget
             return forward(*args, **kwargs)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -52,10 +52,15 @@ from funcamp.optim import _inplace
 from funcamp.optim.base import GradientTransformation, OptState, Params, Updates, mark_outermost
 from funcamp.optim.transforms import _map_n
 
-if TYPE_CHECKING:  # funcamp.sharding imports funcamp.optim: only the annotation names it
-    from funcamp.sharding import ShardLayout
-
 __all__ = ["KahanSummationState", "StochasticRoundingState", "kahan_summation", "stochastic_rounding"]
+
+
+class ElementOffsets(Protocol):
+    """What :func:`stochastic_rounding` needs of a layout (:class:`funcamp.sharding.ShardLayout` has it)."""
+
+    def element_offsets(self) -> Mapping[str, int]:
+        """Each parameter's (dotted name) first element in its whole tensor."""
+        ...
 
 
 class KahanSummationState(NamedTuple):
@@ -185,7 +190,7 @@ def kahan_summation(inner: GradientTransformation) -> GradientTransformation:
 
 
 def stochastic_rounding(
-    inner: GradientTransformation, seed: int = 0, *, layout: ShardLayout | None = None
+    inner: GradientTransformation, seed: int = 0, *, layout: ElementOffsets | None = None
 ) -> GradientTransformation:
     r"""Wrap ``inner`` so that bfloat16 parameters are rounded stochastically, exact in expectation.
 

@@ -534,7 +534,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool =
     return _inplace.in_place(GradientTransformation(init, update))
 
 
-def learning_rate(opt_state: Any) -> torch.Tensor:
+def learning_rate(opt_state: Any, *, device: torch.device | str | None = None) -> torch.Tensor:
     """Return the learning rate of the latest update recorded in an optimizer state.
 
     Searches ``opt_state`` (a state, or nested tuples, lists and dicts of states, as ``chain``
@@ -543,10 +543,13 @@ def learning_rate(opt_state: Any) -> torch.Tensor:
 
     Args:
       opt_state: an optimizer state.
+      device: where the NaN of a state without a rate is made (default: the device of the state's first
+        tensor; the CPU if it has none). A train step passes its parameters' device, so that nothing in
+        it is a host tensor.
     Returns:
       A 0-d float32 tensor: the rate used by the latest update (``schedule(0)`` before any update),
-      or NaN if the state holds no ``ScaleByLearningRateState`` (on the device of the state's first
-      tensor; CPU if it has none).
+      or NaN if the state holds no ``ScaleByLearningRateState`` (on ``device``, else the device of the
+      state's first tensor; CPU if it has none).
 
     Example:
       >>> import torch
@@ -559,8 +562,9 @@ def learning_rate(opt_state: Any) -> torch.Tensor:
     """
     found = _find_lr_state(opt_state)
     if found is None:
-        tensors = [x for x in _tree.tree_leaves(opt_state) if isinstance(x, torch.Tensor)]
-        device = tensors[0].device if tensors else None
+        if device is None:
+            tensors = [x for x in _tree.tree_leaves(opt_state) if isinstance(x, torch.Tensor)]
+            device = tensors[0].device if tensors else None
         return torch.full((), math.nan, dtype=torch.float32, device=device)
     return found.learning_rate
 

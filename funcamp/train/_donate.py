@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from funcamp import _tree
+from funcamp._errors import DonatedStateError
 from funcamp.optim import _inplace
 
 __all__ = [
@@ -45,10 +46,6 @@ __all__ = [
 ]
 
 _DONATED = "_funcamp_donated"
-
-
-class DonatedStateError(RuntimeError):
-    """A state given to a step built with ``donate=True`` was used again; use the state the step returned."""
 
 
 def mark_donated(state: Any) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from funcamp import _dynamo_autograd
+
 __all__ = ["add_known_fix"]
 
 _LOGGING = "logging.Logger method not supported"
@@ -26,11 +28,17 @@ def add_known_fix(error: BaseException) -> None:
 def known_fix(error: BaseException) -> str | None:
     """The note for ``error``, or None.
 
+    A custom ``torch.autograd.Function`` that Dynamo cannot trace: the note names it
+    (:func:`funcamp._dynamo_autograd.function_note`).
+
     A logging call inside the step (dynamo's "logging.Logger method not supported"): Hugging Face
     transformers' ``loss_function`` logs ``loss_type=None ... Using the default loss: ForCausalLMLoss`` at
     every call with ``labels=`` of a model whose class name maps to no loss type (``GPT2LMHeadModel``), so
     the note says how to avoid it; another logger gets the general fix.
     """
+    function = _dynamo_autograd.function_note(error)
+    if function is not None:
+        return function
     if not (getattr(error, "gb_type", None) or "").startswith(_LOGGING):
         return None
     message = str(error)

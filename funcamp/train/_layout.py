@@ -22,18 +22,48 @@ name and torchtitan's train loop does not know which parallelisms were applied.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from funcamp import _at_use, _tree, parallel, sharding
 from funcamp.policy import Policy, get_policy
 
-__all__ = ["DataParallel", "Sharded", "SingleProcess", "layout_from"]
+__all__ = ["BuildLayout", "DataParallel", "Sharded", "SingleProcess", "StageLayout", "layout_from"]
+
+
+class StageLayout(Protocol):
+    """What the stages (:mod:`funcamp.train._stages`) ask of a process layout, inside the step: where the
+    parameters come from, how gradients, sums, buffers and the verdict are reduced over the ranks."""
+
+    size: int
+
+    def gather(self, params: Any) -> Any: ...
+    def around_loss(self, fun: Callable[..., Any], loss_scale: torch.Tensor | None) -> Callable[..., Any]: ...
+    def weigh(self, grads: Any, count: torch.Tensor) -> Any: ...
+    def reduce_gradients(self, grads: Any, loss_scale: torch.Tensor | None) -> Any: ...
+    def sum(self, x: torch.Tensor) -> torch.Tensor: ...
+    def mean(self, x: torch.Tensor) -> torch.Tensor: ...
+    def stats(self, grads: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def reduce_buffers(self, buffers: Any, reductions: Any = None) -> Any: ...
+    def finish_params(self, params: Any) -> Any: ...
+    def distinct(self, grads: Any) -> Any: ...
+
+
+class BuildLayout(Protocol):
+    """What ``make_train_step`` asks of a layout on the host, before anything is traced."""
+
+    def check_ranks(self) -> None: ...
+    def check_state(self, state: Any) -> None: ...
 
 
 class SingleProcess:
     """One process: the gradients, losses, norms and buffers stay as they are.
+
+    The layout interface, split by caller: :class:`StageLayout` (the stages, inside the step),
+    :class:`BuildLayout` (``make_train_step``, on the host) and :class:`funcamp._scope.StepLayout` (the
+    optimizer's transforms, through :func:`funcamp._scope.current`); :class:`Sharded` adds
+    :class:`funcamp._scope.GathersAtUse` (``funcamp.nn``'s parameter uses). This class has them all.
 
     Example:
       >>> import torch
@@ -245,7 +275,7 @@ class Sharded(DataParallel):
         Each shard gets a reduce point and an up-front gather (:class:`funcamp._at_use.Uses`) that the loss
         is handed; :meth:`param_at_use` (``funcamp.nn.functionalize``'s hook) gathers a parameter again where
         its module uses it, so the up-front gather is dead code in the compiled graph wherever every use goes
-        through it, and :class:`funcamp._regions.RematPass` drops it. Each gradient is reduce-scattered once,
+        through it, and :class:`funcamp.passes.RematPass` drops it. Each gradient is reduce-scattered once,
         in its backward. A :class:`funcamp.LossSum`'s micro-batch mean is differentiated times its count
         (each rank's own weight must be applied before the reduction). Eager: as the other layouts.
         """

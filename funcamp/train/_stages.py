@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _scope, _tree
-from funcamp.grad import scaled_grad_and_value
+from funcamp.grad import _Route, scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, _inplace, apply_updates, learning_rate
 from funcamp.train import _loss
@@ -131,6 +131,7 @@ def gradients(
     accumulation_steps: int = 1,
     layout: SingleProcess = _ONE_PROCESS,
     buffer_reductions: Any = None,
+    route: _Route | None = None,
 ) -> Gradients:
     """The gradients of ``loss_fn`` on ``batch``, scaled by ``loss_scale``, unscaled in float32, over ``layout``.
 
@@ -152,6 +153,8 @@ def gradients(
       layout: the process layout (default one process).
       buffer_reductions: the buffers' reductions over ranks (``TrainState.buffer_reductions``: a buffer's
         dotted name -> ``"max"`` or ``"min"``; the others are averaged), or None.
+      route: how to differentiate (:data:`funcamp.grad._Route`); default ``torch.func``'s semantics. The
+        compiled step passes :data:`funcamp._dynamo_autograd.route`, traced ``torch.autograd.grad``.
     Returns:
       A :class:`Gradients`.
     Raises:
@@ -162,7 +165,7 @@ def gradients(
     with_buffers = buffers is not None
     scale = None if isinstance(loss_scale, NoOpLossScale) else loss_scale.loss_scale
     fun = _loss.as_differentiable(loss_fn, has_aux=has_aux, with_buffers=with_buffers)
-    grad_fn = scaled_grad_and_value(layout.around_loss(fun, scale), loss_scale, has_aux=True)
+    grad_fn = scaled_grad_and_value(layout.around_loss(fun, scale), loss_scale, has_aux=True, route=route)
     whole = layout.gather(params)
     new_buffers, total, losses, sums, aux = (buffers if with_buffers else ()), None, [], [], ()
     for mb in _loss.micro_batches(batch, accumulation_steps):
@@ -264,16 +267,24 @@ def metrics(state: TrainState, new_state: TrainState, loss: torch.Tensor, verdic
     device = state.step.device
     return {
         "loss": loss,
-        # On the parameters' device (state.step lives there): NoOpLossScale has no tensor to carry a
-        # device, and a stateless optimizer's learning_rate is a NaN made on the CPU.
-        "loss_scale": state.loss_scale.loss_scale.to(device),
+        # Made on the parameters' device (state.step lives there), not copied from the host: NoOpLossScale has
+        # no tensor to carry a device, and a stateless optimizer's state has none to place its NaN rate. A CPU
+        # constant copied in would be baked into a CUDA graph (funcamp.capture.check finds it).
+        "loss_scale": _scale_on(state.loss_scale, device),
         "grads_finite": verdict.finite,
         "grad_norm": verdict.grad_norm,
-        "learning_rate": learning_rate(opt_state).to(device),
+        "learning_rate": learning_rate(opt_state, device=device).to(device),
         "skipped_steps": new_state.skipped_steps,
         "consecutive_skips": new_state.consecutive_skips,
         "nonfinite_leaf": torch.where(flags.all(), -1, first_bad.to(torch.int32)),
     }
+
+
+def _scale_on(loss_scale: LossScale, device: torch.device) -> torch.Tensor:
+    """The loss scale's 0-d float32 value on ``device`` (NoOpLossScale's 1.0 made there)."""
+    if isinstance(loss_scale, NoOpLossScale):
+        return torch.ones((), dtype=torch.float32, device=device)
+    return loss_scale.loss_scale.to(device)
 
 
 class StepRecord(NamedTuple):
@@ -298,8 +309,11 @@ def run(
     has_aux: bool = False,
     accumulation_steps: int = 1,
     layout: SingleProcess = _ONE_PROCESS,
+    route: _Route | None = None,
 ) -> StepRecord:
     """One whole train step from the stages: gradients, cast, check, update, commit, metrics.
+
+    ``route`` is :func:`gradients`' (default ``torch.func``'s semantics).
 
     Returns:
       A :class:`StepRecord`; ``record.new_state`` and ``record.metrics`` are what the train step returns
@@ -315,6 +329,7 @@ def run(
         accumulation_steps=accumulation_steps,
         layout=layout,
         buffer_reductions=state.buffer_reductions,
+        route=route,
     )
     grads = cast_like(g.grads, state.params)
     verdict = check(grads, g.loss, layout)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _regions, _tree, numerics, sharding
+from funcamp import _dynamo_autograd, _tree, numerics, passes, sharding
 from funcamp.optim import GradientTransformation
 from funcamp.policy import Policy
 from funcamp.train import _donate, _hints, _layout, _loss, _probes, _stages
@@ -46,35 +46,23 @@ def make_train_step(
     the parameters' dtypes (the gradient of the mean loss). If every gradient and the loss are finite,
     the optimizer update is applied; otherwise params, buffers and the whole optimizer state (its step
     count too, so schedules do not advance) are kept bitwise. The loss scale is adjusted once per call.
-    ``state`` is never mutated.
+    ``state`` is never mutated (unless ``donate=True``). Nothing is read on the host. The guides:
+    docs/training.md (the step, its stages, ``LossSum``), docs/memory.md (donation), docs/parallel.md
+    (data parallel and sharded states), docs/telemetry.md.
 
     ``loss_fn`` is ``loss_fn(params, batch) -> loss`` when ``state.buffers`` is None, else
     ``loss_fn(params, buffers, batch) -> (loss, new_buffers)``; with ``has_aux`` the loss becomes
-    ``(loss, aux)``, i.e. ``(loss, aux)`` or ``((loss, aux), new_buffers)``. ``loss`` is a 0-d tensor, the
-    mean over its micro-batch: the step trains on the mean of the micro-batch means (and of the ranks'
-    means), which weighs items unequally when micro-batches hold different numbers of them (padding). Or
-    ``loss`` is a :class:`funcamp.LossSum` ``(total, count)``: the step trains on
-    ``sum(total) / sum(count)`` over every micro-batch and rank, the exact item mean of the whole batch.
+    ``(loss, aux)``. ``loss`` is a 0-d floating tensor (the micro-batch mean) or a :class:`funcamp.LossSum`
+    ``(total, count)`` (the step trains on ``sum(total) / sum(count)`` over micro-batches and ranks).
 
-    Metrics (0-d tensors on the parameters' device): ``loss`` (mean unscaled loss, float32; with a
-    ``LossSum``, the item mean of the whole batch),
-    ``loss_scale`` (the scale used this step), ``grads_finite``, ``grad_norm`` (global L2 norm of the
-    unscaled gradients, before any clipping), ``learning_rate`` (the rate this step used or would
-    have used), ``skipped_steps``, ``consecutive_skips``, ``nonfinite_leaf`` (index of the first
-    parameter whose gradient was not finite, -1 if none; see :func:`nonfinite_leaf_name`), and with
-    ``max_consecutive_skips`` also ``too_many_skips`` (bool; :func:`check_skips` raises on it). With
-    ``has_aux``, ``metrics["aux"]`` holds the last micro-batch's aux. With ``telemetry``, also the
-    ``numerics/...`` metrics of :mod:`funcamp.numerics` (per module group: gradient and weight amax,
-    the fractions of gradient elements that underflow or overflow in float16/bfloat16/fp8 before and
-    after loss scaling, exact zeros, the loss scale's headroom, a log2|g| histogram), computed every
-    ``every``-th step inside the same graph (``torch.cond``; zeros and ``numerics/active`` False on
-    the other steps).
-
-    Unlike ``torch.amp.GradScaler``, nothing is read on the host: pass metrics to a logger at its
-    own interval.
+    Metrics (0-d tensors on the parameters' device): ``loss`` (float32, unscaled), ``loss_scale`` (the one
+    used), ``grads_finite``, ``grad_norm`` (unscaled, before clipping), ``learning_rate``, ``skipped_steps``,
+    ``consecutive_skips``, ``nonfinite_leaf`` (:func:`nonfinite_leaf_name`); ``too_many_skips`` with
+    ``max_consecutive_skips`` (:func:`check_skips`); ``aux`` (the last micro-batch's) with ``has_aux``; the
+    ``numerics/...`` metrics of :mod:`funcamp.numerics` with ``telemetry``.
 
     Args:
-      loss_fn: the loss, see above; a 0-d floating tensor.
+      loss_fn: the loss, see above.
       optimizer: a :class:`funcamp.optim.GradientTransformation`.
       has_aux: whether the loss comes with aux data.
       accumulation_steps: micro-batches per step (>= 1); every batch leaf's first dimension must be
@@ -82,53 +70,20 @@ def make_train_step(
       max_consecutive_skips: report ``too_many_skips`` once this many steps in a row were skipped.
       compile: wrap the step in ``torch.compile(fullgraph=True)``.
       backend: the ``torch.compile`` backend (default inductor).
-      data_parallel: None or False (one process), True (the default ``torch.distributed`` process
-        group) or a process group: gradients are averaged over its ranks in ``policy.reduce_dtype``
-        and one ``grads_finite`` is agreed for all ranks, with functional collectives that ``torch.compile``
-        traces (see :mod:`funcamp.parallel`); floating buffers are averaged over the ranks in their
-        own dtype (DDP instead broadcasts rank 0's), except fp8 delayed-scaling state: amax histories
-        max-reduced, scales min-reduced (:func:`funcamp.parallel.reduce_buffers`).
-      policy: the precision policy (or string) whose ``reduce_dtype`` the gradients are averaged in;
-        default: each gradient's own dtype. Only used with ``data_parallel``.
-      telemetry: None (default: off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``:
-        module groups of depth 2, float16 and bfloat16, histograms) or a ``Telemetry``.
-      donate: write the next state into the given state's tensors (see below); default False, a pure step.
-      shard: None (default: the layout the state carries, ``state.shard``), or the
-        :class:`funcamp.sharding.ShardLayout` of a state made with ``TrainState.create(..., shard=layout)``,
-        which must then be the state's. A sharded state (ZeRO-3 / FSDP2-style sharded data parallelism over
-        the layout's group, see :mod:`funcamp.sharding`) needs neither ``shard=`` nor ``data_parallel=``:
-        the step all-gathers the parameters (in ``layout.gather_dtype``, default their own), computes the
-        gradients as above, reduce-scatters their mean in ``policy.reduce_dtype`` (loss scale on a narrower
-        wire), agrees one ``grads_finite`` and takes ``grad_norm`` over all shards, and updates only this
-        rank's shards. The metrics are the unsharded step's (``grad_norm`` to float32 round-off). The
-        optimizer is the one of an unsharded step: the loss and ``optimizer.update`` run within the step's
-        layout (:mod:`funcamp._scope`), so ``funcamp.optim.clip_by_global_norm`` takes the norm over all
-        shards and ``optim.stochastic_rounding`` hashes each element's index in the whole tensor (the
-        unsharded run's noise). The sharded layout checks (one ``all_gather_object``, at build time when
-        given, else at the first call) that every rank has the same layout and policy; that every rank
-        starts from the same parameters is checked by ``TrainState.create(shard=layout)``, where the
-        whole parameters are at hand.
-
-    With ``donate=True`` (JAX's ``donate_argnums``) the step writes the next state into the tensors of the
-    state it is given, and returns a state on those same tensors: compiled, the writes are input mutations
-    inside the one graph (the fused optimizer kernels write into the parameters and moments), so the old
-    and new state never exist at once; eagerly, funcamp's transforms and ``apply_updates`` write each new
-    moment and parameter into the given tensor as soon as it is computed and carry the updates in the
-    gradients' buffers (:mod:`funcamp.optim._inplace`; a user's own transform runs pure, and with
-    ``telemetry`` the new state is made first and copied). Every state leaf and metric is bitwise the
-    undonated step's; a skipped step leaves every value as it was. The given state is consumed: using it
-    again (a step, ``TrainState.replace``, ``funcamp.checkpoint.save``) raises
-    :class:`funcamp.train.DonatedStateError`, and the tensors you kept from it hold the new values. Each
-    call refuses state leaves that share storage or are a module's ``nn.Parameter``. ``TrainState.create``
-    keeps the tensors you give it, so a donating step overwrites the ``params`` dict's tensors you built the
-    state from, and a loss-scale object shared with another state: clone them to keep them.
-
-    The first call (host side, before anything is traced) takes the layout the state carries (made by
-    ``TrainState.create(shard=)`` or ``funcamp.checkpoint.load_sharded``) and checks the state; with
-    ``data_parallel`` and an unsharded state, one ``all_gather_object`` of a
-    float64 checksum per parameter (sum and sum of squares) refuses parameters that differ between
-    ranks (which would otherwise diverge silently: the gradients are averaged, the parameters never
-    compared). Later calls check nothing more.
+      data_parallel: None or False (one process), True (the default process group) or a process group:
+        gradients averaged over its ranks in ``policy.reduce_dtype``, one ``grads_finite`` for all ranks,
+        buffers reduced (:func:`funcamp.parallel.reduce_buffers`). At the first call a float64 checksum per
+        parameter (one ``all_gather_object``) refuses parameters that differ between ranks.
+      policy: the policy whose ``reduce_dtype`` the gradients are averaged in (default: each gradient's
+        own dtype); only with ``data_parallel`` or a sharded state.
+      telemetry: None (off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``) or a ``Telemetry``.
+      shard: None (default: the layout the state carries, ``state.shard``), or that same
+        :class:`funcamp.sharding.ShardLayout`. A sharded state needs neither ``shard=`` nor
+        ``data_parallel=``: the step gathers the parameters, reduce-scatters the gradients, agrees one
+        ``grads_finite``, takes ``grad_norm`` over all shards and updates this rank's shards; the metrics
+        are the unsharded step's (:mod:`funcamp.sharding`).
+      donate: write the next state into the given state's tensors, bitwise the pure step's; the given state
+        is consumed (using it again raises :class:`funcamp.train.DonatedStateError`). Default False.
     Returns:
       The step function.
     Raises:
@@ -162,11 +117,21 @@ def make_train_step(
     built = _layout.layout_from(data_parallel, shard, policy)
     run_as = _Assembly(built, _probes_for(built, max_consecutive_skips, has_aux, telemetry))
     built.check_ranks()
+    # Compiled, differentiate with traced torch.autograd.grad: torch.func's compiled grad ignores the backward
+    # of a custom autograd.Function applied to a parameter itself (funcamp._dynamo_autograd).
+    route = _dynamo_autograd.route if compile else None
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         layout = run_as.layout  # set by the first call's host-side check, before anything is traced
         record = _stages.run(
-            loss_fn, optimizer, state, batch, has_aux=has_aux, accumulation_steps=accumulation_steps, layout=layout
+            loss_fn,
+            optimizer,
+            state,
+            batch,
+            has_aux=has_aux,
+            accumulation_steps=accumulation_steps,
+            layout=layout,
+            route=route,
         )
         metrics = dict(record.metrics)
         for probe in run_as.probes:
@@ -186,7 +151,7 @@ def make_train_step(
     if compile:
         backend = backend or "inductor"
         options = _inductor_options() if backend == "inductor" else None  # None where torch lacks the option
-        compiled = torch.compile(body, fullgraph=True, backend=backend, options=options)
+        compiled = _dynamo_autograd.compile(body, fullgraph=True, backend=backend, options=options)
         run = _with_eager_errors(step, compiled, first_call)  # an eager re-run of an error writes nothing
     else:
         run = _with_checked_args(body, first_call)
@@ -220,7 +185,7 @@ def _probes_for(
 def _inductor_options() -> dict[str, Any] | None:
     """The inductor options of the compiled step: funcamp's graph pass, the backward's order kept, and a cache.
 
-    ``post_grad_custom_pre_pass``: :class:`funcamp._regions.RematPass` (``functionalize(remat=)`` regions
+    ``post_grad_custom_pre_pass``: :class:`funcamp.passes.RematPass` (``functionalize(remat=)`` regions
     recomputed, sharded gathers at use, large backward buffers made late). ``reorder_for_locality=False``: the
     step's forward and backward are traced into one graph without a forward/backward split, which inductor
     takes for an inference graph and reorders for locality, moving each node to just before its first user:
@@ -240,7 +205,7 @@ def _inductor_options() -> dict[str, Any] | None:
     """
     from torch._inductor import config as inductor_config
 
-    remat = {"post_grad_custom_pre_pass": _regions.RematPass(), "reorder_for_locality": False}
+    remat = {"post_grad_custom_pre_pass": passes.RematPass(), "reorder_for_locality": False}
     if not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # older torch: no such option
         return remat
     methods = (getattr(torch.Tensor, name, None) for name in _PYTHON_TENSOR_MATH)
@@ -399,7 +364,7 @@ def _with_eager_errors(
                 held.records.clear()  # the fake-tensor traceback of the same error: noise
                 error.add_note(EAGER_RERUN_NOTE)
                 raise error from None
-            _hints.add_known_fix(dynamo_error)  # a compile failure with a known fix (transformers' logging)
+            _hints.add_known_fix(dynamo_error)  # a known fix (transformers' logging, an untraceable Function)
             raise dynamo_error
         finally:
             logger.removeFilter(held)

@@ -1,0 +1,140 @@
+"""The compiled train step's differentiation: ``torch.autograd.grad`` traced by Dynamo, so that every custom
+``torch.autograd.Function``'s backward is the one used.
+
+torch 2.13's ``torch.compile(torch.func.grad(f))`` differentiates the *forward* of a custom Function applied to
+a differentiated input itself, silently (pytorch/pytorch#193279): a straight-through estimator on a float32
+parameter trains with the rounding's zero derivative, a gradient reversal with the wrong sign, a Function with
+saved tensors with its forward's derivative. Dynamo-traced ``torch.autograd.grad`` (its
+``trace_autograd_ops`` setting) uses the Function's backward wherever it is applied, under aot_eager and
+inductor, and its graph is the same single graph (:func:`funcamp.grad._autograd_route`).
+
+:func:`compile` is ``torch.compile`` with that setting switched on while the compiled function traces, and
+only then: ``torch._dynamo.config.patch`` around each call, never a process-wide change (another compiled
+function in the process keeps Dynamo's default). AOTAutograd's pass that recomputes
+``torch.utils.checkpoint`` regions in such graphs is switched off in the same scope (:data:`_AS_TORCH_FUNC`).
+:data:`route` is the route the compiled step differentiates with; the public
+:func:`funcamp.grad_and_value` keeps ``torch.func``'s (it composes with ``vmap``).
+
+A Function whose forward or backward Dynamo cannot trace (a ``print``, an ``.item()``, a call into another
+library) is refused by ``fullgraph=True`` with Dynamo's error at the line in question; :func:`function_note`
+adds a note naming the Function and what to do, rather than differentiating its forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from funcamp.grad import _autograd_route
+
+__all__ = ["compile", "function_note", "route"]
+
+#: The compiled step's route (:data:`funcamp.grad._Route`): ``torch.autograd.grad`` on detached inputs.
+route = _autograd_route
+
+#: AOTAutograd's settings that differ for a graph with a traced ``torch.autograd.grad``, kept as they act on
+#: torch.func's graph: its pass that recomputes ``torch.utils.checkpoint`` regions in a forward-loss-backward
+#: graph (``remat_using_tags_for_fwd_loss_bwd_graph``) refuses a region holding dropout ("does not support RNG
+#: ops in recompute regions"); under torch.func the step kept those regions' activations, as it still does
+#: (funcamp's own ``functionalize(remat=)`` is :class:`funcamp._regions.RematPass`'s, not this pass's).
+_AS_TORCH_FUNC = {"remat_using_tags_for_fwd_loss_bwd_graph": False}
+
+_FUNCTION_OP = "autograd.Function"  # the higher-order operator Dynamo names in a Function's trace errors
+
+
+def compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``torch.compile(fn, **options)``, traced with ``torch._dynamo.config.trace_autograd_ops`` on.
+
+    The setting is patched around each call (a retrace after a guard failure sees it too) and restored after;
+    the calls that do not trace pay one context manager. Same arguments and errors as ``torch.compile``.
+    """
+    compiled = torch.compile(fn, **options)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with (
+            torch._dynamo.config.patch(trace_autograd_ops=True),
+            torch._functorch.config.patch(**_AS_TORCH_FUNC),
+        ):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def function_note(error: BaseException) -> str | None:
+    """A note for a compile failure met while tracing the loss's backward, naming the user's Function, or None.
+
+    Two forms are recognised. Dynamo names the higher-order operator (``autograd.Function``) when it cannot
+    trace a Function's ``forward`` or ``backward`` (a ``print``, a call into another library): the Function is
+    the subclass whose method holds the last line of the error's user stack that lies in one. An error whose
+    user stack ends at the step's ``torch.autograd.grad`` (``.item()`` in a backward, say) happened while the
+    backward was traced: the note says so, without a name.
+    """
+    message = str(error)
+    frames = _user_frames(message)
+    if _FUNCTION_OP in message:
+        where = next((_describe(f) for f in reversed(frames) if f[2] in _METHODS), None)
+        name = f"the torch.autograd.Function {where}" if where else "a torch.autograd.Function"
+        return (
+            f"funcamp: torch.compile cannot trace {name} in the loss, so the compiled step cannot use its "
+            f"backward, and refuses rather than differentiate its forward. {_FIX}"
+        )
+    if frames and frames[-1][0].endswith(_GRAD_FILE) and "torch.autograd.grad(" in frames[-1][3]:
+        return (
+            "funcamp: torch.compile failed while tracing the backward of the loss (torch.autograd.grad in the "
+            "step), where every custom torch.autograd.Function's backward is traced; if the loss applies one, "
+            f"its backward is the likely cause. {_FIX}"
+        )
+    return None
+
+
+_FIX = (
+    "Make its forward and backward traceable (no print, .item(), numpy or other host work), or run "
+    "make_train_step(..., compile=False), which uses its backward eagerly"
+)
+_GRAD_FILE = "funcamp/grad.py"
+_METHODS = ("forward", "setup_context", "backward")
+
+
+def _user_frames(message: str) -> list[tuple[str, int, str, str]]:
+    """``(path, line, function, source)`` of each ``File "...", line N, in f`` frame of ``message``."""
+    frames, lines = [], message.splitlines()
+    for i, line in enumerate(lines):
+        text = line.strip()
+        if not text.startswith('File "'):
+            continue
+        try:
+            path, rest = text[len('File "') :].split('", line ', 1)
+            lineno, function = rest.split(", in ", 1)
+            frames.append((path, int(lineno), function, lines[i + 1].strip() if i + 1 < len(lines) else ""))
+        except ValueError:
+            continue
+    return frames
+
+
+def _describe(frame: tuple[str, int, str, str]) -> str:
+    path, lineno, method, _ = frame
+    owner = _owner(path, lineno, method)
+    return f"{owner}.{method} ({path}:{lineno})" if owner else f"{method} ({path}:{lineno})"
+
+
+def _owner(path: str, lineno: int, method: str) -> str | None:
+    """The qualified name of the ``torch.autograd.Function`` subclass whose ``method`` spans ``path:lineno``."""
+    pending, seen = list(torch.autograd.Function.__subclasses__()), set()
+    while pending:
+        cls = pending.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        pending.extend(cls.__subclasses__())
+        code = getattr(cls.__dict__.get(method), "__func__", cls.__dict__.get(method))
+        code = getattr(code, "__code__", None)
+        if code is None or code.co_filename != path:
+            continue
+        lines = [line for _, _, line in code.co_lines() if line is not None]
+        if lines and min(lines + [code.co_firstlineno]) <= lineno <= max(lines):
+            return cls.__qualname__
+    return None

@@ -1,0 +1,26 @@
+"""Graph passes on the compiled train step: activation checkpointing and gathers at use inside one graph.
+
+While ``torch.compile`` traces the step, :mod:`funcamp.passes.tags` tags nodes (the forward and the backward,
+the checkpointed regions, the sharded parameters' gathers); :class:`RematPass`, an inductor
+``post_grad_custom_pre_pass`` (:mod:`funcamp.passes.pipeline`), then runs the sub-passes in order, one file each:
+
+- ``remat_regions`` (:mod:`~funcamp.passes.remat_regions`): what the backward recomputes of each region;
+- ``remat_budget`` (:mod:`~funcamp.passes.remat_budget`): what a region's memory budget keeps instead;
+- ``sharded_gathers`` (:mod:`~funcamp.passes.sharded_gathers`): the gathers recomputed for the backward,
+  unused ones dropped, the rest moved to their user;
+- ``casts_at_use`` (:mod:`~funcamp.passes.casts_at_use`): the parameters' casts made at their first use;
+- ``late_constructors`` (:mod:`~funcamp.passes.late_constructors`): a large backward constructor waits for the
+  gradient.
+
+The copies are made by :mod:`funcamp.passes.recompute` and wait through :mod:`funcamp.passes.gates`. Every pass
+keeps the values bitwise (README.md in this package states the rules); ``FUNCAMP_PASSES_OFF=name,...`` turns
+passes off for debugging.
+
+Limits: inductor's caches key on the graph's code, which does not show the tags, so in a process that has made
+a region the compiled steps bypass those caches (:meth:`RematPass.uuid`).
+"""
+
+from funcamp.passes.pipeline import NAMES, RematPass
+from funcamp.passes.tags import gather_region, new_region_id, phase, remat_region
+
+__all__ = ["NAMES", "RematPass", "gather_region", "new_region_id", "phase", "remat_region"]

@@ -1,0 +1,595 @@
+"""A differential tester of the train step: draw a configuration, run it, compare it with the eager reference.
+
+A :class:`Config` picks one value per feature of the step (optimizer chain and wrappers, accumulation, a mean or
+a :class:`funcamp.LossSum`, ``has_aux`` with aux that aliases the state, buffers, frozen and int8 storage, fp8
+recipes, remat and budgets, donation, telemetry, the skip limit, the backend) and a poisoned step or none.
+:func:`configs` is the hypothesis strategy over them; :func:`check` runs one and raises :class:`Mismatch` with
+every difference it finds. Only public API is used (``funcamp``, ``funcamp.optim``, ``funcamp.nn``), plus
+``tests/_reference_step.py``, the frozen copy of the step before the stages redesign.
+
+What is compared (the documented equalities):
+
+* ``R``, the reference: ``tests/_reference_step.make_train_step(compile=False)`` on the model without ``remat``
+  (eager remat gives gradients bitwise those without it, docs/module.md), pure, with the same loss, optimizer,
+  accumulation, aux, skip limit and telemetry.
+* ``T``, the configuration's step. Eager: every state leaf and metric bitwise ``R``'s (docs/memory.md: donation
+  is bitwise the undonated step; docs/module.md: eager remat is bitwise; tests/test_stages.py: the assembled step
+  is bitwise the reference). Compiled: within :data:`BOUNDS` of ``R`` (the bounds tests/test_train.py states for
+  compiled against eager), the discrete values (``grads_finite``, counters, the loss scale, ``step``) exactly;
+  and where the docs promise bitwise equality between two compiled steps (donation: docs/memory.md; remat with
+  float32 compute or under aot_eager, where nothing is recomputed: docs/module.md), bitwise the same backend's
+  step without donation and remat (``C``).
+* Aliasing (docs/training.md, docs/memory.md): a pure step never changes its input state or batch, not even at
+  later steps; a donating step returns a state on the given state's tensors and the given state is consumed
+  (``TrainState.replace`` raises ``DonatedStateError``); every metric and aux leaf, read after the whole run,
+  holds what its step used (compared with ``R``'s).
+* A compiled step does not recompile after its first call (DESIGN.md), over skips and scale changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import _reference_step as reference
+import optree
+import torch
+from hypothesis import strategies as st
+
+import funcamp as fa
+from funcamp import optim
+from funcamp.nn import Remat
+from funcamp.quant import Int8WeightOnlyConfig
+from funcamp.train import DonatedStateError
+
+STEPS = 3
+BATCH = 16
+#: ``loss="sum_half"``: the total and count times this (counts of 259 to 555, most not bfloat16 numbers).
+COUNT_FACTOR = 37
+HALF = {"float32": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The ``loss`` metric against the float64 item mean (docs/numerics.md, token-weighted losses: float32 round-off).
+LOSS_RTOL = 2.0**-18
+
+#: Compiled against eager: (rtol, atol) by backend, as tests/test_train.py states them (aot_eager: float32
+#: round-off over a few steps; inductor: its fused kernels keep half-precision chains in float32).
+BOUNDS = {"aot_eager": (1e-5, 1e-6), "inductor": (2e-2, 2e-3)}
+#: In half-precision compute a compiled step rounds at other points than the eager one: the inductor bound.
+HALF_BOUND = (2e-2, 2e-3)
+
+
+class Pair(NamedTuple):
+    """A NamedTuple in the aux (aux nesting)."""
+
+    weight: Any
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One point of the feature space (printable, hashable)."""
+
+    compute: str = "float32"  # compute dtype: float32, bfloat16, float16
+    params: str = "float32"  # master dtype: float32, bfloat16 (bfloat16 with bfloat16 compute only)
+    loss_scale: tuple = ("none",)  # ("none",), ("static", log2), ("dynamic", log2, period)
+    opt: tuple = ("sgd", 0.1, None, False)  # see build_optimizer
+    k: int = 1  # accumulation_steps
+    loss: str = "mean"  # mean, sum (LossSum) or sum_half (LossSum of a half total, see COUNT_FACTOR)
+    aux: str | None = None  # None or a key of AUX
+    batchnorm: bool = False  # BatchNorm1d running statistics as buffers
+    frozen: bool = False  # fc2 frozen
+    int8: bool = False  # fc2.weight stored in int8 (frozen)
+    fp8: str | None = None  # None, tensorwise, rowwise, delayed
+    remat: float | None = None  # None or the budget of Remat("block", budget)
+    donate: bool = False
+    telemetry: int | None = None
+    skips: int | None = None  # max_consecutive_skips
+    backend: str = "eager"  # eager, aot_eager, inductor
+    poison: tuple | None = None  # None or (step, value): value (inf/nan) in the first micro-batch of that step
+
+    @property
+    def with_buffers(self) -> bool:
+        return self.batchnorm or self.fp8 == "delayed"
+
+    def policy(self) -> str:
+        text = f"params={self.params},compute={self.compute},output=float32"
+        return text + (f",fp8={self.fp8}" if self.fp8 else "")
+
+    def short(self) -> str:
+        """The fields that differ from the defaults, as ``Config(...)`` source."""
+        default = Config()
+        parts = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
+        return f"Config({', '.join(parts)})"
+
+
+class Net(torch.nn.Module):
+    """A tiny model with every kind of part the features act on (16 wide: fp8's matmul needs multiples of 16)."""
+
+    def __init__(self, batchnorm: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc1 = torch.nn.Linear(6, 16)
+        self.norm = torch.nn.BatchNorm1d(16) if batchnorm else torch.nn.LayerNorm(16)
+        self.block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())  # the remat target
+        self.fc2 = torch.nn.Linear(16, 16)  # the frozen / int8 one
+        self.head = torch.nn.Linear(16, 3)
+        self.temperature = torch.nn.Parameter(torch.tensor(2.0))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (0.5 if p.ndim > 1 else 0.1))
+            self.temperature.fill_(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.relu(self.fc1(x)))
+        h = h + self.block(h)
+        return self.head(torch.tanh(self.fc2(h))) / self.temperature
+
+
+def _aux(kind: str, params: dict, buffers: Any, logits: torch.Tensor, count: torch.Tensor) -> Any:
+    if kind == "param":
+        return params["temperature"]
+    if kind == "view":
+        return params["fc1.weight"].t()
+    if kind == "slice":
+        return params["head.weight"][1:]
+    if kind == "detached":
+        return params["fc1.bias"].detach()
+    if kind == "nested":
+        return {
+            "t": params["temperature"],
+            "rows": [params["head.weight"][0], (params["fc1.bias"],)],
+            "pair": Pair(params["head.bias"], logits.detach().mean()),
+        }
+    if kind == "values":
+        return {"mean": logits.detach().mean(), "count": count}
+    if kind == "buffer":  # a state buffer as given, and one as the forward left it
+        return {"given": buffers["norm.running_mean"], "calls": buffers["norm.num_batches_tracked"]}
+    raise ValueError(kind)
+
+
+AUX = ("param", "view", "slice", "detached", "nested", "values", "buffer")
+
+
+def _lr(spec: Any) -> Any:
+    if isinstance(spec, float):
+        return spec
+    if spec[0] == "warmup":
+        return optim.linear_warmup(0.0, spec[1], 2)
+    if spec[0] == "cosine":
+        return optim.warmup_cosine_decay(spec[1], warmup=1, total=4)
+    raise ValueError(spec)
+
+
+def _per_leaf(fn: Callable[[str, torch.Tensor], Any]) -> Callable[[dict], dict]:
+    """A mask or label function of the tree it is given: inside a group, the other group's leaves are None."""
+    return lambda tree: {n: (None if p is None else fn(n, p)) for n, p in tree.items()}
+
+
+def build_optimizer(spec: tuple, params: dict) -> optim.GradientTransformation:
+    """The optimizer a spec names: ``("sgd", lr, momentum, nesterov)``, ``("adam", lr)``, ``("adamw", lr, wd)``,
+    ``("lion", lr)``, ``("clip", max_norm, inner)``, ``("chain", a, b)``, ``("multi", a, b, unused)`` (``a`` on
+    matrices, ``b`` on the rest, and a label no parameter carries when ``unused``), ``("masked", inner)`` (inner
+    on matrices, the rest passed through), ``("zero_frozen", inner)`` (set_to_zero on the temperature),
+    ``("kahan", inner)``, ``("sr", inner)`` (bfloat16 masters)."""
+    name = spec[0]
+    if name == "sgd":
+        return optim.sgd(_lr(spec[1]), spec[2], spec[3])
+    if name == "adam":
+        return optim.adam(_lr(spec[1]))
+    if name == "adamw":
+        return optim.adamw(_lr(spec[1]), weight_decay=spec[2])
+    if name == "lion":
+        return optim.lion(_lr(spec[1]))
+    if name == "clip":
+        return optim.chain(optim.clip_by_global_norm(spec[1]), build_optimizer(spec[2], params))
+    if name == "chain":
+        return optim.chain(build_optimizer(spec[1], params), build_optimizer(spec[2], params))
+    if name == "multi":
+        labels = _per_leaf(lambda name, p: "a" if p.ndim > 1 else "b")
+        groups = {"a": build_optimizer(spec[1], params), "b": build_optimizer(spec[2], params)}
+        if spec[3]:
+            groups["unused"] = optim.sgd(1.0)
+        return optim.multi_transform(groups, labels)
+    if name == "masked":
+        return optim.masked(build_optimizer(spec[1], params), _per_leaf(lambda name, p: p.ndim > 1))
+    if name == "zero_frozen":
+        labels = _per_leaf(lambda name, p: "zero" if name == "temperature" else "rest")
+        return optim.multi_transform({"zero": optim.set_to_zero(), "rest": build_optimizer(spec[1], params)}, labels)
+    if name == "kahan":
+        return optim.kahan_summation(build_optimizer(spec[1], params))
+    if name == "sr":
+        return optim.stochastic_rounding(build_optimizer(spec[1], params))
+    raise ValueError(spec)
+
+
+def _loss_scale(spec: tuple) -> fa.LossScale:
+    if spec[0] == "none":
+        return fa.NoOpLossScale()
+    if spec[0] == "static":
+        return fa.StaticLossScale(2.0 ** spec[1])
+    return fa.DynamicLossScale(2.0 ** spec[1], period=spec[2])
+
+
+class Built(NamedTuple):
+    """What one configuration trains: the loss functions (with and without remat), the start and the batches."""
+
+    loss_fn: Callable[..., Any]
+    loss_fn_plain: Callable[..., Any]  # the same model without remat: what the reference step runs
+    params: dict
+    buffers: Any
+    batches: list
+
+
+def _functional(cfg: Config, remat: Any) -> Any:
+    model = Net(cfg.batchnorm)
+    kwargs: dict[str, Any] = {}
+    if cfg.frozen or cfg.int8:
+        kwargs["trainable"] = lambda name, tensor: not name.startswith("fc2.")
+    if cfg.int8:
+        kwargs["quantize"] = Int8WeightOnlyConfig(targets="fc2")
+    if remat is not None:
+        kwargs["remat"] = Remat("block", budget=remat)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fa.nn.RematBudgetWarning)
+        return fa.nn.functionalize(model, cfg.policy(), training=True, with_buffers=cfg.with_buffers, **kwargs)
+
+
+def _loss_fn(cfg: Config, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def body(params: dict, buffers: Any, batch: dict) -> Any:
+        if cfg.with_buffers:
+            logits, new_buffers = apply_fn(params, buffers, batch["x"])
+        else:
+            logits, new_buffers = apply_fn(params, batch["x"]), None
+        # Zero unless poisoned: then the loss and the head bias's gradient are not finite.
+        trap = params["head.bias"].sum() * batch["poison"].mean()
+        y = batch["y"]
+        count = (y != -100).sum()
+        if cfg.loss == "sum":
+            total = torch.nn.functional.cross_entropy(logits, y, reduction="sum") + trap
+            loss = fa.LossSum(total, count)
+        elif cfg.loss == "sum_half":  # a half-precision total and an integer count past 256 (odd: not bfloat16)
+            total = torch.nn.functional.cross_entropy(logits, y, reduction="sum") * COUNT_FACTOR + trap
+            loss = fa.LossSum(total.to(HALF[cfg.compute]), count * COUNT_FACTOR)
+        else:
+            loss = torch.nn.functional.cross_entropy(logits, y.clamp(min=0)) + trap
+        out = (loss, _aux(cfg.aux, params, buffers, logits, count)) if cfg.aux else loss
+        return (out, new_buffers) if cfg.with_buffers else out
+
+    if cfg.with_buffers:
+        return body
+    return lambda params, batch: body(params, None, batch)
+
+
+def _batches(cfg: Config) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(STEPS):
+        y = torch.randint(0, 3, (BATCH,), generator=g)
+        y[: i + 1] = -100  # uneven padding: the micro-batches hold different counts
+        poison = torch.zeros(BATCH)
+        if cfg.poison is not None and cfg.poison[0] == i:
+            poison[: BATCH // 2] = cfg.poison[1]  # in the first micro-batch only
+        out.append({"x": torch.randn(BATCH, 6, generator=g), "y": y, "poison": poison})
+    return out
+
+
+def build(cfg: Config) -> Built:
+    """The model, losses, start and batches of ``cfg``; nothing compiled yet."""
+    made = _functional(cfg, cfg.remat)
+    plain = made if cfg.remat is None else _functional(cfg, None)
+    params = made[1]
+    buffers = made[2] if cfg.with_buffers else None
+    return Built(_loss_fn(cfg, made[0]), _loss_fn(cfg, plain[0]), params, buffers, _batches(cfg))
+
+
+def _clone(tree: Any) -> Any:
+    return optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree, namespace="funcamp")
+
+
+def fresh_state(cfg: Config, built: Built) -> fa.TrainState:
+    params = _clone(built.params)
+    return fa.TrainState.create(
+        params,
+        build_optimizer(cfg.opt, params),
+        loss_scale=_loss_scale(cfg.loss_scale),
+        buffers=_clone(built.buffers),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- comparison
+
+
+class Mismatch(AssertionError):
+    """A configuration broke a documented equality or aliasing rule; the message lists every difference."""
+
+
+def _leaves(tree: Any) -> list[tuple[str, Any]]:
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace="funcamp")
+    return [(".".join(map(str, p)), x) for p, x in zip(paths, leaves)]
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return (
+        torch.equal(nan, b.isnan())
+        and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+        and torch.equal(a.signbit() | nan, b.signbit() | nan)
+    )
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple[bool, float]:
+    """Within ``atol + rtol * |b|`` where finite, the same non-finite values elsewhere; the worst excess."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False, math.inf
+    if not a.is_floating_point():
+        return torch.equal(a, b), 0.0 if torch.equal(a, b) else math.inf
+    a64, b64 = a.double(), b.double()
+    fa_, fb = torch.isfinite(a64), torch.isfinite(b64)
+    if not torch.equal(fa_, fb) or not _bitwise(a[~fa_], b[~fb]):
+        return False, math.inf
+    if not fa_.any():
+        return True, 0.0
+    err = (a64 - b64).abs()[fa_]
+    allowed = atol + rtol * b64.abs()[fa_]
+    worst = float((err / allowed).max())
+    return worst <= 1.0, worst
+
+
+_DISCRETE = ("grads_finite", "skipped_steps", "consecutive_skips", "too_many_skips", "nonfinite_leaf", "step")
+
+
+def compare(got: Any, want: Any, where: str, bound: tuple[float, float] | None, problems: list[str]) -> None:
+    """Append to ``problems`` every leaf of ``got`` that differs from ``want`` (bitwise, or within ``bound``)."""
+    lg, lw = _leaves(got), _leaves(want)
+    if [p for p, _ in lg] != [p for p, _ in lw]:
+        problems.append(f"{where}: structure {[p for p, _ in lg]} != {[p for p, _ in lw]}")
+        return
+    for (path, x), (_, y) in zip(lg, lw):
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            if x != y:
+                problems.append(f"{where}.{path}: {x!r} != {y!r}")
+            continue
+        discrete = any(name in path for name in _DISCRETE) or "loss_scale" in path or "counter" in path
+        if bound is None or discrete or not x.is_floating_point():
+            if not _bitwise(x, y):
+                problems.append(f"{where}.{path}: not bitwise: {_show(x)} vs {_show(y)}")
+            continue
+        ok, worst = _close(x, y, *bound)
+        if not ok:
+            problems.append(f"{where}.{path}: {worst:.3g}x the bound {bound}: {_show(x)} vs {_show(y)}")
+
+
+def _show(x: torch.Tensor) -> str:
+    if x.numel() == 1:
+        return f"{x.item()!r} ({x.dtype})"
+    if x.is_floating_point():
+        return f"{x.dtype}{list(x.shape)} first {x.flatten()[:3].tolist()}"
+    return f"{x.dtype}{list(x.shape)}"
+
+
+def _run(step: Callable[..., Any], state: fa.TrainState, batches: list, *, pure: bool, donate: bool,
+         compiled: bool, problems: list[str], label: str) -> list[tuple[Any, dict]]:  # fmt: skip
+    """Run ``step`` over ``batches``, checking the aliasing rules at every call; the states and metrics."""
+    history: list[tuple[Any, dict]] = []
+    first_state, first_snapshot = state, _clone(state)
+    for i, batch in enumerate(batches):
+        before_state, before_batch = _clone(state), _clone(batch)
+        ptrs = [x.data_ptr() for _, x in _leaves(state.params)]
+        if compiled and i > 0:
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                new, metrics = step(state, batch)
+        else:
+            new, metrics = step(state, batch)
+        compare(batch, before_batch, f"{label} step {i}: the batch after the call", None, problems)
+        if pure:
+            compare(state, before_state, f"{label} step {i}: the input state after the call", None, problems)
+        if donate:
+            if [x.data_ptr() for _, x in _leaves(new.params)] != ptrs:
+                problems.append(f"{label} step {i}: the donating step's new params are not the given tensors")
+            try:
+                state.replace(step=state.step)
+            except DonatedStateError:
+                pass
+            else:
+                problems.append(f"{label} step {i}: the donated state was not marked consumed")
+        # A donating step's next call writes into this state's tensors: keep what it held now.
+        history.append((_clone(new) if donate else new, metrics))
+        state = new
+    if pure:
+        compare(first_state, first_snapshot, f"{label}: the first state after the whole run", None, problems)
+    return history
+
+
+def _compare_runs(got: list, want: list, label: str, bound: Any, problems: list[str]) -> None:
+    for i, ((s1, m1), (s2, m2)) in enumerate(zip(got, want)):
+        if list(m1) != list(m2):
+            problems.append(f"{label} step {i}: metric names {list(m1)} != {list(m2)}")
+            continue
+        compare(s1, s2, f"{label} step {i} state", bound, problems)
+        compare(m1, m2, f"{label} step {i} metrics", bound, problems)
+
+
+def _make(cfg: Config, loss_fn: Callable[..., Any], opt_params: dict, *, backend: str, donate: bool) -> Any:
+    opt = build_optimizer(cfg.opt, opt_params)
+    kwargs = dict(has_aux=cfg.aux is not None, accumulation_steps=cfg.k, max_consecutive_skips=cfg.skips,
+                  telemetry=cfg.telemetry)  # fmt: skip
+    if backend == "eager":
+        return fa.make_train_step(loss_fn, opt, compile=False, donate=donate, **kwargs)
+    return fa.make_train_step(loss_fn, opt, backend=backend, donate=donate, **kwargs)
+
+
+def bound_for(cfg: Config) -> tuple[float, float] | None:
+    """The documented equality of ``cfg``'s step with the eager reference: None (bitwise) or (rtol, atol)."""
+    if cfg.backend == "eager":
+        return None
+    if cfg.compute != "float32" or cfg.params != "float32" or cfg.fp8 or cfg.int8:
+        return max(BOUNDS[cfg.backend], HALF_BOUND)
+    return BOUNDS[cfg.backend]
+
+
+def check(cfg: Config) -> dict[str, Any]:
+    """Run ``cfg`` and its reference; raise :class:`Mismatch` listing every broken rule. Returns a summary."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fa.nn.RematBudgetWarning)  # an eager budget in (0, 1) says it ran as 0
+        return _check(cfg)
+
+
+def _check(cfg: Config) -> dict[str, Any]:
+    validate(cfg)
+    built = build(cfg)
+    problems: list[str] = []
+    ref_step = reference.make_train_step(
+        built.loss_fn_plain, build_optimizer(cfg.opt, built.params), has_aux=cfg.aux is not None,
+        accumulation_steps=cfg.k, max_consecutive_skips=cfg.skips, compile=False, telemetry=cfg.telemetry,
+    )  # fmt: skip
+    want = _run(ref_step, fresh_state(cfg, built), built.batches, pure=True, donate=False, compiled=False,
+                problems=problems, label="reference")  # fmt: skip
+    _check_loss_metric(cfg, built, fresh_state(cfg, built), want, problems)
+    compiled = cfg.backend != "eager"
+    if compiled:
+        torch._dynamo.reset()  # each configuration compiles its own step (no recompile limit reached across them)
+    step = _make(cfg, built.loss_fn, built.params, backend=cfg.backend, donate=cfg.donate)
+    got = _run(step, fresh_state(cfg, built), built.batches, pure=not cfg.donate, donate=cfg.donate,
+               compiled=compiled, problems=problems, label="step")  # fmt: skip
+    _compare_runs(got, want, "step vs reference", bound_for(cfg), problems)
+    companion = compiled and (cfg.donate or cfg.remat is not None)
+    if companion:  # bitwise the same backend's step without donation and remat, where the docs promise it
+        promised = cfg.donate and (cfg.remat is None or _remat_bitwise(cfg))
+        promised = promised or (not cfg.donate and _remat_bitwise(cfg))
+        if promised:
+            plain = build(dataclasses.replace(cfg, remat=None))
+            torch._dynamo.reset()
+            step_c = _make(cfg, plain.loss_fn, plain.params, backend=cfg.backend, donate=False)
+            base = _run(step_c, fresh_state(cfg, plain), plain.batches, pure=True, donate=False, compiled=True,
+                        problems=problems, label="companion")  # fmt: skip
+            _compare_runs(got, base, "step vs the same backend without donate/remat", None, problems)
+    if problems:
+        raise Mismatch(f"{cfg.short()}: {len(problems)} problem(s):\n  " + "\n  ".join(problems[:30]))
+    finite = [bool(m["grads_finite"]) for _, m in got]
+    return {"finite": finite, "loss": [float(m["loss"]) for _, m in got]}
+
+
+def _check_loss_metric(cfg: Config, built: Built, start: Any, want: list, problems: list[str]) -> None:
+    """The reference's ``loss`` metric against a float64 oracle computed here: the mean of the micro-batch
+    losses, or a LossSum's ``sum(total) / sum(count)`` (the step's LossSum arithmetic is shared with the
+    reference, so only an oracle sees a fault there)."""
+    for i, batch in enumerate(built.batches):
+        state = start if i == 0 else want[i - 1][0]
+        buffers, totals, counts, means = state.buffers, [], [], []
+        with torch.no_grad():
+            for mb in _micro_batches(batch, cfg.k):
+                if cfg.with_buffers:
+                    out, buffers = built.loss_fn_plain(state.params, buffers, mb)
+                else:
+                    out = built.loss_fn_plain(state.params, mb)
+                loss = out[0] if cfg.aux else out
+                if cfg.loss == "mean":
+                    means.append(loss.double())
+                else:
+                    totals.append(loss.total.double())
+                    counts.append(torch.as_tensor(loss.count).double())
+        oracle = float(sum(means) / len(means) if means else sum(totals) / sum(counts))
+        got = float(want[i][1]["loss"])
+        if math.isfinite(oracle) and not abs(got - oracle) <= LOSS_RTOL * abs(oracle):
+            problems.append(f"reference step {i}: loss metric {got!r}, float64 oracle {oracle!r}")
+
+
+def _micro_batches(batch: dict, k: int) -> list[dict]:
+    chunks = {name: x.chunk(k) for name, x in batch.items()}
+    return [{name: c[j] for name, c in chunks.items()} for j in range(k)]
+
+
+def _remat_bitwise(cfg: Config) -> bool:
+    """Remat is bitwise the step without it: eagerly always; compiled with float32 compute, or under aot_eager
+    (nothing is recomputed)."""
+    if cfg.remat is None or cfg.backend in ("eager", "aot_eager"):
+        return True
+    return cfg.compute == "float32" and cfg.params == "float32" and cfg.fp8 is None
+
+
+def validate(cfg: Config) -> None:
+    """Refuse a configuration outside the space (the strategy never draws one)."""
+    if cfg.aux == "buffer" and not cfg.batchnorm:
+        raise ValueError("aux='buffer' needs batchnorm")
+    if cfg.params == "bfloat16" and cfg.compute != "bfloat16":
+        raise ValueError("bfloat16 masters with bfloat16 compute only")
+    if cfg.opt[0] in ("kahan", "sr") and cfg.params != "bfloat16":
+        raise ValueError("kahan/sr wrap bfloat16 masters")
+
+
+# ---------------------------------------------------------------------------------------------- the space
+
+
+def _lrs(peak: float) -> st.SearchStrategy:
+    return st.sampled_from([peak, ("warmup", peak), ("cosine", peak)])
+
+
+def _base() -> st.SearchStrategy:
+    return st.one_of(
+        st.tuples(st.just("sgd"), _lrs(0.1), st.sampled_from([None, 0.9]), st.booleans()).map(
+            lambda t: t if t[2] else (t[0], t[1], t[2], False)
+        ),
+        st.tuples(st.just("adam"), _lrs(1e-2)),
+        st.tuples(st.just("adamw"), _lrs(1e-2), st.sampled_from([0.0, 0.1])),
+        st.tuples(st.just("lion"), _lrs(1e-3)),
+    )
+
+
+def _optimizers() -> st.SearchStrategy:
+    def wrap(inner: st.SearchStrategy) -> st.SearchStrategy:
+        return st.one_of(
+            st.tuples(st.just("clip"), st.sampled_from([1e-3, 1.0]), inner),
+            st.tuples(st.just("chain"), st.just(("sgd", 0.0, None, False)), inner),
+            st.tuples(st.just("multi"), inner, inner, st.booleans()),
+            st.tuples(st.just("masked"), inner),
+            st.tuples(st.just("zero_frozen"), inner),
+        )
+
+    return st.recursive(_base(), wrap, max_leaves=3)
+
+
+@st.composite
+def configs(draw: Any, backends: tuple[str, ...] = ("eager", "aot_eager", "inductor")) -> Config:
+    """Configurations over the whole space the tester knows (hypothesis strategy)."""
+    compute = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
+    params = draw(st.sampled_from(["float32", "bfloat16"])) if compute == "bfloat16" else "float32"
+    opt = draw(_optimizers())
+    if params == "bfloat16" and draw(st.booleans()):
+        opt = (draw(st.sampled_from(["kahan", "sr"])), opt)
+    batchnorm = draw(st.booleans())
+    int8 = draw(st.booleans())
+    return Config(
+        compute=compute,
+        params=params,
+        loss_scale=draw(
+            st.one_of(
+                st.just(("none",)),
+                st.tuples(st.just("static"), st.sampled_from([0, 8])),
+                st.tuples(st.just("dynamic"), st.sampled_from([0, 8, 15]), st.sampled_from([1, 2])),
+            )
+        ),
+        opt=opt,
+        k=draw(st.sampled_from([1, 2])),
+        loss=draw(st.sampled_from(["mean", "sum", "sum_half"])),
+        aux=draw(st.sampled_from([None, *(a for a in AUX if batchnorm or a != "buffer")])),
+        batchnorm=batchnorm,
+        frozen=int8 or draw(st.booleans()),
+        int8=int8,
+        fp8=draw(st.sampled_from([None, "tensorwise", "rowwise", "delayed"])),
+        remat=draw(st.sampled_from([None, 0.0, 0.5, 1.0])),
+        donate=draw(st.booleans()),
+        telemetry=draw(st.sampled_from([None, 1, 2])),
+        skips=draw(st.sampled_from([None, 1])),
+        backend=draw(st.sampled_from(backends)),
+        poison=draw(st.sampled_from([None, (1, math.inf), (0, math.nan), (2, -math.inf)])),
+    )

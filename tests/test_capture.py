@@ -1,0 +1,139 @@
+"""funcamp.capture: what CUDA-graph capture forbids is found on the CPU; the wrapper falls back in one message.
+
+The check traces steps with make_fx over fake tensors (nothing computed, nothing compiled). Each planted fault
+(a ``.item()`` in the loss, a CPU counter in a device state, ``torch.nonzero``, a host-side RNG call, an explicit
+generator, a Python branch on a value, a CPU constant, telemetry's ``torch.cond``) must be reported with its kind
+and its source line; the main job's GPT step (bf16 compute, DynamicLossScale, clip + AdamW on a warmup-cosine
+schedule, dropout) must pass, and so must a NoOpLossScale step (its constant 1.0 used to be made on the CPU).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import funcamp as fa
+from funcamp import capture, optim
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from gpt import GPT, config_for  # noqa: E402
+
+OPT = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine_decay(1e-3, warmup=2, total=10)))
+PARAMS = {"w": torch.randn(4, 3), "b": torch.zeros(3)}
+BATCH = {"x": torch.randn(8, 4), "y": torch.randn(8, 3)}
+THIS = Path(__file__).name
+
+
+def mse(p, b):
+    return ((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2).mean()
+
+
+def state(loss_scale=None):
+    return fa.TrainState.create(PARAMS, OPT, loss_scale=loss_scale or fa.DynamicLossScale(2.0**15))
+
+
+def report_for(loss_fn, **kwargs):
+    step = fa.make_train_step(loss_fn, OPT, compile=False, **kwargs)
+    return capture.check(step, state(), BATCH)
+
+
+def test_main_job_gpt_step_is_capturable():
+    """The main job's step, traced for a device: nothing capture forbids; dropout's draws are counted."""
+    model = GPT(config_for("tiny", dropout=0.1))
+    apply_fn, params = fa.nn.functionalize(model, "params=float32,compute=bfloat16,output=float32")
+
+    def loss_fn(p, b):
+        return F.cross_entropy(apply_fn(p, b["inputs"]).flatten(0, 1), b["targets"].flatten())
+
+    opt = optim.chain(
+        optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine_decay(3e-4, 10, 100), weight_decay=0.1)
+    )
+    st = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15))
+    tokens = torch.randint(0, 256, (4, 33))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    report = capture.check(fa.make_train_step(loss_fn, opt, compile=False), st, batch)
+    assert report.ok, str(report)
+    assert report.random_ops > 0  # dropout was traced (from the default generator: graph-safe)
+    assert str(report).startswith("capturable")
+
+
+def test_noop_loss_scale_and_stateless_rate_are_made_on_the_device():
+    """NoOpLossScale's 1.0 and a stateless optimizer's NaN rate: made on the step's device, not copied in."""
+    assert capture.check(fa.make_train_step(mse, OPT, compile=False), state(fa.NoOpLossScale()), BATCH).ok
+    sgd = optim.scale(-0.1)  # no learning-rate state: the NaN rate
+    st = fa.TrainState.create(PARAMS, sgd)
+    assert capture.check(fa.make_train_step(mse, sgd, compile=False), st, BATCH).ok
+
+
+PLANTED = {
+    "host sync": lambda p, b: mse(p, b) * (1 + 0 * mse(p, b).detach().item()),
+    "data-dependent shape": lambda p, b: mse(p, b) + 0.0 * torch.nonzero(b["x"] > 0).float().sum(),
+    "rng state": lambda p, b: (torch.manual_seed(0), mse(p, b))[1],
+    "generator": lambda p, b: mse(p, b) + 0 * torch.rand(3, generator=torch.Generator(), device=b["x"].device).sum(),
+    "host branch": lambda p, b: mse(p, b) if mse(p, b) > 0 else -mse(p, b),
+    "cpu tensor": lambda p, b: mse(p, b) * torch.tensor(2.0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_planted_violation_is_found_with_its_line(kind):
+    report = report_for(PLANTED[kind])
+    assert not report.ok
+    assert kind in report.kinds(), str(report)
+    assert any(v.kind == kind and THIS in v.where for v in report.violations), str(report)
+
+
+def test_cuda_rng_state_read_is_found():
+    report = report_for(lambda p, b: (torch.cuda.get_rng_state(), mse(p, b))[1])
+    assert any(v.kind == "rng state" and v.op == "torch.cuda.get_rng_state" for v in report.violations), str(report)
+
+
+def test_cpu_counter_in_a_device_state_is_found_by_path():
+    st = state()
+    report = capture.check(fa.make_train_step(mse, OPT, compile=False), st, BATCH, keep_on_host=[st.step])
+    assert capture.Violation("cpu tensor", "input", "args[0].step") in report.violations, str(report)
+
+
+def test_telemetry_cond_is_found():
+    """Telemetry's every-N-steps ``torch.cond``: inductor reads its predicate on the host."""
+    report = report_for(mse, telemetry=2)
+    assert report.kinds() == {"cond"}, str(report)
+
+
+def test_check_refuses_a_non_callable():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        capture.check(None, state(), BATCH)
+
+
+# --- the wrapper, where no CUDA device is: one message, the step runs uncaptured -----------------------------
+
+
+def test_cuda_graph_without_cuda_warns_once_and_runs_the_step():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; tests/test_cuda.py covers the captured step")
+    step = fa.make_train_step(mse, OPT, compile=False, donate=True)
+    plain = fa.make_train_step(mse, OPT, compile=False)
+    wrapped = capture.cuda_graph(step)
+    ref = fa.TrainState.create({k: v.clone() for k, v in PARAMS.items()}, OPT, loss_scale=fa.DynamicLossScale(2.0**15))
+    st = fa.TrainState.create({k: v.clone() for k, v in PARAMS.items()}, OPT, loss_scale=fa.DynamicLossScale(2.0**15))
+    with pytest.warns(capture.CaptureWarning, match="CUDA is not available") as record:
+        for _ in range(3):
+            st, metrics = wrapped(st, BATCH)
+            ref, ref_metrics = plain(ref, BATCH)
+    assert len(record) == 1
+    assert wrapped.reason is not None and not wrapped.captured and wrapped.replays == 0
+    for k in PARAMS:
+        torch.testing.assert_close(st.params[k], ref.params[k], rtol=0, atol=0)
+    assert metrics["loss"].item() == ref_metrics["loss"].item()
+
+
+def test_cuda_graph_refuses_bad_arguments():
+    with pytest.raises(TypeError, match="step must be callable"):
+        capture.cuda_graph(None)
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+        capture.cuda_graph(lambda s, b: (s, {}), warmup=0)
