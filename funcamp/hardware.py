@@ -20,8 +20,9 @@ half dtype is fast.
 
 :func:`capability` is the part of it that times nothing: the facts alone (CUDA compute capability; a CPU
 without oneDNN half kernels), and otherwise the half dtypes worth measuring. The main job's ``--policy
-auto`` starts from it and, where the facts do not decide, times the real train step
-(:func:`funcamp.tune.choose_compute_dtype`) instead of a matmul.
+auto`` starts from it and, where the facts do not decide, times one repeated block's kernels in each
+candidate dtype (:func:`funcamp.tune.choose_compute_dtype` with :func:`funcamp.tune.block_probe`) instead of
+a matmul.
 """
 
 from __future__ import annotations

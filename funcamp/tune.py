@@ -341,6 +341,10 @@ def _setting(value: Any, depth: int) -> Any:
         return type(value).__qualname__
     if isinstance(value, nn.Module):  # a module held outside _modules (a plain list or dict, an attribute)
         return ["module", *_module_signature(value)]
+    if isinstance(value, (list, tuple, set, frozenset, Mapping)) and len(value) > 64:  # a table: its digest
+        text = repr(sorted(map(repr, value))) if isinstance(value, (set, frozenset)) else repr(value)  # hash order
+        digest = hashlib.sha256(_ADDRESS.sub("", text).encode()).hexdigest()[:16]
+        return [type(value).__qualname__, len(value), digest]
     if isinstance(value, (list, tuple, set, frozenset)):
         items = [_setting(v, depth + 1) for v in value]
         return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
