@@ -159,7 +159,7 @@ def worker(out: str) -> None:
         logits = apply_fn(p, batch["x"])
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
 
-    step = fa.make_train_step(loss_fn, opt, data_parallel=group, shard=layout, compile=False)
+    step = fa.make_train_step(loss_fn, opt, compile=False)  # the layout and its group: the state's
     sent = {"wire": 0}
     originals = {n: getattr(funcol, n) for n in ("all_gather_single", "reduce_scatter_single")}
 
@@ -290,15 +290,13 @@ def memory_worker(variant: str, out: str, time_steps: int, model_name: str, laye
 
         layout = sharding.shard_layout(params, group, gather_dtype=torch.bfloat16)
         fopt = optim.adamw(1e-3, weight_decay=0.1)
-        box = [fa.TrainState.create(params, fopt, shard=layout)]
+        box = [fa.TrainState.create(params, fopt, shard=layout, policy=policy)]
         del params
         from torch._inductor import config as inductor_config
 
         overlap = OVERLAP.get(variant.split("_")[-1], {})
         inductor_config.patch(overlap).__enter__()  # this process compiles once, with these passes
-        train_step = fa.make_train_step(
-            loss_fn, fopt, data_parallel=group, policy=policy, shard=layout, donate="donate" in variant
-        )
+        train_step = fa.make_train_step(loss_fn, fopt, donate="donate" in variant)  # the layout: the state's
 
         def step(batch: Any) -> None:
             box[0], _ = train_step(box[0], batch)

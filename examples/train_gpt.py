@@ -338,7 +338,14 @@ def build_run(
     loss_scale = make_loss_scale(args.loss_scale, policy, args.init_scale, args.scale_period)
     reductions = getattr(apply_fn, "buffer_reductions", None)  # --fp8 delayed: amaxes max-, scales min-reduced
     state = fa.TrainState.create(
-        params, optimizer, loss_scale=loss_scale, buffers=buffers, shard=layout, buffer_reductions=reductions
+        params,
+        optimizer,
+        loss_scale=loss_scale,
+        buffers=buffers,
+        shard=layout,
+        buffer_reductions=reductions,
+        data_parallel=distributed,  # gradients averaged over the ranks in policy.reduce_dtype
+        policy=policy,
     )  # the state carries the layout: the step, the clip and stochastic rounding take it from there
     train_step = fa.make_train_step(
         loss_fn,
@@ -346,8 +353,6 @@ def build_run(
         max_consecutive_skips=args.max_consecutive_skips,
         compile=args.compile,
         backend=args.backend,
-        data_parallel=distributed,  # gradients averaged over the ranks in policy.reduce_dtype
-        policy=policy,
         telemetry=args.telemetry_every or None,  # numerics/... metrics every N steps, in the same graph
     )
     return SimpleNamespace(

@@ -39,7 +39,7 @@ route = _autograd_route
 #: torch.func's graph: its pass that recomputes ``torch.utils.checkpoint`` regions in a forward-loss-backward
 #: graph (``remat_using_tags_for_fwd_loss_bwd_graph``) refuses a region holding dropout ("does not support RNG
 #: ops in recompute regions"); under torch.func the step kept those regions' activations, as it still does
-#: (funcamp's own ``functionalize(remat=)`` is :class:`funcamp._regions.RematPass`'s, not this pass's).
+#: (funcamp's own ``functionalize(remat=)`` is :class:`funcamp.passes.RematPass`'s, not this pass's).
 _AS_TORCH_FUNC = {"remat_using_tags_for_fwd_loss_bwd_graph": False}
 
 _FUNCTION_OP = "autograd.Function"  # the higher-order operator Dynamo names in a Function's trace errors

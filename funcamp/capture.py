@@ -29,6 +29,8 @@ data-dependent shapes (``nonzero``, ``masked_select``), RNG state calls and expl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -37,8 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _tree
-from funcamp.train import _donate
-from funcamp.train._state import TrainState
+from funcamp._errors import check_not_donated, mark_donated
 
 __all__ = ["CaptureReport", "CaptureWarning", "CapturedStep", "Violation", "check", "cuda_graph"]
 
@@ -153,6 +154,7 @@ class CapturedStep:
     def _record(self, state: Any, batch: Any) -> tuple[Any, Any]:
         # A new container on the same tensors: recording marks it donated, not the caller's state (which an
         # uncaptured run after a failed recording still needs).
+        check_not_donated(state, "train_step")
         proxy = _tree.tree_map(lambda x: x, state)
         batch_leaves, batch_spec = _tree.tree_flatten(batch)
         static = [x.clone() if isinstance(x, torch.Tensor) else x for x in batch_leaves]
@@ -170,8 +172,7 @@ class CapturedStep:
         return self._replay(state, batch, self._recorded)
 
     def _replay(self, state: Any, batch: Any, recorded: _Recorded) -> tuple[Any, Any]:
-        if isinstance(state, TrainState):
-            _donate.check_not_donated(state, "train_step")
+        check_not_donated(state, "train_step")
         for dst, src in zip(recorded.batch_leaves, _tree.tree_leaves(batch)):
             if isinstance(dst, torch.Tensor) and dst is not src:
                 dst.copy_(src, non_blocking=True)
@@ -179,8 +180,8 @@ class CapturedStep:
         self.replays += 1
         metrics = _tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, recorded.metrics)
         new_state = _tree.tree_map(lambda x: x, state)
-        if isinstance(state, TrainState):
-            _donate.mark_donated(state)
+        if dataclasses.is_dataclass(state):  # a TrainState: consumed, as the donating step marks it
+            mark_donated(state)
         return new_state, metrics
 
     def _give_up_if(self, why: str | None) -> bool:
@@ -194,7 +195,15 @@ class CapturedStep:
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
-            warnings.warn(message, CaptureWarning, stacklevel=2)
+            warnings.warn(message, CaptureWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside this module (the user's call of the step)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _first_line(error: BaseException) -> str:
@@ -316,14 +325,6 @@ class CaptureReport(NamedTuple):
 
 
 _HOST_SYNC_OPS = ("_local_scalar_dense", "item", "is_nonzero", "equal", "allclose")
-_RNG_STATE_FUNCTIONS = (
-    (torch, ("get_rng_state", "set_rng_state", "manual_seed", "seed", "initial_seed")),
-    (torch.random, ("get_rng_state", "set_rng_state", "manual_seed", "seed", "fork_rng")),
-    (
-        torch.cuda,
-        ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "manual_seed", "seed"),
-    ),
-)
 _STAND_IN = torch.device("meta")
 #: torch's tracing code, which saves and restores the RNG state while it traces (not in the traced step).
 _TRACING_MACHINERY = (
@@ -392,6 +393,8 @@ def check(fn: Callable[..., Any], *args: Any, keep_on_host: Any = ()) -> Capture
             graph = make_fx(flat, record_stack_traces=True)(*[fake[i] for i in tensor_at])
         except GuardOnDataDependentSymNode as error:
             found.append(Violation("host branch", "bool(tensor) / a Python branch on a value", _frame_of(error)))
+        except _TraceStopped:  # recorded where it stopped
+            pass
     if graph is not None:
         found += _inputs_on_host(graph, [paths[i] for i in tensor_at])
         found += _graph_violations(graph)
@@ -399,16 +402,11 @@ def check(fn: Callable[..., Any], *args: Any, keep_on_host: Any = ()) -> Capture
     return CaptureReport(tuple(dict.fromkeys(found)), random_ops, graph)
 
 
-@contextlib.contextmanager
-def _as_compiling() -> Iterator[None]:
-    """Within: ``torch.compiler.is_compiling()`` is True, so that the step takes the path Dynamo traces (its
-    eager-only checks, which may read values, stay out; ``torch.cond`` where the compiled step has it)."""
-    saved = torch.compiler.is_compiling
-    torch.compiler.is_compiling = lambda: True
-    try:
-        yield
-    finally:
-        torch.compiler.is_compiling = saved
+def _as_compiling() -> Any:
+    """Within: ``torch.compiler.is_compiling()`` is True (torch's own flag, as non-strict export sets it), so that
+    the step takes the path Dynamo traces: its eager-only checks, which may read values, stay out, and
+    ``torch.cond`` is where the compiled step has it."""
+    return torch.compiler._compile_session_context()
 
 
 @contextlib.contextmanager
@@ -435,32 +433,70 @@ def _fake(x: torch.Tensor, on_host: bool) -> torch.Tensor:
     return out.requires_grad_(x.requires_grad)
 
 
+class _TraceStopped(Exception):
+    """Raised into the traced step where it cannot go on (a CUDA RNG state call on a CPU build), after recording."""
+
+
+class _RecordingGenerator:
+    """Stands in for ``torch.random``'s default generator: its state calls are recorded and do nothing."""
+
+    _STATE = ("get_state", "set_state", "manual_seed", "seed", "initial_seed", "graphsafe_get_state")
+
+    def __init__(self, real: Any, found: list[Violation]) -> None:
+        self._real, self._found = real, found
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr not in self._STATE:
+            return getattr(self._real, attr)
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            _record_rng_call(self._found, "torch")
+            return torch.zeros(16, dtype=torch.uint8) if attr.endswith("get_state") else 0
+
+        return record
+
+
 @contextlib.contextmanager
 def _recording_rng_state(found: list[Violation]) -> Iterator[None]:
-    """Within: torch's RNG state functions record a violation and do nothing (restored after)."""
-    saved = []
-    for module, names in _RNG_STATE_FUNCTIONS:
-        for name in names:
-            if hasattr(module, name):
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, _recorder(f"{module.__name__}.{name}", found))
+    """Within: RNG state calls (``torch.get_rng_state``, ``set_rng_state``, ``manual_seed``, ``fork_rng``, and
+    ``torch.cuda``'s) record a violation instead of running. Only the generator object that ``torch.random``'s
+    functions read and the CUDA initialisers that ``torch.cuda.random``'s read are swapped: the functions themselves
+    keep their identity, which Dynamo's tables hold."""
+    import torch.cuda.random as cuda_random
+
+    def lazy_call(*args: Any, **kwargs: Any) -> None:  # torch.cuda.manual_seed(_all), set_rng_state, seed
+        _record_rng_call(found, "torch.cuda")
+
+    def lazy_init() -> None:  # torch.cuda.get_rng_state, initial_seed: no state to return on a CPU build
+        _record_rng_call(found, "torch.cuda")
+        raise _TraceStopped
+
+    saved = (torch.random.default_generator, cuda_random._lazy_call, cuda_random._lazy_init)
+    torch.random.default_generator = _RecordingGenerator(saved[0], found)
+    cuda_random._lazy_call, cuda_random._lazy_init = lazy_call, lazy_init
     try:
         yield
     finally:
-        for module, name, original in saved:
-            setattr(module, name, original)
+        torch.random.default_generator, cuda_random._lazy_call, cuda_random._lazy_init = saved
 
 
-def _recorder(name: str, found: list[Violation]) -> Callable[..., Any]:
-    def record(*args: Any, **kwargs: Any) -> Any:
-        stack = traceback.extract_stack()[:-1]
-        if not any(part in stack[-1].filename for part in _TRACING_MACHINERY):  # torch.cond's own save/restore
-            found.append(Violation("rng state", name, _user_frame(stack)))
-        if name.endswith("fork_rng"):
-            return contextlib.nullcontext()
-        return torch.zeros(16, dtype=torch.uint8) if name.endswith("get_rng_state") else None
+#: torch's wrappers around its RNG functions (``torch._disable_dynamo``): not the caller.
+_WRAPPERS = ("torch/_compile.py", "torch/_dynamo/eval_frame.py")
 
-    return record
+
+def _record_rng_call(found: list[Violation], module: str) -> None:
+    """Record the RNG state function (of ``torch.random`` or ``torch.cuda.random``) that is running."""
+    stack = traceback.extract_stack()[:-2]
+    inside = [i for i, f in enumerate(stack) if f.filename.endswith(("torch/random.py", "torch/cuda/random.py"))]
+    if not inside:
+        return
+    first = inside[0]  # the outermost RNG function: torch.manual_seed, not the torch.cuda call it makes
+    if module == "torch.cuda" and stack[first].filename.endswith("torch/random.py"):
+        return
+    callers = [f for f in stack[:first] if not f.filename.endswith(_WRAPPERS)]  # past torch's disable-Dynamo wrapper
+    if callers and any(part in callers[-1].filename for part in _TRACING_MACHINERY):  # torch.cond's own save/restore
+        return
+    found.append(Violation("rng state", f"{module}.{stack[first].name}", _user_frame(stack[:first])))
 
 
 def _inputs_on_host(graph: Any, paths: list[str]) -> list[Violation]:

@@ -360,6 +360,13 @@ def compare(got: Any, want: Any, where: str, bound: tuple[float, float] | None, 
                 problems.append(f"{where}.{path}: {x!r} != {y!r}")
             continue
         discrete = any(name in path for name in _DISCRETE) or "loss_scale" in path or "counter" in path
+        if bound is not None and "numerics/" in path and not x.is_floating_point() and x.shape == y.shape:
+            # Telemetry counts (the log2 histogram) bin floating values: within a bound, a value near a bin's
+            # edge may move to the next bin. The same total, and at most 1% of it (+2) moved.
+            moved = int((x.long() - y.long()).abs().sum())
+            if int(x.sum()) != int(y.sum()) or moved > 2 * (int(y.sum()) // 100 + 2):
+                problems.append(f"{where}.{path}: counts moved {moved} of {int(y.sum())}: {_show(x)} vs {_show(y)}")
+            continue
         if bound is None or discrete or not x.is_floating_point():
             if not _bitwise(x, y):
                 problems.append(f"{where}.{path}: not bitwise: {_show(x)} vs {_show(y)}")
@@ -555,7 +562,9 @@ def _optimizers() -> st.SearchStrategy:
             st.tuples(st.just("zero_frozen"), inner),
         )
 
-    return st.recursive(_base(), wrap, max_leaves=3)
+    base = _base()
+    once = wrap(base)
+    return st.one_of(base, once, wrap(st.one_of(base, once)))  # (st.recursive warns: wrap's branches are tuples)
 
 
 @st.composite

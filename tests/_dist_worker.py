@@ -121,13 +121,13 @@ def run(
     opt = _optimizer(cfg["opt"])
     scale = fa.DynamicLossScale(cfg["scale"]) if cfg["scale"] else fa.NoOpLossScale()
     buffers = {"mean": torch.zeros(F_IN), "count": torch.zeros((), dtype=torch.int32)} if cfg.get("buffers") else None
-    state = fa.TrainState.create(params, opt, loss_scale=scale, buffers=buffers)
+    state = fa.TrainState.create(
+        params, opt, loss_scale=scale, buffers=buffers, data_parallel=data_parallel, policy=policy
+    )
     step = fa.make_train_step(
         make_buffer_loss_fn(policy) if buffers else make_loss_fn(policy),
         opt,
         accumulation_steps=accumulation_steps or cfg["k"],
-        data_parallel=data_parallel,
-        policy=policy,
         compile=compile_backend is not None,
         backend=compile_backend,
     )
@@ -214,10 +214,8 @@ def main(out: str) -> None:
     # gradients are views of one buffer (torch.cond refused them as aliased operands before).
     policy = fa.get_policy("f32")
     opt = optim.sgd(0.1)
-    state = fa.TrainState.create(params, opt)
-    step = fa.make_train_step(
-        make_loss_fn(policy), opt, policy=policy, data_parallel=True, telemetry=2, backend="aot_eager"
-    )
+    state = fa.TrainState.create(params, opt, data_parallel=True, policy=policy)
+    step = fa.make_train_step(make_loss_fn(policy), opt, telemetry=2, backend="aot_eager")
     results["telemetry"] = []
     for batch in batches()[:2]:
         state, metrics = step(state, shard(batch, rank))
@@ -311,12 +309,12 @@ def overflow_grads(rank: int) -> torch.Tensor:
 
 def _steps(loss_fn, policy, scale, batch, group, steps=1, compile_backend=None) -> list[dict[str, Any]]:
     opt = optim.sgd(1.0)
-    state = fa.TrainState.create({"w": torch.zeros(batch[next(iter(batch))].shape)}, opt, loss_scale=scale)
+    state = fa.TrainState.create(
+        {"w": torch.zeros(batch[next(iter(batch))].shape)}, opt, loss_scale=scale, data_parallel=group, policy=policy
+    )
     step = fa.make_train_step(
         loss_fn,
         opt,
-        data_parallel=group,
-        policy=policy,
         compile=compile_backend is not None,
         backend=compile_backend,
     )

@@ -18,7 +18,9 @@ just before its own backward. The copies wait for the loss's gradient (through o
 neither run them during the forward nor fuse them into the forward's kernels. The copies compute the same ops
 on the same inputs, so gradients are bitwise those without remat. Random ops (dropout masks) and ops that write
 to their inputs are never copied: their results are kept, so masks are replayed; a dropout draw (0 or 1) is
-kept as a bool. Where torch has no ``annotate`` (before 2.9) nothing is tagged and the pass does nothing.
+kept as a bool. Inductor's own draws (``inductor_random``, from a seed it looks up per draw) are copied with
+their seed kept, which draws the same values again. Where torch has no ``annotate`` (before 2.9) nothing is
+tagged and the pass does nothing.
 A region with an activation memory budget (``funcamp.nn.Remat(modules, budget=b)``, a second tag) keeps the
 fraction ``b`` of the bytes it would recompute, the values costliest to recompute per byte first
 (:func:`_kept`), and recomputes the rest from them.
@@ -108,7 +110,16 @@ def _recomputable(node: torch.fx.Node) -> bool:
     ):
         return False
     tags_of_op = getattr(target, "tags", ())
+    if isinstance(target, torch._ops.OpOverload) and target.name() in _KEPT_SEED_OPS:
+        return False
     return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
+
+
+#: Inductor's per-draw seed (``replace_random`` turns ``aten.rand``, e.g. ``native_dropout``'s decomposition
+#: in a graph with a traced ``torch.autograd.grad``, into ``inductor_random(size, inductor_lookup_seed(seeds,
+#: i))``): not tagged as seeded, but a copy reading a gated seeds buffer fails to lower ("NotImplementedError:
+#: Pointwise"). Kept from the forward; the draw itself is recomputed from the same seed, so the same values.
+_KEPT_SEED_OPS = frozenset({"prims::inductor_lookup_seed"})
 
 
 def _view_ops() -> frozenset[Any]:

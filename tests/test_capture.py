@@ -70,6 +70,19 @@ def test_noop_loss_scale_and_stateless_rate_are_made_on_the_device():
     assert capture.check(fa.make_train_step(mse, sgd, compile=False), st, BATCH).ok
 
 
+@pytest.mark.parametrize("wrap", ["stochastic_rounding", "kahan_summation"])
+def test_bf16_master_steps_are_capturable(wrap):
+    """Stochastic rounding draws from a counter-based hash (no generator, no RNG state): nothing to object to."""
+    params = {k: v.bfloat16() for k, v in PARAMS.items()}
+    opt = getattr(optim, wrap)(optim.adamw(1e-3), **({"seed": 0} if wrap == "stochastic_rounding" else {}))
+
+    def loss_fn(p, b):
+        return ((b["x"].bfloat16() @ p["w"] + p["b"] - b["y"].bfloat16()) ** 2).float().mean()
+
+    report = capture.check(fa.make_train_step(loss_fn, opt, compile=False), fa.TrainState.create(params, opt), BATCH)
+    assert report.ok and report.random_ops == 0, str(report)
+
+
 PLANTED = {
     "host sync": lambda p, b: mse(p, b) * (1 + 0 * mse(p, b).detach().item()),
     "data-dependent shape": lambda p, b: mse(p, b) + 0.0 * torch.nonzero(b["x"] > 0).float().sum(),
@@ -97,6 +110,15 @@ def test_cpu_counter_in_a_device_state_is_found_by_path():
     st = state()
     report = capture.check(fa.make_train_step(mse, OPT, compile=False), st, BATCH, keep_on_host=[st.step])
     assert capture.Violation("cpu tensor", "input", "args[0].step") in report.violations, str(report)
+
+
+def test_check_leaves_torch_as_it_was():
+    """The check swaps torch's default generator (for torch.random's functions) and sets the compiling flag only
+    while it traces: after it, both are torch's own and Dynamo still folds is_compiling() in a compiled function."""
+    assert "rng state" in report_for(PLANTED["rng state"]).kinds()
+    assert torch.random.default_generator is torch.default_generator and not torch.compiler.is_compiling()
+    fn = torch.compile(lambda x: x + 1 if torch.compiler.is_compiling() else x, fullgraph=True, backend="eager")
+    assert float(fn(torch.zeros(()))) == 1.0
 
 
 def test_telemetry_cond_is_found():

@@ -134,19 +134,69 @@ def test_argument_errors():
         parallel.mean_over_ranks(torch.tensor(1), None)
 
 
-def test_make_train_step_data_parallel_argument():
+def test_data_parallel_is_given_to_the_state():
+    """``TrainState.create(data_parallel=)`` carries the group to the step; the step's own ``data_parallel=``
+    still works, warns (``DeprecationWarning``) and says where it goes; other keywords are refused."""
     loss_fn = W.make_loss_fn(fa.get_policy("f32"))
     opt = optim.sgd(0.1)
     with pytest.raises(RuntimeError, match="not initialized"):
-        fa.make_train_step(loss_fn, opt, data_parallel=True, compile=False)
+        fa.TrainState.create(W.init_params(), opt, data_parallel=True)
     with pytest.raises(TypeError, match="data_parallel must be"):
-        fa.make_train_step(loss_fn, opt, data_parallel=2, compile=False)
+        fa.TrainState.create(W.init_params(), opt, data_parallel=2)
+    moved = pytest.warns(DeprecationWarning, match=r"data_parallel= is deprecated: pass it to TrainState.create")
+    with moved, pytest.raises(RuntimeError, match="not initialized"):
+        fa.make_train_step(loss_fn, opt, data_parallel=True, compile=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sharded'"):
+        fa.make_train_step(loss_fn, opt, sharded=True)
     # False is "no data parallelism", exactly like None.
-    state = fa.TrainState.create(W.init_params(), opt)
+    state = fa.TrainState.create(W.init_params(), opt, data_parallel=False)
+    assert state.data_parallel is None
     batch = W.shard(W.batches()[0], 0)
-    a, _ = fa.make_train_step(loss_fn, opt, data_parallel=False, compile=False)(state, batch)
+    with pytest.warns(DeprecationWarning):
+        a, _ = fa.make_train_step(loss_fn, opt, data_parallel=False, compile=False)(state, batch)
     b, _ = fa.make_train_step(loss_fn, opt, compile=False)(state, batch)
     assert all(torch.equal(a.params[k], b.params[k]) for k in a.params)
+
+
+def test_the_state_carries_group_and_policy_to_the_step():
+    """One gloo rank: a state made with ``data_parallel=True, policy=...`` trains as the step built with them
+    did (deprecated), bitwise, the gradients on the policy's bfloat16 wire; the group survives ``deepcopy``
+    and is dropped by pickling; a step given another policy than the state's is refused at its first call.
+    (Planted: the step ignoring the state's policy -> float32 wire, other bits -> the first assertion fails.)"""
+    import copy
+    import pickle
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        policy = fa.get_policy("p=f32,c=f32,r=bf16")
+        loss_fn, opt = W.make_loss_fn(policy), optim.sgd(0.1)
+        carried = fa.TrainState.create(W.init_params(), opt, data_parallel=True, policy=policy)
+        plain = fa.TrainState.create(W.init_params(), opt)
+        assert carried.data_parallel.group is dist.group.WORLD and carried.policy == policy
+        with pytest.warns(DeprecationWarning, match="= is deprecated: pass it to TrainState.create"):
+            old = fa.make_train_step(loss_fn, opt, data_parallel=True, policy=policy, compile=False)
+        new = fa.make_train_step(loss_fn, opt, compile=False)
+        for batch in W.batches(1)[:2]:
+            plain, m_old = old(plain, batch)
+            carried, m_new = new(carried, batch)
+            assert all(torch.equal(plain.params[k], carried.params[k]) for k in plain.params)
+            assert all(torch.equal(m_old[k], m_new[k]) for k in m_old)
+        wire = fa.make_train_step(W.make_loss_fn(policy), opt, compile=False)
+        f32, _ = wire(fa.TrainState.create(W.init_params(), opt), W.batches(1)[0])
+        first, _ = fa.make_train_step(loss_fn, opt, compile=False)(
+            fa.TrainState.create(W.init_params(), opt, data_parallel=True, policy=policy), W.batches(1)[0]
+        )
+        assert not all(torch.equal(f32.params[k], first.params[k]) for k in f32.params)  # the wire matters here
+        assert copy.deepcopy(carried).data_parallel is carried.data_parallel
+        assert pickle.loads(pickle.dumps(carried)).data_parallel.group is None
+        with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="differs from the state's"):
+            fa.make_train_step(loss_fn, opt, policy="f32", compile=False)(carried, W.batches(1)[0])
+        with pytest.raises(ValueError, match="first called with a state of data_parallel and policy"):
+            new(fa.TrainState.create(W.init_params(), opt), W.batches(1)[0])  # another state: another step
+    finally:
+        dist.destroy_process_group()
 
 
 def test_reduce_bytes():

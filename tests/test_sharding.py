@@ -9,6 +9,7 @@ same start for 20 steps that include skipped steps and a dynamic loss scale that
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from pathlib import Path
@@ -93,11 +94,12 @@ def test_train_step_argument_errors():
     layout = sharding.shard_layout(params, None)
     with pytest.raises(TypeError, match="shard must be None or a funcamp.sharding.ShardLayout"):
         fa.TrainState.create(params, opt, shard=True)
-    with pytest.raises(TypeError, match="shard must be None or a funcamp.sharding.ShardLayout"):
+    moved = functools.partial(pytest.warns, DeprecationWarning, match=r"shard= is deprecated: pass it to TrainState")
+    with moved(), pytest.raises(TypeError, match="shard must be None or a funcamp.sharding.ShardLayout"):
         fa.make_train_step(loss_fn, opt, shard=True, compile=False)
-    with pytest.raises(ValueError, match="layout over 2 ranks; pass data_parallel=True"):
+    with moved(), pytest.raises(ValueError, match="layout over 2 ranks; pass data_parallel=True"):
         fa.make_train_step(loss_fn, opt, shard=dataclasses.replace(layout, world_size=2), compile=False)
-    with pytest.raises(ValueError, match="telemetry= is not supported with shard="):
+    with moved(), pytest.raises(ValueError, match="telemetry= is not supported with shard="):
         fa.make_train_step(loss_fn, opt, shard=layout, telemetry=5, compile=False)
     # the layout taken from the state is checked as one given to the step: at the first call
     state, batch = fa.TrainState.create(params, opt, shard=layout), W.batches(1, 0, 0.0)[0]
@@ -170,7 +172,8 @@ def test_step_without_shard_takes_the_layout_from_the_state():
     state = fa.TrainState.create(params, opt, shard=layout)
     assert state.shard is layout and not any(x is layout for x in fa._tree.tree_leaves(state))
     a, b = state, state
-    given = fa.make_train_step(loss_fn, opt, shard=layout, compile=False)
+    with pytest.warns(DeprecationWarning, match="shard= is deprecated"):  # the old way still works
+        given = fa.make_train_step(loss_fn, opt, shard=layout, compile=False)
     taken = fa.make_train_step(loss_fn, opt, compile=False)
     for batch in W.batches(1, 0, 1e38)[:8]:
         a, ma = given(a, batch)
@@ -179,7 +182,7 @@ def test_step_without_shard_takes_the_layout_from_the_state():
     assert b.shard is layout and int(b.skipped_steps) == 1
     assert all(torch.equal(a.params[k], b.params[k]) for k in params)
     other = sharding.shard_layout(params, None, gather_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="the state carries another layout"):
+    with pytest.raises(ValueError, match="the state carries another layout"), pytest.warns(DeprecationWarning):
         fa.make_train_step(loss_fn, opt, shard=other, compile=False)(state, batch)
     fa.make_train_step(loss_fn, opt, compile=False)(fa.TrainState.create(params, opt), batch)  # plain: plain
     with pytest.raises(ValueError, match="this step was first called with a state of layout None"):
@@ -248,10 +251,10 @@ def test_one_rank_sharded_step_is_the_plain_step():
     params, opt = W.init_params(), W.optimizer()
     layout = sharding.shard_layout(params, None)
     scale = fa.DynamicLossScale(2.0**15, period=W.PERIOD)
-    a = fa.TrainState.create(params, opt, loss_scale=scale, shard=layout)
-    b = fa.TrainState.create(params, opt, loss_scale=scale)
-    step_a = fa.make_train_step(W.make_loss_fn(policy), opt, policy=policy, shard=layout, compile=False)
-    step_b = fa.make_train_step(W.make_loss_fn(policy), opt, policy=policy, compile=False)
+    a = fa.TrainState.create(params, opt, loss_scale=scale, shard=layout, policy=policy)
+    b = fa.TrainState.create(params, opt, loss_scale=scale, policy=policy)
+    step_a = fa.make_train_step(W.make_loss_fn(policy), opt, compile=False)
+    step_b = fa.make_train_step(W.make_loss_fn(policy), opt, compile=False)
     for batch in W.batches(1, 0, 1e38)[:8]:
         a, ma = step_a(a, batch)
         b, mb = step_b(b, batch)
@@ -398,7 +401,7 @@ def test_one_rank_sharded_rounding_step_compiled_is_the_plain_step():
     b = fa.TrainState.create(params, make(None))
     torch._dynamo.reset()  # the step's code is shared with other tests' compiled steps: count from here
     counter = CompileCounterWithBackend("aot_eager")
-    step_a = fa.make_train_step(loss_fn, make(layout), shard=layout, backend=counter)
+    step_a = fa.make_train_step(loss_fn, make(layout), backend=counter)  # the layout: the state's
     step_b = fa.make_train_step(loss_fn, make(None), compile=False)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i in range(4):

@@ -161,3 +161,80 @@ def test_cast_floating_leaves_others_alone():
     tree = {"x": torch.ones(1, dtype=torch.float64), "c": complex_leaf, "none": None, "obj": object}
     out = _tree.cast_floating(tree, torch.float16)
     assert out["x"].dtype == torch.float16 and out["c"] is complex_leaf and out["none"] is None and out["obj"] is object
+
+
+# --- the finite check and the norm's first pass share one reduction per leaf (compile-time issue) --------
+
+
+def _old_flag(x):
+    """The finite flag before the shared reduction (commit dfc6d73): ``isfinite(x).all()``."""
+    if x.is_sparse:
+        x = x.coalesce().values()
+    return torch.isfinite(x.float() if x.dtype.itemsize == 1 else x).all()
+
+
+def _flag_cases():
+    """Leaves with a NaN, +inf or -inf at the front, middle or back, or none; empty, complex, float8, sparse."""
+    cases = []
+    for dtype in [*DTYPES, torch.float8_e4m3fn, torch.float8_e5m2]:
+        for bad in (None, math.nan, math.inf, -math.inf):
+            for where in (0, 17, -1):
+                x = torch.linspace(-3.0, 2.0, 40).to(dtype)
+                if bad is not None:
+                    if dtype == torch.float8_e4m3fn and math.isinf(bad):
+                        continue  # e4m3fn has no infinity
+                    x[where] = bad
+                cases.append(x)
+        cases.append(torch.empty(0, dtype=dtype))
+    for bad in (None, complex(math.inf, 0.0), complex(0.0, -math.inf), complex(1.0, math.nan)):
+        z = torch.tensor([1 + 2j, -3 - 1j, 0.5j], dtype=torch.complex64)
+        if bad is not None:
+            z[1] = bad
+        cases += [z, z.conj()]
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[0, 2]]), torch.tensor([1.0, -math.inf]), (4,), check_invariants=True
+    )
+    return [*cases, sparse, torch.tensor([-0.0, -0.0])]
+
+
+@pytest.fixture(scope="module")
+def traced_checks():
+    """``finite_flags`` and ``_max_magnitude`` (over a list) through torch.compile (aot_eager: the traced
+    formulas, run by ATen); each test makes one call, so one compile each."""
+    torch._dynamo.reset()
+    flags = torch.compile(_tree.finite_flags, fullgraph=True, backend="aot_eager")
+    magnitudes = torch.compile(lambda xs: [_tree._max_magnitude(x) for x in xs], fullgraph=True, backend="aot_eager")
+    return flags, magnitudes
+
+
+def test_finite_flags_equal_the_old_isfinite_all_eager_and_traced(traced_checks):
+    """The finite flag is read from ``max(|x|)`` (one reduction the norm shares) instead of ``isfinite(x).all()``:
+    the same verdict for every leaf kind and position of NaN, +inf, -inf, eager and traced. Planted faults caught:
+    a flag of ``isfinite(x.amax())`` (a -inf leaf read as finite) and a complex leaf's imaginary part left out."""
+    traced_flags, _ = traced_checks
+    cases = _flag_cases()
+    want = torch.stack([_old_flag(x) for x in cases])
+    tree = {f"{i:03d}": x for i, x in enumerate(cases)}
+    assert torch.equal(_tree.finite_flags(tree), want)
+    dense = {k: x for k, x in tree.items() if not x.is_sparse}
+    assert torch.equal(traced_flags(dense), torch.stack([_old_flag(x) for x in dense.values()]))
+    assert not torch.all(want) and torch.any(want)  # the cases hold both verdicts
+
+
+def test_max_magnitude_traced_equals_eager(traced_checks):
+    """Under torch.compile ``_max_magnitude`` is ``x.abs().amax()``, eager ``aminmax``: the same number, bit for
+    bit (a zero's sign aside), so the norm's scale and the clip are unchanged. Planted fault caught: ``x.amax()``
+    (no abs) while tracing."""
+    _, traced = traced_checks
+    gen = torch.Generator().manual_seed(0)
+    xs = []
+    for dtype in (torch.bfloat16, torch.float32, torch.float64, torch.float16):
+        for trial in range(6):
+            x = torch.randn(int(torch.randint(1, 500, (1,), generator=gen)), generator=gen) * 10.0 ** (trial - 3)
+            if trial % 2:
+                x = x - x.abs().max() * 2  # the largest magnitude is negative
+            xs.append(x.to(dtype))
+    xs.append(torch.tensor([1.0, math.nan, -5.0]))
+    for x, got in zip(xs, traced(xs), strict=True):
+        eager = _tree._max_magnitude(x)
+        assert got.dtype == eager.dtype and torch.equal(got.abs(), eager.abs()) or (got.isnan() and eager.isnan()), x

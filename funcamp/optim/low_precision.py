@@ -343,7 +343,7 @@ def _offset(fn: str, offsets: Mapping[str, int] | None, name: str) -> int:
     if name not in offsets:
         raise ValueError(
             f"{fn}: parameter {name!r} is not in the layout given as layout= (its parameters: {sorted(offsets)}); "
-            "pass the layout of the parameters this optimizer updates, the one given to make_train_step(shard=)"
+            "pass the layout of the parameters this optimizer updates, the one given to TrainState.create(shard=)"
         )
     return offsets[name]
 

@@ -1,13 +1,15 @@
 """Sub-pass ``remat_regions``: what the backward recomputes of the checkpointed regions.
 
-``torch.utils.checkpoint`` cannot recompute under ``torch.func`` gradient transforms (saved-tensor hooks are
-disabled there), and the compiled train step differentiates with ``torch.func``: without this pass a checkpointed
-region keeps its activations once compiled. It selects the region nodes (:func:`funcamp.passes.tags.remat_region`)
-whose every use is inside the region or in the backward (:func:`_recomputed`), and the parameters' casts and views
-that only one region reads (:func:`_param_uses`); :mod:`funcamp.passes.recompute` gives each backward use a copy.
+The compiled train step differentiates inside one graph (traced ``torch.autograd.grad``,
+:mod:`funcamp._dynamo_autograd`; ``torch.utils.checkpoint`` cannot recompute under ``torch.func``, where
+saved-tensor hooks are disabled): without this pass a checkpointed region keeps its activations once compiled.
+It selects the region nodes (:func:`funcamp.passes.tags.remat_region`) whose every use is inside the region or
+in the backward (:func:`_recomputed`), and the parameters' casts and views that only one region reads
+(:func:`_param_uses`); :mod:`funcamp.passes.recompute` gives each backward use a copy.
 What a region computes for use outside it (the next region's input) is kept, as ``torch.utils.checkpoint`` keeps
 a region's inputs. Random ops (dropout draws, :func:`_draws`) and ops that write to their inputs are never copied:
-their results are kept (a draw as a bool), so masks are replayed.
+their results are kept (a draw as a bool), so masks are replayed. Inductor's own draws (``inductor_random``,
+from a seed looked up per draw) are copied with that seed kept (:data:`_KEPT_SEED_OPS`): the same values.
 
 Limit: a module called twice in one forward is one region (its two calls are recomputed together).
 """
@@ -32,8 +34,17 @@ def _recomputable(node: torch.fx.Node) -> bool:
         schema.is_mutable or any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
     ):
         return False
+    if isinstance(target, torch._ops.OpOverload) and target.name() in _KEPT_SEED_OPS:
+        return False
     tags_of_op = getattr(target, "tags", ())
     return torch.Tag.nondeterministic_seeded not in tags_of_op and not node.is_impure()
+
+
+#: Inductor's per-draw seed (``replace_random`` turns ``aten.rand``, e.g. ``native_dropout``'s decomposition
+#: in a graph with a traced ``torch.autograd.grad``, into ``inductor_random(size, inductor_lookup_seed(seeds,
+#: i))``): not tagged as seeded, but a copy reading a gated seeds buffer fails to lower ("NotImplementedError:
+#: Pointwise"). Kept from the forward; the draw itself is recomputed from the same seed, so the same values.
+_KEPT_SEED_OPS = frozenset({"prims::inductor_lookup_seed"})
 
 
 #: Random ops whose results are 0 or 1 (dropout's masks after decomposition): kept as bools for the backward.

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from funcamp import _tree
-from funcamp._errors import DonatedStateError
+from funcamp._errors import DONATED, DonatedStateError, check_not_donated, mark_donated
 from funcamp.optim import _inplace
 
 __all__ = [
@@ -45,22 +45,7 @@ __all__ = [
     "returning_state",
 ]
 
-_DONATED = "_funcamp_donated"
-
-
-def mark_donated(state: Any) -> None:
-    """Mark ``state`` (a :class:`funcamp.TrainState`) as consumed by a donating step."""
-    object.__setattr__(state, _DONATED, True)
-
-
-def check_not_donated(state: Any, fn: str) -> None:
-    """Raise :class:`DonatedStateError` if ``state`` was given to a donating step."""
-    if getattr(state, _DONATED, False):
-        raise DonatedStateError(
-            f"{fn}: this TrainState was donated to a train step built with donate=True, which wrote the next "
-            "state into its tensors; use the state that step returned (state, metrics = train_step(state, batch)), "
-            "or build the step with donate=False to keep every state"
-        )
+_DONATED = DONATED
 
 
 def check_donatable(state: Any) -> None:
@@ -115,12 +100,40 @@ def donating(body: Callable[..., Any]) -> Callable[..., Any]:
     def fn(state: Any, batch: Any) -> dict[str, Any]:
         new_state, metrics = body(state, batch)
         metrics = _tree.tree_map(_copy, metrics)  # before any write
-        for dst, src in zip(_tree.tree_leaves(state), _tree.tree_leaves(new_state)):
+        for dst, src in zip(_state_leaves(state), _state_leaves(new_state), strict=True):
             if isinstance(dst, torch.Tensor) and src is not dst:
                 dst.copy_(src)
         return metrics
 
     return fn
+
+
+#: The pytree fields of each state class by which :func:`_state_leaves` pairs leaves; filled on the host (by
+#: :func:`returning_state`'s first look at a class), read while tracing (Dynamo cannot read a field's metadata).
+_LEAF_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _leaf_fields(cls: type) -> tuple[str, ...]:
+    """The names of ``cls``'s fields that hold leaves (not its static ones), remembered (host side)."""
+    if cls not in _LEAF_FIELDS:
+        fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
+        _LEAF_FIELDS[cls] = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
+    return _LEAF_FIELDS[cls]
+
+
+def _state_leaves(state: Any) -> list[Any]:
+    """The leaves of a :class:`funcamp.TrainState`, field by field (each field in optree's leaf order).
+
+    While Dynamo traces, :func:`funcamp._tree.tree_leaves` takes its fast path only for plain containers, and the
+    train state is a registered dataclass: flattened whole, it went through Dynamo's optree polyfill, which fails
+    on an optimizer state holding a dict whose every leaf is None (``masked(multi_transform(...))`` with a group
+    that holds no parameter, its ``scale_by_lion``/``scale_by_adam`` moments over an all-None dict). Its fields
+    (params, buffers, optimizer state) are plain containers and take the fast path.
+    """
+    names = _LEAF_FIELDS.get(type(state))
+    if not names:
+        return _tree.tree_leaves(state)
+    return [leaf for name in names for leaf in _tree.tree_leaves(getattr(state, name))]
 
 
 def _copy(x: Any) -> Any:
@@ -199,6 +212,7 @@ def returning_state(run: Callable[..., Any]) -> Callable[..., Any]:
     def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         if not getattr(state, _DONATED, False):  # a donated one: run's own check names donation
             check_donatable(state)  # every call: each state may hold other tensors
+        _leaf_fields(type(state))  # for the traced body's _state_leaves
         metrics = run(state, batch)
         new_state = dataclasses.replace(state)
         mark_donated(state)

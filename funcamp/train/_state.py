@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from funcamp import _tree, sharding
+from funcamp import _tree, parallel, sharding
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation
+from funcamp.policy import Policy, get_policy
 
 __all__ = ["TrainState"]
 
@@ -47,6 +48,31 @@ def _buffer_reductions(reductions: Any, buffers: Any) -> tuple[tuple[str, str], 
     return tuple(sorted(reductions.items()))
 
 
+class _Group:
+    """The data-parallel process group a state carries: itself under ``copy.deepcopy``, and pickled without the
+    group (a handle of this process, not picklable), as :class:`funcamp.sharding.ShardLayout` keeps its own."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Group:
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _Group, (None,)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Group) and other.group is self.group
+
+    def __hash__(self) -> int:
+        return id(self.group)
+
+    def __repr__(self) -> str:
+        return "_Group(None)" if self.group is None else f"_Group(size {self.group.size()})"
+
+
 @_tree.dataclass
 class TrainState:
     """Everything a training run carries from step to step; immutable, a pytree of tensors.
@@ -68,6 +94,10 @@ class TrainState:
         buffers over the ranks (the others are averaged); declared by the modules that own them
         (``funcamp.fp8``'s delayed-scaling state) and read by ``funcamp.nn.functionalize``
         (``apply_fn.buffer_reductions``).
+      data_parallel: static, the process group a data-parallel step averages over (held in a small
+        wrapper: ``state.data_parallel.group``), or None.
+      policy: static, the :class:`funcamp.Policy` whose ``reduce_dtype`` the step reduces gradients in,
+        or None (each gradient's own dtype).
 
     The static fields are part of the pytree structure, not leaves (as a flax ``TrainState``'s
     ``struct.field(pytree_node=False)``), and ``funcamp.checkpoint`` does not write them: a loaded state
@@ -83,6 +113,8 @@ class TrainState:
     consecutive_skips: torch.Tensor | None = None
     shard: sharding.ShardLayout | None = _tree.field(default=None, pytree_node=False, metadata=STATIC)
     buffer_reductions: tuple[tuple[str, str], ...] = _tree.field(default=(), pytree_node=False, metadata=STATIC)
+    data_parallel: _Group | None = _tree.field(default=None, pytree_node=False, metadata=STATIC)
+    policy: Policy | None = _tree.field(default=None, pytree_node=False, metadata=STATIC)
 
     @classmethod
     def create(
@@ -94,6 +126,8 @@ class TrainState:
         buffers: Any = None,
         shard: sharding.ShardLayout | None = None,
         buffer_reductions: Mapping[str, str] | None = None,
+        data_parallel: Any = None,
+        policy: Policy | str | None = None,
     ) -> TrainState:
         """A fresh state: ``optimizer.init(params)``, counters at 0, the loss scale on the params' device.
 
@@ -116,6 +150,11 @@ class TrainState:
             data-parallel step reduces them over the ranks (``apply_fn.buffer_reductions`` of
             ``funcamp.nn.functionalize``: fp8 amax histories ``"max"``, scales ``"min"``); other floating
             buffers are averaged.
+          data_parallel: None or False (one process), True (the default process group) or a process
+            group: ``make_train_step(loss_fn, optimizer)`` averages the gradients over its ranks and agrees
+            one ``grads_finite`` (:mod:`funcamp.parallel`). A sharded state takes ``shard.group``.
+          policy: the policy (or string) whose ``reduce_dtype`` a data-parallel or sharded step reduces the
+            gradients in; default: each gradient's own dtype.
         Raises:
           TypeError: if ``optimizer`` is not a GradientTransformation, ``loss_scale`` not a LossScale,
             ``params`` an ``nn.Module`` or an iterator (``model.parameters()``), or a parameter leaf is
@@ -128,7 +167,9 @@ class TrainState:
             in that group, or the parameters differ between the group's ranks (a float64 checksum per
             leaf, one ``all_gather_object``; the error names the first differing parameter); if
             ``buffer_reductions`` names a buffer that is not in ``buffers`` or a reduction other than
-            ``"max"`` and ``"min"``.
+            ``"max"`` and ``"min"``; if ``policy`` does not parse.
+          TypeError, RuntimeError: if ``data_parallel`` is not None, a bool or a ProcessGroup, or asks for a
+            group while torch.distributed is not initialized.
         """
         if not isinstance(optimizer, GradientTransformation):
             raise TypeError(
@@ -161,6 +202,8 @@ class TrainState:
                 "Keep integer state in buffers."
             )
         reductions = _buffer_reductions(buffer_reductions, buffers)
+        group = parallel.resolve_group(data_parallel)
+        policy = None if policy is None else get_policy(policy)
         if shard is not None:
             if not isinstance(shard, sharding.ShardLayout):
                 raise TypeError(
@@ -181,6 +224,8 @@ class TrainState:
             consecutive_skips=_zero_int(device),
             shard=shard,
             buffer_reductions=reductions,
+            data_parallel=None if group is None else _Group(group),
+            policy=policy,
         )
 
     def replace(self, **changes: Any) -> TrainState:

@@ -1,9 +1,10 @@
 """The functional train step: ``(state, batch) -> (state, metrics)``, compiled whole.
 
-``make_train_step`` is a short assembly: a process layout (:mod:`funcamp.train._layout`) from its
-``data_parallel``, ``shard`` and ``policy`` arguments, the stages of :mod:`funcamp.train._stages` in order,
-and the probes of :mod:`funcamp.train._probes` its keywords ask for; then the host-side checks of the
-first call and ``torch.compile(fullgraph=True)`` around it. No stage branches on a feature flag.
+``make_train_step`` is a short assembly: a process layout (:mod:`funcamp.train._layout`) from what the state
+carries (``TrainState.create``'s ``shard``, ``data_parallel`` and ``policy``), the stages of
+:mod:`funcamp.train._stages` in order, and the probes of :mod:`funcamp.train._probes` its keywords ask for;
+then the host-side checks of the first call and ``torch.compile(fullgraph=True)`` around it.
+No stage branches on a feature flag.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from typing import Any
 
 import torch
 
-from funcamp import _dynamo_autograd, _tree, numerics, passes, sharding
+from funcamp import _dynamo_autograd, _tree, numerics, passes
 from funcamp.optim import GradientTransformation
-from funcamp.policy import Policy
 from funcamp.train import _donate, _hints, _layout, _loss, _probes, _stages
 from funcamp.train._state import TrainState
 
@@ -33,11 +33,9 @@ def make_train_step(
     max_consecutive_skips: int | None = None,
     compile: bool = True,
     backend: str | None = None,
-    data_parallel: Any = None,
-    policy: Policy | str | None = None,
     telemetry: numerics.Telemetry | int | None = None,
-    shard: sharding.ShardLayout | None = None,
     donate: bool = False,
+    **moved: Any,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """Build the pure train step ``step(state, batch) -> (new_state, metrics)``.
 
@@ -70,20 +68,15 @@ def make_train_step(
       max_consecutive_skips: report ``too_many_skips`` once this many steps in a row were skipped.
       compile: wrap the step in ``torch.compile(fullgraph=True)``.
       backend: the ``torch.compile`` backend (default inductor).
-      data_parallel: None or False (one process), True (the default process group) or a process group:
-        gradients averaged over its ranks in ``policy.reduce_dtype``, one ``grads_finite`` for all ranks,
-        buffers reduced (:func:`funcamp.parallel.reduce_buffers`). At the first call a float64 checksum per
-        parameter (one ``all_gather_object``) refuses parameters that differ between ranks.
-      policy: the policy whose ``reduce_dtype`` the gradients are averaged in (default: each gradient's
-        own dtype); only with ``data_parallel`` or a sharded state.
       telemetry: None (off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``) or a ``Telemetry``.
-      shard: None (default: the layout the state carries, ``state.shard``), or that same
-        :class:`funcamp.sharding.ShardLayout`. A sharded state needs neither ``shard=`` nor
-        ``data_parallel=``: the step gathers the parameters, reduce-scatters the gradients, agrees one
-        ``grads_finite``, takes ``grad_norm`` over all shards and updates this rank's shards; the metrics
-        are the unsharded step's (:mod:`funcamp.sharding`).
       donate: write the next state into the given state's tensors, bitwise the pure step's; the given state
         is consumed (using it again raises :class:`funcamp.train.DonatedStateError`). Default False.
+      **moved: ``data_parallel=``, ``policy=`` and ``shard=``, deprecated (``DeprecationWarning``): the state
+        carries them (``TrainState.create(params, optimizer, data_parallel=..., policy=..., shard=...)``) and
+        the step takes them from it at its first call; given here they still work as before and must agree
+        with the state's. At the first call a data-parallel step compares a float64 checksum of each
+        parameter over the ranks (one ``all_gather_object``); a sharded one trains this rank's shards with
+        the unsharded step's metrics (:mod:`funcamp.sharding`).
     Returns:
       The step function.
     Raises:
@@ -113,6 +106,7 @@ def make_train_step(
       (tensor([0.0667, 0.0667, 0.0667]), tensor(True))
     """
     _stages.check_args("make_train_step", loss_fn, optimizer, accumulation_steps)
+    data_parallel, shard, policy = _moved_to_state(moved)
     telemetry = numerics.as_telemetry(telemetry)
     built = _layout.layout_from(data_parallel, shard, policy)
     run_as = _Assembly(built, _probes_for(built, max_consecutive_skips, has_aux, telemetry))
@@ -139,12 +133,13 @@ def make_train_step(
         return record.new_state, metrics
 
     def for_state(state: TrainState) -> None:  # the first call: the layout the state carries
-        if state.shard is not None:
-            layout = _layout.layout_from(data_parallel, shard, policy, carried=state.shard)
-            if shard is None:  # taken from the state: checked as a layout given to the step is at build time
-                run_as.probes = _probes_for(layout, max_consecutive_skips, has_aux, telemetry)
-                layout.check_ranks()
-            run_as.layout = layout
+        if state.shard is None and state.data_parallel is None and state.policy is None:
+            return
+        layout = _layout.layout_from(data_parallel, shard, policy, state=state)
+        if shard is None:  # taken from the state: checked as a layout given to the step is at build time
+            run_as.probes = _probes_for(layout, max_consecutive_skips, has_aux, telemetry)
+            layout.check_ranks()
+        run_as.layout = layout
 
     first_call = _first_call_check(run_as, for_state, loss_fn, optimizer)
     body = _donating(step, compile, telemetry) if donate else step  # (state, batch) -> metrics, state written
@@ -240,12 +235,36 @@ _PYTHON_TENSOR_MATH = (
 )
 
 
+_MOVED = ("data_parallel", "policy", "shard")
+
+
+def _moved_to_state(moved: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``(data_parallel, shard, policy)`` given to ``make_train_step`` (deprecated: each warns), None if not.
+
+    Raises:
+      TypeError: for any other keyword, as Python does.
+    """
+    import warnings
+
+    unknown = sorted(set(moved) - set(_MOVED))
+    if unknown:
+        raise TypeError(f"make_train_step() got an unexpected keyword argument {unknown[0]!r}")
+    for key in (k for k in _MOVED if k in moved):
+        warnings.warn(
+            f"make_train_step: {key}= is deprecated: pass it to TrainState.create(params, optimizer, {key}=...); "
+            "the step takes it from the state",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return moved.get("data_parallel"), moved.get("shard"), moved.get("policy")
+
+
 def _first_call_check(
     run_as: _Assembly, for_state: Callable[[Any], None], loss_fn: Callable[..., Any], optimizer: GradientTransformation
 ) -> Callable[[Any], None]:
     """The host-side check of the state at a step's first call; later calls only compare the layout the state
     carries with the first call's (a host-side comparison of static metadata)."""
-    done: list[Any] = [False, None]
+    done: list[Any] = [False, None, None]
 
     def check(state: TrainState) -> None:
         if done[0]:
@@ -254,6 +273,12 @@ def _first_call_check(
                     f"train_step: this step was first called with a state of layout {done[1]!r} and runs under it; "
                     f"this state carries {state.shard!r}: build another step for it (make_train_step)"
                 )
+            if (state.data_parallel, state.policy) != done[2]:
+                raise ValueError(
+                    f"train_step: this step was first called with a state of data_parallel and policy {done[2]!r} "
+                    f"and runs under them; this state carries {(state.data_parallel, state.policy)!r}: build another "
+                    "step for it (make_train_step)"
+                )
             return
         message = _loss.arity_error(loss_fn, state.buffers is not None)
         if message is not None:
@@ -261,7 +286,7 @@ def _first_call_check(
         for_state(state)
         _check_opt_state(state, optimizer)
         run_as.layout.check_state(state)
-        done[0], done[1] = True, state.shard
+        done[0], done[1], done[2] = True, state.shard, (state.data_parallel, state.policy)
 
     return check
 
