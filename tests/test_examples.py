@@ -140,13 +140,13 @@ def test_policy_auto_measures_once_then_reads_the_cache_and_retune_measures_agai
     monkeypatch.setattr(hardware, "_cpu_facts", lambda: dict(facts))
     monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path / "cache"))
     built = []
-    make_train_step = fa.make_train_step
+    build_run = train_gpt.build_run
 
-    def counted(*a, **k):
-        built.append(k["policy"].compute_dtype)
-        return make_train_step(*a, **k)
+    def counted(args, policy, *a, **k):  # each train step built (the policy now goes to TrainState.create)
+        built.append(policy.compute_dtype)
+        return build_run(args, policy, *a, **k)
 
-    monkeypatch.setattr(train_gpt.fa, "make_train_step", counted)
+    monkeypatch.setattr(train_gpt, "build_run", counted)
     argv = [*TINY, "--steps", "2", "--log-every", "1", "--no-compile", "--logdir", str(tmp_path / "run")]
     first = train_gpt.main(argv)
     out = capsys.readouterr().out
