@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, torch.Tensor]:
     if args.save:
         # The way back: a module with the base weights (from_pretrained of it, in a real fine-tune; here the same
         # seed), the trained tensors loaded into it, its own exact frozen ones kept (apply_fn holds them in the
-        # compute dtype: frozen=apply_fn.frozen would write those roundings).
+        # compute dtype; frozen=apply_fn.frozen would keep them too, as they round to those copies).
         torch.manual_seed(args.seed)
         model = build_gpt2(args.tiny, attn_implementation).to(device)
         own = {k: v for k, v in model.state_dict().items() if k in apply_fn.frozen}

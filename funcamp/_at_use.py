@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import torch
 
 from funcamp import _scope
+from funcamp.parallel import _wait
 
 R = TypeVar("R")
 
@@ -75,10 +76,6 @@ def _funcol() -> Any:
     from torch.distributed import _functional_collectives as funcol
 
     return funcol
-
-
-def _wait(x: torch.Tensor) -> torch.Tensor:
-    return x if torch.compiler.is_compiling() else _funcol().wait_tensor(x)
 
 
 def _all_gather(shard: torch.Tensor, spec: Spec) -> torch.Tensor:

@@ -408,7 +408,7 @@ def _finite_flag(fn: str, name: Callable[[], str], leaf: Any, device: torch.devi
         if x.dtype.itemsize == 1:  # float8: no reductions of its own
             x = x.float()
         # max(|x|) is finite exactly when every element is (NaN and inf win a maximum): the norm's first pass
-        # (_max_magnitude) reads the same, so a compiled step reduces each gradient once for both.
+        # (_max_magnitude) reads the same, so a compiled check reduces each gradient once for both.
         return torch.isfinite(_max_magnitude(x))
     if isinstance(leaf, numbers.Integral):  # Python bool and int (and numpy integers)
         return None
@@ -587,9 +587,10 @@ def _max_magnitude(x: torch.Tensor) -> torch.Tensor:
 
     Eager: ``aminmax`` rather than ``vector_norm(x, inf)``, which is 20x slower on CPU in torch 2.13, or
     ``x.abs().amax()``, which writes a temporary. While ``torch.compile`` traces: ``x.abs().amax()``, one
-    reduction where ``aminmax`` is two (the abs is fused, no temporary); the finite check and both norms ask
-    for this same expression, which inductor computes once per leaf. The two give the same number (a
-    maximum involves no rounding; NaN wins in both); only a zero's sign may differ, which no caller reads.
+    reduction where ``aminmax`` is two (the abs is fused, no temporary); the finite flag and the norm's first
+    pass ask for this same expression, which inductor computes once when both read one leaf in one kernel
+    (the check's). The two give the same number (a maximum involves no rounding; NaN wins in both); only a
+    zero's sign may differ, which no caller reads.
     """
     if torch.compiler.is_compiling():
         return x.abs().amax()

@@ -168,8 +168,10 @@ def _func_route(
     fun: Callable[..., tuple[torch.Tensor, Any]], argnums: int | tuple[int, ...]
 ) -> Callable[..., tuple[Any, tuple[torch.Tensor, Any]]]:
     """The public route, ``torch.func.grad_and_value``'s semantics: it composes with ``vmap``, ``jacrev`` and an
-    outer ``torch.func.grad``; eager calls outside any transform run on plain ``torch.autograd.grad``, which
-    gives the same gradients at a lower peak memory (:func:`_autograd_grad_and_value`).
+    outer ``torch.func.grad``; eager calls outside any transform run on plain ``torch.autograd.grad``, at a
+    lower peak memory (:func:`_autograd_grad_and_value`). The two agree in float32; in half precision they can
+    differ where torch's autograd kernel computes a backward in float32 and ``torch.func``'s decomposition rounds
+    at each op (SiLU's backward in bfloat16: 7.4e-3 of the largest element on random inputs; docs/module.md).
 
     Inside ``torch.compile`` it is ``torch.func.grad_and_value``: on torch 2.13 that differentiates the
     *forward* of a custom ``torch.autograd.Function`` applied directly to a differentiated input, silently
@@ -207,7 +209,8 @@ def _autograd_grad_and_value(
 ) -> Callable[..., tuple[Any, tuple[torch.Tensor, Any]]]:
     """``torch.func.grad_and_value(fun, argnums, has_aux=True)`` on plain ``torch.autograd.grad``.
 
-    The same gradients (zeros for inputs the loss does not use), the output and aux detached; for eager
+    Gradients with ``torch.func``'s structure (zeros for inputs the loss does not use; values as
+    :func:`_func_route` says), the output and aux detached; for eager
     calls (see :func:`_plain_autograd_suffices`), and traced by Dynamo for the compiled train step
     (:func:`_autograd_route`). ``torch.func`` differentiates with
     ``create_graph=True`` so that transforms nest, which keeps the backward's intermediates alive: in eager

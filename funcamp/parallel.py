@@ -219,12 +219,19 @@ def _check_group(group: Any, fn: str) -> None:
         raise TypeError(f"{fn}: group must be a torch.distributed.ProcessGroup (see resolve_group), got {group!r}")
 
 
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited for: traced, the collective already inserts its wait; eager, it
+    returns an AsyncCollectiveTensor, and this waits for a plain one. The one compiled-or-eager fork of the
+    collectives (funcamp.sharding and funcamp._at_use call it too)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return x if torch.compiler.is_compiling() else funcol.wait_tensor(x)
+
+
 def _sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     from torch.distributed import _functional_collectives as funcol
 
-    y = funcol.all_reduce(x, "sum", group)
-    # Traced, all_reduce already inserts its wait; eager, it returns an AsyncCollectiveTensor: wait for a plain one.
-    return y if torch.compiler.is_compiling() else funcol.wait_tensor(y)
+    return _wait(funcol.all_reduce(x, "sum", group))
 
 
 def mean_gradients(
@@ -345,8 +352,7 @@ def warn_undeclared_reductions(buffers: Any, reductions: Any, fn: str) -> list[s
 def _max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     from torch.distributed import _functional_collectives as funcol
 
-    y = funcol.all_reduce(x, "max", group)
-    return y if torch.compiler.is_compiling() else funcol.wait_tensor(y)
+    return _wait(funcol.all_reduce(x, "max", group))
 
 
 def reduce_buffers(buffers: T, group: dist.ProcessGroup, *, reductions: Any = None) -> T:

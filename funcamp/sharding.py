@@ -83,7 +83,7 @@ import torch.distributed as dist
 from funcamp import _tree
 from funcamp._deprecated import check_optimizer, clip_by_global_norm
 from funcamp.optim.base import GradientTransformation
-from funcamp.parallel import _check_wire_args, _share
+from funcamp.parallel import _check_wire_args, _share, _wait
 
 __all__ = [
     "ShardLayout",
@@ -286,13 +286,6 @@ def shard_params(params: Any, layout: ShardLayout) -> Any:
         rows = x.reshape(_dim0(tuple(x.shape)), -1)[layout.rank * c : (layout.rank + 1) * c]
         out.append(_pad_rows(rows, c).reshape(layout.shard_shape(i)).clone())
     return _tree.tree_unflatten(_tree.tree_structure(params), out)
-
-
-def _wait(x: torch.Tensor) -> torch.Tensor:
-    from torch.distributed import _functional_collectives as funcol
-
-    # Traced, the collective already inserts its wait; eager, it returns an AsyncCollectiveTensor.
-    return x if torch.compiler.is_compiling() else funcol.wait_tensor(x)
 
 
 def _collective(funcol: Any, name: str) -> Any:

@@ -160,7 +160,8 @@ def _setup(name: str, group: Any, sharded: bool) -> tuple[Any, ...]:
 def run(name: str, group: Any, rank: int, *, sharded: bool) -> dict[str, Any]:
     cfg = SCENARIOS[name]
     policy, opt, params, layout, loss_fn = _setup(name, group, sharded)
-    state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=3), shard=layout)
+    scale = fa.DynamicLossScale(2.0**15, period=3)
+    state = fa.TrainState.create(params, opt, loss_scale=scale, shard=layout, data_parallel=group, policy=policy)
     counter = None
     if sharded:
         from torch._dynamo.testing import CompileCounterWithBackend
@@ -171,9 +172,6 @@ def run(name: str, group: Any, rank: int, *, sharded: bool) -> dict[str, Any]:
         loss_fn,
         opt,
         accumulation_steps=cfg["k"],
-        data_parallel=group,
-        policy=policy,
-        shard=layout,
         compile=sharded,
         backend=counter,
     )
@@ -258,9 +256,10 @@ def _inductor(group: Any, rank: int, name: str) -> dict[str, Any]:
 
     graphs: list[Any] = []
     policy, opt, params, layout, loss_fn = _setup(name, group, sharded=True)
-    state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15, period=3), shard=layout)
+    scale = fa.DynamicLossScale(2.0**15, period=3)
+    state = fa.TrainState.create(params, opt, loss_scale=scale, shard=layout, data_parallel=group, policy=policy)
     torch._dynamo.reset()
-    step = fa.make_train_step(loss_fn, opt, data_parallel=group, policy=policy, shard=layout)
+    step = fa.make_train_step(loss_fn, opt)  # the layout, group and policy: the state's
     with inductor_config.patch(post_grad_custom_post_pass=graphs.append):
         for batch in batches(group.size())[:2]:
             state, m = step(state, {k: v[rank * B : (rank + 1) * B] for k, v in batch.items()})

@@ -279,3 +279,82 @@ def test_compiled_gradients_equal_torch_autocast(family):
         assert torch.equal(g, ref_grads[k]), k
     for k, b in new.items():
         assert torch.equal(b, ref_buffers[k]), k
+
+
+# --- Hugging Face Llama (issue 33 item 9) --------------------------------------------------------------
+
+
+def _llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+LLAMA_IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _llama_loss(logits: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), LLAMA_IDS[:, 1:].flatten())
+
+
+def test_llama_equals_torch_autocast_per_route():
+    """A tiny LlamaForCausalLM (RMSNorm's float32 upcast, rotary embeddings, SDPA with grouped KV heads, SiLU,
+    the loss) under bfloat16: loss and every gradient bitwise those of torch.autocast on the module, when both
+    are differentiated the same way (autograd, or torch.func.grad). The two routes differ from each other, in
+    torch itself, on SiLU alone: torch.func differentiates it as ``x * sigmoid(x)`` in bfloat16 steps, autograd
+    with the ``silu_backward`` kernel (float32 inside); docs/module.md gives the sizes
+    (benchmarks/autocast_llama.py: 2.6e-3 in loss after 20 AdamW steps at lr 3e-3, 0 between funcamp and
+    torch.autocast on each route). Planted: the norm default (``keep_in_float32``) applied under autocast too:
+    the gradients differ (RMSNorm then hands its output on in float32)."""
+    model = _llama()
+    apply_fn, params = functionalize(model, _policy(BF16), autocast=True)
+
+    def reference(p):
+        with torch.autocast("cpu", dtype=BF16):
+            return _llama_loss(torch.func.functional_call(model, p, (), {"input_ids": LLAMA_IDS}).logits)
+
+    def funcamp(p):
+        return _llama_loss(apply_fn(p, input_ids=LLAMA_IDS).logits)
+
+    def autograd(loss_fn):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+        loss = loss_fn(leaves)
+        loss.backward()
+        return {k: v.grad for k, v in leaves.items()}, loss.detach()
+
+    routes = {
+        "autograd": (autograd(funcamp), autograd(reference)),
+        "torch.func": (torch.func.grad_and_value(funcamp)(params), torch.func.grad_and_value(reference)(params)),
+    }
+    for route, ((grads, loss), (ref_grads, ref_loss)) in routes.items():
+        assert torch.equal(loss, ref_loss), (route, loss, ref_loss)
+        for k in ref_grads:
+            assert torch.equal(grads[k], ref_grads[k]), (route, k, (grads[k] - ref_grads[k]).abs().max())
+    by_autograd, by_func = routes["autograd"][1][0], routes["torch.func"][1][0]
+    differ = sorted(k for k in by_autograd if not torch.equal(by_autograd[k], by_func[k]))
+    assert "model.layers.0.mlp.gate_proj.weight" in differ  # torch's own: the routes differ at SiLU's backward
+    for k in ("lm_head.weight", "model.norm.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert k not in differ  # what the backward reaches before SiLU is bitwise on both routes
+
+
+def test_silu_backward_routes_differ_in_torch():
+    """The one op behind the routes' difference on Llama: SiLU's gradient in bfloat16, autograd's
+    ``silu_backward`` kernel against torch.func's bfloat16 steps (measured 7.4e-3 of the largest element)."""
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)).to(BF16)
+    g = torch.randn(256, 256, generator=torch.Generator().manual_seed(1)).to(BF16)
+    leaf = x.clone().requires_grad_()
+    F.silu(leaf).backward(g)
+    by_func = torch.func.grad(lambda t: (F.silu(t) * g).sum())(x)
+    sig = torch.sigmoid(x)
+    assert torch.equal(leaf.grad, torch.ops.aten.silu_backward(g, x))
+    assert torch.equal(by_func, g * sig * (1 + x * (1 - sig)))  # bfloat16 steps
+    rel = ((by_func.float() - leaf.grad.float()).abs().max() / leaf.grad.float().abs().max()).item()
+    assert 0 < rel < 2e-2

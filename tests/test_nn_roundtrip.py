@@ -116,17 +116,62 @@ def test_frozen_split_round_trip():
     model = mlp(0)
     apply_fn, params = functionalize(model, MIXED, trainable="3")
     assert sorted(params) == ["3.bias", "3.weight"]
+    assert apply_fn.frozen["0.weight"].dtype == BF16  # stored in the compute dtype
     trained = bumped(params)
     with pytest.raises(ValueError, match=r"missing \['0.weight', '0.bias', '1.weight'.*frozen=apply_fn.frozen"):
         state_dict(mlp(1), trained)
-    target = load_into(mlp(1), trained, frozen=apply_fn.frozen)
-    # The frozen tensors as apply_fn used them: stored in the compute dtype (bfloat16), widened exactly.
-    assert apply_fn.frozen["0.weight"].dtype == BF16
-    assert_module_holds(target, {**trained, **{k: v.to(F32) for k, v in apply_fn.frozen.items()}})
-    # The docstring's recipe for the module's own (exact) frozen values instead:
-    own = {k: v for k, v in model.state_dict().items() if k in apply_fn.frozen}
-    target = load_into(mlp(1), trained, frozen=own)
-    assert_module_holds(target, {**trained, **own})
+    own = {k: v.clone() for k, v in model.state_dict().items() if k in apply_fn.frozen}
+    # Into the module apply_fn was made from, and into another instance holding the same weights: the
+    # frozen weights stay bitwise as the module holds them (float32), not the bf16 copies widened.
+    for target in (model, mlp(0)):
+        load_into(target, trained, frozen=apply_fn.frozen)
+        assert_module_holds(target, {**trained, **own})
+    # Into a module with other weights the bf16 copies cannot be made the float32 weights: refused, saying what
+    # to pass; either given explicitly is written.
+    with pytest.raises(
+        ValueError,
+        match=r"frozen \['0.weight', '0.bias'\] hold bfloat16 .*"
+        r"not made from the weights this module holds.*base.state_dict\(\)",
+    ):
+        load_into(mlp(1), trained, frozen=apply_fn.frozen)
+    assert_module_holds(load_into(mlp(1), trained, frozen=own), {**trained, **own})
+    used = {k: v.float() for k, v in apply_fn.frozen.items()}
+    assert_module_holds(load_into(mlp(1), trained, frozen=used), {**trained, **used})
+
+
+@pytest.mark.parametrize(
+    ("policy", "frozen_dtype"),
+    [(MIXED, BF16), ("params=float16,compute=float16,output=float32", torch.float16), ("bfloat16", BF16)],
+)
+def test_frozen_weights_come_back_bitwise(policy, frozen_dtype, tmp_path):
+    """The sweep of the way back for frozen weights stored narrower than the module holds them: a compute
+    dtype copy (bf16, float16; bf16 masters), int8 (below), after a checkpoint round trip of the state. Each
+    frozen weight is checked bitwise against the module's own value before the call. Planted: the old
+    ``_value`` (write the copy, cast) fails every case here, 0.weight off by up to 2e-3 relative."""
+    model = mlp(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_fn, params = functionalize(model, policy, trainable="3")
+    assert apply_fn.frozen["0.weight"].dtype == frozen_dtype  # the LayerNorm's stay float32
+    assert any(not torch.equal(v.to(F32), before[k]) for k, v in apply_fn.frozen.items())  # the copies round
+    state = fa.TrainState.create(bumped(params), optim.sgd(0.1))
+    path = tmp_path / "state.pt"
+    fa.checkpoint.save(path, state)
+    state = fa.checkpoint.load(path)
+    load_into(model, state.params, frozen=apply_fn.frozen)
+    sd = model.state_dict()
+    for k in apply_fn.frozen:
+        assert sd[k].dtype == F32 and torch.equal(sd[k], before[k]), k
+    for k, v in state.params.items():
+        assert torch.equal(sd[k], v.to(F32)), k
+    with pytest.raises(ValueError, match="not made from the weights this module holds"):
+        state_dict(mlp(1), state.params, frozen=apply_fn.frozen)
+
+
+def test_frozen_as_wide_as_the_module_is_written():
+    """A float32 frozen copy of a float32 module holds the weight exactly: written into any module."""
+    apply_fn, params = functionalize(mlp(0), "float32", trainable="3")
+    target = load_into(mlp(1), params, frozen=apply_fn.frozen)
+    assert_module_holds(target, {**params, **dict(apply_fn.frozen)})
 
 
 def test_frozen_split_float32_outputs_equal_apply_fn():
@@ -139,22 +184,35 @@ def test_frozen_split_float32_outputs_equal_apply_fn():
 
 
 @pytest.mark.parametrize("module_dtype", [F32, BF16])
-def test_int8_weights_are_dequantized_into_the_module_dtype(module_dtype):
+def test_int8_weights_come_back_bitwise_or_dequantized_when_asked(module_dtype):
     model = mlp(0).to(module_dtype)
     model.requires_grad_(False)
     model[1].requires_grad_(True)  # train the LayerNorm only
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     policy = "float32" if module_dtype == F32 else MIXED
     apply_fn, params = functionalize(model, policy, quantize=quant.Int8WeightOnlyConfig())
     assert isinstance(apply_fn.frozen["0.weight"], quant.Int8Weight)
     trained = bumped(params)
-    target = load_into(mlp(1).to(module_dtype), trained, frozen=apply_fn.frozen)
+    # The module the int8 weights were made from keeps its own weights, bitwise (planted: the old code wrote
+    # the dequantized ones, up to half a step off).
+    load_into(model, trained, frozen=apply_fn.frozen)
+    for name in ("0.weight", "3.weight"):
+        assert torch.equal(model.state_dict()[name], before[name]), name
+    # Another module: refused; the dequantized weights, given in the module's dtype, are written.
+    with pytest.raises(ValueError, match=r"frozen \['0.weight', '3.weight'\] hold int8 copies.*dequantize_int8"):
+        load_into(mlp(1).to(module_dtype), trained, frozen=apply_fn.frozen)
+    used = {
+        k: quant.dequantize_int8(v, module_dtype) if isinstance(v, quant.Int8Weight) else v
+        for k, v in apply_fn.frozen.items()
+    }
+    target = load_into(mlp(1).to(module_dtype), trained, frozen=used)
     sd = target.state_dict()
     for name in ("0.weight", "3.weight"):
         w = apply_fn.frozen[name]
         assert sd[name].dtype == module_dtype
         torch.testing.assert_close(sd[name], quant.dequantize_int8(w, module_dtype), rtol=0, atol=0)
-        err = (sd[name].float() - model.state_dict()[name].float()).abs()
-        rounding = 0 if module_dtype == F32 else model.state_dict()[name].float().abs() * 2**-8
+        err = (sd[name].float() - before[name].float()).abs()
+        rounding = 0 if module_dtype == F32 else before[name].float().abs() * 2**-8
         assert (err <= w.absmax / 254 * (1 + 1e-6) + rounding).all()  # quantize_int8: half a step (+ bf16 rounding)
     if module_dtype == F32:
         x = torch.randn(5, 4)

@@ -193,6 +193,8 @@ def test_the_state_carries_group_and_policy_to_the_step():
         assert pickle.loads(pickle.dumps(carried)).data_parallel.group is None
         with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="differs from the state's"):
             fa.make_train_step(loss_fn, opt, policy="f32", compile=False)(carried, W.batches(1)[0])
+        with pytest.raises(ValueError, match="first called with a state of data_parallel and policy"):
+            new(fa.TrainState.create(W.init_params(), opt), W.batches(1)[0])  # another state: another step
     finally:
         dist.destroy_process_group()
 

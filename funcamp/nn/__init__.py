@@ -25,8 +25,9 @@ without editing the model; memory is saved eagerly (plain autograd) and in the i
 ``remat=Remat(modules, budget=b)`` keeps the fraction ``b`` of their activation bytes there (:class:`Remat`).
 
 The way back: :func:`load_into` ``(model, state.params, state.buffers, frozen=apply_fn.frozen)`` writes
-trained tensors into the module (``load_state_dict(strict=True)``: tied weights under each name, int8
-weights dequantized, fp8 layers mapped back, each value in the module's dtype); :func:`state_dict` builds
+trained tensors into the module (``load_state_dict(strict=True)``: tied weights under each name, frozen
+weights kept bitwise as the module holds them (or refused where the module holds others), fp8 layers
+mapped back, each value in the module's dtype); :func:`state_dict` builds
 that state dict without loading it (for ``save_pretrained(dir, state_dict=...)`` or ``torch.save``).
 
 :func:`linear_cross_entropy` ``(hidden, weight, targets)`` is a language model's head and loss in chunks of rows,
@@ -35,9 +36,11 @@ never the whole logits (plain torch: in a module's forward, eager, under ``torch
 Layout: ``_functionalize`` (the assembly, one call of ``apply_fn``, the return convention, ``fp8=``),
 ``_plan`` (which policy each module and tensor follows), ``_store`` (the trainable/frozen/int8 split and
 the dtypes tensors are stored and used in), ``_wrappers`` (the module copy and its per-module wrappers:
-casts, and the per-op mode), ``_use`` (each parameter made into its forward tensor where its module
-uses it, through the step layout's ``param_at_use``), ``_remat`` (activation checkpointing inside
-``apply_fn``, and ``remat=``), ``_load`` (the way back into the module), ``_loss`` (the chunked head and loss).
+casts, and the per-op mode), ``_copy`` (the copy of the structure, with the callables that reach it),
+``_use`` (each parameter made into its forward tensor where its module uses it, through the step
+layout's ``param_at_use``), ``_remat`` (activation checkpointing inside ``apply_fn``, and ``remat=``),
+``_scan`` (``scan=``: a run of identical blocks compiled once), ``_load`` (the way back into the module),
+``_loss`` (the chunked head and loss).
 """
 
 from funcamp.nn._functionalize import Functional, FunctionalWithBuffers, functionalize

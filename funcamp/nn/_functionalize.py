@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from funcamp import quant
-from funcamp.nn import _remat, _store, _use, _wrappers
+from funcamp.nn import _remat, _scan, _store, _use, _wrappers
 from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
 from funcamp.nn._reductions import buffer_reductions
 from funcamp.nn._store import Trainable, _sample
@@ -73,6 +73,7 @@ def functionalize(
     op_policies: Mapping[Any, OpRule | None] | None = None,
     quantize: quant.Int8WeightOnlyConfig | None = None,
     remat: _remat.RematLike = None,
+    scan: _scan.ScanLike = None,
 ) -> Functional | FunctionalWithBuffers:
     """Turn ``module`` into a pure function of its parameters (and buffers), under a precision policy.
 
@@ -86,6 +87,9 @@ def functionalize(
     uses it, and the output to the output dtype; norms follow :func:`keep_in_float32`, embeddings
     :func:`float32_lookup`. The rules in full (frozen tensors, buffers, the casting and autocast modes,
     checkpointing, where parameters become forward tensors): docs/module.md, "What functionalize does".
+    Callables your ``__init__`` stores that reach the module (minGPT's ``self.mlpf = lambda x: ...``, a
+    closure over ``self.mlp``; partials, bound methods, hooks) run on the copy, with the tensors of the call
+    (:mod:`funcamp.nn._copy`); what cannot is refused by name.
 
     Args:
       module: the model; left unchanged (same parameters, dtypes, training flag, no hooks).
@@ -140,6 +144,13 @@ def functionalize(
         an ``nn.Module`` subclass; an fnmatch pattern of qualified module names; a list mixing the two; a
         predicate ``remat(name, module) -> bool``; or :class:`funcamp.nn.Remat` ``(one of those, budget=b)``.
         Gradients are bitwise those without ``remat`` (docs/module.md, docs/memory.md).
+      scan: ``None`` (default), or the qualified name (fnmatch pattern, or a list of them) of a ``ModuleList``
+        or ``Sequential`` of identical blocks: under ``torch.compile`` their forward tensors are stacked on a
+        leading layer axis and one block runs over them with ``torch._higher_order_ops.scan``, so that the
+        block is traced and compiled once; eagerly they run as written. ``params`` keeps one leaf per layer.
+        A ``ModuleList`` must be applied as ``for block in blocks: x = block(x, *same_args)``. Differentiable
+        inside ``torch.compile`` by Dynamo-traced ``torch.autograd.grad`` (the compiled train step's route), not
+        by ``torch.func`` transforms. See :mod:`funcamp.nn._scan` and docs/module.md.
     Returns:
       :class:`Functional` ``(apply_fn, params)`` or :class:`FunctionalWithBuffers` ``(apply_fn, params,
       buffers)`` (named tuples), see above. ``apply_fn.frozen`` is a
@@ -153,6 +164,8 @@ def functionalize(
     Raises:
       TypeError: if ``module`` is not an ``nn.Module``, ``module_policies`` is malformed, or the module
         cannot be deep-copied.
+      TypeError: if an attribute reaches your module, a parameter or a persistent buffer other than
+        through the module structure, or holds a module with parameters that is not registered (named).
       TypeError: if ``trainable`` is not one of the forms above, or its predicate returns a non-bool.
       ValueError: if a policy string does not parse; if a ``trainable`` pattern or the predicate
         selects no parameter.
@@ -168,6 +181,12 @@ def functionalize(
       ValueError: if a ``remat`` type or pattern matches no submodule, or its predicate chooses none, or
         ``remat="auto"`` (not offered, see :class:`funcamp.nn.Remat`).
       TypeError, ValueError: from :class:`funcamp.nn.Remat` for a budget that is not a number in ``[0, 1]``.
+      TypeError: if ``scan`` is not None, a str or a list of str, or names a module that is not a ``ModuleList``
+        or ``Sequential``.
+      ValueError: if a ``scan`` pattern matches no submodule, or the run's layers differ (class, shapes, dtypes,
+        policies, plain attributes, buffers) or hold what a scan does not support yet (hooks, persistent
+        buffers, frozen or int8 or tied tensors, fp8 layers, ``remat`` on or around it, ``autocast=True``);
+        at call time, under a sharded layout.
       ValueError: at call time, if ``params`` or ``buffers`` do not have the module's names (a frozen
         name in ``params`` is named as such).
       TypeError: at call time, if ``params`` or ``buffers`` is not a dict.
@@ -201,7 +220,20 @@ def functionalize(
     _remat.install()
     uses = _use.Uses(store.frozen, store.int8, store.forward_dtypes, plan.aliases)
     budgets = dict.fromkeys(remat_names, _remat.budget(remat))
+    scan_names = _scan.select(module, scan)
+    for name in scan_names:
+        _scan.check(
+            module,
+            name,
+            plan,
+            frozen=store.frozen,
+            int8=store.int8,
+            forward_dtypes=store.forward_dtypes,
+            remat=remat_names,
+            autocast=autocast,
+        )
     skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=budgets)
+    _scan.install(skeleton, scan_names, uses)
     op_mode = _wrappers.op_mode(policy, op_policies, autocast, store.forward_dtypes)
     run = _Apply(skeleton, plan, policy, autocast, store, uses, op_mode)
     if explicit:

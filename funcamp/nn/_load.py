@@ -42,12 +42,17 @@ def state_dict(
       :func:`functionalize` keeps once under its first name, appears under each of its names (the same
       tensor, as ``model.state_dict()`` gives it);
     - frozen tensors (functionalize's ``trainable=`` split, ``requires_grad=False``) come from
-      ``frozen=apply_fn.frozen``: they are what ``apply_fn`` used, stored in the compute dtype (under a
-      bfloat16 policy, bfloat16 roundings of your module's values). To keep your module's own values
-      instead, pass ``frozen={k: v for k, v in model.state_dict().items() if k in apply_fn.frozen}``;
-    - int8-stored matrices (``quantize=``, :class:`funcamp.quant.Int8Weight` in ``apply_fn.frozen``)
-      are dequantized (``qdata * scale`` in float32, :func:`funcamp.quant.dequantize_int8`) into the
-      module tensor's dtype: within ``scale / 2`` of the weight they were made from, not equal to it;
+      ``frozen=``. Frozen weights come back bitwise as the module held them: ``apply_fn.frozen`` holds
+      them as ``apply_fn`` uses them, in the compute dtype (bfloat16 roundings under a bfloat16 policy)
+      or in int8 (``quantize=``, :class:`funcamp.quant.Int8Weight`), copies from which the weight cannot
+      be recovered. Where such a copy is narrower than the module's tensor, the module's own tensor is
+      kept if the copy was made from it (it casts, or quantizes, to the copy bitwise: the module
+      ``apply_fn`` was made from, or one loaded with the same weights), and the call is refused
+      otherwise (a module with other weights: pass the weights themselves, such as
+      ``{k: v for k, v in base.state_dict().items() if k in apply_fn.frozen}``; or, to write the
+      values ``apply_fn`` computed with, give them in the module's dtype, ``v.float()`` or
+      ``funcamp.quant.dequantize_int8(v, torch.float32)``). A frozen value as wide as the module's
+      tensor, or wider, is written as any other;
     - layers swapped by :func:`funcamp.fp8.convert` keep their parameters' names, so their weights
       load into the original (unconverted) model and into the converted one alike. The delayed
       recipe's state buffers (``fp8_amax_history_*``, ``fp8_scale_*``) load into a converted model;
@@ -83,6 +88,8 @@ def state_dict(
         match the module's (missing ones, unexpected ones, a further name of a tied tensor),
         naming them and saying where they belong.
       ValueError: if a value's shape differs from the module's tensor, naming the key and both shapes.
+      ValueError: if a frozen value is narrower than the module's tensor (a compute-dtype copy, an
+        ``Int8Weight``) and was not made from it, naming the keys and what to pass.
 
     Example:
       >>> import funcamp
@@ -105,6 +112,7 @@ def state_dict(
     for name in [n for n in given if n not in target and source[n] == "buffers" and _fp8_state_of_plain(model, n)]:
         del given[name]
     _check_names(model, target, aliases, given, buffers is None, frozen is None)
+    _check_frozen(model, target, given, source)
     values = {key: _value(key, given[key], own, source[key]) for key, own in target.items() if key not in aliases}
     return {key: values[aliases.get(key, key)] for key in target}  # a tied name: its first name's tensor
 
@@ -238,6 +246,70 @@ def _check_names(
         f"funcamp.nn.state_dict: the names do not match {type(model).__name__}'s state dict: missing "
         f"{_sample(missing)}, unexpected {_sample(unexpected)}" + "".join(f"; {h}" for h in hints)
     )
+
+
+#: Floating dtypes that hold every value of the floating dtypes listed (a cast into them is exact).
+_HOLDS = {
+    torch.float64: {torch.float32, torch.float16, torch.bfloat16},
+    torch.float32: {torch.float16, torch.bfloat16},
+}
+
+
+def _narrower(value: torch.Tensor | quant.Int8Weight, own: torch.Tensor) -> bool:
+    """Whether ``value`` cannot hold every value of ``own``'s dtype (an int8 weight, a half copy of float32)."""
+    if isinstance(value, quant.Int8Weight):
+        return True
+    holds = value.dtype == own.dtype or own.dtype in _HOLDS.get(value.dtype, ())
+    return value.is_floating_point() and own.is_floating_point() and not holds
+
+
+def _made_from(value: torch.Tensor | quant.Int8Weight, own: torch.Tensor) -> bool:
+    """Whether the narrower copy ``value`` is ``own`` cast (or int8-quantized) as functionalize stores it."""
+    if own.is_meta or tuple(value.shape) != tuple(own.shape):
+        return False
+    own = own.detach().to(value.device)
+    if isinstance(value, quant.Int8Weight):
+        if own.ndim != 2 or not torch.isfinite(own).all():
+            return False
+        dims = [d for d in (0, 1) if value.absmax.shape[d] == value.shape[d] and value.absmax.shape[1 - d] == 1]
+        return any(_same(quant.quantize_int8(own, d), value) for d in dims)
+    return torch.equal(own.to(value.dtype), value)
+
+
+def _same(a: quant.Int8Weight, b: quant.Int8Weight) -> bool:
+    return a.absmax.shape == b.absmax.shape and torch.equal(a.qdata, b.qdata) and torch.equal(a.absmax, b.absmax)
+
+
+def _check_frozen(
+    model: nn.Module, target: Mapping[str, torch.Tensor], given: dict[str, Any], source: Mapping[str, str]
+) -> None:
+    """Keep the module's own tensor where a narrower frozen copy was made from it; refuse where it was not.
+
+    Replaces such a copy in ``given`` by the module's tensor (so the write is a bitwise no-op).
+
+    Raises:
+      ValueError: naming the frozen keys whose narrower copies were made from other weights.
+    """
+    lossy = [k for k, v in given.items() if source[k] == "frozen" and k in target and _narrower(v, target[k])]
+    if not lossy:
+        return
+    foreign = []
+    for key in lossy:
+        if _made_from(given[key], target[key]):
+            given[key] = target[key]
+        else:
+            foreign.append(key)
+    if foreign:
+        key = foreign[0]
+        kind = "int8" if isinstance(given[key], quant.Int8Weight) else str(given[key].dtype).removeprefix("torch.")
+        raise ValueError(
+            f"funcamp.nn.state_dict: frozen {_sample(foreign)} hold {kind} copies (what apply_fn computes with), "
+            f"narrower than {type(model).__name__}'s {str(target[key].dtype).removeprefix('torch.')} tensors, and "
+            "were not made from the weights this module holds: writing them would replace its weights with their "
+            "roundings. Pass the weights themselves (frozen={k: v for k, v in base.state_dict().items() if k in "
+            "apply_fn.frozen}, base the module functionalize was given), or, to write the values apply_fn computed "
+            "with, give them in the module's dtype (v.float(), funcamp.quant.dequantize_int8(v, torch.float32))"
+        )
 
 
 def _value(key: str, value: torch.Tensor | quant.Int8Weight, own: torch.Tensor, what: str) -> torch.Tensor:

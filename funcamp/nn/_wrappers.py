@@ -12,7 +12,6 @@ all this (``fp8=`` in the policy string), and the trainable/frozen/int8 store is
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,6 +22,7 @@ from torch import nn
 
 from funcamp import ops
 from funcamp.nn import _remat, _use
+from funcamp.nn._copy import copy_structure
 from funcamp.nn._plan import _HALF, _Plan
 from funcamp.ops import OpRule
 from funcamp.policy import Policy
@@ -103,13 +103,7 @@ def _copy(module: nn.Module, plan: _Plan, training: bool | None) -> nn.Module:
     state = [*module.parameters(), *(named[name] for name in plan.buffers)]
     memo: dict[int, Any] = {id(t): t for t in module.buffers()}
     memo.update({id(t): torch.empty_like(t, device="meta") for t in state})
-    try:
-        copied = copy.deepcopy(module, memo)
-    except Exception as e:
-        raise TypeError(
-            f"functionalize: could not copy the structure of {type(module).__name__} (copy.deepcopy failed: "
-            f"{e}); functionalize needs a deep-copyable module so that it never changes yours"
-        ) from e
+    copied = copy_structure(module, memo)
     if training is not None:
         copied.train(training)
     return copied

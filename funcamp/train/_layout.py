@@ -361,10 +361,16 @@ class Sharded(DataParallel):
 
 
 def layout_from(
-    data_parallel: Any = None, shard: Any = None, policy: Policy | str | None = None, *, carried: Any = None
+    data_parallel: Any = None,
+    shard: Any = None,
+    policy: Policy | str | None = None,
+    *,
+    carried: Any = None,
+    state: Any = None,
 ) -> SingleProcess:
-    """The layout ``make_train_step``'s ``data_parallel``, ``shard`` and ``policy`` arguments describe, for a
-    state that carries the shard layout ``carried`` (``TrainState.shard``; None: a state of whole tensors).
+    """The layout that ``data_parallel``, ``shard`` and ``policy`` (``make_train_step``'s deprecated arguments)
+    and what ``state`` carries (``TrainState.create``'s ``shard``, ``data_parallel`` and ``policy``) describe;
+    ``carried``: a shard layout carried some other way (None: take ``state.shard``).
 
     The layout is given once: a state made with ``TrainState.create(params, optimizer, shard=layout)``
     carries it (and ``layout.group``, the group ``shard_layout`` was given), so a step built without
@@ -374,11 +380,27 @@ def layout_from(
       TypeError: if ``data_parallel`` is not None, a bool or a ProcessGroup, or ``shard`` not a ShardLayout.
       RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
       ValueError: if ``shard`` and ``carried`` are both given and differ, or ``data_parallel``'s group is
-        not the ranks of ``carried.group``; as :class:`Sharded`.
+        not the ranks of ``carried.group`` or of the state's group, or ``policy`` is not the state's; as
+        :class:`Sharded`.
     """
     policy = None if policy is None else get_policy(policy)
-    reduce_dtype = None if policy is None else policy.reduce_dtype
     group = parallel.resolve_group(data_parallel)  # None: one process
+    if state is not None:
+        carried = state.shard if carried is None else carried
+        held = None if state.data_parallel is None else state.data_parallel.group
+        if held is not None and data_parallel is not None and (group is None or not _same_ranks(group, held)):
+            raise ValueError(
+                "train_step: data_parallel= is another group than the state's (TrainState.create(data_parallel=)); "
+                "build the step without data_parallel= (it takes the state's)"
+            )
+        if state.policy is not None and policy is not None and policy != state.policy:
+            raise ValueError(
+                f"train_step: policy={policy} differs from the state's ({state.policy}, TrainState.create(policy=)); "
+                "build the step without policy= (it takes the state's)"
+            )
+        group = held if group is None else group
+        policy = state.policy if policy is None else policy
+    reduce_dtype = None if policy is None else policy.reduce_dtype
     if carried is not None:
         if shard is not None and isinstance(shard, sharding.ShardLayout) and shard != carried:
             raise ValueError(

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from funcamp import _dynamo_autograd, _tree, numerics, parallel, passes
+from funcamp import _dynamo_autograd, _tree, numerics, passes
 from funcamp.optim import GradientTransformation
-from funcamp.policy import Policy, get_policy
 from funcamp.train import _donate, _hints, _layout, _loss, _probes, _stages
 from funcamp.train._state import TrainState
 
@@ -134,12 +133,9 @@ def make_train_step(
         return record.new_state, metrics
 
     def for_state(state: TrainState) -> None:  # the first call: the layout the state carries
-        group = None if state.data_parallel is None else state.data_parallel.group
-        if state.shard is None and group is None and state.policy is None:
+        if state.shard is None and state.data_parallel is None and state.policy is None:
             return
-        _check_agree(data_parallel, group, policy, state.policy)
-        dp = group if data_parallel is None else data_parallel
-        layout = _layout.layout_from(dp, shard, state.policy if policy is None else policy, carried=state.shard)
+        layout = _layout.layout_from(data_parallel, shard, policy, state=state)
         if shard is None:  # taken from the state: checked as a layout given to the step is at build time
             run_as.probes = _probes_for(layout, max_consecutive_skips, has_aux, telemetry)
             layout.check_ranks()
@@ -263,32 +259,12 @@ def _moved_to_state(moved: dict[str, Any]) -> tuple[Any, Any, Any]:
     return moved.get("data_parallel"), moved.get("shard"), moved.get("policy")
 
 
-def _check_agree(data_parallel: Any, group: Any, policy: Any, carried: Policy | None) -> None:
-    """A deprecated ``data_parallel=`` or ``policy=`` given to the step must be what the state carries.
-
-    Raises:
-      ValueError: naming the argument that differs.
-    """
-    if group is not None and data_parallel is not None:
-        given = parallel.resolve_group(data_parallel)
-        if given is None or not _layout._same_ranks(given, group):
-            raise ValueError(
-                "train_step: data_parallel= is another group than the state's (TrainState.create(data_parallel=)); "
-                "build the step without data_parallel= (it takes the state's)"
-            )
-    if carried is not None and policy is not None and get_policy(policy) != carried:
-        raise ValueError(
-            f"train_step: policy={policy!r} differs from the state's ({carried}, TrainState.create(policy=)); "
-            "build the step without policy= (it takes the state's)"
-        )
-
-
 def _first_call_check(
     run_as: _Assembly, for_state: Callable[[Any], None], loss_fn: Callable[..., Any], optimizer: GradientTransformation
 ) -> Callable[[Any], None]:
     """The host-side check of the state at a step's first call; later calls only compare the layout the state
     carries with the first call's (a host-side comparison of static metadata)."""
-    done: list[Any] = [False, None]
+    done: list[Any] = [False, None, None]
 
     def check(state: TrainState) -> None:
         if done[0]:
@@ -297,6 +273,12 @@ def _first_call_check(
                     f"train_step: this step was first called with a state of layout {done[1]!r} and runs under it; "
                     f"this state carries {state.shard!r}: build another step for it (make_train_step)"
                 )
+            if (state.data_parallel, state.policy) != done[2]:
+                raise ValueError(
+                    f"train_step: this step was first called with a state of data_parallel and policy {done[2]!r} "
+                    f"and runs under them; this state carries {(state.data_parallel, state.policy)!r}: build another "
+                    "step for it (make_train_step)"
+                )
             return
         message = _loss.arity_error(loss_fn, state.buffers is not None)
         if message is not None:
@@ -304,7 +286,7 @@ def _first_call_check(
         for_state(state)
         _check_opt_state(state, optimizer)
         run_as.layout.check_state(state)
-        done[0], done[1] = True, state.shard
+        done[0], done[1], done[2] = True, state.shard, (state.data_parallel, state.policy)
 
     return check
 

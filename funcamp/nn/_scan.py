@@ -1,0 +1,296 @@
+"""``scan=``: a run of identical blocks traced and compiled once, as one scan over their stacked parameters.
+
+A model's layers (a ``ModuleList`` its forward loops over, or a ``Sequential``) are the same module ``L`` times
+with different tensors. Unrolled, ``torch.compile`` traces, differentiates and compiles each of them; flax's
+``nn.scan`` and Haiku's ``layer_stack`` instead stack the layers' parameters on a leading layer axis and run one
+layer's code over that axis, so that tracing and compiling cost one layer. ``functionalize(..., scan="blocks")``
+does that inside a compiled ``apply_fn``: the run's forward tensors (each parameter made where it is used, as for
+every module: cast to its forward dtype) are ``torch.stack``-ed, and ``torch._higher_order_ops.scan`` runs the
+first layer's module over them (``torch.func.functional_call`` on its slices). Nothing else changes: ``params``
+keeps one leaf per layer and name (``blocks.3.attn.qkv.weight``), so optimizer states, checkpoints, telemetry
+groups, ``load_into`` and every name a user sees stay per layer; the stack's backward hands each layer's
+gradient back to its own leaf.
+
+Only under ``torch.compile`` (``torch.compiler.is_compiling()``): eagerly the layers run one after the other as
+written, so the compiled step's gradients can be compared with the eager step's. On torch 2.13 a scan can be
+differentiated inside ``torch.compile`` by Dynamo-traced ``torch.autograd.grad`` (the compiled train step's
+route, :mod:`funcamp._dynamo_autograd`), not by ``torch.func`` transforms ("Expected FakeTensor").
+
+The contract of a ``ModuleList``: the forward applies every layer once, in order, each to the previous layer's
+output, with the same further arguments (``for block in self.blocks: x = block(x, mask)``), and does nothing
+else per layer. Under compile the loop runs once, over one object that applies the whole run. What can be
+checked is checked when ``functionalize`` is called, and refused with the run's name: layers of different
+classes, shapes, dtypes, policies or plain attributes (the scan runs the first layer's Python code for all),
+hooks, persistent buffers, non-persistent buffers that differ, frozen or int8 tensors, tied tensors, fp8
+layers, ``remat=`` on or around the run, ``autocast=True``; at call time, a sharded layout (it gathers each
+layer where it is used; stacking would hold every layer gathered at once) and a layer output that is not one
+tensor of its input's shape and dtype.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from funcamp import _scope
+from funcamp.nn import _use
+from funcamp.nn._plan import _Plan
+
+__all__ = ["ScanLike", "check", "install", "select"]
+
+#: ``scan=``: ``None``, or qualified names (fnmatch patterns) of ``ModuleList`` / ``Sequential`` runs.
+ScanLike = str | Sequence[str] | None
+
+
+def select(module: nn.Module, scan: ScanLike) -> list[str]:
+    """The qualified names of the runs ``scan`` chooses (outermost only), in module order.
+
+    Raises:
+      TypeError: if ``scan`` is not None, a str or a sequence of str; if a chosen module is not a
+        ``ModuleList`` or ``Sequential``.
+      ValueError: if a pattern matches no module.
+    """
+    if scan is None:
+        return []
+    patterns = [scan] if isinstance(scan, str) else scan
+    if not isinstance(patterns, Sequence) or not all(isinstance(p, str) for p in patterns):
+        raise TypeError(
+            "functionalize: scan must be None, a qualified module name (fnmatch pattern, e.g. 'blocks' or "
+            f"'model.layers') or a list of them, naming ModuleList or Sequential runs of identical blocks; got {scan!r}"
+        )
+    named = dict(module.named_modules())
+    chosen: list[str] = []
+    for pattern in patterns:
+        hits = [name for name in named if name and fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            runs = [n for n, m in named.items() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+            raise ValueError(
+                f"functionalize: scan={pattern!r} matches no submodule of {type(module).__name__}; "
+                f"its ModuleList and Sequential modules are {runs[:8]}"
+            )
+        for name in hits:
+            if not isinstance(named[name], (nn.ModuleList, nn.Sequential)):
+                raise TypeError(
+                    f"functionalize: scan={pattern!r} matches {name!r}, a {type(named[name]).__name__}; scan takes "
+                    "a ModuleList or Sequential of identical blocks"
+                )
+            if name not in chosen:
+                chosen.append(name)
+    return [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
+
+
+def check(
+    module: nn.Module,
+    name: str,
+    plan: _Plan,
+    *,
+    frozen: Any,
+    int8: Any,
+    forward_dtypes: Any,
+    remat: Sequence[str],
+    autocast: bool,
+) -> None:
+    """Refuse, naming the run, what a scan over ``module.get_submodule(name)`` would not compute as written.
+
+    Raises:
+      ValueError: for each condition of the module docstring (one message per condition, naming the run and
+        the first layer that differs).
+    """
+    run = module.get_submodule(name)
+    layers = list(run._modules.items())
+
+    def refuse(why: str) -> None:
+        raise ValueError(f"functionalize: scan={name!r} cannot stack this run: {why}")
+
+    if type(run) not in (nn.ModuleList, nn.Sequential):
+        overridden = type(run).__iter__ is not nn.ModuleList.__iter__ if isinstance(run, nn.ModuleList) else True
+        if isinstance(run, nn.Sequential):
+            overridden = (
+                type(run).forward is not nn.Sequential.forward or type(run).__iter__ is not nn.Sequential.__iter__
+            )
+        if overridden:
+            refuse(f"{type(run).__name__} overrides how the run is applied (its forward or __iter__)")
+    if len(layers) < 2 or any(m is None for _, m in layers):
+        refuse(f"it holds {len(layers)} layer(s); a scan needs two or more")
+    if autocast:
+        refuse("autocast=True is not supported in a scanned run yet (use the default casting mode)")
+    for r in remat:
+        if r == name or r.startswith(name + ".") or name.startswith(r + ".") or r == "":
+            refuse(
+                f"remat= checkpoints {r or 'the root'!r}, on or around the run; recomputation inside a scan is not "
+                "supported yet"
+            )
+    first_key, first = layers[0]
+    base = f"{name}.{first_key}"
+    signature = _signature(first, plan, base, forward_dtypes)
+    for key, layer in layers:
+        prefix = f"{name}.{key}"
+        for sub_name, sub in layer.named_modules():
+            where = f"{prefix}.{sub_name}" if sub_name else prefix
+            if type(sub).__module__ == "funcamp.fp8":
+                refuse(f"{where} is an fp8 layer ({type(sub).__name__}); fp8 layers are not supported in a scan yet")
+            if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks:
+                refuse(f"{where} has hooks; the scan would run the first layer's hooks for every layer")
+        for pname, _ in layer.named_parameters(remove_duplicate=False):
+            full = f"{prefix}.{pname}"
+            if full in frozen or full in int8:
+                refuse(
+                    f"{full} is frozen{' (int8)' if full in int8 else ''}; frozen and int8 tensors in a scanned "
+                    "run are not supported yet"
+                )
+        tied = [a for a, m in plan.aliases.items() if a.startswith(prefix + ".") or m.startswith(prefix + ".")]
+        if tied:
+            refuse(f"{tied[0]} is tied to {plan.aliases[tied[0]]}; tied tensors in a scanned run are not supported")
+        persistent = [b for b in plan.buffers if b.startswith(prefix + ".")]
+        if persistent:
+            refuse(f"{persistent[0]} is a persistent buffer; buffers a scanned run updates are not supported yet")
+        theirs = _signature(layer, plan, prefix, forward_dtypes)
+        if theirs != signature:
+            what = (
+                next(k for k in signature if signature[k] != theirs.get(k))
+                if theirs.keys() == signature.keys()
+                else "structure"
+            )
+            refuse(
+                f"{prefix} differs from {base} in its {what}: {theirs.get(what)!r} vs {signature.get(what)!r}; "
+                "a scan runs the first layer's code on every layer's tensors"
+            )
+        for bname, b in layer.named_buffers():
+            other = first.get_buffer(bname)
+            if b is not other and not (b.shape == other.shape and b.dtype == other.dtype and torch.equal(b, other)):
+                refuse(f"the buffer {prefix}.{bname} differs from {base}.{bname}")
+
+
+def _signature(layer: nn.Module, plan: _Plan, prefix: str, forward_dtypes: Any) -> dict[str, Any]:
+    """What must be equal across a run's layers: classes, plain attributes, tensors' metadata, policies."""
+    modules = [
+        (
+            rel,
+            type(m),
+            m.training,
+            _attributes(m),
+            plan.modules[f"{prefix}.{rel}" if rel else prefix],
+            (f"{prefix}.{rel}" if rel else prefix) in plan.own,
+        )
+        for rel, m in layer.named_modules()
+    ]
+    params = [
+        (rel, tuple(p.shape), p.dtype, forward_dtypes[f"{prefix}.{rel}"], plan.tensors[f"{prefix}.{rel}"])
+        for rel, p in layer.named_parameters()
+    ]
+    buffers = [(rel, tuple(b.shape), b.dtype) for rel, b in layer.named_buffers()]
+    return {"modules": modules, "parameters": params, "buffers": buffers}
+
+
+def _attributes(module: nn.Module) -> tuple[tuple[str, Any], ...]:
+    """The module's plain attributes (not parameters, buffers, submodules or torch's private state), compared with
+    ``==`` where that gives a bool, else by identity."""
+    out = []
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_") or key == "training":
+            continue
+        out.append((key, _Comparable(value)))
+    return tuple(out)
+
+
+class _Comparable:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Comparable):
+            return NotImplemented
+        a, b = self.value, other.value
+        if a is b:
+            return True
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return False
+        try:
+            same = a == b
+        except Exception:
+            return False
+        return same if isinstance(same, bool) else False
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def install(skeleton: nn.Module, names: Sequence[str], uses: _use.Uses) -> None:
+    """Make each chosen run of the module copy apply itself as one scan under ``torch.compile``."""
+    for name in names:
+        run = skeleton.get_submodule(name)
+        scanned = _Scanned(name, list(run._modules.items()), uses)
+        if isinstance(run, nn.Sequential):
+            forward = run.forward
+
+            def sequential(x: Any, scanned: _Scanned = scanned, forward: Any = forward) -> Any:
+                return scanned(x) if torch.compiler.is_compiling() else forward(x)
+
+            run.forward = sequential
+        else:
+            run.__class__ = type(f"Scanned{type(run).__name__}", (_ScannedList, type(run)), {})
+            run._funcamp_scanned = scanned
+
+
+class _ScannedList(nn.ModuleList):
+    """A ``ModuleList`` whose iteration under ``torch.compile`` yields one object that applies the whole run."""
+
+    _funcamp_scanned: _Scanned
+
+    def __iter__(self) -> Any:
+        if torch.compiler.is_compiling():
+            return iter([self._funcamp_scanned])
+        return super().__iter__()
+
+
+class _Scanned:
+    """``scanned(x, *args, **kwargs)``: every layer of a run applied to ``x`` in order, as one scan."""
+
+    def __init__(self, name: str, layers: list[tuple[str, nn.Module]], uses: _use.Uses) -> None:
+        self.name, self.uses = name, uses
+        self.keys = [key for key, _ in layers]
+        self.template = layers[0][1]
+        self.locals = [local for local, _ in self.template.named_parameters()]
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        from torch._higher_order_ops import scan
+
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"funcamp.nn: scan={self.name!r}: a layer's first argument must be the tensor the layers carry, "
+                f"got {type(x).__name__}"
+            )
+        layout = _scope.current()
+        if layout is not None and hasattr(layout, "param_at_use"):
+            raise ValueError(
+                f"funcamp.nn: scan={self.name!r} under a sharded layout ({type(layout).__name__}) is not supported: it "
+                "gathers each layer where it is used, and a scan would hold every layer gathered at once; "
+                "functionalize without scan="
+            )
+        stacked = {
+            local: torch.stack([self.uses.at_use(f"{self.name}.{key}.{local}") for key in self.keys])
+            for local in self.locals
+        }
+        template, name = self.template, self.name
+
+        def body(h: torch.Tensor, p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            out = torch.func.functional_call(template, p, (h, *args), kwargs, tie_weights=False)
+            if not isinstance(out, torch.Tensor) or out.shape != h.shape or out.dtype != h.dtype:
+                raise TypeError(
+                    f"funcamp.nn: scan={name!r}: a layer must return one tensor of its input's shape and dtype "
+                    f"{tuple(h.shape)} {h.dtype}, got {_describe(out)}"
+                )
+            return out, h.new_zeros(())
+
+        out, _ = scan(body, x, stacked)
+        return out
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"{tuple(out.shape)} {out.dtype}"
+    return type(out).__name__

@@ -1,0 +1,214 @@
+"""functionalize(..., scan=...): a run of identical blocks compiled as one scan over stacked layers.
+
+The compiled step (aot_eager) with ``scan="blocks"`` against the eager step without it: parameters after two
+SGD steps bitwise equal, the compiled graph holds a scan (and none without ``scan=``), names per layer; every
+refusal names the run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import funcamp as fa
+from funcamp import optim
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+POLICY = "params=float32,compute=bfloat16,output=float32"
+CFG = GPTConfig(block_size=16, n_layer=3, n_head=2, n_embd=16)
+
+
+def _recording(seen):
+    def backend(gm, example_inputs):
+        seen.append(any("scan" in str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    return backend
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
+
+
+def _train(model, scan, compile, seen=None, steps=2):
+    apply_fn, params = fa.nn.functionalize(model, POLICY, scan=scan)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(apply_fn(p, x).flatten(0, 1), y.flatten())
+
+    opt = optim.sgd(0.5)
+    state = fa.TrainState.create(params, opt)
+    backend = _recording(seen) if compile else None
+    step = fa.make_train_step(loss_fn, opt, compile=compile, backend=backend)
+    for _ in range(steps):
+        state, metrics = step(state, _batch())
+    return state, metrics
+
+
+@pytest.fixture(scope="module")
+def runs():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    seen_scan = []
+    return {"eager": _train(model, None, False), "scan": _train(model, "blocks", True, seen_scan), "seen": seen_scan}
+
+
+def test_scanned_step_bitwise_equal_to_eager_unrolled(runs):
+    (eager, m_eager), (scanned, m_scan) = runs["eager"], runs["scan"]
+    assert list(scanned.params) == list(eager.params)  # names per layer, in the same order
+    assert "blocks.2.attn.qkv.weight" in scanned.params
+    for name, p in eager.params.items():
+        assert torch.equal(scanned.params[name], p), name
+    assert torch.equal(m_scan["loss"], m_eager["loss"])
+
+
+def test_graph_holds_a_scan_only_when_asked(runs):
+    assert runs["seen"] and all(runs["seen"])
+    net = _Net([_Res(), _Res()])
+    for scan, expected in ((None, False), ("blocks", True)):
+        apply_fn, params = fa.nn.functionalize(net, POLICY, scan=scan)
+        seen = []
+        torch.compile(apply_fn, fullgraph=True, backend=_recording(seen))(params, torch.randn(2, 8))
+        assert seen == [expected]
+
+
+def test_eager_apply_fn_runs_the_layers_as_written():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x = _batch()[0]
+    plain, params = fa.nn.functionalize(model, POLICY)
+    scanned, _ = fa.nn.functionalize(model, POLICY, scan="blocks")
+    assert torch.equal(scanned(params, x), plain(params, x))
+
+
+class _Res(nn.Module):
+    def __init__(self, d=8, out=None):
+        super().__init__()
+        self.lin = nn.Linear(d, out or d)
+        self.norm = nn.LayerNorm(out or d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.norm(self.lin(x)))
+
+
+def test_sequential_compiled_gradients_bitwise():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(*[_Res() for _ in range(4)]))
+    x = torch.randn(3, 8)
+    apply_fn, params = fa.nn.functionalize(model, POLICY, scan="1")
+
+    def grads(p, x):
+        ps = {k: v.detach().requires_grad_() for k, v in p.items()}
+        with torch.enable_grad():
+            loss = apply_fn(ps, x).float().square().sum()
+        return torch.autograd.grad(loss, list(ps.values()))
+
+    seen = []
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(grads, fullgraph=True, backend=_recording(seen))(params, x)
+    eager = grads(params, x)
+    assert all(seen)
+    for c, e in zip(compiled, eager, strict=True):
+        assert torch.equal(c, e)
+
+
+class _Net(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "make, kwargs, message",
+    [
+        (lambda: _Net([_Res(), _Res(8, 4)]), {}, "differs from blocks.0"),
+        (lambda: _Net([_Res(), nn.Linear(8, 8)]), {}, "differs from blocks.0"),
+        (lambda: _Net([_Res(), _Res()]), {"module_policies": {"blocks.1": "float32"}}, "differs from blocks.0"),
+        (lambda: _Net([_Res(), _Res()]), {"remat": "blocks.1"}, "remat="),
+        (lambda: _Net([_Res(), _Res()]), {"trainable": "blocks.1.*"}, "frozen"),
+        (lambda: _Net([_Res()]), {}, "two or more"),
+        (lambda: _Net([_Res(), _Res()]), {"autocast": True}, "autocast"),
+    ],
+    ids=["shape", "class", "policy", "remat", "frozen", "one-layer", "autocast"],
+)
+def test_refusals_name_the_run(make, kwargs, message):
+    with pytest.raises(ValueError, match=rf"scan='blocks'.*{message}"):
+        fa.nn.functionalize(make(), POLICY, scan="blocks", **kwargs)
+
+
+def test_refuses_differing_attributes_and_hooks():
+    net = _Net([_Res(), _Res()])
+    net.blocks[1].scale = 2.0
+    net.blocks[0].scale = 1.0
+    with pytest.raises(ValueError, match="differs from blocks.0 in its modules"):
+        fa.nn.functionalize(net, POLICY, scan="blocks")
+    net = _Net([_Res(), _Res()])
+    net.blocks[1].lin.register_forward_hook(lambda m, i, o: o)
+    with pytest.raises(ValueError, match=r"blocks.1.lin has hooks"):
+        fa.nn.functionalize(net, POLICY, scan="blocks")
+
+
+def test_refuses_fp8_and_int8():
+    net = _Net([nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)) for _ in range(2)])
+    with pytest.raises(ValueError, match="fp8 layer"):
+        fa.nn.functionalize(net, POLICY + ",fp8=tensorwise", scan="blocks")
+    with pytest.raises(ValueError, match=r"int8"):
+        fa.nn.functionalize(net, POLICY, scan="blocks", trainable="*.2.*", quantize=fa.quant.Int8WeightOnlyConfig())
+
+
+def test_bad_scan_arguments():
+    with pytest.raises(ValueError, match="matches no submodule"):
+        fa.nn.functionalize(_Net([_Res(), _Res()]), POLICY, scan="layers")
+    with pytest.raises(TypeError, match="ModuleList or Sequential"):
+        fa.nn.functionalize(_Net([_Res(), _Res()]), POLICY, scan="blocks.0")
+    with pytest.raises(TypeError, match="scan must be None"):
+        fa.nn.functionalize(_Net([_Res(), _Res()]), POLICY, scan=3)
+
+
+class _Drop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        return x + nn.functional.dropout(self.w.expand_as(x), 0.5, self.training)
+
+
+def test_dropout_masks_differ_per_layer_and_backward_uses_the_forwards():
+    """out[b, j] = sum over layers of 2 * mask_l[b, j], and d sum(out) / d w_l[j] = sum over b of 2 * mask_l[b, j]:
+    the batch sum of the output equals the sum of the layers' gradients only if each layer's backward uses the
+    mask its forward drew; equal masks in every layer would make every output a multiple of 2 * 4."""
+    apply_fn, params = fa.nn.functionalize(_Net([_Drop() for _ in range(4)]), "float32", scan="blocks", training=True)
+
+    def grads(p, x):
+        ps = {k: v.detach().requires_grad_() for k, v in p.items()}
+        with torch.enable_grad():
+            out = apply_fn(ps, x)
+        return out.detach(), torch.autograd.grad(out.sum(), list(ps.values()))
+
+    seen = []
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        out, g = torch.compile(grads, fullgraph=True, backend=_recording(seen))(params, torch.zeros(16, 64))
+    assert all(seen)
+    assert torch.equal(out.sum(0), sum(g))
+    assert {2.0, 4.0, 6.0} & set(out.flatten().tolist())
+
+
+def test_way_back_per_layer(runs):
+    scanned, _ = runs["scan"]
+    model = GPT(CFG)
+    fa.nn.load_into(model, scanned.params)
+    assert torch.equal(model.blocks[2].mlp.fc.weight, scanned.params["blocks.2.mlp.fc.weight"])
