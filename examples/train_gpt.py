@@ -11,11 +11,12 @@ The model is a plain ``nn.Module`` (``examples/gpt.py``); ``funcamp.nn.functiona
 function of float32 master parameters that computes in the policy's half dtype; the whole train step
 (loss scaling, gradients, finite check, clipping, AdamW, skip on overflow, loss-scale update) is one
 ``torch.compile`` graph. Default (``--policy auto``): float32 params and outputs, computing in the dtype
-``funcamp.tune.choose_compute_dtype`` finds faster for this very step: torch's report decides where it can
+``funcamp.tune.choose_compute_dtype`` finds faster for this model: torch's report decides where it can
 (bfloat16 on Ampere+ GPUs, float16 with a dynamic loss scale on older ones, float32 on CPUs without oneDNN
-half kernels, such as AVX2-only ones); elsewhere (AVX-512 and AMX CPUs) the compiled step of each
-candidate dtype is timed in interleaved rounds, float32 unless a half dtype is faster by more than the
-rounds' spread, and the decision is cached (``$FUNCAMP_CACHE_DIR/tune`` or ``~/.cache/funcamp/tune``) so
+half kernels, such as AVX2-only ones); elsewhere (AVX-512 and AMX CPUs) one decoder block's forward+backward
+kernels (``funcamp.tune.block_probe``: no compile) are timed in each candidate dtype in interleaved rounds,
+float32 unless a half dtype is faster by more than the rounds' spread, the winner's step alone is built and
+compiled, and the decision is cached (``$FUNCAMP_CACHE_DIR/tune`` or ``~/.cache/funcamp/tune``) so
 that every later run on the machine makes the same choice; ``--retune`` times again. The header says
 which, why, and where the decision came from.
 
@@ -134,13 +135,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--policy",
         default="auto",
-        help="precision policy string, or auto: the compute dtype whose compiled train step is faster here,\n"
-        "timed once per model, batch shape, settings and machine and cached (default: auto)",
+        help="precision policy string, or auto: the compute dtype in which one decoder block's matmuls and\n"
+        "attention run faster here, timed once per model, batch shape, settings and machine and cached\n"
+        "(default: auto)",
     )
     p.add_argument(
         "--retune",
         action="store_true",
-        help="--policy auto: time the candidate dtypes' steps again instead of reading the cached decision",
+        help="--policy auto: time the candidate dtypes again instead of reading the cached decision",
     )
     p.add_argument(
         "--master-weights",
@@ -395,38 +397,47 @@ def auto_policy(
 
     ``fa.tune.choose_compute_dtype``: torch's report where it decides (CUDA compute capability; float32 on
     a CPU without oneDNN half kernels); else the decision cached for this model, batch shape, settings and
-    machine; else each candidate's real step (compiled as training will be) timed in interleaved rounds,
-    float32 unless a half dtype is faster by more than the rounds' spread. In one process the winner's
-    measured step is the one that trains (compiled once). Under torchrun rank 0 decides on its own step
-    alone (no collectives while timing) and every rank takes its decision."""
+    machine; else one decoder block's forward+backward kernels (``fa.tune.block_probe``: matmuls and attention,
+    recorded eagerly in each candidate dtype and replayed, no compile) timed in interleaved rounds, float32
+    unless a half dtype is faster by more than the rounds' spread. Then the winner's step alone is built (and
+    compiled once, by its first call). Under torchrun rank 0 decides alone (no collectives while timing) and
+    every rank takes its decision."""
     batch = get_batch(train, 0, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed, device=device)
     distributed = world_size > 1
-    built: dict[torch.dtype, SimpleNamespace] = {}
-
-    def make_step(dtype: torch.dtype) -> Any:
-        label = str(dtype).removeprefix("torch.")
-        compiles = " (the first call compiles it)" if args.compile else ""
-        print(f"policy auto: timing the {label} train step{compiles}", flush=True)
-        run = built[dtype] = build_run(
-            args, auto_policy_for(dtype, args.master_weights), model, device, distributed=False
-        )
-        return functools.partial(run.train_step, run.state, batch)
-
     choice = None
     if rank == 0:
         key = {name: getattr(args, name) for name in _STEP_KEYS}
         key["world_size"] = world_size
-        # Timing runs the step; the global RNG is left as it was, so that a run that measures trains exactly
-        # like one that reads the cache.
+        base = auto_policy_for(torch.float32, args.master_weights)
+
+        def make_step(dtype: torch.dtype) -> Any:
+            if dtype == torch.float32:
+                print(f"policy auto: timing {probe.what} in each candidate dtype (no compile)", flush=True)
+            return probe(dtype)
+
+        # Capturing the block's input runs the model; the global RNG is left as it was, so that a run that
+        # measures trains exactly like one that reads the cache.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            choice = fa.tune.choose_compute_dtype(make_step, model, batch, device=device, key=key, retune=args.retune)
+            cap = fa.hardware.capability(device)
+            probe = None
+            if cap.decided is None:
+                fp8_policies = fp8.MODULE_POLICIES if args.fp8 else None  # as build_run's functionalize
+                probe = fa.tune.block_probe(model, (batch["inputs"],), policy=base, module_policies=fp8_policies)
+            if probe is not None:
+                key["measure"] = probe.key
+            choice = fa.tune.choose_compute_dtype(
+                make_step,
+                model,
+                batch,
+                device=device,
+                key=key,
+                retune=args.retune,
+                what=probe.what if probe is not None else "the step",
+            )
     if distributed:  # one decision for all ranks: rank 0's
         shared = [choice]
         torch.distributed.broadcast_object_list(shared, src=0)
         choice = shared[0]
-    if not distributed and choice.dtype in built:
-        return built[choice.dtype], choice  # the measured step trains: no second compile
-    built.clear()
     return build_run(
         args, auto_policy_for(choice.dtype, args.master_weights), model, device, distributed=distributed
     ), choice

@@ -20,8 +20,9 @@ half dtype is fast.
 
 :func:`capability` is the part of it that times nothing: the facts alone (CUDA compute capability; a CPU
 without oneDNN half kernels), and otherwise the half dtypes worth measuring. The main job's ``--policy
-auto`` starts from it and, where the facts do not decide, times the real train step
-(:func:`funcamp.tune.choose_compute_dtype`) instead of a matmul.
+auto`` starts from it and, where the facts do not decide, times one repeated block's kernels in each
+candidate dtype (:func:`funcamp.tune.choose_compute_dtype` with :func:`funcamp.tune.block_probe`) instead of
+a matmul.
 """
 
 from __future__ import annotations
@@ -157,7 +158,22 @@ def _cpu_facts() -> dict[str, Any]:
         "mkldnn_bf16": ask(lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "mkldnn_fp16": ask(lambda: torch.ops.mkldnn._is_mkldnn_fp16_supported()),
         "amx": ask(lambda: torch._C._cpu._init_amx()),
+        "amx_fp16": "amx_fp16" in _cpu_flags(),
     }
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (``/proc/cpuinfo``); empty where there is none.
+
+    torch reports AMX (``_init_amx``, the bfloat16 tiles) but not AMX-FP16 (Granite Rapids and newer)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def _probe_cpu(device: torch.device, facts: dict[str, Any]) -> HardwareReport:
@@ -253,10 +269,12 @@ def capability(device: str | torch.device | None = None) -> Capability:
     * **CUDA**: the compute capability decides, as in :func:`probe` (bfloat16 from 8.0, float16 on 7.x and
       6.0, else float32).
     * **CPU**: a half dtype without oneDNN kernels (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` /
-      ``_is_mkldnn_fp16_supported()`` False, as on AVX2-only CPUs) is out at once; when both are out, float32
-      is decided. Otherwise (AVX-512 with bfloat16, AMX) the half dtypes with kernels are left to a
-      measurement: fast matmuls do not make the whole step faster (CPU attention can be several times slower
-      in bfloat16).
+      ``_is_mkldnn_fp16_supported()`` False, as on AVX2-only CPUs) is out at once, and so is float16 without
+      AMX-FP16 tiles (the ``amx_fp16`` flag of ``/proc/cpuinfo``; Granite Rapids and newer): with AVX512-FP16
+      alone (Sapphire Rapids) a float16 train step measured 1.01x float32's, and float16 needs a loss scale.
+      When no half dtype is left, float32 is decided. Otherwise (AVX-512 with bfloat16, AMX) the half dtypes
+      left are for a measurement to decide: fast matmuls do not make the whole step faster (CPU attention
+      can be several times slower in bfloat16, and a narrow model pays its casts).
     * **meta**: the CPU's facts (as :func:`probe`). **Other devices** (MPS, XPU, ...): bfloat16 and float16
       are left to a measurement.
 
@@ -302,11 +320,25 @@ def _capability_cpu(facts: dict[str, Any]) -> Capability:
             (),
             f"oneDNN has no bfloat16 or float16 kernels for this CPU ({cap})",
         )
+    # float16 kernels without AMX-FP16 tiles (AVX512-FP16, as on Sapphire Rapids) compute a step at about
+    # float32's speed and need a loss scale: not a candidate worth measuring.
+    slow_fp16 = torch.float16 in kernels and not facts.get("amx_fp16", False)
+    halves = tuple(d for d in kernels if not (d == torch.float16 and slow_fp16))
     have = " and ".join(str(d).removeprefix("torch.") for d in kernels)
+    dropped = "; float16 not measured: no AMX-FP16 tiles" if slow_fp16 else ""
+    if not halves:
+        return Capability(
+            torch.device("cpu"),
+            name,
+            torch.float32,
+            (),
+            f"oneDNN has {have} kernels for this CPU "
+            f"({cap}{', AMX' if facts['amx'] else ''}){dropped}, and no other half dtype",
+        )
     return Capability(
         torch.device("cpu"),
         name,
         None,
-        tuple(kernels),
-        f"oneDNN has {have} kernels for this CPU ({cap}{', AMX' if facts['amx'] else ''}): to be measured",
+        halves,
+        f"oneDNN has {have} kernels for this CPU ({cap}{', AMX' if facts['amx'] else ''}){dropped}: to be measured",
     )

@@ -28,22 +28,27 @@ No library in the field measures this per module; torch.amp's op lists and jmp's
 hand, and torchtitan filters small matmuls out of fp8 by shape only.
 
 :func:`choose_compute_dtype` answers the coarser question a program asks first (the main job's
-``--policy auto``): which one compute dtype for the whole step. It times the step itself (the compiled
-step, as it will run) in each candidate dtype, interleaved, medians over rounds, refuses a half dtype
-whose gain is inside the spread of the rounds, and caches the decision per model structure, shapes,
-device and torch version in the same directory, so every fresh process on a machine makes the same
-choice whatever the load.
+``--policy auto``): which one compute dtype for the whole step. It times what ``make_step`` gives it in each
+candidate dtype: the compiled step (a compile per candidate) or, at a fraction of one compile,
+:func:`block_probe`'s replay of one repeated block's library kernels (matmuls, attention, forward and
+backward); interleaved, medians over rounds, it refuses a half dtype whose gain is inside the spread of the
+rounds, and caches the decision per model structure, shapes and settings, device and torch version in the
+same directory, so every fresh process on a machine makes the same choice whatever the load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import enum
+import functools
 import hashlib
+import inspect
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import tempfile
 import time
@@ -65,10 +70,12 @@ from funcamp.policy import Policy, get_policy
 __all__ = [
     "DEFAULT_RTOL",
     "ComputeDtypeChoice",
+    "BlockProbe",
     "StepTiming",
     "TuneCandidate",
     "TuneResult",
     "TuneRow",
+    "block_probe",
     "choose_compute_dtype",
     "default_cache_dir",
     "median_seconds",
@@ -86,7 +93,7 @@ DEFAULT_RTOL: dict[torch.dtype, float] = {
     torch.float16: 16 * torch.finfo(torch.float16).eps / 2,
 }
 _CANDIDATES = (torch.float32, torch.bfloat16, torch.float16)
-_FORMAT = 1  # version of the cache files' layout
+_FORMAT = 2  # version of the cache files' layout (2: the key holds each module's settings)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
@@ -250,9 +257,16 @@ def _units(model: nn.Module, depth: int) -> list[tuple[str, nn.Module]]:
 
 
 def _capture(model: nn.Module, units: list[tuple[str, nn.Module]], args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The ``(args, kwargs)`` each unit is first called with during one forward of ``model`` (no grad)."""
+    """The ``(args, kwargs)`` each unit is first called with during one forward of ``model`` (no grad).
+
+    The model's buffers come back as they were (the same tensors, the same values): a forward may update
+    them (BatchNorm statistics, fp8 amax histories), and measuring must not."""
     seen: dict[str, Any] = {}
     handles = []
+    saved = [
+        (model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], b, b.detach().clone())
+        for name, b in model.named_buffers(remove_duplicate=False)
+    ]
 
     def hook(name: str) -> Callable[..., None]:
         def record(module: nn.Module, a: tuple, k: dict) -> None:
@@ -269,6 +283,10 @@ def _capture(model: nn.Module, units: list[tuple[str, nn.Module]], args: tuple, 
     finally:
         for h in handles:
             h.remove()
+        with torch.no_grad():
+            for owner, attr, buffer, value in saved:
+                owner._buffers[attr] = buffer  # a forward may have rebound it
+                buffer.copy_(value)
     return seen
 
 
@@ -285,8 +303,86 @@ def _signature(tree: Any) -> list:
 
 
 def _module_signature(module: nn.Module) -> list:
+    """What a module computes with, JSON-ready: its class, its tensors' names, shapes and dtypes, and its own
+    settings (:func:`_settings`). Two modules of one class and shapes with other settings (a GELU's
+    approximation, a LayerNorm's eps, a dropout's p, training or eval) differ."""
     tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    return [type(module).__qualname__, [[n, list(t.shape), _label(t.dtype), t.requires_grad] for n, t in tensors]]
+    return [
+        f"{type(module).__module__}.{type(module).__qualname__}",
+        [[n, list(t.shape), _label(t.dtype), t.requires_grad] for n, t in tensors],
+        _settings(module),
+    ]
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _settings(module: nn.Module) -> dict[str, Any]:
+    """A module's own settings, JSON-ready and the same in every process: its public non-module attributes
+    (``training``, ``approximate``, ``eps``, ``p``, ``inplace``, a config dataclass, ...), its ``extra_repr()``,
+    and a digest of its class's ``forward`` code (an edited forward is another computation)."""
+    out = {name: _setting(value, 0) for name, value in sorted(vars(module).items()) if not name.startswith("_")}
+    out["extra_repr()"] = _ADDRESS.sub("", module.extra_repr())
+    out["forward"] = _code_digest(getattr(type(module).forward, "__code__", None))
+    return out
+
+
+def _setting(value: Any, depth: int) -> Any:
+    """One attribute's value, JSON-ready and free of memory addresses (see :func:`_settings`)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), _label(value.dtype), value.device.type]
+    if isinstance(value, (torch.dtype, torch.device, type, enum.Enum)):
+        return str(value)
+    if depth >= 4:  # deep enough for any setting; the rest is the type
+        return type(value).__qualname__
+    if isinstance(value, nn.Module):  # a module held outside _modules (a plain list or dict, an attribute)
+        return ["module", *_module_signature(value)]
+    if isinstance(value, (list, tuple, set, frozenset, Mapping)) and len(value) > 64:  # a table: its digest
+        text = repr(sorted(map(repr, value))) if isinstance(value, (set, frozenset)) else repr(value)  # hash order
+        digest = hashlib.sha256(_ADDRESS.sub("", text).encode()).hexdigest()[:16]
+        return [type(value).__qualname__, len(value), digest]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_setting(v, depth + 1) for v in value]
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    if isinstance(value, Mapping):
+        return {str(k): _setting(v, depth + 1) for k, v in value.items()}
+    if dataclasses.is_dataclass(value):
+        return {f.name: _setting(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
+    if isinstance(value, functools.partial):
+        return [
+            "partial",
+            _setting(value.func, depth + 1),
+            _setting(value.args, depth + 1),
+            _setting(value.keywords, depth + 1),
+        ]
+    if inspect.ismethod(value):
+        return ["method", value.__func__.__qualname__, _code_digest(getattr(value.__func__, "__code__", None))]
+    if inspect.isfunction(value):
+        return ["function", value.__qualname__, _code_digest(value.__code__)]
+    return _ADDRESS.sub("", repr(value))[:200]
+
+
+def _code_digest(code: Any) -> str | None:
+    """A digest of a code object: its bytecode, names and constants (nested code objects included)."""
+    if code is None:
+        return None
+    h = hashlib.sha256()
+
+    def feed(c: Any) -> None:
+        h.update(c.co_code)
+        h.update(repr(c.co_names).encode())
+        for const in c.co_consts:
+            if inspect.iscode(const):
+                feed(const)
+            else:
+                h.update(repr(const).encode())
+
+    feed(code)
+    return h.hexdigest()[:16]
 
 
 # --- one candidate ------------------------------------------------------------------------------------------
@@ -312,12 +408,25 @@ class _Runner:
     """One module under one policy: ``run()`` = forward + backward on its captured inputs."""
 
     def __init__(
-        self, module: nn.Module, policy: Policy, inputs: Any, device: torch.device, training: bool | None, op_policies
+        self,
+        module: nn.Module,
+        policy: Policy,
+        inputs: Any,
+        device: torch.device,
+        training: bool | None,
+        op_policies,
+        module_policies: Mapping[Any, Any] | None = None,
     ) -> None:
         # {"": policy}: the unit itself follows the candidate even where functionalize has a default for its
-        # type, as the map's entry (a user entry, which wins over the defaults) makes it in the whole model.
+        # type, as the map's entry (a user entry, which wins over the defaults) makes it in the whole model;
+        # the user's own entries come first (first match wins).
         apply_fn, params, buffers = functionalize(
-            module, policy, module_policies={"": policy}, with_buffers=True, training=training, op_policies=op_policies
+            module,
+            policy,
+            module_policies={**(module_policies or {}), "": policy},
+            with_buffers=True,
+            training=training,
+            op_policies=op_policies,
         )
         self.apply_fn = apply_fn
         self.params = {k: v.to(device) for k, v in params.items()}
@@ -769,7 +878,7 @@ def _load(path: Path) -> list[TuneRow]:
 
 # --- one compute dtype for the whole step: choose_compute_dtype ----------------------------------------------
 
-_CHOICE_FORMAT = 1  # version of the compute-dtype cache files' layout
+_CHOICE_FORMAT = 2  # version of the compute-dtype cache files' layout (2: module settings, facts, `what`)
 _CHOICE_PREFIX = "compute-dtype-"
 
 
@@ -815,6 +924,7 @@ class ComputeDtypeChoice:
       rounds: interleaved timing rounds behind ``timings``.
       cache_path: the cache file written or read (None when caching is off or the facts decided).
       measured_at: when the timings were taken (ISO 8601, UTC), None when nothing was timed.
+      what: what was timed (``"the step"``, or a :class:`BlockProbe`'s ``what``).
     """
 
     dtype: torch.dtype
@@ -826,6 +936,7 @@ class ComputeDtypeChoice:
     rounds: int = 0
     cache_path: Path | None = None
     measured_at: str | None = None
+    what: str = "the step"
 
     def explain(self) -> str:
         """One line: the dtype, where the choice came from (the facts, a measurement now, the cache file) and why."""
@@ -833,7 +944,7 @@ class ComputeDtypeChoice:
         if self.source == "capability":
             return f"{head}: {self.reason} (torch's report decides; nothing timed)"
         table = ", ".join(_timing_text(t) for t in self.timings)
-        measured = f"{self.rounds} interleaved rounds of the step, medians: {table}"
+        measured = f"{self.rounds} interleaved rounds of {self.what}, medians: {table}"
         if self.source == "cache":
             where = f"from the cache file {self.cache_path} (measured {self.measured_at}, {measured})"
             return f"{head}: {where}; {self.reason}"
@@ -998,20 +1109,24 @@ def choose_compute_dtype(
     cache: bool | str | os.PathLike = True,
     retune: bool = False,
     timer: Callable[[Callable[[], Any]], float] | None = None,
+    what: str = "the step",
 ) -> ComputeDtypeChoice:
-    """Choose the one compute dtype of a train step by timing the step itself, once per machine, and cache it.
+    """Choose the one compute dtype of a train step by timing it (or one block of it), once per machine; cache it.
 
     1. **Facts first** (:func:`funcamp.hardware.capability`, nothing timed, nothing cached): on CUDA the
        compute capability decides (bfloat16 from 8.0, float16 on 7.x and 6.0, else float32); on a CPU
-       whose oneDNN has no bfloat16 and no float16 kernels (AVX2-only), float32 at once. A half dtype
-       without kernels is never timed.
+       whose oneDNN has no bfloat16 and no float16 kernels (AVX2-only), float32 at once; float16 on a CPU
+       without AMX-FP16 tiles is not a candidate. A half dtype without kernels is never timed.
     2. **Cache**: otherwise, unless ``retune``, a decision cached for this key is returned without
        building or timing anything. The key is a hash of the model's structure (every module's class,
-       parameter and buffer names, shapes, dtypes), ``example_batch``'s shapes and dtypes, the device and
-       its name (CPU capability, AMX, model name, cores and torch threads; or the GPU's name), the torch
-       and funcamp versions, the candidates, ``rounds``, ``warmup``, ``margin`` and ``key``.
-    3. **Measure**: ``make_step(dtype)`` for float32 and each remaining half dtype (the step as it will
-       run: compiled, if the program compiles it); ``warmup`` calls each (the first compiles; its seconds
+       parameter and buffer names, shapes, dtypes, and its settings: public attributes such as a GELU's
+       ``approximate``, a LayerNorm's ``eps``, a dropout's ``p``, ``training``; ``extra_repr()``; a digest of
+       its class's ``forward`` code), ``example_batch``'s shapes and dtypes, the device and its name (CPU
+       capability, AMX, model name, cores and torch threads; or the GPU's name) and the CPU's facts, the
+       torch and funcamp versions, the candidates, ``rounds``, ``warmup``, ``margin``, ``what`` and ``key``.
+    3. **Measure**: ``make_step(dtype)`` for float32 and each remaining half dtype: the step as it will
+       run (compiled, if the program compiles it: a compile per candidate), or, much cheaper, one repeated
+       block's kernels (:func:`block_probe`); ``warmup`` calls each (the first compiles; its seconds
        are kept); then ``rounds`` rounds, each timing one call of every candidate, the order rotated each
        round (interleaved: a load that comes and goes hits all candidates alike). Per half dtype, the
        per-round ratios of its seconds over float32's in the same round: their median ``ratio`` and
@@ -1045,12 +1160,13 @@ def choose_compute_dtype(
       retune: measure even when the cache holds a decision, and overwrite it.
       timer: ``timer(run) -> seconds`` of one call of ``run`` (tests); ``run.dtype`` is its candidate.
         Default: wall seconds of one call, synchronising the device before and after.
+      what: what ``run()`` runs, for the explanation and the key (a :class:`BlockProbe`'s ``what``).
     Returns:
       A :class:`ComputeDtypeChoice`; ``.explain()`` is one line for a program's header.
     Raises:
       TypeError: if ``make_step`` is not callable or returns something that is not, ``model`` is not an
-        ``nn.Module``, ``key`` is not a JSON-serialisable mapping, ``candidates`` is malformed, or
-        ``cache`` is not a bool or a path.
+        ``nn.Module``, ``key`` is not a JSON-serialisable mapping, ``candidates`` is malformed, ``what`` is
+        not a str, or ``cache`` is not a bool or a path.
       ValueError: if a candidate is not float32/bfloat16/float16, ``rounds < 3``, ``warmup < 1``,
         ``margin < 0``, the device is ``meta``, or ``timer`` returns a time that is not positive.
       RuntimeError: whatever float32's ``make_step`` or step raises.
@@ -1074,6 +1190,8 @@ def choose_compute_dtype(
         raise TypeError(f"{fn}: key must hold JSON values only (str, numbers, bools, lists, dicts): {error}") from None
     _check_counts(fn, rounds=(rounds, 3), warmup=(warmup, 1))
     _check_margin(margin, fn)
+    if not isinstance(what, str):
+        raise TypeError(f"{fn}: what must be a str (what run() runs), got {type(what).__name__}")
     device = _timing_device(model, device, fn, "pass the device the step runs on")
     wanted = None if candidates is None else _check_candidates(candidates, fn)
     cap = hardware.capability(device)
@@ -1093,8 +1211,10 @@ def choose_compute_dtype(
         "batch": _signature(example_batch),
         "device": str(device),
         "machine": machine,
+        "facts": {k: str(v) for k, v in sorted(hardware._cpu_facts().items())} if device.type == "cpu" else None,
         "torch": torch.__version__,
         "funcamp": __version__,  # the step's code is funcamp's
+        "what": what,
         "candidates": [_label(d) for d in dtypes],
         "rounds": rounds,
         "warmup": warmup,
@@ -1109,7 +1229,7 @@ def choose_compute_dtype(
     timings = _time_steps(make_step, dtypes, device, rounds, warmup, timer)
     dtype, reason, judged = _decide(timings, float(margin))
     when = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    choice = ComputeDtypeChoice(dtype, "measured", reason, str(device), machine, judged, rounds, path, when)
+    choice = ComputeDtypeChoice(dtype, "measured", reason, str(device), machine, judged, rounds, path, when, what)
     if path is not None:
         _save_choice(path, choice, key_doc)
     return choice
@@ -1125,6 +1245,7 @@ def _save_choice(path: Path, choice: ComputeDtypeChoice, key_doc: dict) -> None:
         "machine": choice.machine,
         "rounds": choice.rounds,
         "measured_at": choice.measured_at,
+        "what": choice.what,
         "timings": timings,
     }
     _write_json(path, doc, "choose_compute_dtype")
@@ -1145,10 +1266,298 @@ def _load_choice(path: Path, key_doc: dict, dtypes: tuple[torch.dtype, ...]) -> 
             StepTiming(**{**t, "dtype": getattr(torch, t["dtype"]), "samples": tuple(t["samples"])})
             for t in doc["timings"]
         )
-        fields = (doc["reason"], doc["device"], doc["machine"], timings, doc["rounds"], path, doc["measured_at"])
+        fields = (
+            doc["reason"],
+            doc["device"],
+            doc["machine"],
+            timings,
+            doc["rounds"],
+            path,
+            doc["measured_at"],
+            doc["what"],
+        )
         return ComputeDtypeChoice(dtype, "cache", *fields)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         warnings.warn(
             f"choose_compute_dtype: ignoring the unreadable cache file {path} ({error}); measuring again", stacklevel=3
         )
         return None
+
+
+# --- one repeated block's library kernels: block_probe ---------------------------------------------------------
+
+# The ops a compiled step hands to a library (oneDNN/MKL, cuBLAS, the attention kernels) rather than fusing: what
+# a compute dtype changes most, and what eager timing measures as the compiled step runs them.
+_KERNEL_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "convolution",
+    "convolution_backward",
+    "_scaled_mm",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward",
+    "_flash_attention_backward",
+    "_efficient_attention_forward",
+    "_efficient_attention_backward",
+)
+_MAX_CALLS = 256  # kernel calls in one replay, at most
+_KERNELS = frozenset(getattr(torch.ops.aten, n) for n in _KERNEL_NAMES if hasattr(torch.ops.aten, n))
+
+
+def _record_kernels(run: Callable[[], Any]) -> list[tuple[Any, tuple, dict]]:
+    """The library kernels (``_KERNELS``) ``run()`` calls, forward and backward, with their real arguments."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[tuple[Any, tuple, dict]] = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            if func.overloadpacket in _KERNELS:
+                calls.append((func, args, kwargs))
+            return func(*args, **kwargs)
+
+    with Recorder():
+        run()
+    return calls
+
+
+@dataclasses.dataclass(eq=False)
+class _Replay:
+    """``run()`` for :func:`choose_compute_dtype`: the recorded kernels of one block, ``repeat`` times."""
+
+    dtype: torch.dtype
+    kernels: tuple[tuple[Any, tuple, dict], ...]
+    repeat: int
+
+    def __call__(self) -> None:
+        for _ in range(self.repeat):
+            for func, args, kwargs in self.kernels:
+                func(*args, **kwargs)
+
+
+class BlockProbe:
+    """``make_step`` for :func:`choose_compute_dtype` that times one repeated block instead of the whole step.
+
+    Built by :func:`block_probe`, which only finds the block: nothing runs until the first call, so a
+    decision read from the cache costs no forward. ``probe(dtype)`` captures the block's input (once: one
+    no-grad forward of the model), runs the block forward and backward once, eagerly, as
+    :func:`funcamp.nn.functionalize` runs it under ``Policy(param_dtype, dtype, dtype)`` (norm layers in
+    float32), records the library kernels it calls (matmuls, convolutions, attention, with their real arguments)
+    and returns ``run()``, which calls those kernels again ``repeat`` times: the work a dtype changes in a
+    compiled step, where the elementwise ops around them are fused.
+
+    Attributes:
+      name: the block timed (``"blocks.0"``; ``""`` for the whole model when it has no repeated block).
+      members: the names of the identical blocks it stands for.
+      kind: the block's class name.
+      key: a JSON description of what is timed (the block, its signature, the base policy and op rules), for
+        :func:`choose_compute_dtype`'s ``key``.
+      what: one phrase for :class:`ComputeDtypeChoice`'s explanation (and ``choose_compute_dtype``'s ``what``).
+      repeat: how many times one ``run()`` replays the kernels, set by the first call so that a run takes
+        ``min_run_time`` (0 before it).
+      kernels: how many kernel calls one forward+backward of the block makes, in the first dtype run (0 before).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        name: str,
+        members: tuple[str, ...],
+        example: tuple[tuple, dict],
+        base: Policy,
+        device: torch.device,
+        op_policies: Any,
+        module_policies: Any,
+        min_run_time: float,
+    ) -> None:
+        self.name, self.members = name, members
+        self._module_policies = dict(module_policies or {})
+        self._model, self._module = model, model.get_submodule(name)
+        self.kind = type(self._module).__name__
+        self._example, self._base, self._device, self._op_policies = example, base, device, op_policies
+        self._min_run_time = min_run_time
+        self._inputs: Any = None
+        self._replays: dict[torch.dtype, _Replay] = {}
+        self.repeat = self.kernels = 0
+        self.key = {
+            "measure": "block kernels",
+            "block": name,
+            "members": len(members),
+            "module": _module_signature(self._module),
+            "policy": str(base),
+            "op_policies": repr(sorted((repr(k), repr(v)) for k, v in (op_policies or {}).items())),
+            "module_policies": [[_setting(k, 0), _setting(v, 0)] for k, v in self._module_policies.items()],
+            "min_run_time": min_run_time,
+        }
+        if not name:
+            self.what = f"the whole {self.kind}'s forward+backward kernels"
+        else:
+            many = f", one of {len(members)}" if len(members) > 1 else ""
+            self.what = f"{name} ({self.kind}{many})'s forward+backward kernels"
+
+    def _capture(self) -> Any:
+        if self._inputs is None:
+            args, kwargs = self._example
+            if not self.name:
+                self._inputs = (args, kwargs)
+            else:
+                seen = _capture(self._model, [(self.name, self._module)], args, kwargs)
+                if self.name not in seen:
+                    raise ValueError(
+                        f"block_probe: {self.name} ({self.kind}) was not called by {type(self._model).__name__}'s "
+                        "forward"
+                    )
+                self._inputs = seen[self.name]
+        return self._inputs
+
+    def _record(self, dtype: torch.dtype) -> _Replay:
+        policy = _candidate_policy(self._base, dtype)
+        runner = _Runner(
+            self._module, policy, self._capture(), self._device, None, self._op_policies, self._module_policies
+        )
+        return _Replay(dtype, tuple(_record_kernels(runner.run)), max(self.repeat, 1))
+
+    def _calibrate(self, first: _Replay) -> None:
+        if not first.kernels:
+            raise ValueError(
+                f"block_probe: {self.name or 'the model'} ({self.kind}) calls no matmul, "
+                "convolution or attention kernel: nothing a compute dtype would speed up (time the step instead)"
+            )
+        sync = _synchronize(self._device)
+        first()
+        seconds = []
+        for _ in range(3):  # the quickest of three: the machine's load only makes runs longer
+            sync()
+            start = time.perf_counter()
+            first()
+            sync()
+            seconds.append(time.perf_counter() - start)
+        self.kernels = len(first.kernels)
+        # At most _MAX_CALLS kernel calls a run: tiny kernels under load cost a scheduler slice each, not microseconds
+        most = max(1, _MAX_CALLS // self.kernels)
+        self.repeat = max(1, min(most, math.ceil(self._min_run_time / max(min(seconds), 1e-9))))
+        first.repeat = self.repeat
+
+    def __call__(self, dtype: torch.dtype) -> _Replay:
+        """``run()`` replaying the block's kernels as they run in ``dtype``.
+
+        Raises:
+          ValueError: if the block is not called by the model's forward or calls no kernel.
+          RuntimeError: whatever the block's forward or backward raises in ``dtype`` (no kernel for it).
+        """
+        if dtype not in self._replays:
+            replay = self._record(dtype)
+            if not self.repeat:
+                self._calibrate(replay)
+            self._replays[dtype] = replay
+        return self._replays[dtype]
+
+    def __repr__(self) -> str:
+        return f"BlockProbe({self.what})"
+
+
+def _repeated_block(model: nn.Module) -> tuple[str, tuple[str, ...]]:
+    """The model's repeated block: among groups of two or more identical submodules (same class, tensor shapes
+    and settings), the one holding the most parameters, the outermost on a tie; ``("", ("",))`` when none."""
+    groups: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        if name:
+            groups.setdefault(json.dumps(_module_signature(module), sort_keys=True), []).append((name, module))
+    best: tuple[int, int, tuple[str, ...]] | None = None
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        size = sum(p.numel() for p in members[0][1].parameters())
+        if size == 0:
+            continue
+        rank = (size * len(members), -min(n.count(".") for n, _ in members), tuple(n for n, _ in members))
+        if best is None or rank[:2] > best[:2]:
+            best = rank
+    if best is None:
+        return "", ("",)
+    return best[2][0], best[2]
+
+
+def block_probe(
+    model: nn.Module,
+    example_args: tuple | list,
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    policy: Policy | str = "params=float32,compute=float32,output=float32",
+    device: str | torch.device | None = None,
+    op_policies: Mapping[Any, Any] | None = None,
+    module_policies: Mapping[Any, Any] | None = None,
+    min_run_time: float = 0.02,
+) -> BlockProbe:
+    """A cheap ``make_step`` for :func:`choose_compute_dtype`: one repeated block's kernels, not the whole step.
+
+    Finds the model's repeated block (the largest group of identical submodules: same class, parameter shapes
+    and settings, such as a transformer's blocks; the whole model when there is none); nothing runs yet. The
+    first ``probe(dtype)`` captures the input the first of them receives in one no-grad forward of
+    ``model(*example_args, **example_kwargs)``; each ``probe(dtype)`` runs that block forward and backward once
+    in ``dtype`` and records the library kernels it calls (matmuls, convolutions, attention), and returns a
+    ``run()`` that replays them: milliseconds to seconds a candidate, no compile, where timing the compiled
+    step costs a compile per candidate.
+
+    What it leaves out: elementwise work (fused by the compiled step; about the same or cheaper in a half
+    dtype), the casts of the weights, and everything outside the block (embedding, head, loss, optimizer,
+    the same in every candidate). So on a model whose blocks are narrow (the main job's GPT ``small``, width
+    128) the step's ratio to float32 is closer to 1 than the block's kernels'.
+
+    Args:
+      model: the model (not changed; the block is copied by :func:`funcamp.nn.functionalize`).
+      example_args: the forward's positional arguments, a tuple (a batch of the real shape).
+      example_kwargs: keyword arguments of that forward.
+      policy: the base policy: its ``param_dtype`` and ``reduce_dtype`` are kept, the compute and output
+        dtypes are the candidate's.
+      device: where to run; default the model's parameters' device.
+      op_policies: per-op rules the step uses (as :func:`tune_policy`).
+      module_policies: the step's ``functionalize`` entries that keep some modules off the candidate dtype
+        (``{type: policy}``, such as :data:`funcamp.fp8.MODULE_POLICIES`; name patterns are matched against
+        names inside the block); the rest of the block computes in the candidate.
+      min_run_time: seconds one ``run()`` of the first dtype timed should take at least on a quiet machine (the
+        kernels are replayed as often as needed, at most 256 kernel calls a run); each timed round of
+        :func:`choose_compute_dtype` is one ``run()`` per candidate.
+    Returns:
+      A :class:`BlockProbe`: pass it as ``make_step`` and its ``key`` in the ``key`` mapping.
+    Raises:
+      TypeError: if ``model`` is not an ``nn.Module`` or ``example_args`` is not a tuple or list.
+      ValueError: if the device is ``meta`` or ``min_run_time`` is not positive; from ``probe(dtype)``, if the
+        block is not called by the forward or calls no matmul, convolution or attention kernel.
+      RuntimeError: from ``probe(dtype)``, whatever the model's forward or the block's forward or backward raises.
+
+    Example:
+      >>> model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+      >>> probe = block_probe(model, (torch.randn(8, 16),))
+      >>> probe.name, probe.members
+      ('0', ('0', '1', '2'))
+      >>> run = probe(torch.float32)   # captures, runs forward+backward once, records
+      >>> probe.kernels                # forward addmm, backward two mm
+      3
+    """
+    fn = "block_probe"
+    _check_module(model, fn)
+    if not isinstance(example_args, (tuple, list)):
+        raise TypeError(
+            f"{fn}: example_args must be a tuple of the forward's positional arguments, got "
+            f"{type(example_args).__name__} (write (x,) for one tensor)"
+        )
+    if isinstance(min_run_time, bool) or not isinstance(min_run_time, (int, float)) or not min_run_time > 0:
+        raise ValueError(f"{fn}: min_run_time must be a number of seconds > 0, got {min_run_time!r}")
+    kwargs = dict(example_kwargs or {})
+    base = get_policy(policy)
+    device = _timing_device(model, device, fn, "pass a model and inputs on a real device")
+    name, members = _repeated_block(model)
+    example = (tuple(example_args), kwargs)
+    return BlockProbe(model, name, members, example, base, device, op_policies, module_policies, float(min_run_time))

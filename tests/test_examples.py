@@ -130,29 +130,32 @@ def test_default_run_checkpoint_loads_weights_only(default_run):
 
 
 def test_policy_auto_measures_once_then_reads_the_cache_and_retune_measures_again(tmp_path, monkeypatch, capsys):
-    """An AVX-512 CPU with bfloat16 kernels (faked, so that every machine measures): the first run times the
-    float32 and bfloat16 steps and trains with the winner's (no third build); the second reads the decision
-    and builds one step; both train bit for bit alike (timing leaves the RNG as it was); --retune times again."""
+    """An AVX-512 CPU with bfloat16 kernels (faked, so that every machine measures): the first run times one
+    decoder block's kernels in float32 and bfloat16 (no step is built to measure) and builds the winner's step
+    alone; the second reads the decision and builds one step; both train bit for bit alike (timing leaves the
+    RNG as it was); --retune times again."""
     from funcamp import hardware
 
     facts = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": False, "amx": False}
     monkeypatch.setattr(hardware, "_cpu_facts", lambda: dict(facts))
     monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path / "cache"))
     built = []
-    make_train_step = fa.make_train_step
+    build_run = train_gpt.build_run
 
-    def counted(*a, **k):
-        built.append(k["policy"].compute_dtype)
-        return make_train_step(*a, **k)
+    def counted(args, policy, *a, **k):  # each train step built (the policy now goes to TrainState.create)
+        built.append(policy.compute_dtype)
+        return build_run(args, policy, *a, **k)
 
-    monkeypatch.setattr(train_gpt.fa, "make_train_step", counted)
+    monkeypatch.setattr(train_gpt, "build_run", counted)
     argv = [*TINY, "--steps", "2", "--log-every", "1", "--no-compile", "--logdir", str(tmp_path / "run")]
     first = train_gpt.main(argv)
     out = capsys.readouterr().out
     choice = first["policy_choice"]
-    assert choice.source == "measured" and built == [torch.float32, torch.bfloat16]
-    assert "policy auto: timing the float32 train step\npolicy auto: timing the bfloat16 train step\n" in out
-    assert ": measured now (9 interleaved rounds of the step, medians: float32 " in out
+    assert choice.source == "measured" and built == [choice.dtype]  # the winner's step alone
+    what = "blocks.0 (Block, one of 2)'s forward+backward kernels"
+    assert f"policy auto: timing {what} in each candidate dtype (no compile)\n" in out
+    assert f": measured now (9 interleaved rounds of {what}, medians: float32 " in out
+    assert [t.dtype for t in choice.timings] == [torch.float32, torch.bfloat16]
     assert f"saved to {choice.cache_path} (--retune measures again)" in out
     assert choice.cache_path.parent == tmp_path / "cache" / "tune"
     compute = str(choice.dtype).removeprefix("torch.")
@@ -170,8 +173,8 @@ def test_policy_auto_measures_once_then_reads_the_cache_and_retune_measures_agai
 
     built.clear()
     third = train_gpt.main([*argv, "--retune"])
-    assert third["policy_choice"].source == "measured" and built[:2] == [torch.float32, torch.bfloat16]
-    assert "policy auto: timing the float32 train step" in capsys.readouterr().out
+    assert third["policy_choice"].source == "measured" and built == [third["policy_choice"].dtype]
+    assert f"policy auto: timing {what} in each candidate dtype" in capsys.readouterr().out
 
 
 def test_policy_auto_without_half_kernels_is_float32_at_once(tmp_path, monkeypatch, capsys):
@@ -271,9 +274,8 @@ def test_fp8_delayed_one_graph_and_only_training_steps_advance_the_amax_history(
     counters.clear()
     argv = [*TINY, "--steps", "3", "--log-every", "1", "--backend", "eager", "--fp8", "delayed", "--lint"]
     results = train_gpt.main([*argv, "--sample-bytes", "5", "--logdir", str(tmp_path)])
-    choice = results["policy_choice"]  # --policy auto: a graph per dtype it timed (the winner's trains), or one
-    graphs = sum(t.seconds is not None for t in choice.timings) if choice.source == "measured" else 1
-    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], (counters, choice)
+    choice = results["policy_choice"]  # --policy auto times a block's kernels, uncompiled: one graph, the winner's
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], (counters, choice)
     out = capsys.readouterr().out
     assert "| fp8 delayed |" in out and "funcamp lint:" in out  # the lint ran the stateful loss_fn
     state = results["state"]

@@ -125,10 +125,21 @@ def test_capability_decides_only_from_facts(fake_cpu):
     fake_cpu(AMX)  # AMX: fast matmuls, but the step decides (CPU attention can be slower in bfloat16)
     cap = hardware.capability("cpu")
     assert (cap.decided, cap.candidates, cap.name) == (None, (torch.bfloat16,), "CPU (AVX512, AMX)")
-    fake_cpu(AVX512)
+    fake_cpu(AVX512)  # float16 kernels without AMX-FP16 tiles: about float32's speed, not measured
+    cap = hardware.capability(torch.device("cpu"))
+    assert (cap.decided, cap.candidates) == (None, (torch.bfloat16,))
+    assert cap.reason == (
+        "oneDNN has bfloat16 and float16 kernels for this CPU (AVX512); float16 not measured: no AMX-FP16 tiles: "
+        "to be measured"
+    )
+    fake_cpu({**AVX512, "amx": True, "amx_fp16": True})  # Granite Rapids: both are worth measuring
     cap = hardware.capability(torch.device("cpu"))
     assert (cap.decided, cap.candidates) == (None, (torch.bfloat16, torch.float16))
-    assert "oneDNN has bfloat16 and float16 kernels for this CPU (AVX512): to be measured" == cap.reason
+    assert "oneDNN has bfloat16 and float16 kernels for this CPU (AVX512, AMX): to be measured" == cap.reason
+    fake_cpu({**AVX512, "mkldnn_bf16": False})  # float16 kernels alone, no AMX-FP16: nothing left to measure
+    cap = hardware.capability("cpu")
+    assert (cap.decided, cap.candidates) == (torch.float32, ())
+    assert cap.reason.endswith("float16 not measured: no AMX-FP16 tiles, and no other half dtype")
     assert hardware.capability("meta").device == torch.device("meta") and timed == []
 
 
@@ -142,6 +153,7 @@ def test_capability_on_cuda_is_the_compute_capability(monkeypatch, cc, expected)
 def test_real_capability_agrees_with_torch():
     cap = hardware.capability("cpu")
     kernels = [torch.ops.mkldnn._is_mkldnn_bf16_supported(), torch.ops.mkldnn._is_mkldnn_fp16_supported()]
+    kernels[1] = kernels[1] and "amx_fp16" in hardware._cpu_flags()  # float16 is measured with AMX-FP16 only
     assert (cap.decided == torch.float32) == (not any(kernels))
     assert cap.candidates == tuple(d for d, k in zip((torch.bfloat16, torch.float16), kernels) if k)
 

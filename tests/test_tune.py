@@ -13,6 +13,7 @@ time nothing, ``retune``, the capability facts that time nothing.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import sys
@@ -632,7 +633,8 @@ def test_rounds_are_interleaved_and_the_median_is_kept() -> None:
 # --- choose_compute_dtype: one compute dtype for the whole step, timed on the step ---------------------------
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-AVX512_BOTH = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": True, "amx": False}
+# bfloat16 and float16 both measured: float16 is a candidate on a CPU with AMX-FP16 tiles only
+AVX512_BOTH = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": True, "amx": False, "amx_fp16": True}
 AVX512_BF16 = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": False, "amx": False}
 AVX2 = {"capability": "AVX2", "mkldnn_bf16": False, "mkldnn_fp16": False, "amx": False}
 
@@ -890,3 +892,242 @@ def test_real_timing_of_a_small_step() -> None:
         assert c.timings[0].first_s > 0
     else:
         assert c.source == "capability" and c.timings == ()
+
+
+# --- the key covers what changes the compute and the measurement (issue 33 item 3, T6) ---------------------------
+
+
+@pytest.mark.parametrize("option", [{"rounds": 5}, {"warmup": 3}], ids=["rounds", "warmup"])
+def test_choice_cache_key_covers_rounds_and_warmup(cpu_facts, tmp_path: Path, option: dict) -> None:
+    """A decision measured with other rounds or warm-up calls is not this call's: it measures again."""
+    times = {F32: 1.0, BF16: 0.5, F16: 2.0}
+    first = choose(timer=per_round(times), cache=tmp_path)
+    step = FakeStep()
+    other = choose(step, per_round({F32: 1.0, BF16: 2.0, F16: 2.0}), cache=tmp_path, **option)
+    assert (other.source, other.dtype, step.built) == ("measured", F32, [F32, BF16, F16])
+    assert other.cache_path != first.cache_path and len(list(tmp_path.iterdir())) == 2
+    again = choose(FakeStep(), per_round({}), cache=tmp_path, **option)  # the same options: its own decision
+    assert (again.source, again.dtype, again.cache_path) == ("cache", F32, other.cache_path)
+
+
+class Scaled(nn.Module):
+    """A user module whose setting is a plain attribute (no extra_repr)."""
+
+    def __init__(self, scale: float = 2.0, act=F.gelu) -> None:
+        super().__init__()
+        self.lin, self.scale, self.act = nn.Linear(8, 8), scale, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x)) * self.scale
+
+
+class Holder(nn.Module):
+    """Holds a module in a plain list (outside ``_modules``: not in ``named_modules``)."""
+
+    def __init__(self, out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.extra = [nn.Linear(8, out)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class Doubled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+class Tripled(nn.Module):  # the same name and module as Doubled below: only its forward's code differs
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+
+Tripled.__qualname__ = Tripled.__name__ = "Doubled"
+
+
+def _lin(*tail: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), *tail)
+
+
+# Pairs of models with one class structure and equal parameter shapes where possible, one setting apart.
+SETTINGS = {
+    "GELU approximate": (lambda: _lin(nn.GELU()), lambda: _lin(nn.GELU(approximate="tanh"))),
+    "LayerNorm eps": (lambda: _lin(nn.LayerNorm(8)), lambda: _lin(nn.LayerNorm(8, eps=1e-3))),
+    "LayerNorm affine": (lambda: _lin(nn.LayerNorm(8)), lambda: _lin(nn.LayerNorm(8, elementwise_affine=False))),
+    "Linear bias": (lambda: _lin(nn.Linear(8, 8)), lambda: _lin(nn.Linear(8, 8, bias=False))),
+    "Dropout p": (lambda: _lin(nn.Dropout(0.1)), lambda: _lin(nn.Dropout(0.2))),
+    "training or eval": (lambda: _lin(nn.Dropout(0.1)), lambda: _lin(nn.Dropout(0.1)).eval()),
+    "LeakyReLU slope": (lambda: _lin(nn.LeakyReLU(0.01)), lambda: _lin(nn.LeakyReLU(0.2))),
+    "Softmax dim": (lambda: _lin(nn.Softmax(dim=-1)), lambda: _lin(nn.Softmax(dim=0))),
+    "a plain attribute": (lambda: _lin(Scaled(2.0)), lambda: _lin(Scaled(3.0))),
+    "a function attribute": (lambda: _lin(Scaled(act=F.gelu)), lambda: _lin(Scaled(act=F.silu))),
+    "a partial": (
+        lambda: _lin(Scaled(act=functools.partial(F.gelu, approximate="none"))),
+        lambda: _lin(Scaled(act=functools.partial(F.gelu, approximate="tanh"))),
+    ),
+    "a module in a plain list": (lambda: _lin(Holder(8)), lambda: _lin(Holder(4))),
+    "the forward's code": (lambda: _lin(Doubled()), lambda: _lin(Tripled())),
+    "a GPT config": (
+        lambda: GPT(config_for("tiny")),
+        lambda: GPT(config_for("tiny", dropout=0.1)),
+    ),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_choice_cache_key_covers_each_constructor_setting(cpu_facts, tmp_path: Path, setting: str) -> None:
+    """Two models one setting apart never share a decision: the second measures its own (33 item 3)."""
+    make_a, make_b = SETTINGS[setting]
+    batch = torch.randn(4, 8)
+    first = choose(timer=per_round({F32: 1.0, BF16: 0.5, F16: 2.0}), model_batch=(make_a(), batch), cache=tmp_path)
+    assert first.dtype == BF16
+    step = FakeStep()
+    second = choose(step, per_round({F32: 1.0, BF16: 2.0, F16: 2.0}), model_batch=(make_b(), batch), cache=tmp_path)
+    assert (second.source, second.dtype, step.built) == ("measured", F32, [F32, BF16, F16]), setting
+    assert second.cache_path != first.cache_path
+    # The same settings built again (new weights, new function objects): the same key, a cache hit.
+    hit = choose(FakeStep(), per_round({}), model_batch=(make_a(), batch), cache=tmp_path)
+    assert (hit.source, hit.dtype, hit.cache_path) == ("cache", BF16, first.cache_path), setting
+
+
+def test_choice_cache_key_is_the_same_in_every_process(cpu_facts, tmp_path: Path) -> None:
+    """No memory address (a lambda's, an object's default repr) reaches the key: it would never hit again."""
+
+    class Opaque:  # default repr: "<...Opaque object at 0x...>"
+        pass
+
+    model = _lin(Scaled(act=lambda x: x.relu()))
+    model[1].opaque = Opaque()
+    c = choose(timer=per_round({F32: 1.0, BF16: 0.5, F16: 2.0}), model_batch=(model, torch.randn(4, 8)), cache=tmp_path)
+    text = json.dumps(json.loads(c.cache_path.read_text())["key"])
+    assert " at 0x" not in text and "Opaque object" in text and "<lambda>" in text
+
+
+def test_tune_policy_cache_key_and_groups_cover_settings(tmp_path: Path) -> None:
+    """tune_policy keys its timings and groups its units by the same signature: settings included."""
+    x = torch.randn(4, 8)
+    timer = scripted({F32: 1.0, BF16: 0.5, F16: 2.0})
+    a = tune_policy(SETTINGS["GELU approximate"][0](), (x,), cache=tmp_path, timer=timer, depth=1)
+    b = tune_policy(SETTINGS["GELU approximate"][1](), (x,), cache=tmp_path, timer=timer, depth=1)
+    assert a.cache_path != b.cache_path and not b.from_cache
+    two = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(approximate="tanh"))
+    rows = tune_policy(two, (x,), cache=False, timer=timer, depth=1).table
+    assert sorted(r.modules for r in rows) == [("0", "2"), ("1",), ("3",)]  # the GELUs are not one group
+
+
+# --- block_probe: one repeated block's kernels instead of a compile per candidate (issue 35 item 4) ---------------
+
+
+@pytest.fixture(scope="module")
+def gpt_probe():
+    """The tiny GPT's probe, its float32 and bfloat16 runs (recorded once for the module's tests)."""
+    model, x = tiny_gpt()
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    probe = fa.tune.block_probe(model, (x,))
+    assert calls == []  # building the probe runs nothing: a cache hit costs no forward
+    runs = {dtype: probe(dtype) for dtype in (F32, BF16)}
+    assert calls == [1]  # one forward captured the block's input, for every dtype
+    return probe, runs, model, x
+
+
+def _names(run) -> list[str]:
+    return [func.overloadpacket.__name__ for func, _, _ in run.kernels]
+
+
+def test_block_probe_finds_the_repeated_block_and_records_its_kernels(gpt_probe) -> None:
+    probe, runs, _, _ = gpt_probe
+    assert (probe.name, probe.members, probe.kind) == ("blocks.0", ("blocks.0", "blocks.1"), "Block")
+    assert probe.what == "blocks.0 (Block, one of 2)'s forward+backward kernels"
+    names = _names(runs[F32])
+    # forward: qkv, proj, fc, proj (addmm or mm) and attention; backward: two mm per linear and attention's
+    assert names.count("_scaled_dot_product_flash_attention_for_cpu") == 1
+    assert names.count("_scaled_dot_product_flash_attention_for_cpu_backward") == 1
+    assert sum(n in ("mm", "addmm") for n in names) == 4 * 3 and probe.kernels == len(names) == 14
+    assert _names(runs[BF16]) == names
+    # Each dtype's kernels get that dtype's operands, as the policy's step computes them (attention's
+    # logsumexp stays float32 in both).
+    for dtype, run in runs.items():
+        for func, args, _ in run.kernels:
+            operands = [a for a in args if isinstance(a, torch.Tensor) and a.ndim >= 2]
+            operands = operands if "mm" in func.overloadpacket.__name__ else operands[:3]
+            assert operands and all(a.dtype == dtype for a in operands), (dtype, func)
+    assert 1 <= probe.repeat <= 256 // probe.kernels and runs[F32].repeat == runs[BF16].repeat == probe.repeat
+    assert probe.key["block"] == "blocks.0" and probe.key["members"] == 2
+
+
+def test_block_probe_decides_with_the_rounds_and_caches_without_running(cpu_facts, gpt_probe, tmp_path) -> None:
+    cpu_facts(AVX512_BF16)
+    probe, _, model, x = gpt_probe
+    timer = per_round({F32: 1.0, BF16: 0.6})
+    c = choose_compute_dtype(probe, model, x, cache=tmp_path, timer=timer, what=probe.what, key={"m": probe.key})
+    assert (c.dtype, c.source) == (BF16, "measured") and timer.order[:2] == [F32, BF16]
+    assert "9 interleaved rounds of blocks.0 (Block, one of 2)'s forward+backward kernels, medians:" in c.explain()
+    fresh = fa.tune.block_probe(model, (x,))
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        hit = choose_compute_dtype(fresh, model, x, cache=tmp_path, timer=timer, what=fresh.what, key={"m": fresh.key})
+    finally:
+        handle.remove()
+    assert (hit.dtype, hit.source, calls, fresh.repeat) == (BF16, "cache", [], 0)  # nothing ran
+    assert hit.what == c.what and "(Block, one of 2)'s forward+backward kernels" in hit.explain()
+
+
+def test_block_probe_real_decision_is_cheap(gpt_probe) -> None:
+    """One real run of the default timer on this machine: every candidate's kernels timed, no compile."""
+    probe, _, model, x = gpt_probe
+    start = time.perf_counter()
+    c = choose_compute_dtype(probe, model, x, cache=False, rounds=3, what=probe.what)
+    assert c.dtype in (F32, BF16, F16) and time.perf_counter() - start < 120
+    if c.source == "measured":
+        assert all(t.seconds > 0 and len(t.samples) == 3 for t in c.timings if t.seconds is not None)
+
+
+def test_block_probe_without_a_repeated_block_times_the_whole_model() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    probe = fa.tune.block_probe(model, (torch.randn(4, 8),))
+    assert (probe.name, probe.members) == ("", ("",)) and probe.what.startswith("the whole Sequential's")
+    # forward two addmm; backward two mm per Linear (the input's gradient is taken too, as in the step's blocks)
+    assert sum(n in ("mm", "addmm") for n in _names(probe(F32))) == 2 + 4
+
+
+def test_block_probe_refuses_blocks_it_cannot_time() -> None:
+    norms = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.LayerNorm(8))  # repeated, but no kernel in it
+    probe = fa.tune.block_probe(norms, (torch.randn(4, 8),))
+    assert probe.name == "1"
+    with pytest.raises(ValueError, match=r"block_probe: 1 \(LayerNorm\) calls no matmul, convolution or attention"):
+        probe(F32)
+
+    class Skips(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(8, 8), nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    skips = Skips()
+    skips.used = nn.Linear(8, 4)  # the repeated Linear(8, 8)s are never called
+    with pytest.raises(ValueError, match=r"block_probe: unused.0 \(Linear\) was not called by Skips's forward"):
+        fa.tune.block_probe(skips, (torch.randn(4, 8),))(F32)
+    with pytest.raises(ValueError, match="min_run_time must be a number of seconds > 0, got 0"):
+        fa.tune.block_probe(norms, (torch.randn(4, 8),), min_run_time=0)
+    with pytest.raises(TypeError, match=r"example_args must be a tuple .* \(write \(x,\) for one tensor\)"):
+        fa.tune.block_probe(norms, torch.randn(4, 8))
+
+
+def test_block_probe_leaves_the_models_buffers_as_they_were() -> None:
+    """Capturing the block's input runs the model in training mode: BatchNorm's statistics (as fp8 amax
+    histories) must come back unchanged, the same tensors, for the step that trains next."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(2)))
+    before = {n: (b, b.clone()) for n, b in model.named_buffers()}
+    probe = fa.tune.block_probe(model, (torch.randn(16, 8) + 3,))
+    probe(F32)
+    assert probe.name == "0" and model[0][1].num_batches_tracked is before["0.1.num_batches_tracked"][0]
+    for name, b in model.named_buffers():
+        assert b is before[name][0] and torch.equal(b, before[name][1]), name
