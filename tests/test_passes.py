@@ -6,6 +6,9 @@ The step of each configuration is compiled with inductor up to the post-grad pas
 copy the graph it is given, run the frozen pass on the copy and the live pass on the graph, record both texts
 (every node's ``format_node()`` and its tags), then stop the compile (no code generated: seconds, not minutes).
 When a pass changes on purpose, the same change goes into the frozen copy in the same commit, or the copy goes.
+
+Planted: raising late_constructors' size threshold fails all three cases. Not caught: a gate that waits for its
+largest input instead of its smallest (each gated copy in these graphs has one candidate input): a known gap.
 """
 
 from __future__ import annotations
