@@ -166,14 +166,19 @@ def _cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as the kernel reports them (``/proc/cpuinfo``); empty where there is none.
 
     torch reports AMX (``_init_amx``, the bfloat16 tiles) but not AMX-FP16 (Granite Rapids and newer)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+def _cpuinfo(key: str) -> str:
+    """The value of the first ``key`` line of ``/proc/cpuinfo`` (``"flags"``, ``"model name"``), or ``""``."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
 
 
 def _probe_cpu(device: torch.device, facts: dict[str, Any]) -> HardwareReport:

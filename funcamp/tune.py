@@ -961,14 +961,7 @@ def _timing_text(t: StepTiming) -> str:
 
 def _cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere), or ``""``."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return hardware._cpuinfo("model name") or platform.processor()
 
 
 def _step_machine(device: torch.device, cap: hardware.Capability) -> str:
