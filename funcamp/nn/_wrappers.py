@@ -117,9 +117,10 @@ def _bind_uses(copied: nn.Module, uses: _use.Uses) -> None:
         p = holder._parameters[local]
         holder._parameters[local] = _use.Unbound(p.shape, uses.forward_dtypes[name], name, uses, p.requires_grad)
         own.setdefault(id(holder), []).append((holder, local, name))
-    for sub in copied.modules():  # each distinct module once
-        if id(sub) in own:
-            _use.bind_at_call(sub, own[id(sub)], uses)
+    holders = [sub for sub in copied.modules() if id(sub) in own]  # each distinct module once
+    for sub in holders:
+        _use.bind_at_call(sub, own[id(sub)], uses)
+    uses.hold(holders)
 
 
 def _casts(copied: nn.Module, plan: _Plan, autocast: bool) -> None:
