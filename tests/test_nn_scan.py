@@ -212,3 +212,48 @@ def test_way_back_per_layer(runs):
     model = GPT(CFG)
     fa.nn.load_into(model, scanned.params)
     assert torch.equal(model.blocks[2].mlp.fc.weight, scanned.params["blocks.2.mlp.fc.weight"])
+
+
+class _Sliced(nn.Module):
+    """Runs over slices of one list, as Hugging Face's Llama loop (``self.layers[: config.num_hidden_layers]``)."""
+
+    SLICES = (slice(1, None), slice(None, None, 2), slice(3, None))
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Res() for _ in range(3))
+
+    def forward(self, x):
+        for part in self.SLICES:
+            for b in self.blocks[part]:
+                x = b(x)
+        return x
+
+
+def test_a_slice_scans_exactly_the_sliced_layers():
+    """Sweep: a run over each slice of :class:`_Sliced` (from the second layer on, every other one, an empty one)
+    compiled with the scan: one scan per non-empty slice, each over its own layers (gradients bitwise the eager
+    unrolled loop's, so a slice that ran the whole run, or the first layers of the run, shows). Two scans: each
+    costs a compile of its own. The old code raised an AttributeError (the slice, a new list, had no scan)."""
+    model = _Sliced()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    apply_fn, params = fa.nn.functionalize(model, POLICY, scan="blocks")
+
+    def grads(p, x):
+        ps = {k: v.detach().requires_grad_() for k, v in p.items()}
+        with torch.enable_grad():
+            loss = apply_fn(ps, x).float().square().sum()
+        return torch.autograd.grad(loss, list(ps.values()))
+
+    scans = []
+
+    def backend(gm, example_inputs):
+        scans.append(sum("scan" in str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(grads, fullgraph=True, backend=backend)(params, x)
+    assert scans == [2]
+    for name, c, e in zip(params, compiled, grads(params, x), strict=True):
+        assert torch.equal(c, e), name
