@@ -317,7 +317,7 @@ class _Apply:
         if self.autocast:
             half = policy.compute_dtype in _HALF
             device = _wrappers.device_type(params, args, kwargs)
-            with torch.autocast(device, dtype=policy.compute_dtype if half else None, enabled=half):
+            with _wrappers.autocast_on(device, dtype=policy.compute_dtype if half else None, enabled=half):
                 return torch.func.functional_call(self.skeleton, tensors, tuple(args), kwargs, tie_weights=False)
         args, kwargs = _wrappers.cast_io((tuple(args), kwargs), policy.compute_dtype)
         return torch.func.functional_call(self.skeleton, tensors, args, kwargs, tie_weights=False)

@@ -51,6 +51,14 @@ def device_type(*trees: Any) -> str:
     return "cpu"
 
 
+def autocast_on(device: str, dtype: torch.dtype | None = None, enabled: bool = True) -> Any:
+    """``torch.autocast(device, dtype, enabled)``, or nothing on a device autocast does not know (``meta``:
+    ``funcamp.capture.check``'s stand-in for the step's device, where there is no autocast to enter or leave)."""
+    if not torch.amp.is_autocast_available(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=dtype, enabled=enabled)
+
+
 def _wrap_cast(module: nn.Module, policy: Policy, autocast: bool) -> None:
     """Make ``module`` cast its inputs to the policy's compute dtype and its outputs to its output dtype.
 
@@ -67,8 +75,7 @@ def _wrap_cast(module: nn.Module, policy: Policy, autocast: bool) -> None:
             return cast_io(forward(*args, **kwargs), policy.output_dtype)
         if not half:
             args, kwargs = cast_io((args, kwargs), policy.compute_dtype)
-        device = device_type(args, kwargs)
-        with torch.autocast(device, dtype=policy.compute_dtype if half else None, enabled=half):
+        with autocast_on(device_type(args, kwargs), dtype=policy.compute_dtype if half else None, enabled=half):
             out = forward(*args, **kwargs)
         return cast_io(out, policy.output_dtype)
 

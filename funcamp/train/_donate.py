@@ -69,8 +69,7 @@ def check_donatable(state: Any) -> None:
             )
         if x.numel() == 0:
             continue
-        storage = x.untyped_storage()
-        key = (x.device, storage.data_ptr())
+        key = _storage(x)
         if key in seen:
             raise ValueError(
                 f"make_train_step(donate=True): state leaves {seen[key]!r} and {path!r} share storage (one tensor "
@@ -192,7 +191,12 @@ def _write_into(state: Any, new_state: Any, metrics: dict[str, Any]) -> dict[str
 
 
 def _storage(x: torch.Tensor) -> tuple[Any, int]:
-    return (x.device, x.untyped_storage().data_ptr())
+    """Where ``x``'s elements live: its device and storage address; a storage with no address (``meta`` and fake
+    tensors, such as ``funcamp.capture.check``'s stand-ins, all at 0) by the storage itself."""
+    storage = x.untyped_storage()
+    if x.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(x):
+        return (x.device, storage._cdata)
+    return (x.device, storage.data_ptr())
 
 
 def _copy_if_in(x: Any, places: set[tuple[Any, int]]) -> Any:
