@@ -257,3 +257,70 @@ def test_a_slice_scans_exactly_the_sliced_layers():
     assert scans == [2]
     for name, c, e in zip(params, compiled, grads(params, x), strict=True):
         assert torch.equal(c, e), name
+
+
+class _WithTable(nn.Module):
+    """A block whose non-persistent buffer (a per-layer constant) scales its residual branch."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x)) * self.table
+
+
+TABLES = {
+    "a layer index": lambda i: torch.tensor(float(i)),
+    "a rotary table per layer": lambda i: torch.cos(torch.arange(8.0) / 10.0 ** (i + 1)),
+    "one value in the last element": lambda i: torch.cat([torch.ones(7), torch.tensor([1.0 + (i == 2)])]),
+}
+
+
+@pytest.mark.parametrize("name", list(TABLES))
+def test_refuses_non_persistent_buffers_that_differ_in_value(name):
+    """Sweep: blocks whose non-persistent buffers have one shape and dtype but other values (a layer index, a
+    per-layer rotary table, one element of the last layer's) are refused, naming the buffer: the scan would run
+    the first layer's buffer for every layer. Equal values in tensors of their own are accepted."""
+    with pytest.raises(ValueError, match=r"scan='blocks'.*the buffer blocks\.\d\.table differs from blocks\.0\.table"):
+        fa.nn.functionalize(_Net([_WithTable(TABLES[name](i)) for i in range(3)]), POLICY, scan="blocks")
+    fa.nn.functionalize(_Net([_WithTable(TABLES[name](0).clone()) for _ in range(3)]), POLICY, scan="blocks")
+
+
+class _Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Res(), _Res()])
+        self.blocks_out = nn.Linear(8, 8)  # a sibling whose name starts with the run's
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.blocks_out(x)
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _Body()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize(
+    "remat, refused",
+    [("body", True), ("body.blocks.1", True), ("body.blocks.*", True), ("body.blocks_out", False), ("head", False)],
+)
+def test_remat_on_or_around_the_run_is_refused_and_beside_it_accepted(remat, refused):
+    """Sweep: ``scan="body.blocks"`` with ``remat=`` on the module around the run, a layer inside it, every layer;
+    refused, naming the run. A sibling whose name starts with the run's (``body.blocks_out``) and a module outside
+    are accepted (the rule matches whole name components)."""
+    if refused:
+        with pytest.raises(ValueError, match=r"scan='body\.blocks'.*remat= checkpoints .*on or around the run"):
+            fa.nn.functionalize(_Outer(), POLICY, scan="body.blocks", remat=remat)
+    else:
+        apply_fn, _ = fa.nn.functionalize(_Outer(), POLICY, scan="body.blocks", remat=remat)
+        assert apply_fn.remat == (remat,)
