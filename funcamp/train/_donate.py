@@ -73,7 +73,7 @@ def check_donatable(state: Any) -> None:
         start = x.storage_offset()
         end = start + 1 + sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride()))
         size = x.element_size()
-        spans.setdefault((x.device, x.untyped_storage().data_ptr()), []).append((start * size, end * size, path))
+        spans.setdefault(_storage(x), []).append((start * size, end * size, path))
     for places in spans.values():  # views of disjoint parts of one buffer (a flat step's state) are fine
         order = {path: i for i, (_, _, path) in enumerate(places)}  # tree order, for the message
         places.sort()
@@ -199,7 +199,12 @@ def _write_into(state: Any, new_state: Any, metrics: dict[str, Any]) -> dict[str
 
 
 def _storage(x: torch.Tensor) -> tuple[Any, int]:
-    return (x.device, x.untyped_storage().data_ptr())
+    """Where ``x``'s elements live: its device and storage address; a storage with no address (``meta`` and fake
+    tensors, such as ``funcamp.capture.check``'s stand-ins, all at 0) by the storage itself."""
+    storage = x.untyped_storage()
+    if x.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(x):
+        return (x.device, storage._cdata)
+    return (x.device, storage.data_ptr())
 
 
 def _copy_if_in(x: Any, places: set[tuple[Any, int]]) -> Any:
