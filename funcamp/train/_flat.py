@@ -234,23 +234,27 @@ class FlatLayout:
         g, k = self._group_of[i]
         return flat_leaves[j].narrow(0, g.offsets[k], self.numels[i]).view(self.shapes[i])
 
-    def adopt(self, state: Any, flat_state: Any) -> None:
-        """After a donating call on ``flat_state`` (made from ``state`` by copying): every tensor of ``state``'s
+    def adopt(self, state: Any, flat_state: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Before a donating call on ``flat_state`` (made from ``state`` by copying): every tensor of ``state``'s
         parameters and optimizer state becomes the view of its buffer (``Tensor.set_``), so that the caller's
-        tensors hold the new values and the next call takes the buffers without a copy. A tensor that cannot be
-        re-pointed (a view of another tensor) gets the new values copied in instead."""
+        tensors hold the values the call writes, the next call takes the buffers without a copy, and a tensor
+        that the user's code reads from outside the state (a closure) is seen by the trace as the view of the
+        buffer it is. Returns the pairs ``(tensor, view)`` of the tensors that cannot be re-pointed (views of
+        other tensors, subclasses): the caller copies each view into its tensor after the call."""
         views = self.unpack(flat_state)
         pairs = zip(
             _tree.tree_leaves((state.params, state.opt_state)), _tree.tree_leaves((views.params, views.opt_state))
         )
+        later = []
         with torch.no_grad():
             for old, new in pairs:
                 if old is new or not isinstance(old, torch.Tensor):
                     continue
                 if old._is_view() or type(old) is not torch.Tensor:
-                    old.copy_(new)
+                    later.append((old, new))
                 else:
                     old.set_(new.untyped_storage(), new.storage_offset(), new.shape, new.stride())
+        return later
 
 
 def _aligned(offset: int, itemsize: int) -> int:

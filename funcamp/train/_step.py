@@ -180,7 +180,7 @@ def _flat_boundary(compiled: Callable[..., Any], run_as: _Assembly, donate: bool
 
     The per-leaf state is packed (its tensors are views of the buffers: no copy, after the first call) and the
     step's result unpacked into per-leaf views. Donating, the step writes into the buffers, which the given
-    state's tensors view (after a call that had to copy them in, they are made views of the buffers). A state
+    state's tensors view (when a call has to copy them in, they are made views of the buffers before it). A state
     of another structure than the first call's runs leaf by leaf (compiled again, as any other structure is).
     """
 
@@ -190,10 +190,12 @@ def _flat_boundary(compiled: Callable[..., Any], run_as: _Assembly, donate: bool
         if packed is None:
             return compiled(state, batch)
         flat_state, copied = packed
+        later = flat.adopt(state, flat_state) if donate and copied else []
         out = compiled(flat_state, batch)
         if donate:  # the metrics; the new state is in the buffers
-            if copied:
-                flat.adopt(state, flat_state)
+            with torch.no_grad():
+                for tensor, view in later:
+                    tensor.copy_(view)
             return out
         new_state, metrics = out
         return flat.unpack(new_state), metrics
