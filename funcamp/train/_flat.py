@@ -34,6 +34,7 @@ import torch
 from funcamp import _tree
 from funcamp.optim import GradientTransformation
 from funcamp.optim import _flat as _flat_opt
+from funcamp.train import _layout
 
 __all__ = ["FlatLayout", "FlatParams", "layout_for", "of"]
 
@@ -51,18 +52,6 @@ class Group(NamedTuple):
     members: tuple[int, ...]  # parameter leaf indices
     offsets: tuple[int, ...]  # each member's first element in the buffer (aligned to ALIGN_BYTES)
     numel: int  # the buffer's length, padding included
-
-    def pieces(self, numels: list[int]) -> list[int]:
-        """The lengths ``torch.split`` cuts the buffer into: each member, then the padding before the next."""
-        sizes, at = [], 0
-        for i, off in zip(self.members, self.offsets, strict=True):
-            if off > at:
-                sizes.append(off - at)
-            sizes.append(numels[i])
-            at = off + numels[i]
-        if self.numel > at:
-            sizes.append(self.numel - at)
-        return sizes
 
 
 @_tree.dataclass
@@ -128,17 +117,13 @@ class FlatLayout:
     # --- inside the step ---------------------------------------------------------------------------------
 
     def tree(self, flat: FlatParams) -> Any:
-        """The parameters' tree, each leaf a view of its buffer (traced: one split per buffer, a view per leaf)."""
+        """The parameters' tree, each leaf a view of its buffer (traced: a slice and a view per leaf, which
+        funcamp's graph passes read as a parameter's forward tensor, as they read a graph input)."""
         leaves: list[Any] = [None] * len(self.shapes)
         for g in self.groups:
-            pieces = torch.split(flat.buffers[g.key], g.pieces(self.numels))
-            at = iter(pieces)
-            cursor = 0
+            buffer = flat.buffers[g.key]
             for i, off in zip(g.members, g.offsets, strict=True):
-                if off > cursor:
-                    next(at)  # the padding before this member
-                leaves[i] = next(at).view(self.shapes[i])
-                cursor = off + self.numels[i]
+                leaves[i] = buffer.narrow(0, off, self.numels[i]).view(self.shapes[i])
         return self._rebuild(leaves)
 
     def flat(self, tree: Any) -> dict[str, torch.Tensor]:
@@ -159,12 +144,17 @@ class FlatLayout:
             out[g.key] = torch.cat(parts) if len(parts) > 1 else parts[0]
         return out
 
-    def update(self, stage: Any, optimizer: GradientTransformation, grads: Any, opt_state: Any, params: FlatParams,
-               layout: Any) -> tuple[FlatParams, Any]:
+    def update(
+        self, stage: Any, optimizer: GradientTransformation, grads: Any, opt_state: Any, params: FlatParams, layout: Any
+    ) -> tuple[FlatParams, Any]:
         """``stage`` (:func:`funcamp.train.update`) over the buffers: the gradients concatenated, the masks and
         labels giving each buffer its leaves' values. Returns the new flat parameters and the new flat state."""
+        flat_grads = self.flat(grads)
+        memo = _layout.NORMS.current()
+        if memo is not None:  # a clip of these takes the per-leaf gradients' norm: the check's, bitwise
+            memo.alias(flat_grads, grads)
         new, new_state = _flat_opt.replaying(
-            self.replay, stage, optimizer, self.flat(grads), opt_state, params.buffers, layout
+            self.replay, stage, optimizer, flat_grads, opt_state, params.buffers, layout
         )
         return FlatParams(new, self), new_state
 
@@ -225,7 +215,9 @@ class FlatLayout:
         for g in self.groups:
             for i, off in zip(g.members, g.offsets, strict=True):
                 params[i] = buffers[g.key].narrow(0, off, self.numels[i]).view(self.shapes[i])
-        return dataclasses.replace(flat_state, params=_tree.tree_unflatten(self.params_spec, params), opt_state=opt_state)
+        return dataclasses.replace(
+            flat_state, params=_tree.tree_unflatten(self.params_spec, params), opt_state=opt_state
+        )
 
     def _leaf(self, source: tuple[Any, ...], flat_leaves: list[Any]) -> Any:
         if source[0] != "view":
@@ -303,8 +295,11 @@ def layout_for(params: Any, optimizer: GradientTransformation) -> FlatLayout | N
     groups = _groups(leaves, names, record)
     replay = _flat_opt.Replay(
         {
-            id(spec): {g.key: record.values[id(spec)].get(names[g.members[0]]) for g in groups
-                       if names[g.members[0]] in record.values[id(spec)]}
+            id(spec): {
+                g.key: record.values[id(spec)].get(names[g.members[0]])
+                for g in groups
+                if names[g.members[0]] in record.values[id(spec)]
+            }
             for spec in record.specs
         }
     )
@@ -336,7 +331,10 @@ def _groups(leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Reco
 
 
 def _state_map(
-    leaf_state: Any, flat_state: Any, param_paths: list[tuple[Any, ...]], params: list[torch.Tensor],
+    leaf_state: Any,
+    flat_state: Any,
+    param_paths: list[tuple[Any, ...]],
+    params: list[torch.Tensor],
     groups: list[Group],
 ) -> _StateMap | None:
     """The leaf-for-leaf correspondence of the two optimizer states (meta), or None where there is none."""

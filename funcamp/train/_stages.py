@@ -30,7 +30,7 @@ from funcamp.grad import _Route, scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, _inplace, apply_updates, learning_rate
 from funcamp.train import _flat, _loss
-from funcamp.train._layout import SingleProcess
+from funcamp.train._layout import NORMS, NormMemo, SingleProcess
 from funcamp.train._state import TrainState
 
 __all__ = [
@@ -319,6 +319,21 @@ def run(
       A :class:`StepRecord`; ``record.new_state`` and ``record.metrics`` are what the train step returns
       (before probes add theirs).
     """
+    return NORMS.within(
+        NormMemo(), _run, loss_fn, optimizer, state, batch, has_aux, accumulation_steps, layout, route
+    )  # the check's gradient norm and the clip's: one (funcamp.train._layout.NormMemo)
+
+
+def _run(
+    loss_fn: Callable[..., Any],
+    optimizer: GradientTransformation,
+    state: TrainState,
+    batch: Any,
+    has_aux: bool,
+    accumulation_steps: int,
+    layout: SingleProcess,
+    route: _Route | None,
+) -> StepRecord:
     flat = _flat.of(state.params)  # a flat compiled step's parameters (funcamp.train._flat), else None
     whole = state.params if flat is None else flat.tree(state.params)
     g = gradients(
