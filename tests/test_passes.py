@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from funcamp import passes
+from funcamp.passes import pipeline
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,9 @@ def test_post_pass_graph_is_the_single_file_passs(traced: torch.fx.Graph, varian
 def test_switches_turn_each_sub_pass_off(traced: torch.fx.Graph, monkeypatch: pytest.MonkeyPatch) -> None:
     """``FUNCAMP_PASSES_OFF`` names sub-passes to skip: each one alone gives another graph than the full
     pipeline's (on the graph with budget 0.5: every sub-pass has work there, so the byte-for-byte test covers
-    each); all of them leave the graph as it was; an unknown name is refused, naming the known ones."""
+    each); each pass run alone changes the graph (``casts_at_use`` finds the casts without ``remat_regions``);
+    all of them leave the graph as it was; an unknown name is refused, naming the known ones. (Planted: the
+    context finding ``param_uses`` only for ``remat_regions``.)"""
     full = case.copy(traced, 0.5)
     passes.RematPass()(full)
     for name in passes.NAMES:
@@ -73,6 +76,11 @@ def test_switches_turn_each_sub_pass_off(traced: torch.fx.Graph, monkeypatch: py
         monkeypatch.setenv("FUNCAMP_PASSES_OFF", name)
         passes.RematPass()(graph)
         assert case.text(graph) != case.text(full), name
+    for name in passes.NAMES:  # each alone: remat_budget only takes from what remat_regions chose
+        graph = case.copy(traced, 0.5)
+        monkeypatch.setenv("FUNCAMP_PASSES_OFF", ",".join(n for n in passes.NAMES if n != name))
+        passes.RematPass()(graph)
+        assert (case.text(graph) == case.text(case.copy(traced, 0.5))) == (name == "remat_budget"), name
     graph = case.copy(traced)
     monkeypatch.setenv("FUNCAMP_PASSES_OFF", " , ".join(passes.NAMES))
     passes.RematPass()(graph)
@@ -80,3 +88,22 @@ def test_switches_turn_each_sub_pass_off(traced: torch.fx.Graph, monkeypatch: py
     monkeypatch.setenv("FUNCAMP_PASSES_OFF", "remat_regions,no_such_pass")
     with pytest.raises(ValueError, match="unknown pass 'no_such_pass'.*remat_regions"):
         passes.RematPass()(torch.fx.Graph())
+
+
+@pytest.mark.slow
+def test_pipeline_counts_the_nodes_around_each_pass(traced: torch.fx.Graph, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pipeline.run`` runs :data:`PIPELINE` in order and records the node count around each pass: the counts
+    chain (one pass's after is the next one's before), the selections add nothing, the copies and the waits
+    add nodes; a pass switched off is not run and not counted. (Planted: the loop skipping a pass that is on.)"""
+    graph = case.copy(traced, 0.5)
+    ctx = pipeline.run(graph)
+    assert [(c.name, c.step) for c in ctx.counts] == [(n, p.__name__) for n, p in pipeline.PIPELINE]
+    assert ctx.counts[0].before == len(traced.nodes) and ctx.counts[-1].after == len(graph.nodes)
+    assert all(a.after == b.before for a, b in zip(ctx.counts, ctx.counts[1:]))
+    grew = {c.name for c in ctx.counts if c.after > c.before}
+    assert grew == {"recompute", "casts_at_use", "late_constructors"}, ctx.counts
+    assert all(c.after >= c.before for c in ctx.counts if c.step != "regather")
+    assert ctx.recompute and ctx.gathers and ctx.param_uses  # (no bernoulli draw: inductor draws from seeds)
+    monkeypatch.setenv("FUNCAMP_PASSES_OFF", "remat_budget,late_constructors")
+    ctx = pipeline.run(case.copy(traced, 0.5))
+    assert [c.name for c in ctx.counts] == [n for n, _ in pipeline.PIPELINE if n not in ctx.off]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from funcamp.passes._context import PassContext
 from funcamp.passes._graph import _VIEWS, _sink
 from funcamp.passes.gates import _call, _flag, _gateable
 from funcamp.passes.tags import _PHASE, _tags
@@ -64,3 +65,8 @@ def _casts_at_use(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int]) -
     waiting for the forward's value before it (:func:`_wait_for_user`)."""
     for group, _ in _sink(graph, param_uses.__contains__):
         _wait_for_user(graph, group)
+
+
+def run(ctx: PassContext) -> None:
+    """:func:`_casts_at_use` of ``ctx.param_uses``."""
+    _casts_at_use(ctx.graph, ctx.param_uses)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from funcamp.passes._context import PassContext
 from funcamp.passes._graph import _VIEWS
 from funcamp.passes.tags import _BUDGET, _GATHER, _PHASE, _REMAT, _tags
 
@@ -117,3 +118,9 @@ def _recomputed(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int] | No
         return False
 
     return {n for n in region if not leaves(n)}
+
+
+def run(ctx: PassContext) -> None:
+    """Fill ``ctx.recompute`` (:func:`_recomputed`, with ``ctx.param_uses``) and ``ctx.draws`` (:func:`_draws`)."""
+    ctx.recompute = _recomputed(ctx.graph, ctx.param_uses)
+    ctx.draws = _draws(ctx.graph)
