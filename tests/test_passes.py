@@ -1,19 +1,20 @@
 """The graph passes on the inductor-compiled step (:mod:`funcamp.passes`): the graphs they leave are byte-identical
-to the golden text (``tests/golden/passes/``, made by ``tools/make_passes_golden.py``) and to what the single-file
-pass (``funcamp/_regions.py`` before it became a package, frozen in ``tests/_frozen_regions.py``) left; each
-sub-pass's switch turns it off.
+to the golden text (``tests/golden/passes/``, made by ``tools/make_passes_golden.py``; checked byte-identical to
+the single-file pass ``funcamp/_regions.py`` was, then frozen in ``tests/_frozen_regions.py``, before that copy
+went); each sub-pass's switch turns it off; the pipeline runs its passes in order and counts their nodes.
 
 The step of the case (``tests/_passes_case.py``) is compiled with inductor up to the post-grad pass only, the
 graph inductor hands the pass copied, the compile stopped (no code generated: seconds, not minutes). A change to
 a pass on purpose regenerates the golden text in the same commit.
 
-Planted: raising late_constructors' size threshold fails all three cases; so does a gate that waits for its
-largest input instead of its smallest (the shifts' adds read an activation and a bias).
+Planted (each fails the golden tests): late_constructors' size threshold raised (1 << 18 -> 1 << 19: all three
+variants); the gate waiting on its largest input instead of its smallest (issue 40 T15: the shifts' adds read an
+activation and a bias; remat and budget); late_constructors left out of the pipeline (all three); the seed lookup
+not kept (``_KEPT_SEED_OPS`` empty: remat).
 """
 
 from __future__ import annotations
 
-import _frozen_regions as frozen
 import _passes_case as case
 import pytest
 import torch
@@ -48,18 +49,8 @@ def test_post_pass_graph_is_the_golden_one(traced: torch.fx.Graph, variant: str)
     if f"torch {torch.__version__};" not in _golden("traced.txt").splitlines()[0]:
         pytest.skip("golden text made with another torch")
     before, after = case.passed(traced, variant)
+    assert after != before
     assert case.diff(before, after) == _golden(f"{variant}.diff")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", list(case.VARIANTS))
-def test_post_pass_graph_is_the_single_file_passs(traced: torch.fx.Graph, variant: str) -> None:
-    """Byte for byte, tags included; and the pass did something (the text differs from the graph before)."""
-    before, reference, graph = (case.copy(traced, case.VARIANTS[variant]) for _ in range(3))
-    frozen.RematPass()(reference)
-    passes.RematPass()(graph)
-    assert case.text(graph) == case.text(reference)
-    assert case.text(graph) != case.text(before)
 
 
 @pytest.mark.slow
