@@ -331,6 +331,26 @@ def test_cache_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.Monk
     assert default_cache_dir() == Path.home() / ".cache" / "funcamp" / "tune"
 
 
+def test_public_classes_keep_their_module_for_pickles_and_checkpoints(tmp_path: Path) -> None:
+    """``funcamp.tune`` is a package of rooms, but its public classes are ``funcamp.tune.X`` as when it was one
+    file: a pickle and a checkpoint name them so, and load. (Planted: ``StepTiming`` left at its room's module,
+    ``funcamp.tune._timing``: fails.)"""
+    import pickle
+
+    from funcamp import checkpoint, tune
+
+    for name in tune.__all__:
+        obj = getattr(tune, name)
+        if isinstance(obj, type):
+            assert obj.__module__ == "funcamp.tune", name
+    timing = tune.StepTiming(torch.bfloat16, (0.5, 0.25), 0.375, 0.9, 0.8, 1.0, 2.0)
+    assert b"funcamp.tune._" not in pickle.dumps(timing) and pickle.loads(pickle.dumps(timing)) == timing
+    checkpoint.save(tmp_path / "t.pt", {"timing": timing})
+    raw = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert raw["tree"]["items"][0][1]["type"] == "funcamp.tune.StepTiming"
+    assert checkpoint.load(tmp_path / "t.pt") == {"timing": timing}
+
+
 def test_unreadable_cache_file_warns_and_measures_again(tmp_path: Path) -> None:
     model, args = nn.Sequential(nn.Linear(8, 8)), (torch.randn(4, 8),)
     calls: list = []
