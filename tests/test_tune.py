@@ -1096,6 +1096,29 @@ def test_block_probe_decides_with_the_rounds_and_caches_without_running(cpu_fact
     assert hit.what == c.what and "(Block, one of 2)'s forward+backward kernels" in hit.explain()
 
 
+def test_block_probe_key_holds_the_module_policies(cpu_facts, tmp_path) -> None:
+    """Two probes of one model that differ only in ``module_policies`` (entries that keep some modules off the
+    candidate dtype, as fp8's do) time other kernels: their keys differ, so ``choose_compute_dtype`` keeps a
+    decision for each; the same entries give the same key. (Issue 40 T12; planted: the key without
+    ``module_policies``: fails.)"""
+    cpu_facts(AVX512_BF16)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2)))
+    x = torch.randn(4, 16)
+    plain = fa.tune.block_probe(model, (x,))
+    kept = fa.tune.block_probe(model, (x,), module_policies={nn.Linear: "float32"})
+    again = fa.tune.block_probe(model, (x,), module_policies={nn.Linear: "float32"})
+    assert plain.name == kept.name == "0" and plain.key != kept.key and kept.key == again.key
+    first = choose_compute_dtype(
+        plain, model, x, cache=tmp_path, timer=per_round({F32: 1.0, BF16: 0.6}), what=plain.what, key={"m": plain.key}
+    )
+    other = choose_compute_dtype(
+        kept, model, x, cache=tmp_path, timer=per_round({F32: 1.0, BF16: 1.0}), what=kept.what, key={"m": kept.key}
+    )
+    assert (first.dtype, first.source, other.dtype, other.source) == (BF16, "measured", F32, "measured")
+    assert first.cache_path != other.cache_path
+
+
 def test_block_probe_real_decision_is_cheap(gpt_probe) -> None:
     """One real run of the default timer on this machine: every candidate's kernels timed, no compile."""
     probe, _, model, x = gpt_probe
