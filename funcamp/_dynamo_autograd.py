@@ -23,6 +23,8 @@ adds a note naming the Function and what to do, rather than differentiating its 
 from __future__ import annotations
 
 import functools
+import itertools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -49,9 +51,11 @@ def compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """``torch.compile(fn, **options)``, traced with ``torch._dynamo.config.trace_autograd_ops`` on.
 
     The setting is patched around each call (a retrace after a guard failure sees it too) and restored after;
-    the calls that do not trace pay one context manager. Same arguments and errors as ``torch.compile``.
+    the calls that do not trace pay one context manager. ``fn`` is compiled as a frame of its own
+    (:func:`_own_frame`): building it again in the same process compiles it afresh, never as a recompile of an
+    earlier build. Same arguments and errors as ``torch.compile``.
     """
-    compiled = torch.compile(fn, **options)
+    compiled = torch.compile(_own_frame(fn), **options)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -62,6 +66,36 @@ def compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
             return compiled(*args, **kwargs)
 
     return call
+
+
+#: Numbers the frames :func:`_own_frame` makes, one per compiled build in this process.
+_BUILDS = itertools.count(1)
+
+
+def _own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a function whose code object, and name in it, are its own: ``<name>_build<n>``.
+
+    Dynamo keeps its compiled entries on the code object and what it has seen of the inputs (automatic dynamic
+    shapes) under the code's file, first line and name. Every step ``make_train_step`` builds runs the same inner
+    function, so without this the second build in a process is a recompile of the first one's frame: it is
+    guarded against all earlier builds, the ninth fails ``fullgraph=True`` at Dynamo's recompile limit, and the
+    Python numbers that differ between builds (a ``Remat`` budget, a remat region's id) are traced as symbols
+    (automatic dynamic), which the region's tags cannot hold ("SymNodeVariable() is not a constant"). With a
+    frame of its own, each build compiles once, static, as if it were the first; a recompile within one build
+    (a new batch shape) is torch's as usual. A callable that is not a plain function is called from one.
+    """
+    if not isinstance(fn, types.FunctionType):
+        inner = fn
+
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            return inner(*args, **kwargs)
+
+    n, code = next(_BUILDS), fn.__code__
+    code = code.replace(co_name=f"{code.co_name}_build{n}", co_qualname=f"{code.co_qualname}_build{n}")
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__, own.__qualname__, own.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    own.__dict__.update(fn.__dict__)
+    return own
 
 
 def function_note(error: BaseException) -> str | None:

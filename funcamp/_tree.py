@@ -33,11 +33,13 @@ __all__ = [
     "global_norm",
     "is_floating",
     "norm_dtype",
+    "rebuilder",
     "scaled_global_norm",
     "select_tree",
     "tree_bytes",
     "tree_device",
     "tree_flatten",
+    "tree_flatten_with_path",
     "tree_leaves",
     "tree_map",
     "tree_paths",
@@ -302,6 +304,26 @@ def _skeleton_paths(skeleton: Any, prefix: tuple[str, ...], out: list[str]) -> N
         named = ((str(i), child) for i, child in enumerate(skeleton[2]))
     for name, child in named:
         _skeleton_paths(child, (*prefix, name), out)
+
+
+def tree_flatten_with_path(tree: Any) -> tuple[list[tuple[Any, ...]], list[Any], optree.PyTreeSpec]:
+    """``(paths, leaves, treespec)`` of ``tree``: each leaf's path a tuple of keys and indices (optree's)."""
+    return optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+
+
+def rebuilder(tree: Any) -> Callable[[list[Any]], Any]:
+    """``rebuild(leaves)``: a tree of ``tree``'s structure with ``leaves`` in leaf order.
+
+    For trees of plain containers (dicts with string keys, lists, tuples, NamedTuples, None) a rebuild that
+    Dynamo traces in a few bytecodes per node (the fast path's); otherwise optree's ``tree_unflatten``. Made
+    on the host, called while tracing.
+    """
+    flat = _fast_flatten(tree, (), strict=True)
+    if flat is not None:
+        skeleton = flat[2]
+        return lambda leaves: _fast_unflatten(skeleton, leaves)
+    spec = tree_structure(tree)
+    return lambda leaves: optree.tree_unflatten(spec, leaves)
 
 
 def tree_structure(tree: Any) -> optree.PyTreeSpec:

@@ -353,7 +353,14 @@ def check(fn: Callable[..., Any], *args: Any, keep_on_host: Any = ()) -> Capture
     tensors on the CPU, inputs (by path) or made by the step (``torch.ones(())`` without a device);
     data-dependent shapes (any output with a size known only from values); RNG state calls
     (``torch.get_rng_state``, ``set_rng_state``, ``manual_seed``, ``torch.cuda``'s, ``fork_rng``); random
-    ops given an explicit ``generator``; ``torch.cond`` (inductor reads its predicate on the host).
+    ops given an explicit ``generator``; ``torch.cond`` (inductor reads its predicate on the host). ``.tolist()``
+    is read as ``.item()`` per element and ``.numpy()`` recorded (the trace stops there); a tensor made on the CPU
+    (``torch.arange(n)`` without a device) is recorded and the trace goes on with it on the stand-in device. Each is
+    placed at the last frame outside torch, this module and the frames that pass a call on (a
+    ``__torch_function__`` such as funcamp's op policies): the line that did it. Tensors the step holds rather
+    than takes (``apply_fn``'s frozen weights, buffers held as constants) stand in for device tensors where they
+    are on the arguments' device; a CPU tensor no output depends on (the first call's host-side checks, outside
+    the compiled graph) is not reported.
 
     Args:
       fn: the step, ``fn(*args)``; pure (it runs on fake tensors).
@@ -375,7 +382,11 @@ def check(fn: Callable[..., Any], *args: Any, keep_on_host: Any = ()) -> Capture
     paths = _tree.tree_paths(args)
     keep = list(_tree.tree_leaves(keep_on_host))
     found: list[Violation] = []
-    mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True, allow_dynamic_output_shape_ops=True))
+    shape_env = ShapeEnv(allow_scalar_outputs=True, allow_dynamic_output_shape_ops=True)
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    devices = {x.device for x in leaves if isinstance(x, torch.Tensor) and not any(x is k for k in keep)}
+    reads = _HostReads(found)
+    _constants_on_the_stand_in(mode, devices, found, reads)
     with mode:
         fake = [_fake(x, any(x is k for k in keep)) if isinstance(x, torch.Tensor) else x for x in leaves]
     tensor_at = [i for i, x in enumerate(fake) if isinstance(x, torch.Tensor)]
@@ -388,16 +399,20 @@ def check(fn: Callable[..., Any], *args: Any, keep_on_host: Any = ()) -> Capture
         return [x for x in _tree.tree_leaves(out) if isinstance(x, torch.Tensor)]
 
     graph = None
-    with mode, _recording_rng_state(found), _all_frames(), _as_compiling():
+    with mode, _recording_rng_state(found), _all_frames(), _as_compiling(), reads:
         try:
-            graph = make_fx(flat, record_stack_traces=True)(*[fake[i] for i in tensor_at])
+            with warnings.catch_warnings():
+                # torch's scan operator traces its body with Dynamo, which reads .grad of the stacked (non-leaf)
+                # parameters it is given: torch's warning, not the step's
+                warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+                graph = make_fx(flat, record_stack_traces=True)(*[fake[i] for i in tensor_at])
         except GuardOnDataDependentSymNode as error:
             found.append(Violation("host branch", "bool(tensor) / a Python branch on a value", _frame_of(error)))
         except _TraceStopped:  # recorded where it stopped
             pass
     if graph is not None:
         found += _inputs_on_host(graph, [paths[i] for i in tensor_at])
-        found += _graph_violations(graph)
+        found += _graph_violations(graph, _live(graph))
     random_ops = 0 if graph is None else sum(_is_random(n) for n in graph.graph.nodes if n.op == "call_function")
     return CaptureReport(tuple(dict.fromkeys(found)), random_ops, graph)
 
@@ -424,6 +439,81 @@ def _all_frames() -> Iterator[None]:
             del PythonKeyTracer._filter_traceback_frames
         else:
             PythonKeyTracer._filter_traceback_frames = saved  # type: ignore[method-assign]
+
+
+def _constants_on_the_stand_in(mode: Any, devices: set[torch.device], found: list[Violation], reads: Any) -> None:
+    """Tensors the step holds rather than takes (``apply_fn``'s frozen and int8 weights, its buffers held as
+    constants, a model's non-persistent buffers) enter the trace as fakes on the stand-in device where they are
+    on the device of the step's arguments (as the arguments do: on a CPU build that device is the CPU); one on the
+    CPU while the arguments are elsewhere is a CPU tensor in a device step, recorded where it is first used. A
+    tensor the step makes from data (``torch.tensor(2.0)``: made for real, then lifted into the trace) stays where
+    it was made, and a CPU one is found in the graph."""
+    converter = mode.fake_tensor_converter
+    original, made = converter.from_real_tensor, {}
+
+    def from_real_tensor(fake_mode: Any, t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if t.device.type == "meta" or reads.making_from_data or id(t) in made and made[id(t)][0] is t:
+            return made[id(t)][1] if id(t) in made else original(fake_mode, t, *args, **kwargs)
+        if t.device in devices or not devices:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                stand_in = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=_STAND_IN)
+                stand_in.requires_grad_(t.requires_grad)
+            made[id(t)] = (t, original(fake_mode, stand_in, *args, **kwargs))
+            return made[id(t)][1]
+        if t.device.type == "cpu":
+            found.append(Violation("cpu tensor", "constant", _user_frame(traceback.extract_stack()[:-1])))
+        return original(fake_mode, t, *args, **kwargs)
+
+    converter.from_real_tensor = from_real_tensor
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Within the trace: what would stop it is recorded and stepped over. A tensor made on the CPU (``torch.arange(n)``
+    without a device, ``x.cpu()``) is recorded from the graph (its node) and continues on the stand-in device, so that
+    later ops do not fail to mix devices; ``tolist()`` reads each element (``.item()``: host syncs, found at the
+    caller's line); ``numpy()`` is recorded and stops the trace."""
+
+    def __init__(self, found: list[Violation]) -> None:
+        super().__init__()
+        self.found = found
+        self.making_from_data = False  # within torch.tensor and its kin (see _constants_on_the_stand_in)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.tolist:
+            return _elements(args[0])
+        if func in (torch.Tensor.numpy, torch.Tensor.__array__):
+            self.found.append(Violation("host sync", f"Tensor.{func.__name__}", _user_frame(traceback.extract_stack())))
+            raise _TraceStopped
+        if func in _FROM_DATA:
+            self.making_from_data = True
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                self.making_from_data = False
+        else:
+            out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.device.type == "cpu" and not _is_host_input(args, kwargs):
+            return out.to(_STAND_IN)
+        return out
+
+
+#: Functions that make a tensor from Python data (a real tensor, lifted into the trace).
+_FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor, torch.from_numpy)
+
+
+def _is_host_input(args: Any, kwargs: Any) -> bool:
+    """Whether an argument is itself on the CPU (kept on the host, ``keep_on_host``): its results stay there."""
+    return any(
+        isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in torch.utils._pytree.tree_leaves((args, kwargs))
+    )
+
+
+def _elements(t: torch.Tensor) -> Any:
+    """``t.tolist()`` read element by element with ``.item()`` (each a host sync in the trace)."""
+    return t.item() if t.ndim == 0 else [_elements(t[i]) for i in range(t.shape[0])]
 
 
 def _fake(x: torch.Tensor, on_host: bool) -> torch.Tensor:
@@ -514,7 +604,18 @@ def _arg_path(path: str) -> str:
     return f"args[{head}]" + (f".{rest}" if rest else "")
 
 
-def _graph_violations(graph: Any) -> list[Violation]:
+def _live(graph: Any) -> set[Any]:
+    """The nodes some output of the traced step depends on (a CPU tensor no output depends on, such as the first
+    call's host-side checks on shape-only copies, is not in the device step)."""
+    nodes = list(graph.graph.nodes)
+    live = {n for n in nodes if n.op == "output"}
+    for n in reversed(nodes):
+        if n in live:
+            live.update(n.all_input_nodes)
+    return live
+
+
+def _graph_violations(graph: Any, live: set[Any]) -> list[Violation]:
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     found = []
@@ -528,7 +629,7 @@ def _graph_violations(graph: Any) -> list[Violation]:
             found.append(Violation("data-dependent shape", str(n.target), where))
         if isinstance(n.target, torch._ops.HigherOrderOperator) and op == "cond":
             found.append(Violation("cond", "torch.cond", where))
-        if _on_host(val):
+        if _on_host(val) and n in live:
             found.append(Violation("cpu tensor", str(n.target), where))
         if n.kwargs.get("generator") is not None:
             found.append(Violation("generator", str(n.target), where))
@@ -558,12 +659,20 @@ def _frame(n: Any) -> str:
     return _pick(frames) or "(no source recorded)"
 
 
+#: Frames that pass a call on (a torch function mode such as funcamp.ops.OpPolicies, a tensor subclass): the caller
+#: is the line that made it. Frames of generated code (``<eval_with_key>``: an FX graph re-run) are torch's too.
+_PASSING = ("in __torch_function__", "in __torch_dispatch__")
+
+
 def _pick(frames: list[str]) -> str:
-    """The last frame outside torch (and outside this module), as ``file:line in fn``."""
+    """The last frame outside torch, this module and the frames that pass a call on, as ``file:line in fn``."""
     torch_dir = torch.__file__.rsplit("/", 1)[0]
     for line in reversed(frames):
-        if torch_dir not in line and __file__ not in line and "contextlib.py" not in line:
-            return _short(line)
+        if torch_dir in line or __file__ in line or "contextlib.py" in line or "<eval_with_key>" in line:
+            continue
+        if line.endswith(_PASSING):
+            continue
+        return _short(line)
     return _short(frames[-1]) if frames else ""
 
 

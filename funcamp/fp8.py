@@ -511,8 +511,9 @@ def fp8_linear(
     if (scales is None) != (r.scaling != "delayed"):
         raise ValueError(f"fp8_linear: scales are required by the delayed recipe and only by it (recipe {r.scaling!r})")
     out_dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type):
-        out_dtype = torch.get_autocast_dtype(x.device.type)
+    device_type = x.device.type  # autocast knows no meta device (funcamp.capture's stand-in)
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        out_dtype = torch.get_autocast_dtype(device_type)
     x2 = x.reshape(-1, x.shape[-1])
     sx, sw = scales if scales is not None else (None, None)
     y = _Fp8Matmul.apply(x2, weight, sx, sw, r, out_dtype)[0]

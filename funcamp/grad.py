@@ -198,8 +198,12 @@ def _autograd_route(
 
 
 def _plain_autograd_suffices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Eager, outside any torch.func transform, and no input is part of an outer autograd graph."""
-    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
+    """Not traced by Dynamo, outside any torch.func transform, and no input is part of an outer autograd graph.
+
+    Dynamo's trace only: ``funcamp.capture.check`` traces the eager step with ``make_fx`` under torch's compiling
+    flag, and there plain autograd is what the compiled step differentiates with (a ``scan=`` run has no
+    torch.func rule)."""
+    if torch.compiler.is_dynamo_compiling() or torch._C._functorch.maybe_current_level() is not None:
         return False
     return not any(isinstance(x, torch.Tensor) and x.requires_grad for x in torch_pytree.tree_leaves((args, kwargs)))
 

@@ -200,7 +200,8 @@ class OpPolicies(TorchFunctionMode):
         args = tuple(_cast(a, dtype) for a in args)
         kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
         device_type = floating[0].device.type
-        if torch.is_autocast_enabled(device_type):
+        # A device autocast does not know (meta: funcamp.capture's stand-in) has no autocast to switch off.
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             with torch.autocast(device_type, enabled=False):
                 out = func(*args, **kwargs)
         else:

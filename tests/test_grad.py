@@ -184,3 +184,19 @@ def test_bad_losses_and_params(fun, params, error, fragment):
 def test_has_aux_requires_a_pair():
     with pytest.raises(TypeError, match=r"\(loss, aux\)"):
         fa.grad_and_value(lambda p: p["w"].sum(), fa.NoOpLossScale(), has_aux=True)({"w": torch.ones(1)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_input_the_loss_ignores_gets_zeros_of_its_shape(dtype):
+    """Eager grad_and_value (plain autograd, as torch.func would): a parameter the loss does not use gets zeros of
+    its own shape and dtype, in the tree where torch.func.grad puts them; a second argument differentiated with
+    ``argnums`` and ignored too."""
+    params = {"w": torch.ones(3, dtype=dtype), "unused": torch.ones(2, 4, dtype=dtype)}
+    other = torch.ones(5, 1, dtype=dtype)
+    grads, _, finite = fa.grad_and_value(lambda p, q: (p["w"].float() * 2).sum(), fa.NoOpLossScale(), argnums=(0, 1))(
+        params, other
+    )
+    expected = torch.func.grad(lambda p, q: (p["w"].float() * 2).sum(), argnums=(0, 1))(params, other)
+    for got, want in [(grads[0]["unused"], expected[0]["unused"]), (grads[1], expected[1])]:
+        assert got.shape == want.shape and got.dtype == dtype and not got.any()
+    assert torch.equal(grads[0]["w"], torch.full((3,), 2.0, dtype=dtype)) and bool(finite)

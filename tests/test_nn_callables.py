@@ -147,6 +147,24 @@ class LambdaSequence(nn.Module):
         return x
 
 
+class KeywordOnlyDefault(nn.Module):
+    """A helper whose keyword-only default is a submodule (``def f(x, *, lin=self.a)``), and a lambda's keyword-only
+    default next to a positional one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+        def f(x, *, lin=self.a):
+            return torch.tanh(lin(x))
+
+        self.f = f
+        self.g = lambda x, scale=0.5, *, lin=self.b: lin(x) * scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g(self.f(x))
+
+
 WORKING = {
     "mingpt_closure": MinGPTBlock,
     "nested_closure": NestedClosure,
@@ -156,6 +174,7 @@ WORKING = {
     "partial_of_closure": PartialOfClosure,
     "plain_list": PlainList,
     "lambda_sequence": LambdaSequence,
+    "keyword_only_default": KeywordOnlyDefault,
 }
 
 

@@ -212,3 +212,115 @@ def test_way_back_per_layer(runs):
     model = GPT(CFG)
     fa.nn.load_into(model, scanned.params)
     assert torch.equal(model.blocks[2].mlp.fc.weight, scanned.params["blocks.2.mlp.fc.weight"])
+
+
+class _Sliced(nn.Module):
+    """Runs over slices of one list, as Hugging Face's Llama loop (``self.layers[: config.num_hidden_layers]``)."""
+
+    SLICES = (slice(1, None), slice(None, None, 2), slice(3, None))
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Res() for _ in range(3))
+
+    def forward(self, x):
+        for part in self.SLICES:
+            for b in self.blocks[part]:
+                x = b(x)
+        return x
+
+
+def test_a_slice_scans_exactly_the_sliced_layers():
+    """Sweep: a run over each slice of :class:`_Sliced` (from the second layer on, every other one, an empty one)
+    compiled with the scan: one scan per non-empty slice, each over its own layers (gradients bitwise the eager
+    unrolled loop's, so a slice that ran the whole run, or the first layers of the run, shows). Two scans: each
+    costs a compile of its own. The old code raised an AttributeError (the slice, a new list, had no scan)."""
+    model = _Sliced()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    apply_fn, params = fa.nn.functionalize(model, POLICY, scan="blocks")
+
+    def grads(p, x):
+        ps = {k: v.detach().requires_grad_() for k, v in p.items()}
+        with torch.enable_grad():
+            loss = apply_fn(ps, x).float().square().sum()
+        return torch.autograd.grad(loss, list(ps.values()))
+
+    scans = []
+
+    def backend(gm, example_inputs):
+        scans.append(sum("scan" in str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(grads, fullgraph=True, backend=backend)(params, x)
+    assert scans == [2]
+    for name, c, e in zip(params, compiled, grads(params, x), strict=True):
+        assert torch.equal(c, e), name
+
+
+class _WithTable(nn.Module):
+    """A block whose non-persistent buffer (a per-layer constant) scales its residual branch."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x)) * self.table
+
+
+TABLES = {
+    "a layer index": lambda i: torch.tensor(float(i)),
+    "a rotary table per layer": lambda i: torch.cos(torch.arange(8.0) / 10.0 ** (i + 1)),
+    "one value in the last element": lambda i: torch.cat([torch.ones(7), torch.tensor([1.0 + (i == 2)])]),
+}
+
+
+@pytest.mark.parametrize("name", list(TABLES))
+def test_refuses_non_persistent_buffers_that_differ_in_value(name):
+    """Sweep: blocks whose non-persistent buffers have one shape and dtype but other values (a layer index, a
+    per-layer rotary table, one element of the last layer's) are refused, naming the buffer: the scan would run
+    the first layer's buffer for every layer. Equal values in tensors of their own are accepted."""
+    with pytest.raises(ValueError, match=r"scan='blocks'.*the buffer blocks\.\d\.table differs from blocks\.0\.table"):
+        fa.nn.functionalize(_Net([_WithTable(TABLES[name](i)) for i in range(3)]), POLICY, scan="blocks")
+    fa.nn.functionalize(_Net([_WithTable(TABLES[name](0).clone()) for _ in range(3)]), POLICY, scan="blocks")
+
+
+class _Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Res(), _Res()])
+        self.blocks_out = nn.Linear(8, 8)  # a sibling whose name starts with the run's
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.blocks_out(x)
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _Body()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize(
+    "remat, refused",
+    [("body", True), ("body.blocks.1", True), ("body.blocks.*", True), ("body.blocks_out", False), ("head", False)],
+)
+def test_remat_on_or_around_the_run_is_refused_and_beside_it_accepted(remat, refused):
+    """Sweep: ``scan="body.blocks"`` with ``remat=`` on the module around the run, a layer inside it, every layer;
+    refused, naming the run. A sibling whose name starts with the run's (``body.blocks_out``) and a module outside
+    are accepted (the rule matches whole name components)."""
+    if refused:
+        with pytest.raises(ValueError, match=r"scan='body\.blocks'.*remat= checkpoints .*on or around the run"):
+            fa.nn.functionalize(_Outer(), POLICY, scan="body.blocks", remat=remat)
+    else:
+        apply_fn, _ = fa.nn.functionalize(_Outer(), POLICY, scan="body.blocks", remat=remat)
+        assert apply_fn.remat == (remat,)

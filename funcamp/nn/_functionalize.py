@@ -289,8 +289,9 @@ class _Apply:
         # A tied buffer is the same fresh tensor under every name. Parameters are not bound here: each
         # module binds its own when first called (funcamp.nn._use), from ``params`` pushed below.
         tensors = _fresh_buffers(plan, state, dtypes)
+        eager = not torch.compiler.is_compiling()
         call = None
-        if not torch.compiler.is_compiling():  # a checkpointed region's recompute runs with these tensors
+        if eager:  # a checkpointed region's recompute runs with these tensors
             call = _remat._Call(
                 self.skeleton,
                 lambda: _pushed(self.uses, params),
@@ -298,9 +299,9 @@ class _Apply:
                 self.op_mode,
                 tensors,
             )
-        self.uses.push(params)
+        self.uses.push(params, eager=eager)
         try:
-            if torch.compiler.is_compiling():  # every use made and bound up front (see funcamp.nn._use)
+            if not eager:  # every use made and bound up front (see funcamp.nn._use)
                 self.uses.bind(self.slots)
             with _remat.inside(call) if call is not None else contextlib.nullcontext(), self.op_mode():
                 out = self._forward(tensors, params, args, kwargs)
@@ -316,7 +317,7 @@ class _Apply:
         if self.autocast:
             half = policy.compute_dtype in _HALF
             device = _wrappers.device_type(params, args, kwargs)
-            with torch.autocast(device, dtype=policy.compute_dtype if half else None, enabled=half):
+            with _wrappers.autocast_on(device, dtype=policy.compute_dtype if half else None, enabled=half):
                 return torch.func.functional_call(self.skeleton, tensors, tuple(args), kwargs, tie_weights=False)
         args, kwargs = _wrappers.cast_io((tuple(args), kwargs), policy.compute_dtype)
         return torch.func.functional_call(self.skeleton, tensors, args, kwargs, tie_weights=False)
@@ -381,8 +382,8 @@ def _with_fp8(
 
 @contextlib.contextmanager
 def _pushed(uses: _use.Uses, params: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """``params`` as the trainable tensors the module wrappers make their uses from (a recompute's)."""
-    uses.push(params)
+    """``params`` as the trainable tensors the module wrappers make their uses from (a recompute's: eager)."""
+    uses.push(params, eager=True)
     try:
         yield
     finally:

@@ -14,6 +14,7 @@ Models", arXiv:2411.09009, do the same without materializing any chunk). Plain t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -222,7 +223,11 @@ def linear_cross_entropy(
       Liger Kernel, ``LigerFusedLinearCrossEntropyLoss`` (Hsu et al. 2024, arXiv:2410.10989).
     """
     device = hidden.device.type if isinstance(hidden, torch.Tensor) else "cpu"
-    if isinstance(hidden, torch.Tensor) and torch.is_autocast_enabled(device):
+    if (
+        isinstance(hidden, torch.Tensor)
+        and torch.amp.is_autocast_available(device)
+        and torch.is_autocast_enabled(device)
+    ):
         dtype = torch.get_autocast_dtype(device)
         hidden, weight = hidden.to(dtype), weight.to(dtype) if isinstance(weight, torch.Tensor) else weight
     _check(hidden, weight, targets, chunk_size, ignore_index, reduction)
@@ -232,7 +237,8 @@ def linear_cross_entropy(
     # tied head's weight read without calling its module) becomes its tensor with its autograd history; inside, the
     # Function would see the placeholder and the weight's gradient would be lost
     h2, w, t1 = hidden.reshape(-1, hidden.shape[-1]), weight.reshape(weight.shape), targets.reshape(-1)
-    with torch.autocast(device, enabled=False):
+    off = torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+    with off:  # (a device autocast does not know, funcamp.capture's meta stand-in: none to switch off)
         if not torch.is_grad_enabled():
             return _loss_only(h2, w, t1, chunk_size, ignore_index, reduction == "mean")
         return _LinearCrossEntropy.apply(h2, w, t1, chunk_size, ignore_index, reduction == "mean")[0]

@@ -18,7 +18,9 @@ route, :mod:`funcamp._dynamo_autograd`), not by ``torch.func`` transforms ("Expe
 
 The contract of a ``ModuleList``: the forward applies every layer once, in order, each to the previous layer's
 output, with the same further arguments (``for block in self.blocks: x = block(x, mask)``), and does nothing
-else per layer. Under compile the loop runs once, over one object that applies the whole run. What can be
+else per layer. Under compile the loop runs once, over one object that applies the whole run; a slice of the
+list (``for layer in self.layers[: config.num_hidden_layers]``, Hugging Face's Llama loop) applies exactly the
+sliced layers as one scan (a slice of a ``Sequential`` runs its layers one after the other). What can be
 checked is checked when ``functionalize`` is called, and refused with the run's name: layers of different
 classes, shapes, dtypes, policies or plain attributes (the scan runs the first layer's Python code for all),
 hooks, persistent buffers, non-persistent buffers that differ, frozen or int8 tensors, tied tensors, fp8
@@ -237,14 +239,24 @@ def install(skeleton: nn.Module, names: Sequence[str], uses: _use.Uses) -> None:
 
 
 class _ScannedList(nn.ModuleList):
-    """A ``ModuleList`` whose iteration under ``torch.compile`` yields one object that applies the whole run."""
+    """A ``ModuleList`` whose iteration under ``torch.compile`` yields one object that applies the whole run.
+
+    A slice (``self.layers[: config.num_hidden_layers]``, Hugging Face's Llama, Mistral and Qwen2 loop) is a
+    list of the same kind over the sliced layers, applying exactly those as one scan (none for an empty slice).
+    """
 
     _funcamp_scanned: _Scanned
 
     def __iter__(self) -> Any:
         if torch.compiler.is_compiling():
-            return iter([self._funcamp_scanned])
+            return iter([self._funcamp_scanned] if self._funcamp_scanned.keys else [])
         return super().__iter__()
+
+    def __getitem__(self, idx: Any) -> Any:
+        got = super().__getitem__(idx)
+        if isinstance(idx, slice):  # ModuleList makes a new list of this class, numbered from 0
+            got._funcamp_scanned = self._funcamp_scanned.sliced(idx)
+        return got
 
 
 class _Scanned:
@@ -252,9 +264,17 @@ class _Scanned:
 
     def __init__(self, name: str, layers: list[tuple[str, nn.Module]], uses: _use.Uses) -> None:
         self.name, self.uses = name, uses
-        self.keys = [key for key, _ in layers]
+        self.keys = [key for key, _ in layers]  # the layers' keys in the run (their parameters' names)
         self.template = layers[0][1]
         self.locals = [local for local, _ in self.template.named_parameters()]
+
+    def sliced(self, idx: slice) -> _Scanned:
+        """The same run over ``keys[idx]``: the layers a slice of the list holds (the template stays: every layer
+        runs its code, checked equal)."""
+        part = _Scanned.__new__(_Scanned)
+        part.name, part.uses, part.template, part.locals = self.name, self.uses, self.template, self.locals
+        part.keys = self.keys[idx]
+        return part
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         from torch._higher_order_ops import scan

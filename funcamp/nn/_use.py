@@ -8,10 +8,17 @@ what is stored (the trainable tensor passed to ``apply_fn``, or the frozen / int
 holds); when ``apply_fn``'s call ends the placeholders are back. A parameter read before its module is
 called or without calling it (``nn.MultiheadAttention`` passes
 ``self.out_proj.weight`` to a function; a tied head written ``h @ self.wte.weight.T``; a helper given
-the module) is made by the placeholder itself, at the first torch operation that uses it, by the same
-function. The forward tensor of a name is made once per call: a module run twice uses it twice, as
-when every tensor was made up front (and autograd keeps each for the backward either way, so binding
-to the end of the call costs nothing more).
+the module) is made where it is read: while an eager call runs, each module's slots are a
+:class:`_Reading` dict, so every read of a slot (``module.weight``, ``parameters()``,
+``named_parameters()``, ``_parameters[...]``, from any forward, hook, helper or closure) gives the use,
+made by the same function. So no placeholder reaches an operation that does not call
+``__torch_function__``: ``torch.autograd.Function.apply`` hands its inputs over as they are (a
+straight-through estimator on a submodule's weight, applied in the parent's forward, got the placeholder
+and trained with a zero gradient). A placeholder reached some other way still makes the use at the first
+torch operation on it. The forward tensor of a name is made once per call, and with gradients on even
+where its first read has them off (``no_grad``, ``inference_mode``, a Function's forward), since later uses
+take it again: a module run twice uses it twice, as when every tensor was made up front (and autograd keeps
+each for the backward either way, so binding to the end of the call costs nothing more).
 
 :meth:`Uses.at_use` first asks the process layout the step runs under (:func:`funcamp._scope.current`)
 for ``param_at_use(name, stored)``: a sharded layout gathers the parameter there (its backward
@@ -61,15 +68,33 @@ class Uses:
         self.aliases = aliases
         # The calls in progress, innermost last; plain lists and dicts, which torch.compile traces.
         self._calls: list[_CallUses] = []
+        self._holders: list[nn.Module] = []
+        # While an eager call runs: (module, its plain slot dict) for each holder, whose _Reading stands in.
+        self._reading: list[tuple[nn.Module, dict[str, Any]]] = []
 
-    def push(self, params: Mapping[str, torch.Tensor]) -> None:
-        self._calls.append(_CallUses(params, {}, {}))
+    def hold(self, holders: list[nn.Module]) -> None:
+        """The modules of the copy that hold parameter slots (each once): what an eager call reads through."""
+        self._holders = holders
+
+    def push(self, params: Mapping[str, torch.Tensor], *, eager: bool = False) -> None:
+        """Begin a call with the trainable tensors ``params``. ``eager`` (a call not traced by ``torch.compile``,
+        decided by its caller): every read of a parameter slot, by any path, gives the slot's use
+        (:class:`_Reading`), and a use first made with gradients off is made with them on (:meth:`at_use`)."""
+        if eager and not self._reading:
+            self._reading = [(m, m.__dict__["_parameters"]) for m in self._holders]
+            for m, slots in self._reading:
+                m.__dict__["_parameters"] = _Reading(slots)
+        self._calls.append(_CallUses(params, {}, {}, eager))
 
     def pop(self) -> None:
         """End the innermost call: every slot it bound holds its placeholder again."""
         call = self._calls.pop()
         for holder, local, before in reversed(list(call.bound.values())):
             holder._parameters[local] = before
+        if not self._calls and self._reading:  # the outermost eager call ends: the plain slots again
+            for m, slots in self._reading:
+                m.__dict__["_parameters"] = slots
+            self._reading = []
 
     def bind(self, slots: list[tuple[nn.Module, str, str]]) -> None:
         """Put the forward tensor of each slot's use into the slot, until the call ends (once per call)."""
@@ -77,7 +102,7 @@ class Uses:
         for holder, local, name in slots:
             key = (id(holder), local)
             if key not in call.bound:
-                call.bound[key] = (holder, local, holder._parameters[local])
+                call.bound[key] = (holder, local, dict.__getitem__(holder._parameters, local))
                 holder._parameters[local] = self.at_use(name)
 
     def stored(self, name: str) -> Any:
@@ -97,9 +122,17 @@ class Uses:
         parameter used under two names is made twice (each name's use its own cast, the gradients
         added in the parameter dtype). A checkpointed region's recompute makes its uses again.
         """
-        made = self._calls[-1].made
-        if name in made:
-            return made[name]
+        call = self._calls[-1]
+        if name in call.made:
+            return call.made[name]
+        if call.eager and (not torch.is_grad_enabled() or torch.is_inference_mode_enabled()):
+            # A first read with gradients off (under no_grad or inference_mode, in a Function's forward): the
+            # use is made for the whole call, so it is made with its autograd history, as the parameter has it.
+            with torch.inference_mode(False), torch.enable_grad():
+                return self._make(call.made, name)
+        return self._make(call.made, name)
+
+    def _make(self, made: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         first = self.aliases.get(name, name)
         stored = self.stored(first)
         layout = _scope.current()
@@ -114,6 +147,39 @@ class _CallUses(NamedTuple):
     params: Mapping[str, torch.Tensor]  # the trainable tensors passed to apply_fn
     made: dict[str, torch.Tensor]  # name -> its forward tensor, made at the first use
     bound: dict[tuple[int, str], tuple[nn.Module, str, Any]]  # (id(module), local name) -> what was there
+    eager: bool  # not traced by torch.compile (see Uses.push)
+
+
+class _Reading(dict):
+    """A module's parameter slots while an eager call of ``apply_fn`` runs: a read of a slot that holds its
+    placeholder gives the use :meth:`Uses.at_use` makes for it (made once per call).
+
+    Every way of reaching a parameter reads a slot: ``module.weight`` (``nn.Module.__getattr__``),
+    ``parameters()`` and ``named_parameters()`` (``items()``), ``_parameters[...]``, from the module's own
+    forward, its parent's, a hook, a helper or a closure given the module. So no placeholder reaches an operation
+    that does not call ``__torch_function__``: ``torch.autograd.Function.apply`` hands its inputs to the
+    Function as they are, and a placeholder there would take the gradient that belongs to the parameter (a
+    straight-through estimator on a submodule's weight, applied in its parent's forward, trained with a zero
+    gradient). Not installed under ``torch.compile``, where every slot is bound before the forward.
+    """
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> Any:
+        return _read(dict.__getitem__(self, key))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return _read(dict.get(self, key, default))
+
+    def items(self) -> list[tuple[str, Any]]:  # type: ignore[override]
+        return [(k, _read(v)) for k, v in dict.items(self)]
+
+    def values(self) -> list[Any]:  # type: ignore[override]
+        return [_read(v) for v in dict.values(self)]
+
+
+def _read(value: Any) -> Any:
+    return _made(value) if isinstance(value, Unbound) else value
 
 
 def to_forward(tensor: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> torch.Tensor:

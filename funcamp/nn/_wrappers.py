@@ -51,6 +51,14 @@ def device_type(*trees: Any) -> str:
     return "cpu"
 
 
+def autocast_on(device: str, dtype: torch.dtype | None = None, enabled: bool = True) -> Any:
+    """``torch.autocast(device, dtype, enabled)``, or nothing on a device autocast does not know (``meta``:
+    ``funcamp.capture.check``'s stand-in for the step's device, where there is no autocast to enter or leave)."""
+    if not torch.amp.is_autocast_available(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device, dtype=dtype, enabled=enabled)
+
+
 def _wrap_cast(module: nn.Module, policy: Policy, autocast: bool) -> None:
     """Make ``module`` cast its inputs to the policy's compute dtype and its outputs to its output dtype.
 
@@ -67,8 +75,7 @@ def _wrap_cast(module: nn.Module, policy: Policy, autocast: bool) -> None:
             return cast_io(forward(*args, **kwargs), policy.output_dtype)
         if not half:
             args, kwargs = cast_io((args, kwargs), policy.compute_dtype)
-        device = device_type(args, kwargs)
-        with torch.autocast(device, dtype=policy.compute_dtype if half else None, enabled=half):
+        with autocast_on(device_type(args, kwargs), dtype=policy.compute_dtype if half else None, enabled=half):
             out = forward(*args, **kwargs)
         return cast_io(out, policy.output_dtype)
 
@@ -117,9 +124,10 @@ def _bind_uses(copied: nn.Module, uses: _use.Uses) -> None:
         p = holder._parameters[local]
         holder._parameters[local] = _use.Unbound(p.shape, uses.forward_dtypes[name], name, uses, p.requires_grad)
         own.setdefault(id(holder), []).append((holder, local, name))
-    for sub in copied.modules():  # each distinct module once
-        if id(sub) in own:
-            _use.bind_at_call(sub, own[id(sub)], uses)
+    holders = [sub for sub in copied.modules() if id(sub) in own]  # each distinct module once
+    for sub in holders:
+        _use.bind_at_call(sub, own[id(sub)], uses)
+    uses.hold(holders)
 
 
 def _casts(copied: nn.Module, plan: _Plan, autocast: bool) -> None:

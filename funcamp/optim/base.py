@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _tree
-from funcamp.optim import _inplace
+from funcamp.optim import _flat, _inplace
 
 __all__ = ["EmptyState", "GradientTransformation", "apply_updates", "chain", "identity"]
 
@@ -64,7 +64,7 @@ def identity() -> GradientTransformation:
         del params
         return updates, state
 
-    return _inplace.in_place(GradientTransformation(empty_init, update))
+    return _flat.elementwise(_inplace.in_place(GradientTransformation(empty_init, update)))
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -117,7 +117,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    result = _inplace.in_place(GradientTransformation(init, update))
+    result = _flat.elementwise(_inplace.in_place(GradientTransformation(init, update)), *transforms)
     last = outermost_name(transforms[-1]) if transforms else None
     return mark_outermost(result, last) if last is not None else result
 

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _tree
-from funcamp.optim import _inplace
+from funcamp.optim import _flat, _inplace
 from funcamp.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -74,7 +74,7 @@ def set_to_zero() -> GradientTransformation:
         del params
         return _tree.tree_map(lambda u: _inplace.reuse(u, torch.full_like(u, -0.0)), updates), state
 
-    return _inplace.in_place(GradientTransformation(empty_init, update))
+    return _flat.elementwise(_inplace.in_place(GradientTransformation(empty_init, update)))
 
 
 def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
@@ -118,7 +118,8 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
         out, inner_state = _update_group("masked", inner, updates, state.inner_state, params, keep)
         return _merge(updates, [(out, keep)]), MaskedState(inner_state=inner_state)
 
-    return _outermost_if_inside(_inplace.in_place(GradientTransformation(init, update)), [inner])
+    result = _flat.elementwise(_inplace.in_place(GradientTransformation(init, update)), inner)
+    return _outermost_if_inside(result, [inner])
 
 
 def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param_labels: Any) -> GradientTransformation:
@@ -203,7 +204,8 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param
             parts.append((out, by_label[k]))
         return _merge(updates, parts), MultiTransformState(inner_states=new_states)
 
-    return _outermost_if_inside(_inplace.in_place(GradientTransformation(init, update)), list(transforms.values()))
+    result = _flat.elementwise(_inplace.in_place(GradientTransformation(init, update)), *transforms.values())
+    return _outermost_if_inside(result, list(transforms.values()))
 
 
 # --- private helpers ---------------------------------------------------------------------------------
@@ -227,7 +229,12 @@ Check = Callable[[str, Callable[[], str], Any], None]
 
 
 def _group_leaves(fn: str, name: str, spec: Any, tree: Any, check: Check) -> list[Any]:
-    """The leaves of ``spec`` (or of ``spec(tree)``), one per leaf of ``tree``, each checked."""
+    """The leaves of ``spec`` (or of ``spec(tree)``), one per leaf of ``tree``, each checked (over flat buffers,
+    the values their leaves have: :func:`funcamp.optim._flat.leaf_values`)."""
+    return _flat.leaf_values(spec, tree, lambda: _evaluated_leaves(fn, name, spec, tree, check))
+
+
+def _evaluated_leaves(fn: str, name: str, spec: Any, tree: Any, check: Check) -> list[Any]:
     if callable(spec):
         spec = spec(tree)
     fast = _tree.flatten_same(tree, spec)  # traced: plain containers of one structure (see _flatten)

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from funcamp import _scope, _tree
-from funcamp.optim import _inplace
+from funcamp.optim import _flat, _inplace
 from funcamp.optim.base import GradientTransformation, OptState, Params, Updates, mark_outermost
 from funcamp.optim.transforms import _map_n
 
@@ -186,7 +186,8 @@ def kahan_summation(inner: GradientTransformation) -> GradientTransformation:
         new_updates, compensation = _map_leaves(fn, 2, leaf, updates, params, state.compensation)
         return new_updates, KahanSummationState(inner_state=inner_state, compensation=compensation)
 
-    return mark_outermost(_inplace.in_place(GradientTransformation(init, update)), "kahan_summation")
+    result = _flat.elementwise(_inplace.in_place(GradientTransformation(init, update)), inner)
+    return mark_outermost(result, "kahan_summation")
 
 
 def stochastic_rounding(

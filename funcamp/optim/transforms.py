@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _scope, _tree
-from funcamp.optim import _inplace
+from funcamp.optim import _flat, _inplace
 from funcamp.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -147,7 +147,7 @@ def scale(factor: float) -> GradientTransformation:
         del params
         return _tree.tree_map(lambda u: _scale_leaf(u, factor), updates), state
 
-    return _inplace.in_place(GradientTransformation(empty_init, update))
+    return _flat.elementwise(_inplace.in_place(GradientTransformation(empty_init, update)))
 
 
 def _bias_correction(beta: float, t: torch.Tensor) -> torch.Tensor:
@@ -237,7 +237,7 @@ def scale_by_adam(
         u, mu, nu = _map_n(3, leaf, updates, state.mu, state.nu)
         return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
-    return _inplace.in_place(GradientTransformation(init, update))
+    return _flat.elementwise(_inplace.in_place(GradientTransformation(init, update)))
 
 
 def scale_by_lion(
@@ -291,7 +291,7 @@ def scale_by_lion(
         u, mu = _map_n(2, leaf, updates, state.mu)
         return u, ScaleByLionState(count=state.count + 1, mu=mu)
 
-    return _inplace.in_place(GradientTransformation(init, update))
+    return _flat.elementwise(_inplace.in_place(GradientTransformation(init, update)))
 
 
 def trace(decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | None = None) -> GradientTransformation:
@@ -343,7 +343,7 @@ def trace(decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | N
         u, new_trace = _map_n(2, leaf, updates, state.trace)
         return u, TraceState(trace=new_trace)
 
-    return _inplace.in_place(GradientTransformation(init, update))
+    return _flat.elementwise(_inplace.in_place(GradientTransformation(init, update)))
 
 
 Mask = Any  # a tree of Python bools shaped like params, or a callable params -> such a tree
@@ -395,10 +395,15 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
             raise ValueError("add_decayed_weights: update needs the parameters: call update(updates, state, params)")
         if mask is None:
             return _tree.tree_map(decay, updates, params), state
-        tree_mask = mask(params) if callable(mask) else mask
-        return _tree.tree_map(masked, updates, params, tree_mask), state
 
-    return _inplace.in_place(GradientTransformation(empty_init, update))
+        def evaluate() -> list[Any]:  # one value per leaf of params (over flat buffers: theirs, _flat)
+            tree_mask = mask(params) if callable(mask) else mask
+            return _tree.tree_leaves(_tree.tree_map(lambda p, keep: keep, params, tree_mask))
+
+        keep = iter(_flat.leaf_values(mask, params, evaluate))
+        return _tree.tree_map(lambda u, p: masked(u, p, next(keep)), updates, params), state
+
+    return _flat.elementwise(_inplace.in_place(GradientTransformation(empty_init, update)))
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -472,7 +477,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
         return _tree.tree_map(leaf, updates), state
 
-    return _inplace.in_place(GradientTransformation(empty_init, update))
+    return _flat.elementwise(_inplace.in_place(GradientTransformation(empty_init, update)))
 
 
 def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool = True) -> GradientTransformation:
@@ -531,7 +536,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule, *, flip_sign: bool =
         new_updates = _tree.tree_map(lambda u: _scale_leaf(u, factor.to(compute_dtype(u.dtype))), updates)
         return new_updates, ScaleByLearningRateState(count=state.count + 1, learning_rate=lr)
 
-    return _inplace.in_place(GradientTransformation(init, update))
+    return _flat.elementwise(_inplace.in_place(GradientTransformation(init, update)))
 
 
 def learning_rate(opt_state: Any, *, device: torch.device | str | None = None) -> torch.Tensor:

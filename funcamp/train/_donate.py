@@ -52,12 +52,13 @@ def check_donatable(state: Any) -> None:
     """Before each call of a donating step: refuse tensors that the step must not write into (host side).
 
     Raises:
-      ValueError: if two state leaves share storage (one tensor twice, or views of one tensor), or a leaf is an
+      ValueError: if two state leaves share memory (one tensor twice, or overlapping views of one tensor: views
+        of disjoint parts of one buffer, as a flat step's state holds, are accepted), or a leaf is an
         ``nn.Parameter`` (a module's own parameter, which the caller still uses); the message names them.
     """
     leaves = _tree.tree_leaves(state)
     paths = _tree.tree_paths(state)
-    seen: dict[tuple[Any, ...], str] = {}
+    spans: dict[tuple[Any, ...], list[tuple[int, int, str]]] = {}
     for path, x in zip(paths, leaves):
         if not isinstance(x, torch.Tensor):
             continue
@@ -69,15 +70,21 @@ def check_donatable(state: Any) -> None:
             )
         if x.numel() == 0:
             continue
-        storage = x.untyped_storage()
-        key = (x.device, storage.data_ptr())
-        if key in seen:
-            raise ValueError(
-                f"make_train_step(donate=True): state leaves {seen[key]!r} and {path!r} share storage (one tensor "
-                "twice, or views of one tensor); the step would write both into it. Give each its own tensor "
-                "(.clone()), or build the step with donate=False"
-            )
-        seen[key] = path
+        start = x.storage_offset()
+        end = start + 1 + sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride()))
+        size = x.element_size()
+        spans.setdefault(_storage(x), []).append((start * size, end * size, path))
+    for places in spans.values():  # views of disjoint parts of one buffer (a flat step's state) are fine
+        order = {path: i for i, (_, _, path) in enumerate(places)}  # tree order, for the message
+        places.sort()
+        for (_, end, a), (start, _, b) in zip(places, places[1:]):
+            if start < end:
+                first, second = sorted((a, b), key=order.__getitem__)
+                raise ValueError(
+                    f"make_train_step(donate=True): state leaves {first!r} and {second!r} share storage (one tensor "
+                    "twice, or overlapping views of one tensor); the step would write both into it. Give each its own "
+                    "tensor (.clone()), or build the step with donate=False"
+                )
 
 
 def donating(body: Callable[..., Any]) -> Callable[..., Any]:
@@ -192,7 +199,12 @@ def _write_into(state: Any, new_state: Any, metrics: dict[str, Any]) -> dict[str
 
 
 def _storage(x: torch.Tensor) -> tuple[Any, int]:
-    return (x.device, x.untyped_storage().data_ptr())
+    """Where ``x``'s elements live: its device and storage address; a storage with no address (``meta`` and fake
+    tensors, such as ``funcamp.capture.check``'s stand-ins, all at 0) by the storage itself."""
+    storage = x.untyped_storage()
+    if x.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(x):
+        return (x.device, storage._cdata)
+    return (x.device, storage.data_ptr())
 
 
 def _copy_if_in(x: Any, places: set[tuple[Any, int]]) -> Any:

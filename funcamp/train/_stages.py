@@ -29,7 +29,7 @@ from funcamp import _scope, _tree
 from funcamp.grad import _Route, scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, _inplace, apply_updates, learning_rate
-from funcamp.train import _loss
+from funcamp.train import _flat, _loss
 from funcamp.train._layout import SingleProcess
 from funcamp.train._state import TrainState
 
@@ -319,10 +319,12 @@ def run(
       A :class:`StepRecord`; ``record.new_state`` and ``record.metrics`` are what the train step returns
       (before probes add theirs).
     """
+    flat = _flat.of(state.params)  # a flat compiled step's parameters (funcamp.train._flat), else None
+    whole = state.params if flat is None else flat.tree(state.params)
     g = gradients(
         loss_fn,
         state.loss_scale,
-        state.params,
+        whole,
         batch,
         buffers=state.buffers,
         has_aux=has_aux,
@@ -331,9 +333,12 @@ def run(
         buffer_reductions=state.buffer_reductions,
         route=route,
     )
-    grads = cast_like(g.grads, state.params)
+    grads = cast_like(g.grads, whole)
     verdict = check(grads, g.loss, layout)
-    new_params, new_opt_state = update(optimizer, grads, state.opt_state, state.params, layout, verdict.finite)
+    if flat is None:
+        new_params, new_opt_state = update(optimizer, grads, state.opt_state, state.params, layout, verdict.finite)
+    else:  # the optimizer over the buffers: compiled, never in place (finite is not needed)
+        new_params, new_opt_state = flat.update(update, optimizer, grads, state.opt_state, state.params, layout)
     new_state = commit(state, verdict.finite, new_params, new_opt_state, g.buffers)
     return StepRecord(
         state, new_state, grads, verdict, g.aux, layout, metrics(state, new_state, g.loss, verdict, new_opt_state)

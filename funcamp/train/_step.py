@@ -18,7 +18,7 @@ import torch
 
 from funcamp import _dynamo_autograd, _tree, numerics, passes
 from funcamp.optim import GradientTransformation
-from funcamp.train import _donate, _hints, _layout, _loss, _probes, _stages
+from funcamp.train import _donate, _flat, _hints, _layout, _loss, _probes, _stages
 from funcamp.train._state import TrainState
 
 __all__ = ["EAGER_RERUN_NOTE", "make_train_step"]
@@ -133,6 +133,10 @@ def make_train_step(
         return record.new_state, metrics
 
     def for_state(state: TrainState) -> None:  # the first call: the layout the state carries
+        # Compiled, one process or data parallel, no telemetry (it reads every leaf's update): the optimizer over
+        # flat buffers, where the optimizer and parameters allow it (funcamp.train._flat).
+        runs_flat = compile and telemetry is None and shard is None and state.shard is None
+        run_as.flat = _flat.layout_for(state.params, optimizer) if runs_flat else None
         if state.shard is None and state.data_parallel is None and state.policy is None:
             return
         layout = _layout.layout_from(data_parallel, shard, policy, state=state)
@@ -147,7 +151,8 @@ def make_train_step(
         backend = backend or "inductor"
         options = _inductor_options() if backend == "inductor" else None  # None where torch lacks the option
         compiled = _dynamo_autograd.compile(body, fullgraph=True, backend=backend, options=options)
-        run = _with_eager_errors(step, compiled, first_call)  # an eager re-run of an error writes nothing
+        flat = _flat_boundary(compiled, run_as, donate)  # the state's buffers in, its per-leaf views out
+        run = _with_eager_errors(step, flat, first_call)  # an eager re-run of an error writes nothing
     else:
         run = _with_checked_args(body, first_call)
     return _donate.returning_state(run) if donate else run
@@ -162,10 +167,40 @@ def _donating(step: Callable[..., Any], compiled: bool, telemetry: Any) -> Calla
 
 
 class _Assembly:
-    """What a step runs with: its layout and probes (those of the state's layout after the first call)."""
+    """What a step runs with: its layout and probes (those of the state's layout after the first call), and the
+    flat layout of its parameters and optimizer state (None: leaf by leaf), chosen at the first call."""
 
     def __init__(self, layout: _layout.SingleProcess, probes: list[Any]) -> None:
         self.layout, self.probes = layout, probes
+        self.flat: _flat.FlatLayout | None = None
+
+
+def _flat_boundary(compiled: Callable[..., Any], run_as: _Assembly, donate: bool) -> Callable[..., Any]:
+    """``compiled`` called on the state's flat buffers (:mod:`funcamp.train._flat`) where the step runs flat.
+
+    The per-leaf state is packed (its tensors are views of the buffers: no copy, after the first call) and the
+    step's result unpacked into per-leaf views. Donating, the step writes into the buffers, which the given
+    state's tensors view (when a call has to copy them in, they are made views of the buffers before it). A state
+    of another structure than the first call's runs leaf by leaf (compiled again, as any other structure is).
+    """
+
+    def call(state: TrainState, batch: Any) -> Any:
+        flat = run_as.flat
+        packed = None if flat is None else flat.pack(state)
+        if packed is None:
+            return compiled(state, batch)
+        flat_state, copied = packed
+        later = flat.adopt(state, flat_state) if donate and copied else []
+        out = compiled(flat_state, batch)
+        if donate:  # the metrics; the new state is in the buffers
+            with torch.no_grad():
+                for tensor, view in later:
+                    tensor.copy_(view)
+            return out
+        new_state, metrics = out
+        return flat.unpack(new_state), metrics
+
+    return call
 
 
 def _probes_for(

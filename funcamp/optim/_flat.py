@@ -1,0 +1,126 @@
+"""The optimizer's side of flat buffers: which transformations may run on them, and their masks there.
+
+A compiled train step runs the optimizer over one contiguous 1-D buffer per group of parameters
+(:mod:`funcamp.train._flat`) instead of leaf by leaf: inductor lowers the update once per buffer, so its
+compile time does not grow with the number of tensors (optax's ``flatten``, llm.c's ``adamw_update``). The
+optimizer is given a tree ``{group key: buffer}`` where it is normally given the parameters' tree. Two things
+make that give the same numbers:
+
+* the transformation computes each element from that element alone (and the leaf's dtype), or from the
+  global norm of all of them: funcamp's own transformations, marked with :func:`elementwise`. A user's
+  transformation is not marked (it may read shapes or names), and an optimizer that holds one runs leaf by
+  leaf (:func:`runs_flat` says which);
+* a mask or a label tree (``add_decayed_weights(mask=)``, ``masked``, ``multi_transform``) gives every leaf of
+  a buffer the same value. The layout is built from the values the masks give (:class:`Recording`, while the
+  optimizer runs once on shape-only copies of the parameters), leaves with the same values (and dtype and
+  device) share a buffer, and while the optimizer runs over the buffers each mask gives a buffer its leaves'
+  value (:class:`Replay`). Masks and labels are read where they are evaluated, through :func:`leaf_values`.
+
+Both are dynamic scopes (:class:`funcamp._scope.Scope`): outside a layout's build and a flat update nothing
+changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from funcamp import _scope, _tree
+
+__all__ = ["Recording", "Replay", "elementwise", "leaf_values", "recording", "replaying", "runs_flat"]
+
+_FLAT = "_funcamp_elementwise"
+_RECORDING = _scope.Scope()
+_REPLAY = _scope.Scope()
+
+
+def elementwise(transform: Any, *inner: Any) -> Any:
+    """Mark ``transform`` as one that may run over flat buffers, if each of ``inner`` may; returns it.
+
+    For funcamp's own transformations only: each element of an update is computed from the same element of
+    the updates, parameters and state leaves (given their dtypes), from 0-d state (counts, rates), from the
+    global norm of the updates, and from the values its masks give the leaf through :func:`leaf_values`.
+    A combinator (``chain``, ``masked``, ``multi_transform``, the bfloat16 master wrappers) passes its inner
+    transformations: it is marked only when every one of them is.
+    """
+    if all(runs_flat(t) for t in inner):
+        setattr(transform.update, _FLAT, True)
+    return transform
+
+
+def runs_flat(transform: Any) -> bool:
+    """Whether ``transform`` was marked by :func:`elementwise` (and so may run over flat buffers)."""
+    return getattr(getattr(transform, "update", None), _FLAT, False)
+
+
+class Recording:
+    """What each mask and label tree gave each leaf, by the leaf's dotted name (while a layout is built).
+
+    ``values[id(spec)][name]`` is the value; ``specs`` lists the specs in the order they were first seen;
+    ``consistent`` turns False when a spec gave one leaf two values (a callable that depends on the tree it is
+    given): such an optimizer runs leaf by leaf.
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[int, dict[str, Any]] = {}
+        self.specs: list[Any] = []
+        self.consistent = True
+
+    def add(self, spec: Any, names: list[str], values: list[Any]) -> None:
+        """Record that ``spec`` gave the leaves ``names`` the ``values``."""
+        seen = self.values.get(id(spec))
+        if seen is None:
+            seen = self.values[id(spec)] = {}
+            self.specs.append(spec)  # held: the id stays this spec's while the recording lives
+        for name, value in zip(names, values, strict=True):
+            if name in seen and seen[name] != value:
+                self.consistent = False
+            seen[name] = value
+
+
+class Replay:
+    """The value each mask and label tree gives each flat buffer, by the buffer's key (while it runs flat).
+
+    Args:
+      values: ``id(spec) -> {buffer key: value}`` for every spec the layout's :class:`Recording` saw.
+    """
+
+    def __init__(self, values: dict[int, dict[str, Any]]) -> None:
+        self.values = values
+
+    def __call__(self, spec: Any, tree: Any) -> list[Any]:
+        by_key = self.values.get(id(spec))
+        if by_key is None:
+            raise RuntimeError(
+                "funcamp: a mask or label tree that was not seen when the flat layout was built is read over the "
+                "flat buffers (an optimizer whose masks depend on values?); build the step with a per-leaf "
+                "optimizer state (make_train_step(..., compile=False)) and report this"
+            )
+        return [by_key[key] for key in _tree.tree_paths(tree)]
+
+
+def recording(record: Recording, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with every :func:`leaf_values` evaluation recorded into ``record``."""
+    return _RECORDING.within(record, fn, *args, **kwargs)
+
+
+def replaying(replay: Replay, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` over flat buffers: :func:`leaf_values` answers from ``replay``."""
+    return _RECORDING.within(None, _REPLAY.within, replay, fn, *args, **kwargs)
+
+
+def leaf_values(spec: Any, tree: Any, evaluate: Callable[[], list[Any]]) -> list[Any]:
+    """The value ``spec`` (a mask or label tree, or a callable making one) gives each leaf of ``tree``.
+
+    ``evaluate()`` computes them as the transformation always has (one per leaf of ``tree``, in leaf order,
+    checked); over flat buffers (:func:`replaying`) the recorded values of each buffer's leaves are returned
+    instead, and while a layout is built (:func:`recording`) the computed ones are recorded by leaf name.
+    """
+    replay = _REPLAY.current()
+    if replay is not None:
+        return replay(spec, tree)
+    values = evaluate()
+    record = _RECORDING.current()
+    if record is not None:
+        record.add(spec, _tree.tree_paths(tree), values)
+    return values

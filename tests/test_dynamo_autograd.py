@@ -1,0 +1,129 @@
+"""The compiled step's assembly (funcamp._dynamo_autograd.compile): each build compiles once and static, and
+Dynamo's traced-autograd setting is on only while a compiled step runs.
+
+Steps built one after another in one process (a notebook cell run again, a remat-budget or learning-rate
+sweep) used to run one inner function of ``make_train_step``: the second build was a recompile of the first
+one's frame, the third of a sweep crashed (no remat, ``Remat(budget=0)``, ``Remat(budget=0.5)``:
+``AsPythonConstantNotImplementedError: SymNodeVariable() is not a constant``, the budget traced as a symbol by
+automatic dynamic shapes) and a ninth would fail ``fullgraph=True`` at Dynamo's recompile limit. Here each
+build of a sweep is compiled by a counting backend (aot_eager underneath), which records the compile id it
+ran under, whether any graph input is symbolic, and Dynamo's setting while it traced.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import funcamp as fa
+from funcamp import optim
+from funcamp.nn import Remat
+
+
+class Recorder:
+    """A ``torch.compile`` backend: aot_eager, recording each graph's compile id, symbolic inputs and
+    ``trace_autograd_ops`` at trace time."""
+
+    def __init__(self) -> None:
+        self.compiles: list[dict] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        from torch._dynamo.backends.debugging import aot_eager
+
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        symbolic = [
+            n.name
+            for n in gm.graph.nodes
+            if n.op == "placeholder" and _symbolic(n.meta.get("example_value", n.meta.get("val")))
+        ]
+        self.compiles.append(
+            {
+                "recompile": compile_id.frame_compile_id,
+                "symbolic": symbolic,
+                "trace_autograd_ops": torch._dynamo.config.trace_autograd_ops,
+            }
+        )
+        return aot_eager(gm, example_inputs)
+
+
+def _symbolic(value: object) -> bool:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride()))
+    return False
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2))
+
+
+BATCH = (torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.randint(0, 2, (6,)))
+
+#: The sweep, built in this order in one process: (remat budget or None, learning rate). Two builds suffice: on
+#: the old code the second was a recompile of the first one's frame with the budget traced as a symbol.
+SWEEP = [(0.0, 0.1), (0.5, 0.05)]
+#: Dynamo's setting as the process had it before any step was built.
+TRACE_AUTOGRAD_OPS = torch._dynamo.config.trace_autograd_ops
+
+
+def _build(budget: float | None, lr: float, compile: bool, backend: object = None):
+    remat = None if budget is None else Remat("1", budget=budget)
+    apply_fn, params = fa.nn.functionalize(_model(), "float32", remat=remat)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(apply_fn(p, x), y)
+
+    opt = optim.sgd(lr)
+    state = fa.TrainState.create(params, opt)
+    if compile:
+        return state, fa.make_train_step(loss_fn, opt, backend=backend)
+    return state, fa.make_train_step(loss_fn, opt, compile=False)
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    """Each build of :data:`SWEEP` (all kept alive, as a notebook keeps them), called twice, with its recorder."""
+    torch._dynamo.reset()
+    built = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fa.nn.RematBudgetWarning)
+        for budget, lr in SWEEP:
+            recorder = Recorder()
+            state, step = _build(budget, lr, compile=True, backend=recorder)
+            first, _ = step(state, BATCH)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                second, _ = step(first, BATCH)
+            eager_state, eager_step = _build(budget, lr, compile=False)
+            expected = eager_step(eager_step(eager_state, BATCH)[0], BATCH)[0]
+            built.append((step, recorder, second, expected))
+    return built
+
+
+@pytest.mark.parametrize("i", range(len(SWEEP)), ids=[f"remat={b},lr={lr}" for b, lr in SWEEP])
+def test_each_build_of_a_sweep_compiles_once_static_and_equals_its_eager_step(sweep, i):
+    """Sweep: builds differing in remat, in the budget and in the learning rate, one process. Each is the first
+    compile of a frame of its own (compile id ``[n/0]``: not a recompile of an earlier build), with no
+    symbolic graph input, one graph for two calls; its state after two steps equals its eager step's (float32
+    round-off: aot_eager). On the old code the second build was a recompile of the first and crashed (the
+    budget a symbol)."""
+    _, recorder, got, expected = sweep[i]
+    assert [c["recompile"] for c in recorder.compiles] == [0], recorder.compiles
+    assert recorder.compiles[0]["symbolic"] == []
+    for name in expected.params:
+        torch.testing.assert_close(got.params[name], expected.params[name], rtol=1e-5, atol=1e-6)
+    assert int(got.step) == 2
+
+
+def test_trace_autograd_ops_is_on_only_while_a_compiled_step_traces(sweep):
+    """Dynamo's ``trace_autograd_ops`` (the compiled step's route) was on while each step traced and is back to
+    its default after the steps were built and called: another ``torch.compile`` in the process keeps
+    Dynamo's default."""
+    assert all(c["trace_autograd_ops"] for _, recorder, _, _ in sweep for c in recorder.compiles)
+    assert TRACE_AUTOGRAD_OPS is False
+    assert torch._dynamo.config.trace_autograd_ops is False

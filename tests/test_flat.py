@@ -1,0 +1,168 @@
+"""The flat-buffer optimizer path of the compiled step (funcamp/train/_flat.py, funcamp/optim/_flat.py).
+
+The oracle is the same compiled step run leaf by leaf (``layout_for`` made to return None): elementwise updates
+are bitwise those; the global norm that clipping takes is summed per buffer instead of per leaf, and is held to
+the float64 norm of the same gradients. The leaf-by-leaf step is itself checked against torch (tests/test_train.py,
+tests/test_differential.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import funcamp as fa
+from funcamp import _tree, optim
+from funcamp.train import _flat
+
+BACKEND = "aot_eager"  # the layout is the point, not inductor's lowering (the inductor case: tests/test_donate.py)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 3, bias=False)
+    )
+
+
+_APPLY, _PARAMS = fa.nn.functionalize(_model(), "params=float32,compute=bfloat16,output=float32")
+_DECAY = {k: v.ndim >= 2 for k, v in _PARAMS.items()}  # no decay on biases and norms: two groups
+
+
+def _loss(params, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(_APPLY(params, x), y)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    out = [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(4)]
+    out[2] = (torch.full((16, 8), float("inf")), out[2][1])  # a non-finite step: skipped, the state kept
+    return out
+
+
+OPTIMIZERS = {
+    "adamw_mask_schedule": lambda: optim.adamw(
+        optim.warmup_cosine_decay(1e-2, warmup=2, total=20), weight_decay=0.1, mask=_DECAY
+    ),
+    "labels_sgd_nesterov_lion": lambda: optim.multi_transform(
+        {"w": optim.sgd(1e-2, momentum=0.9, nesterov=True), "b": optim.lion(1e-3)},
+        {k: "w" if v else "b" for k, v in _DECAY.items()},
+    ),
+    "kahan_adam": lambda: optim.kahan_summation(optim.adam(1e-3)),
+}
+
+
+def _run(optimizer, *, flat, donate, monkeypatch):
+    """Four steps (the third non-finite) of the compiled step; the final state and each step's metrics."""
+    torch._dynamo.reset()
+    with monkeypatch.context() as m:
+        if not flat:
+            m.setattr(_flat, "layout_for", lambda *a: None)
+        state = fa.TrainState.create(
+            {k: v.clone() for k, v in _PARAMS.items()}, optimizer, loss_scale=fa.DynamicLossScale(2.0**15)
+        )
+        step = fa.make_train_step(_loss, optimizer, backend=BACKEND, donate=donate)
+        metrics = []
+        for batch in _batches():
+            state, out = step(state, batch)
+            metrics.append(_tree.tree_map(torch.clone, out))
+    return state, metrics
+
+
+def _bits(x):
+    return x.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _assert_bitwise(a, b, where):
+    la, sa = _tree.tree_flatten(a)
+    lb, sb = _tree.tree_flatten(b)
+    assert sa == sb, where
+    for i, (x, y) in enumerate(zip(la, lb, strict=True)):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape, (where, i)
+            assert torch.equal(_bits(x), _bits(y)), (where, i)  # bitwise, NaNs included
+        else:
+            assert x == y, (where, i)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_flat_step_is_bitwise_the_leaf_by_leaf_step(name, monkeypatch):
+    """Parameters, optimizer state and metrics after 4 steps (one skipped), pure and donating, with masks,
+    labels, a schedule, momentum and compensations: bitwise the leaf-by-leaf compiled step's."""
+    optimizer = OPTIMIZERS[name]()
+    assert _flat.layout_for(_PARAMS, optimizer) is not None, "this optimizer runs flat"
+    ref, ref_metrics = _run(optimizer, flat=False, donate=False, monkeypatch=monkeypatch)
+    for donate in (False, True):
+        got, metrics = _run(optimizer, flat=True, donate=donate, monkeypatch=monkeypatch)
+        _assert_bitwise(got.params, ref.params, (name, donate, "params"))
+        _assert_bitwise(got.opt_state, ref.opt_state, (name, donate, "opt_state"))
+        _assert_bitwise(metrics, ref_metrics, (name, donate, "metrics"))
+        assert sorted(got.params) == sorted(_PARAMS) and all(got.params[k].shape == v.shape for k, v in _PARAMS.items())
+
+
+def test_flat_state_is_views_of_one_buffer_and_calls_copy_nothing(monkeypatch, tmp_path):
+    """After the first call the state's tensors are views of one buffer per group; the next calls take those
+    buffers as they are (donating: the same memory each step) and a checkpoint of the state reads back equal."""
+    optimizer = OPTIMIZERS["adamw_mask_schedule"]()
+    state = fa.TrainState.create({k: v.clone() for k, v in _PARAMS.items()}, optimizer)
+    step = fa.make_train_step(_loss, optimizer, backend=BACKEND, donate=True)
+    batches = _batches()
+    state, _ = step(state, batches[0])
+    storages = {p.untyped_storage().data_ptr() for p in state.params.values()}
+    assert len(storages) == 2, "two groups: decayed and not"
+    ptrs = {k: p.data_ptr() for k, p in state.params.items()}
+    packs = []
+    with monkeypatch.context() as m:
+        original = _flat.FlatLayout.pack
+
+        def pack(self, s):
+            out = original(self, s)
+            packs.append(out[1])
+            return out
+
+        m.setattr(_flat.FlatLayout, "pack", pack)
+        state, _ = step(state, batches[1])
+        state, _ = step(state, batches[3])
+    assert packs == [False, False], "no copy once the state is the buffers' views"
+    assert {k: p.data_ptr() for k, p in state.params.items()} == ptrs
+    before = _tree.tree_map(torch.clone, (state.params, state.opt_state))
+    path = tmp_path / "state.ckpt"
+    fa.checkpoint.save(path, state)
+    loaded = fa.checkpoint.load(path, fa.TrainState.create({k: v.clone() for k, v in _PARAMS.items()}, optimizer))
+    _assert_bitwise((loaded.params, loaded.opt_state), before, "checkpoint")
+
+
+def test_flat_clip_norm_within_float32_of_float64(monkeypatch):
+    """Clipping's global norm, summed per buffer: the clipped update equals the float64 clip of the same
+    gradients within float32 round-off (the leaf-by-leaf order is another float32 rounding of the same sum)."""
+    optimizer = optim.chain(optim.clip_by_global_norm(1e-3), optim.sgd(1.0))  # always clips
+    assert _flat.layout_for(_PARAMS, optimizer) is not None
+    batch = _batches()[0]
+    params = {k: v.clone().requires_grad_() for k, v in _PARAMS.items()}
+    g = torch.autograd.grad(_loss(params, batch), list(params.values()))
+    norm64 = math.sqrt(sum(float(x.double().square().sum()) for x in g))
+    expected = {k: (v.double() - x.double() * (1e-3 / norm64)) for (k, v), x in zip(_PARAMS.items(), g, strict=True)}
+    state = fa.TrainState.create({k: v.clone() for k, v in _PARAMS.items()}, optimizer)
+    state, _ = fa.make_train_step(_loss, optimizer, backend=BACKEND)(state, batch)
+    for k, v in expected.items():
+        assert torch.allclose(state.params[k].double(), v, rtol=0, atol=4 * 2**-24 * float(v.abs().max())), k
+
+
+def test_what_runs_leaf_by_leaf():
+    """The layout refuses what it cannot replay: a user's transformation, stochastic rounding (its noise is
+    drawn per leaf), non-floating or non-dense parameters; a mask callable that reads values (not shapes)."""
+
+    def user_update(updates, state, params=None):
+        return updates, state
+
+    user = optim.GradientTransformation(lambda p: (), user_update)
+    assert _flat.layout_for(_PARAMS, optim.chain(user, optim.sgd(1e-2))) is None
+    assert _flat.layout_for(_PARAMS, optim.stochastic_rounding(optim.sgd(1e-2))) is None
+    assert _flat.layout_for({"n": torch.zeros(3, dtype=torch.int64)}, optim.sgd(1e-2)) is None
+    assert _flat.layout_for({"s": torch.zeros(3, 3).to_sparse()}, optim.sgd(1e-2)) is None
+    by_value = optim.adamw(1e-2, mask=lambda p: _tree.tree_map(lambda x: bool(x.sum() > 0), p))
+    assert _flat.layout_for(_PARAMS, by_value) is None
+    assert _flat.layout_for(_PARAMS, optim.adamw(1e-2, mask=_DECAY)) is not None
