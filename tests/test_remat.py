@@ -776,10 +776,10 @@ def test_checkpointed_blocks_weight_casts_not_kept(tied_lm_run):
     from funcamp.passes import _graph
     from funcamp.passes import tags as ptags
 
-    def of_a_parameter(node):  # a graph input, or one read as where(flag, x, x) (made to wait for its use)
+    def of_a_parameter(node):  # a graph input (or a view of a flat buffer's piece), or one read as where(flag, x, x)
         if node.target is torch.ops.aten.where.self:
             node = node.args[1]
-        return node.op == "placeholder"
+        return _graph._is_input(node)
 
     graph = tied_lm_run["graph"]
     casts = [
