@@ -78,8 +78,13 @@ class GathersAtUse(Protocol):
 _LAYOUT = Scope()
 
 
-def within(layout: Any, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
-    """``fn(*args, **kwargs)`` with ``layout`` as :func:`current` (restored after, also on error)."""
+def within(layout: StepLayout, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs)`` with ``layout`` as :func:`current` (restored after, also on error).
+
+    ``layout`` is what the code inside asks for by Protocol: a :class:`StepLayout` for the optimizer's
+    transforms, a :class:`GathersAtUse` where ``funcamp.nn``'s parameter uses are to gather (``isinstance``
+    on these runtime-checkable Protocols, never a class test).
+    """
     return _LAYOUT.within(layout, fn, *args, **kwargs)
 
 

@@ -321,7 +321,7 @@ def _install_kernels(kernels: list[tuple[str, int, str]], blob: bytes) -> int:
     """Write the carried libraries into this process's inductor cache where missing; how many were written."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    from funcamp.checkpoint import _replace_atomically
+    from funcamp.checkpoint._atomic import _replace_atomically
 
     root, offset, written = Path(cache_dir()), 0, 0
     for name, n, sha in kernels:
@@ -405,7 +405,7 @@ def save(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
     Raises:
       OSError: if the directory cannot be made or the file cannot be written.
     """
-    from funcamp.checkpoint import _replace_atomically
+    from funcamp.checkpoint._atomic import _replace_atomically
 
     file = Path(file)
     untrusted = _untrusted(file)

@@ -168,4 +168,49 @@ def test_layout_interface_is_split_by_caller() -> None:
     assert _called_on(optim / "transforms.py", "layout") | _called_on(optim / "low_precision.py", "step") <= step
     for cls in (_layout.SingleProcess, _layout.DataParallel, _layout.Sharded):
         assert all(hasattr(cls, m) for m in stage | build | step), cls
-    assert hasattr(_layout.Sharded, "param_at_use") and not hasattr(_layout.DataParallel, "param_at_use")
+    assert issubclass(_layout.Sharded, _scope.GathersAtUse) and not issubclass(
+        _layout.DataParallel, _scope.GathersAtUse
+    )
+
+
+def _layouts() -> dict[str, object]:
+    import torch
+
+    from funcamp import sharding
+    from funcamp.train import _layout
+
+    class Group:  # what DataParallel asks of a process group when it is built
+        def size(self) -> int:
+            return 2
+
+    one = sharding.shard_layout({"w": torch.zeros(4, 2)}, None)
+    return {
+        "SingleProcess": _layout.SingleProcess(),
+        "DataParallel": _layout.DataParallel(Group()),
+        "Sharded": _layout.Sharded(one, None),
+    }
+
+
+def test_layouts_keep_the_checked_contract() -> None:
+    """The layout Protocols are the checked contract: every layout is an instance of the runtime-checkable
+    :class:`StageLayout`, :class:`BuildLayout` and :class:`funcamp._scope.StepLayout`; only the sharded one is a
+    :class:`funcamp._scope.GathersAtUse` (what ``funcamp.nn``'s parameter uses ask) and lacks whole gradients
+    (the capability the telemetry probe asks); a layout missing a member is none of them, and the layout scope
+    could not pass for one. (Planted: ``SingleProcess.whole_gradients`` removed, or ``Sharded``'s set True: fails.)"""
+    from funcamp import _scope
+    from funcamp.train import _layout
+
+    for name, layout in _layouts().items():
+        for protocol in (_layout.StageLayout, _layout.BuildLayout, _scope.StepLayout):
+            assert isinstance(layout, protocol), (name, protocol)
+        assert isinstance(layout, _scope.GathersAtUse) == (name == "Sharded"), name
+        assert layout.whole_gradients == (name != "Sharded"), name
+
+    class Partial:  # the stages' members, not the optimizer's
+        size, whole_gradients = 1, True
+
+        def gather(self, params: object) -> object:
+            return params
+
+    assert not isinstance(Partial(), _layout.StageLayout) and not isinstance(Partial(), _scope.StepLayout)
+    assert not isinstance(Partial(), _scope.GathersAtUse)

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from funcamp import _tree, checkpoint
+from funcamp.checkpoint import _atomic
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX SIGKILL")
 
@@ -131,7 +132,7 @@ def test_kill_inside_save_keeps_previous_checkpoint(tmp_path, reference, mode):
     _resume(state, reference)
     # The next save of the same target removes the killed writer's temporary file, and nothing else: not a
     # live process's (this one's), not another host's, not another target's, not an unrecognised name.
-    host = checkpoint._host()
+    host = _atomic._host()
     keep = [
         f".ckpt.pt.{host}-{os.getpid()}.live.tmp",
         f".ckpt.pt.otherhost-{proc.pid}.x.tmp",

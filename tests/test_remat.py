@@ -776,11 +776,10 @@ def test_checkpointed_blocks_weight_casts_not_kept(tied_lm_run):
     from funcamp.passes import _graph
     from funcamp.passes import tags as ptags
 
-    def of_a_parameter(node):  # a graph input, one read as where(flag, x, x) (made to wait for its use), or a
-        # view of one (a flat step's parameter is a slice of its buffer, funcamp/train/_flat.py)
-        while node.op == "call_function" and (node.target in _graph._VIEWS or node.target is torch.ops.aten.where.self):
-            node = node.args[1] if node.target is torch.ops.aten.where.self else node.args[0]
-        return node.op == "placeholder"
+    def of_a_parameter(node):  # a graph input (or a view of a flat buffer's piece), or one read as where(flag, x, x)
+        if node.target is torch.ops.aten.where.self:
+            node = node.args[1]
+        return _graph._is_input(node)
 
     graph = tied_lm_run["graph"]
     casts = [

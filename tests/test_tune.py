@@ -331,6 +331,26 @@ def test_cache_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.Monk
     assert default_cache_dir() == Path.home() / ".cache" / "funcamp" / "tune"
 
 
+def test_public_classes_keep_their_module_for_pickles_and_checkpoints(tmp_path: Path) -> None:
+    """``funcamp.tune`` is a package of rooms, but its public classes are ``funcamp.tune.X`` as when it was one
+    file: a pickle and a checkpoint name them so, and load. (Planted: ``StepTiming`` left at its room's module,
+    ``funcamp.tune._timing``: fails.)"""
+    import pickle
+
+    from funcamp import checkpoint, tune
+
+    for name in tune.__all__:
+        obj = getattr(tune, name)
+        if isinstance(obj, type):
+            assert obj.__module__ == "funcamp.tune", name
+    timing = tune.StepTiming(torch.bfloat16, (0.5, 0.25), 0.375, 0.9, 0.8, 1.0, 2.0)
+    assert b"funcamp.tune._" not in pickle.dumps(timing) and pickle.loads(pickle.dumps(timing)) == timing
+    checkpoint.save(tmp_path / "t.pt", {"timing": timing})
+    raw = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert raw["tree"]["items"][0][1]["type"] == "funcamp.tune.StepTiming"
+    assert checkpoint.load(tmp_path / "t.pt") == {"timing": timing}
+
+
 def test_unreadable_cache_file_warns_and_measures_again(tmp_path: Path) -> None:
     model, args = nn.Sequential(nn.Linear(8, 8)), (torch.randn(4, 8),)
     calls: list = []
@@ -1074,6 +1094,29 @@ def test_block_probe_decides_with_the_rounds_and_caches_without_running(cpu_fact
         handle.remove()
     assert (hit.dtype, hit.source, calls, fresh.repeat) == (BF16, "cache", [], 0)  # nothing ran
     assert hit.what == c.what and "(Block, one of 2)'s forward+backward kernels" in hit.explain()
+
+
+def test_block_probe_key_holds_the_module_policies(cpu_facts, tmp_path) -> None:
+    """Two probes of one model that differ only in ``module_policies`` (entries that keep some modules off the
+    candidate dtype, as fp8's do) time other kernels: their keys differ, so ``choose_compute_dtype`` keeps a
+    decision for each; the same entries give the same key. (Issue 40 T12; planted: the key without
+    ``module_policies``: fails.)"""
+    cpu_facts(AVX512_BF16)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2)))
+    x = torch.randn(4, 16)
+    plain = fa.tune.block_probe(model, (x,))
+    kept = fa.tune.block_probe(model, (x,), module_policies={nn.Linear: "float32"})
+    again = fa.tune.block_probe(model, (x,), module_policies={nn.Linear: "float32"})
+    assert plain.name == kept.name == "0" and plain.key != kept.key and kept.key == again.key
+    first = choose_compute_dtype(
+        plain, model, x, cache=tmp_path, timer=per_round({F32: 1.0, BF16: 0.6}), what=plain.what, key={"m": plain.key}
+    )
+    other = choose_compute_dtype(
+        kept, model, x, cache=tmp_path, timer=per_round({F32: 1.0, BF16: 1.0}), what=kept.what, key={"m": kept.key}
+    )
+    assert (first.dtype, first.source, other.dtype, other.source) == (BF16, "measured", F32, "measured")
+    assert first.cache_path != other.cache_path
 
 
 def test_block_probe_real_decision_is_cheap(gpt_probe) -> None:

@@ -285,7 +285,7 @@ class _Scanned:
                 f"got {type(x).__name__}"
             )
         layout = _scope.current()
-        if layout is not None and hasattr(layout, "param_at_use"):
+        if isinstance(layout, _scope.GathersAtUse):
             raise ValueError(
                 f"funcamp.nn: scan={self.name!r} under a sharded layout ({type(layout).__name__}) is not supported: it "
                 "gathers each layer where it is used, and a scan would hold every layer gathered at once; "

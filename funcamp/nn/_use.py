@@ -136,7 +136,7 @@ class Uses:
         first = self.aliases.get(name, name)
         stored = self.stored(first)
         layout = _scope.current()
-        if layout is not None and hasattr(layout, "param_at_use"):
+        if isinstance(layout, _scope.GathersAtUse):
             stored = layout.param_at_use(first, stored)
         dtype = self.forward_dtypes[name]
         made[name] = quant.dequantize_int8(stored, dtype) if first in self.int8 else to_forward(stored, dtype)

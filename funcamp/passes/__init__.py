@@ -2,7 +2,9 @@
 
 While ``torch.compile`` traces the step, :mod:`funcamp.passes.tags` tags nodes (the forward and the backward,
 the checkpointed regions, the sharded parameters' gathers); :class:`RematPass`, an inductor
-``post_grad_custom_pre_pass`` (:mod:`funcamp.passes.pipeline`), then runs the sub-passes in order, one file each:
+``post_grad_custom_pre_pass`` (:mod:`funcamp.passes.pipeline`), then runs :data:`PIPELINE`, a list of
+``(name, pass)`` over one context (:class:`~funcamp.passes._context.PassContext`: the graph and the facts the
+passes fill and read), one file each:
 
 - ``remat_regions`` (:mod:`~funcamp.passes.remat_regions`): what the backward recomputes of each region;
 - ``remat_budget`` (:mod:`~funcamp.passes.remat_budget`): what a region's memory budget keeps instead;
@@ -12,7 +14,8 @@ the checkpointed regions, the sharded parameters' gathers); :class:`RematPass`, 
 - ``late_constructors`` (:mod:`~funcamp.passes.late_constructors`): a large backward constructor waits for the
   gradient.
 
-The copies are made by :mod:`funcamp.passes.recompute` and wait through :mod:`funcamp.passes.gates`. Every pass
+The copies are made by the ``recompute`` step (:mod:`funcamp.passes.recompute`, between ``sharded_gathers``'
+selection and its regather) and wait through :mod:`funcamp.passes.gates`. Every pass
 keeps the values bitwise (README.md in this package states the rules); ``FUNCAMP_PASSES_OFF=name,...`` turns
 passes off for debugging.
 
@@ -20,7 +23,7 @@ Limits: inductor's caches key on the graph's code, which does not show the tags,
 a region the compiled steps bypass those caches (:meth:`RematPass.uuid`).
 """
 
-from funcamp.passes.pipeline import NAMES, RematPass
+from funcamp.passes.pipeline import NAMES, PIPELINE, RematPass
 from funcamp.passes.tags import gather_region, new_region_id, phase, remat_region
 
-__all__ = ["NAMES", "RematPass", "gather_region", "new_region_id", "phase", "remat_region"]
+__all__ = ["NAMES", "PIPELINE", "RematPass", "gather_region", "new_region_id", "phase", "remat_region"]

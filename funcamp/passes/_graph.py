@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from funcamp.passes.tags import _PHASE, _tags
 
 
 def _view_ops() -> frozenset[Any]:
@@ -20,6 +23,23 @@ def _view_ops() -> frozenset[Any]:
 
 #: Views and casts a module makes of a gathered parameter (a Linear's transposed weight, after the gather region).
 _VIEWS = _view_ops()
+
+_SPLITS = frozenset({torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor})
+
+
+def _is_input(node: torch.fx.Node) -> bool:
+    """A graph input as a parameter's tensor: a placeholder, or a piece of one made outside the forward (no
+    phase tag): a step that runs on flat buffers (:mod:`funcamp.train._flat`) takes each parameter as a view of
+    a piece of its group's buffer (``split_with_sizes``, ``getitem``, ``view``)."""
+    if node.op == "placeholder":
+        return True
+    return (
+        node.op == "call_function"
+        and _PHASE not in _tags(node)
+        and (node.target in _VIEWS or node.target in _SPLITS or node.target is operator.getitem)
+        and bool(node.all_input_nodes)
+        and all(map(_is_input, node.all_input_nodes))
+    )
 
 
 def _sink(

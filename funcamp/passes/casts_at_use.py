@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from funcamp.passes._graph import _VIEWS, _sink
+from funcamp.passes._context import PassContext
+from funcamp.passes._graph import _VIEWS, _is_input, _sink
 from funcamp.passes.gates import _call, _flag, _gateable
 from funcamp.passes.tags import _PHASE, _tags
 
@@ -24,7 +25,7 @@ _INPUT_OPS = _VIEWS | {torch.ops.aten.where.self}
 
 def _of_inputs_only(node: torch.fx.Node) -> bool:
     """A graph input, or views, casts and ``where`` of graph inputs only (a weight's cast, its transpose)."""
-    if node.op == "placeholder":
+    if _is_input(node):
         return True
     return node.op == "call_function" and node.target in _INPUT_OPS and all(map(_of_inputs_only, node.all_input_nodes))
 
@@ -52,7 +53,7 @@ def _wait_for_user(graph: torch.fx.Graph, group: list[torch.fx.Node]) -> None:
         gated = {}
         for node in group:
             for inp in node.all_input_nodes:
-                if inp.op == "placeholder" and inp not in gated:
+                if _is_input(inp) and inp not in gated:
                     gated[inp] = _call(graph, torch.ops.aten.where.self, flag, inp, inp, phase="forward")
     for node in group:
         for inp, late in gated.items():
@@ -64,3 +65,8 @@ def _casts_at_use(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int]) -
     waiting for the forward's value before it (:func:`_wait_for_user`)."""
     for group, _ in _sink(graph, param_uses.__contains__):
         _wait_for_user(graph, group)
+
+
+def run(ctx: PassContext) -> None:
+    """:func:`_casts_at_use` of ``ctx.param_uses``."""
+    _casts_at_use(ctx.graph, ctx.param_uses)

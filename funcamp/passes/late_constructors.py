@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from funcamp.passes._context import PassContext
 from funcamp.passes.gates import _after_gradient, _call, _Gate, _gateable
 from funcamp.passes.tags import _PHASE, _tags
 
@@ -43,3 +44,8 @@ def _late_constructors(graph: torch.fx.Graph) -> None:
         with graph.inserting_before(first):
             late = _call(graph, torch.ops.aten.where.self, flag, node, node)
         node.replace_all_uses_with(late, delete_user_cb=lambda user, late=late: user is not late)
+
+
+def run(ctx: PassContext) -> None:
+    """:func:`_late_constructors`."""
+    _late_constructors(ctx.graph)

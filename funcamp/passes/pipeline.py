@@ -1,31 +1,60 @@
-"""The inductor graph pass of the compiled train step: the sub-passes in order, each switchable for debugging.
+"""The inductor graph pass of the compiled train step: a list of named passes run in order over one context.
 
-``make_train_step`` installs :class:`RematPass` as inductor's ``post_grad_custom_pre_pass``. It runs, in order
-(:data:`NAMES`): ``remat_regions`` (what the checkpointed regions recompute), ``remat_budget`` (what a memory
-budget keeps of it), ``sharded_gathers`` (the sharded parameters' gathers, recomputed too), then one
-:class:`funcamp.passes.recompute._Recompute` that makes the copies, then the rest of ``sharded_gathers`` (unused
-gathers dropped, the others moved to their user), ``casts_at_use`` and ``late_constructors``. The rules each
+``make_train_step`` installs :class:`RematPass` as inductor's ``post_grad_custom_pre_pass``. It runs
+:data:`PIPELINE`, a list of ``(name, pass)``, each pass a function of one
+:class:`~funcamp.passes._context.PassContext` (the graph and the facts the passes fill and read): ``remat_regions``
+(what the checkpointed regions recompute), ``remat_budget`` (what a memory budget keeps of it), ``sharded_gathers``
+(the sharded parameters' gathers, recomputed too), ``recompute`` (the copies), then the rest of
+``sharded_gathers`` (unused gathers dropped, the others moved to their user), ``casts_at_use`` and
+``late_constructors``. The loop (:func:`run`) skips the passes switched off and records the graph's node count
+around each pass (:class:`~funcamp.passes._context.PassCount`; logged at debug level on the ``funcamp.passes``
+logger), as torchtitan's ``apply_graph_passes`` and inductor's ``GraphTransformObserver`` do. The rules each pass
 keeps are in ``funcamp/passes/README.md``.
 
-Debugging: ``FUNCAMP_PASSES_OFF=name[,name...]`` (read at each compile) skips those sub-passes; with every name,
+Debugging: ``FUNCAMP_PASSES_OFF=name[,name...]`` (read at each compile) skips those passes; with every name,
 inductor gets the graph as traced. The values stay bitwise either way; only memory changes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pathlib
+from collections.abc import Callable
 
 import torch
 
-from funcamp.passes import casts_at_use, late_constructors, remat_budget, remat_regions, sharded_gathers, tags
-from funcamp.passes.recompute import _Recompute
+from funcamp.passes import (
+    casts_at_use,
+    late_constructors,
+    recompute,
+    remat_budget,
+    remat_regions,
+    sharded_gathers,
+    tags,
+)
+from funcamp.passes._context import PassContext, PassCount
 
-__all__ = ["NAMES", "RematPass"]
+__all__ = ["NAMES", "PIPELINE", "RematPass", "run"]
 
-#: The sub-passes, in the order they run: the names ``FUNCAMP_PASSES_OFF`` takes.
-NAMES = (remat_regions.NAME, remat_budget.NAME, sharded_gathers.NAME, casts_at_use.NAME, late_constructors.NAME)
+_LOG = logging.getLogger("funcamp.passes")
+
+#: The passes in the order they run: ``(name, pass)``, ``pass(ctx)`` reading and filling the context. A name is
+#: the pass's switch; ``sharded_gathers`` has two steps (it selects before the copies, regathers after them) and
+#: ``recompute`` none (it copies what the passes before it chose).
+PIPELINE: tuple[tuple[str, Callable[[PassContext], None]], ...] = (
+    (remat_regions.NAME, remat_regions.run),
+    (remat_budget.NAME, remat_budget.run),
+    (sharded_gathers.NAME, sharded_gathers.select),
+    (recompute.NAME, recompute.run),
+    (sharded_gathers.NAME, sharded_gathers.regather),
+    (casts_at_use.NAME, casts_at_use.run),
+    (late_constructors.NAME, late_constructors.run),
+)
+
+#: The passes ``FUNCAMP_PASSES_OFF`` takes, in the order they first run.
+NAMES = tuple(dict.fromkeys(name for name, _ in PIPELINE if name != recompute.NAME))
 _OFF = "FUNCAMP_PASSES_OFF"
 
 
@@ -42,6 +71,32 @@ def switched_off() -> frozenset[str]:
     return off
 
 
+def context(graph: torch.fx.Graph, off: frozenset[str]) -> PassContext:
+    """A new context for ``graph``: ``param_uses`` found first where a pass that reads it runs."""
+    ctx = PassContext(graph, off)
+    if remat_regions.NAME not in off or casts_at_use.NAME not in off:
+        ctx.param_uses = remat_regions._param_uses(graph)
+    return ctx
+
+
+def run(graph: torch.fx.Graph) -> PassContext:
+    """Run :data:`PIPELINE` on ``graph`` (in place), skipping the passes switched off; return the context, its
+    ``counts`` the node count around each pass run.
+
+    Raises:
+      ValueError: ``FUNCAMP_PASSES_OFF`` names an unknown pass.
+    """
+    ctx = context(graph, switched_off())
+    for name, pass_ in PIPELINE:
+        if name in ctx.off:
+            continue
+        before = len(graph.nodes)
+        pass_(ctx)
+        ctx.counts.append(PassCount(name, pass_.__name__, before, len(graph.nodes)))
+        _LOG.debug("%s.%s: %d -> %d nodes", name, pass_.__name__, before, len(graph.nodes))
+    return ctx
+
+
 try:
     from torch._inductor.custom_graph_pass import CustomGraphPass as _Base
 except ImportError:  # older torch: a plain callable
@@ -50,28 +105,14 @@ except ImportError:  # older torch: a plain callable
 
 class RematPass(_Base):  # type: ignore[misc, valid-type]
     """The inductor graph pass that recomputes :func:`funcamp.passes.remat_region` nodes for their backward uses
-    and the sharded step's gathers, then moves casts and large constructors to their use (see the module).
+    and the sharded step's gathers, then moves casts and large constructors to their use: :func:`run` of
+    :data:`PIPELINE` (see the module).
 
-    The gathers join the regions' recompute (one :class:`~funcamp.passes.recompute._Recompute`) because a
-    region's copy that reads a gathered weight must read the gather's copy, placed and gated with it."""
+    The gathers join the regions' recompute (one ``recompute`` step) because a region's copy that reads a
+    gathered weight must read the gather's copy, placed and gated with it."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        off = switched_off()
-        on = {name: name not in off for name in NAMES}
-        uses_wanted = on[remat_regions.NAME] or on[casts_at_use.NAME]
-        param_uses = remat_regions._param_uses(graph) if uses_wanted else {}
-        recompute = remat_regions._recomputed(graph, param_uses) if on[remat_regions.NAME] else set()
-        if on[remat_budget.NAME]:
-            recompute -= remat_budget._kept(graph, recompute)
-        gathers = sharded_gathers._gathers(graph) if on[sharded_gathers.NAME] else set()
-        draws = remat_regions._draws(graph) if on[remat_regions.NAME] else set()
-        _Recompute(graph, recompute | gathers, draws).run()
-        if on[sharded_gathers.NAME]:
-            sharded_gathers._regather(graph)
-        if on[casts_at_use.NAME]:
-            casts_at_use._casts_at_use(graph, param_uses)
-        if on[late_constructors.NAME]:
-            late_constructors._late_constructors(graph)
+        run(graph)
 
     def uuid(self) -> bytes | None:
         """The pass's identity for inductor's caches: a hash of this package's source and of the sub-passes

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from funcamp.passes._context import PassContext
 from funcamp.passes.gates import _after_gradient, _call, _Gate, _gateable
 from funcamp.passes.tags import _PHASE, _tags
+
+#: The copy step's name in the pipeline (no switch of its own: it copies what the passes before it chose).
+NAME = "recompute"
 
 #: Dtypes inductor cannot select with ``where`` (no type promotion with the bool flag): never a gated input; a
 #: copy that reads only such values (a cast of an fp8 value its budget kept) is not gated.
@@ -96,3 +100,9 @@ class _Recompute:
         if not inputs or gate.flag() is None:
             return None
         return min(inputs, key=lambda d: d.meta["val"].numel())
+
+
+def run(ctx: PassContext) -> None:
+    """The copies: every backward use of ``ctx.recompute`` and ``ctx.gathers`` reads one, ``ctx.draws`` as bools.
+    Not switchable on its own: with ``remat_regions`` and ``sharded_gathers`` off it has nothing to copy."""
+    _Recompute(ctx.graph, ctx.recompute | ctx.gathers, ctx.draws).run()

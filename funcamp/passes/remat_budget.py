@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from funcamp.passes._context import PassContext
 from funcamp.passes.tags import _BUDGET, _PHASE, _tags
 
 NAME = "remat_budget"
@@ -114,3 +115,8 @@ def _kept(graph: torch.fx.Graph, recompute: set[torch.fx.Node]) -> set[torch.fx.
                 kept.add(base)
                 kept.update(bases[base])
     return kept
+
+
+def run(ctx: PassContext) -> None:
+    """Take out of ``ctx.recompute`` what the regions' budgets keep (:func:`_kept`)."""
+    ctx.recompute -= _kept(ctx.graph, ctx.recompute)

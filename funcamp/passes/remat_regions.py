@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from funcamp.passes._graph import _VIEWS
+from funcamp.passes._context import PassContext
+from funcamp.passes._graph import _VIEWS, _is_input
 from funcamp.passes.tags import _BUDGET, _GATHER, _PHASE, _REMAT, _tags
 
 NAME = "remat_regions"
@@ -63,7 +64,7 @@ def _param_use(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or tags.get(_PHASE) != "forward" or tags.get(_REMAT) or tags.get(_GATHER):
         return False
     inputs = node.all_input_nodes
-    return node.target in _VIEWS and bool(inputs) and all(i.op == "placeholder" or _param_use(i) for i in inputs)
+    return node.target in _VIEWS and bool(inputs) and all(_is_input(i) or _param_use(i) for i in inputs)
 
 
 def _param_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
@@ -117,3 +118,9 @@ def _recomputed(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int] | No
         return False
 
     return {n for n in region if not leaves(n)}
+
+
+def run(ctx: PassContext) -> None:
+    """Fill ``ctx.recompute`` (:func:`_recomputed`, with ``ctx.param_uses``) and ``ctx.draws`` (:func:`_draws`)."""
+    ctx.recompute = _recomputed(ctx.graph, ctx.param_uses)
+    ctx.draws = _draws(ctx.graph)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from funcamp.passes._context import PassContext
 from funcamp.passes._graph import _VIEWS, _sink
 from funcamp.passes.tags import _GATHER, _PHASE, _tags
 
@@ -53,3 +54,13 @@ def _drop_unused_gathers(graph: torch.fx.Graph) -> None:
 def _sink_gathers(graph: torch.fx.Graph) -> None:
     """Move each forward gather (a collective and its views) to just before its first user (:func:`_sink`)."""
     _sink(graph, _gathered)
+
+
+def select(ctx: PassContext) -> None:
+    """Fill ``ctx.gathers`` (:func:`_gathers`): the recompute step copies them with the regions' nodes."""
+    ctx.gathers = _gathers(ctx.graph)
+
+
+def regather(ctx: PassContext) -> None:
+    """After the recompute step: :func:`_regather`."""
+    _regather(ctx.graph)

@@ -22,7 +22,7 @@ name and torchtitan's train loop does not know which parallelisms were applied.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -32,11 +32,17 @@ from funcamp.policy import Policy, get_policy
 __all__ = ["BuildLayout", "DataParallel", "Sharded", "SingleProcess", "StageLayout", "layout_from"]
 
 
+@runtime_checkable
 class StageLayout(Protocol):
-    """What the stages (:mod:`funcamp.train._stages`) ask of a process layout, inside the step: where the
-    parameters come from, how gradients, sums, buffers and the verdict are reduced over the ranks."""
+    """What the stages (:mod:`funcamp.train._stages`) and probes ask of a process layout, inside the step: where
+    the parameters come from, how gradients, sums, buffers and the verdict are reduced over the ranks.
+
+    ``whole_gradients`` is a capability: whether the gradients the stages see are whole tensors (False where
+    each rank holds its shards' only), asked by what reads whole gradients (the telemetry probe) instead of
+    asking which class the layout is."""
 
     size: int
+    whole_gradients: bool
 
     def gather(self, params: Any) -> Any: ...
     def around_loss(self, fun: Callable[..., Any], loss_scale: torch.Tensor | None) -> Callable[..., Any]: ...
@@ -50,6 +56,7 @@ class StageLayout(Protocol):
     def distinct(self, grads: Any) -> Any: ...
 
 
+@runtime_checkable
 class BuildLayout(Protocol):
     """What ``make_train_step`` asks of a layout on the host, before anything is traced."""
 
@@ -96,10 +103,11 @@ NORMS = _scope.Scope()
 class SingleProcess:
     """One process: the gradients, losses, norms and buffers stay as they are.
 
-    The layout interface, split by caller: :class:`StageLayout` (the stages, inside the step),
-    :class:`BuildLayout` (``make_train_step``, on the host) and :class:`funcamp._scope.StepLayout` (the
-    optimizer's transforms, through :func:`funcamp._scope.current`); :class:`Sharded` adds
-    :class:`funcamp._scope.GathersAtUse` (``funcamp.nn``'s parameter uses). This class has them all.
+    The layout interface, split by caller into runtime-checkable Protocols, the checked contract:
+    :class:`StageLayout` (the stages and probes, inside the step), :class:`BuildLayout` (``make_train_step``, on
+    the host) and :class:`funcamp._scope.StepLayout` (the optimizer's transforms, through
+    :func:`funcamp._scope.current`, which checks it); :class:`Sharded` adds :class:`funcamp._scope.GathersAtUse`
+    (``funcamp.nn``'s parameter uses ask ``isinstance(layout, GathersAtUse)``). This class has the first three.
 
     Example:
       >>> import torch
@@ -110,6 +118,7 @@ class SingleProcess:
 
     group: Any = None
     size: int = 1
+    whole_gradients: bool = True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -289,6 +298,8 @@ class Sharded(DataParallel):
         self.shard, self.group, self.reduce_dtype = shard, group, reduce_dtype
         self.size = 1 if group is None else group.size()
         self._policy = policy
+
+    whole_gradients = False  # each rank's gradients are its shards'
 
     def __repr__(self) -> str:
         return f"Sharded({self.shard.world_size} ranks, reduce_dtype={self.reduce_dtype})"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from funcamp import _tree, numerics
-from funcamp.train._layout import Sharded, SingleProcess
+from funcamp.train._layout import StageLayout
 from funcamp.train._stages import StepRecord
 
 __all__ = ["SkippedStepsError", "aux_probe", "check_skips", "nonfinite_leaf_name", "skip_limit", "telemetry_probe"]
@@ -44,16 +44,16 @@ def aux_probe(record: StepRecord) -> dict:
     return {"aux": record.aux}
 
 
-def telemetry_probe(telemetry: numerics.Telemetry, layout: SingleProcess) -> Probe:
+def telemetry_probe(telemetry: numerics.Telemetry, layout: StageLayout) -> Probe:
     """The ``numerics/...`` metrics of :mod:`funcamp.numerics`, every ``telemetry.every``-th step.
 
     Computed inside the same graph (``torch.cond`` on the step count): zeros and ``numerics/active`` False on
     the other steps.
 
     Raises:
-      ValueError: under :class:`funcamp.train.Sharded` (telemetry reads whole gradients).
+      ValueError: under a layout without whole gradients (:class:`funcamp.train.Sharded`: telemetry reads them).
     """
-    if isinstance(layout, Sharded):
+    if not layout.whole_gradients:
         raise ValueError("make_train_step: telemetry= is not supported with shard= (it reads whole gradients)")
 
     def probe(record: StepRecord) -> dict:
