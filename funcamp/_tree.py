@@ -33,6 +33,7 @@ __all__ = [
     "global_norm",
     "is_floating",
     "norm_dtype",
+    "prefix_leaves",
     "rebuilder",
     "scaled_global_norm",
     "select_tree",
@@ -324,6 +325,112 @@ def rebuilder(tree: Any) -> Callable[[list[Any]], Any]:
         return lambda leaves: _fast_unflatten(skeleton, leaves)
     spec = tree_structure(tree)
     return lambda leaves: optree.tree_unflatten(spec, leaves)
+
+
+def prefix_leaves(prefix: Any, tree: Any, fn: str, name: str) -> list[Any]:
+    """One value of ``prefix`` for each leaf of ``tree``, in ``tree``'s leaf order: optax's mask and label trees.
+
+    ``prefix`` has ``tree``'s structure or is a prefix of it. Where ``prefix`` holds a value (a bool, a
+    label: anything but a dict, list, tuple or other registered node) and ``tree`` a subtree, the value
+    stands for every leaf of the subtree, as optax broadcasts a mask or label over ``jax.tree.map(f, prefix,
+    tree)``. Where ``tree`` holds a leaf, the value of ``prefix`` there is taken whole (a tuple label too). A
+    ``None`` of ``tree`` is an empty subtree: it has no leaves, whatever ``prefix`` holds there (optax
+    accepts any value in place of its ``MaskedNode``). Containers match node by node: a dict by its keys,
+    compared whole, never as dotted prefixes (``{"0": False}`` does not cover the flat ``{"0.weight": w}``:
+    optax's trees are nested, and so is this match), a list or tuple by type and length, a NamedTuple by
+    type. A plain-Python walk over plain containers (so Dynamo traces it); other nodes go through optree.
+
+    Args:
+      prefix: the mask or label tree.
+      tree: the parameters (or updates) it is matched against.
+      fn: the function matching them, and ``name`` the argument ``prefix`` was given as (for the message).
+    Returns:
+      A list with one value of ``prefix`` per leaf of ``tree``.
+    Raises:
+      ValueError: where ``prefix`` is neither ``tree``'s structure nor a prefix of it (the message names the
+        path, and what each side holds there).
+    """
+    out: list[Any] = []
+    _prefix_walk(prefix, tree, (), out, (fn, name))
+    return out
+
+
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _is_node(x: Any) -> bool:
+    """Whether optree flattens ``x`` into children (a container), not a leaf; ``None`` counts as a value here."""
+    if isinstance(x, _PLAIN_VALUES) or isinstance(x, torch.Tensor):
+        return False
+    return type(x) in (dict, list, tuple) or optree.register_pytree_node.get(type(x), namespace=NAMESPACE) is not None
+
+
+def _prefix_walk(prefix: Any, node: Any, path: tuple[str, ...], out: list[Any], what: tuple[str, str]) -> None:
+    if node is None:
+        return  # an empty subtree: no leaf to give a value
+    if not _is_node(node):
+        out.append(prefix)  # a leaf: the prefix's value here, whole
+        return
+    if not _is_node(prefix):
+        out.extend([prefix] * len(tree_leaves(node)))  # a value over a subtree: broadcast
+        return
+    cls = type(node)
+    if cls is dict and type(prefix) is dict and all(type(k) is str for k in node):
+        missing, extra = sorted(set(node) - set(prefix)), sorted(set(prefix) - set(node))
+        if missing or extra:
+            raise ValueError(_prefix_error(what, path, node, prefix, missing, extra))
+        for k in sorted(node):
+            _prefix_walk(prefix[k], node[k], (*path, k), out, what)
+        return
+    plain = cls is list or cls is tuple or (isinstance(node, tuple) and _is_plain_namedtuple(cls))
+    if plain and type(prefix) is cls and len(prefix) == len(node):
+        for i, (p, x) in enumerate(zip(prefix, node)):
+            _prefix_walk(p, x, (*path, str(i)), out, what)
+        return
+    if plain or type(prefix) is not cls:
+        raise ValueError(_prefix_error(what, path, node, prefix, [], []))
+    children, _, entries, _ = optree.tree_flatten_one_level(node, namespace=NAMESPACE)
+    p_children, _, p_entries, _ = optree.tree_flatten_one_level(prefix, namespace=NAMESPACE)
+    if tuple(entries) != tuple(p_entries):
+        raise ValueError(_prefix_error(what, path, node, prefix, [], []))
+    for entry, p, x in zip(entries, p_children, children):
+        _prefix_walk(p, x, (*path, str(entry)), out, what)
+
+
+def _prefix_error(
+    what: tuple[str, str], path: tuple[str, ...], node: Any, prefix: Any, missing: list, extra: list
+) -> str:
+    fn, name = what
+    where = f"at {'.'.join(path)!r}" if path else "at the top"
+
+    def kind(x: Any) -> str:
+        size = f" of {len(x)}" if isinstance(x, (list, tuple, dict)) else ""
+        return f"a {type(x).__name__}{size}"
+
+    def keys(ks: list) -> str:
+        return str(ks) if len(ks) <= 5 else f"{ks[:5]} (and {len(ks) - 5} more)"
+
+    if missing or extra:
+        said = []
+        if missing:
+            said.append(f"{name} has no entry for the parameters' key(s) {keys(missing)}")
+        if extra:
+            said.append(f"{name} has key(s) {keys(extra)} that the parameters do not have")
+        detail = f"{where} {' and '.join(said)}"
+        dotted = [k for k in extra if any(n.startswith(f"{k}.") for n in node)]
+        if dotted:
+            covered = next(n for n in node if n.startswith(f"{dotted[0]}."))
+            detail += (
+                f"; dict keys are matched whole, not as dotted prefixes: {dotted[0]!r} does not cover {covered!r} "
+                "in a flat dict of parameters. Nest the parameters, or pass a callable, e.g. "
+                f"lambda params: {{k: not k.startswith({dotted[0] + '.'!r}) for k in params}}"
+            )
+    else:
+        detail = f"{where} the parameters hold {kind(node)} and {name} holds {kind(prefix)}"
+    return (
+        f"{fn}: {name} must have the structure of the parameters, or be a prefix of it (one value for a whole "
+        f"subtree); {detail}"
+    )
 
 
 def tree_structure(tree: Any) -> optree.PyTreeSpec:

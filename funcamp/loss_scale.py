@@ -283,6 +283,18 @@ class DynamicLossScale(LossScale):
     factor, min_loss_scale``: jmp's ``factor`` is ``growth_factor`` here, with the default backoff
     dividing by it as jmp does); the other four are keyword-only.
 
+    flax's names: ``flax.training.dynamic_scale.DynamicScale(growth_interval=N)`` grows on the finite step
+    that finds ``fin_steps == N``, i.e. after ``N + 1`` consecutive finite steps, so it is ``period=N + 1``
+    here (``torch.amp.GradScaler(growth_interval=N)`` is ``period=N``: the same name, one step apart).
+    flax's floor (``minimum_scale``) defaults to float32's tiny, 2**-126, where ``min_loss_scale`` defaults
+    to 1; its backoff is ``backoff_factor`` (default 0.5) whatever ``growth_factor`` is; it starts at
+    ``scale=65536.0`` (2**16, here 2**15); and it caps a grown scale at float32's max (3.4e38, not a power of
+    two) where this class keeps the old scale unless ``max_loss_scale`` is set. Spelled out, flax's
+    ``DynamicScale(growth_factor=g, backoff_factor=b, growth_interval=N, scale=s)`` is
+    ``DynamicLossScale(s, period=N + 1, growth_factor=g, backoff_factor=b, min_loss_scale=2.0**-126,
+    max_loss_scale=<float32 max>)``, and its ``fin_steps`` is ``counter``: the same trajectories, step by step
+    (``tests/test_loss_scale.py``, against flax 0.12.8's own, ``tools/make_flax_golden.py``).
+
     Args:
       loss_scale: initial scale, a Python number or a 0-d float32 tensor (default ``2**15``).
       counter: consecutive finite steps since the last change, a Python int or 0-d int32 tensor in
@@ -311,6 +323,19 @@ class DynamicLossScale(LossScale):
       tensor(65536.)
       >>> ls.adjust(torch.tensor(False)).loss_scale
       tensor(16384.)
+
+      flax's ``DynamicScale(growth_interval=2)``, whose scales on these steps are 65536, 65536, 131072,
+      131072, 65536, 65536, 65536, 131072 (flax 0.12.8: ``tests/golden/flax_dynamic_scale.json``,
+      ``docs_example``):
+
+      >>> tiny, f32_max = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+      >>> ls = DynamicLossScale(65536.0, period=3, backoff_factor=0.5, min_loss_scale=tiny, max_loss_scale=f32_max)
+      >>> scales = []
+      >>> for finite in [True, True, True, True, False, True, True, True]:
+      ...     ls = ls.adjust(torch.tensor(finite))
+      ...     scales.append(int(ls.loss_scale))
+      >>> scales
+      [65536, 65536, 131072, 131072, 65536, 65536, 65536, 131072]
     """
 
     # jmp's positional order (loss_scale, counter, period, factor, min_loss_scale); funcamp's additions are

@@ -55,6 +55,71 @@ def test_golden_cases_exercise_growth_backoff_floor_and_saturation():
     assert len(set(CASES["a_defaults_p0.001"]["scales"])) > 1
 
 
+FLAX = json.loads((Path(__file__).parent / "golden" / "flax_dynamic_scale.json").read_text())
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def _unrle(pairs):
+    return [v for v, n in pairs for _ in range(n)]
+
+
+def _flax_in_funcamp(settings):
+    """flax's DynamicScale settings spelled in funcamp's names (the DynamicLossScale docstring's recipe)."""
+    return fa.DynamicLossScale(
+        settings["scale"],
+        period=settings["growth_interval"] + 1,
+        growth_factor=settings["growth_factor"],
+        backoff_factor=settings["backoff_factor"],
+        min_loss_scale=settings["minimum_scale"],
+        max_loss_scale=F32_MAX,
+    )
+
+
+@pytest.mark.parametrize("name", list(FLAX["cases"]))
+def test_trajectory_equals_flax_dynamic_scale(name):
+    """Golden data: tests/golden/flax_dynamic_scale.json, flax 0.12.8's DynamicScale.value_and_grad run step by
+    step by tools/make_flax_golden.py; flax's growth_interval=N is period=N + 1, its floor float32's tiny, its
+    cap float32's max. Every scale equal, and flax's fin_steps equal to the counter."""
+    case = FLAX["cases"][name]
+    assert (
+        FLAX["flax_version"] == "0.12.8" and case["flax_settings"]["minimum_scale"] == torch.finfo(torch.float32).tiny
+    )
+    for run in case["runs"]:
+        flags = _unrle(run["finite"])
+        scales, counters = _run(_flax_in_funcamp(case["flax_settings"]), flags)
+        assert scales == _unrle(run["scales"]), (name, run["seed"])
+        assert [i for i, c in enumerate(counters) if c == 0] == run["fin_steps_zero_at"], (name, run["seed"])
+        assert all(c == 0 or c == prev + 1 for prev, c in zip([0, *counters], counters)), (name, run["seed"])
+
+
+def test_flax_golden_cases_grow_after_interval_plus_one_and_reach_the_floor_and_the_cap():
+    """The trajectories exercise each spelling: growth after growth_interval + 1 finite steps (period=N, as
+    GradScaler's growth_interval=N would suggest, gives another trajectory), the float32-tiny floor (it is
+    reached: another floor gives another trajectory), the cap at float32's max (without max_loss_scale funcamp
+    keeps 2**127)."""
+
+    def case(name, i):
+        c = FLAX["cases"][name]
+        return c["flax_settings"], _unrle(c["runs"][i]["finite"]), _unrle(c["runs"][i]["scales"])
+
+    assert FLAX["flax_defaults"]["growth_interval"] == 2000 and FLAX["flax_defaults"]["scale"] == 2.0**16
+    assert FLAX["cases"]["defaults"]["runs"][0]["scales"] == [
+        [65536.0, 2000],
+        [131072.0, 100],
+    ]  # all finite: 2001st grows
+    settings, flags, scales = case("interval_3_factor_3_backoff_0.25", 0)  # all finite
+    assert scales[:5] == [1000.0] * 3 + [3000.0] * 2
+    period_n = dict(settings, growth_interval=settings["growth_interval"] - 1)
+    assert _run(_flax_in_funcamp(period_n), flags)[0] != scales
+    settings, flags, scales = case("interval_2_near_the_floor", 0)
+    assert min(scales) == 2.0**-126
+    assert _run(_flax_in_funcamp(dict(settings, minimum_scale=2.0**-125)), flags)[0] != scales  # (1 is above its start)
+    settings, flags, scales = case("interval_0_near_the_top", 1)
+    assert max(scales) == F32_MAX
+    no_cap = fa.DynamicLossScale(settings["scale"], period=1, backoff_factor=0.5, min_loss_scale=2.0**-126)
+    assert max(_run(no_cap, flags)[0]) == 2.0**127
+
+
 def test_initial_scale_below_floor_is_refused():
     # jmp accepts it and its first backoff *raises* the scale to the floor (golden case k); funcamp refuses.
     case = CASES["k_initial_below_floor"]

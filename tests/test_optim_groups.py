@@ -187,6 +187,8 @@ def _groups():
             "head": multi_transform({"x": set_to_zero(), "unused": optim.adam(1.0)}, _all_x),
             "unused_chain": optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1.0)),
             "unused_masked": masked(optim.sgd(1.0, momentum=0.9), _none_of),
+            # a prefix at the root (one value for the whole tree, as optax allows), over a group with no parameter
+            "unused_prefix": masked(optim.adam(1.0), True),
         },
         _labels,
     )
@@ -285,11 +287,159 @@ def test_state_round_trips(tmp_path):
 
 def test_labels_tree_of_wrong_structure():
     opt = multi_transform({"a": optim.sgd(0.1)}, {"w": "a"})
-    with pytest.raises(ValueError, match=r"param_labels must have the structure of the parameters.*'w'.*'b'"):
+    with pytest.raises(ValueError, match=r"param_labels must have the structure of the parameters, or be a prefix.*"
+                       r"at the top param_labels has no entry for the parameters' key\(s\) \['b'\]"):  # fmt: skip
         opt.init({"w": torch.ones(1), "b": torch.ones(1)})
     opt = masked(optim.sgd(0.1), {"w": True, "extra": False})
-    with pytest.raises(ValueError, match=r"masked: mask must have the structure of the parameters"):
+    with pytest.raises(
+        ValueError, match=r"masked: mask must .* mask has key\(s\) \['extra'\] that the parameters do not"
+    ):
         opt.init({"w": torch.ones(1)})
+
+
+# --- prefix trees (optax's): one value for a whole subtree ----------------------------------------------------
+
+NESTED = {"enc": {"w": (2, 3), "b": (3,)}, "dec": {"w": (3, 2), "b": (2,)}, "head": [(2,), (2, 2)]}
+
+
+def _nested(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(shape):
+        return torch.randn(shape, generator=gen)
+
+    return {
+        k: [make(s) for s in v] if isinstance(v, list) else {n: make(s) for n, s in v.items()}
+        for k, v in NESTED.items()
+    }
+
+
+def _full(prefix):
+    """The full tree a prefix stands for, written out by hand."""
+    full = {}
+    for k, v in prefix.items():
+        if isinstance(v, (dict, list)):
+            full[k] = v
+        else:
+            full[k] = [v] * len(NESTED[k]) if isinstance(NESTED[k], list) else {n: v for n in NESTED[k]}
+    return full
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda m: masked(optim.adam(0.1), m),
+        lambda m: optim.add_decayed_weights(0.5, m),
+        lambda m: optim.adamw(0.1, weight_decay=0.5, mask=m),
+        lambda m: multi_transform({True: optim.sgd(0.1, momentum=0.9), False: set_to_zero()}, m),
+    ],
+    ids=["masked", "add_decayed_weights", "adamw_mask", "multi_transform"],
+)
+def test_a_prefix_tree_is_the_full_tree_it_stands_for(build):
+    prefix = {"enc": False, "dec": {"w": True, "b": False}, "head": True}
+    params, grads = _nested(), [_nested(s) for s in (1, 2, 3)]
+    results = []
+    for tree in (prefix, _full(prefix), lambda p: prefix):
+        opt = build(tree)
+        p, state = params, opt.init(params)
+        for g in grads:
+            u, state = opt.update(g, state, p)
+            p = optim.apply_updates(p, u)
+        results.append(_tree.tree_leaves(p))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+    moved = [not torch.equal(a, b) for a, b in zip(_tree.tree_leaves(params), results[0], strict=True)]
+    assert any(moved)
+
+
+def test_a_label_for_a_whole_submodule_as_in_optax():
+    params = _nested()
+    opt = multi_transform(
+        {"frozen": set_to_zero(), "train": optim.sgd(1.0)}, {"enc": "frozen", "dec": "train", "head": "train"}
+    )
+    updates, state = opt.update(_nested(1), opt.init(params), params)
+    assert all(torch.equal(u, torch.full_like(u, -0.0)) for u in updates["enc"].values())
+    assert torch.equal(updates["dec"]["w"], -_nested(1)["dec"]["w"])
+    assert state.inner_states["frozen"] == optim.EmptyState()
+    sgd_state = state.inner_states["train"]
+    assert sgd_state[1].count.item() == 1  # chain(add_decayed_weights, scale_by_learning_rate)
+    # one label for the whole tree
+    whole = multi_transform({"a": optim.sgd(1.0)}, "a")
+    assert torch.equal(whole.update(_nested(1), whole.init(params), params)[0]["head"][1], -_nested(1)["head"][1])
+
+
+def test_what_is_not_a_prefix_is_refused_naming_the_path():
+    params = _nested()
+    top, dec, head = "at the top mask has", "at 'dec' mask has", "at 'head' the parameters hold a list of 2 and mask"
+    cases = [
+        ({"enc": False, "dec": {"w": True}, "head": True}, rf"{dec} no entry for the parameters' key\(s\) \['b'\]"),
+        ({"enc": False, "dec": True, "head": [True]}, rf"{head} holds a list of 1"),
+        ({"enc": False, "dec": True, "head": (True, False)}, rf"{head} holds a tuple of 2"),
+        ({"enc": {"w": {"x": True}, "b": True}, "dec": True, "head": True}, None),  # deeper than a leaf: taken whole
+        ({"enc": False, "dec": True}, rf"{top} no entry for the parameters' key\(s\) \['head'\]"),
+    ]  # fmt: skip
+    for mask, match in cases:
+        opt = masked(optim.sgd(0.1), mask)
+        if match is None:
+            with pytest.raises(TypeError, match=r"mask leaves must be Python bools .*, got dict at 'enc.w'"):
+                opt.init(params)
+        else:
+            with pytest.raises(ValueError, match=match):
+                opt.init(params)
+    with pytest.raises(ValueError, match=r"at 'dec' param_labels has key\(s\) \['x'\] that the parameters do not"):
+        multi_transform({"a": optim.sgd(0.1)}, {"enc": "a", "dec": {"w": "a", "b": "a", "x": "a"}, "head": "a"}).init(
+            params
+        )
+    with pytest.raises(ValueError, match=r"add_decayed_weights: mask must .* at 'enc' mask has no entry"):
+        optim.add_decayed_weights(0.1, {"enc": {"w": True}, "dec": True, "head": True}).update(params, (), params)
+
+
+def test_dotted_names_are_not_prefixes_and_the_message_says_what_to_write():
+    """funcamp's parameters are a flat dict of dotted names; optax's trees are nested, and it never reads a key as
+    a prefix of dotted names: neither does funcamp, and the message shows the callable to write instead."""
+    params = {"0.weight": torch.ones(2), "0.bias": torch.ones(2), "1.weight": torch.ones(2)}
+    opt = masked(optim.sgd(0.1), {"0": False, "1": True})
+    with pytest.raises(
+        ValueError,
+        match=r"dict keys are matched whole, not as dotted prefixes: '0' does not cover '0\.\w+' in a flat dict.*"
+        r"lambda params: \{k: not k.startswith\('0.'\) for k in params\}",
+    ):
+        opt.init(params)
+    suggested = masked(optim.sgd(0.1), lambda params: {k: not k.startswith("0.") for k in params})
+    updates, _ = suggested.update(params, suggested.init(params), params)
+    assert torch.equal(updates["0.weight"], torch.ones(2)) and torch.equal(updates["1.weight"], torch.full((2,), -0.1))
+
+
+def test_an_inner_mask_may_hold_any_value_where_the_outer_group_left_none():
+    """As optax accepts any value in place of its MaskedNode: a mask written for the whole tree works one level down."""
+    params = {"a": torch.ones(2), "b": torch.ones(2)}
+    inner = masked(optim.scale(-1.0), {"a": True, "b": True})  # the whole tree's mask, inside group "x" = {"a"}
+    opt = multi_transform({"x": inner, "y": set_to_zero()}, {"a": "x", "b": "y"})
+    updates, _ = opt.update(params, opt.init(params), params)
+    assert torch.equal(updates["a"], -torch.ones(2)) and torch.equal(updates["b"], torch.full((2,), -0.0))
+
+
+def test_prefix_trees_compile_in_one_graph():
+    """Dynamo traces the prefix walk (plain Python over the mask and the parameters' containers): fullgraph, and
+    the compiled updates are the eager ones."""
+    params = _nested()
+    opt = optim.chain(
+        masked(optim.add_decayed_weights(0.1), {"enc": True, "dec": False, "head": [False, True]}),
+        multi_transform(
+            {"a": optim.adam(0.1), "b": optim.sgd(0.1)}, {"enc": "a", "dec": {"w": "a", "b": "b"}, "head": "b"}
+        ),
+    )
+
+    def step(g, state, p):
+        return opt.update(g, state, p)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    state = opt.init(params)
+    want, _ = step(_nested(1), state, params)
+    got, _ = compiled(_nested(1), state, params)
+    for a, b in zip(_tree.tree_leaves(want), _tree.tree_leaves(got), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_label_without_transform_names_parameter_and_labels():

@@ -92,7 +92,9 @@ def adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
     *,
+    nesterov: bool = False,
     weight_decay: float = 0.0,
     moment_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
@@ -102,12 +104,18 @@ def adam(
 
     where ``adam`` is ``scale_by_adam`` (bias-corrected moments, step counted from 1). As
     ``torch.optim.Adam`` without ``amsgrad``; unlike optax's ``adam``, which has no weight decay.
+    Positional arguments are optax's (``learning_rate, b1, b2, eps, eps_root``); the others are
+    keyword-only (optax's sixth positional argument is its ``mu_dtype``, which sets the first moment only;
+    ``moment_dtype`` sets both). ``nesterov=True`` is optax's ``adam(nesterov=True)``, i.e. ``optax.nadam``
+    (not ``torch.optim.NAdam``: see ``scale_by_adam``).
 
     Args:
       learning_rate: ``eta``, a float >= 0 or a schedule ``count -> 0-d float32 tensor``.
       b1: decay of the first moment, in [0, 1).
       b2: decay of the second moment, in [0, 1).
       eps: added to the denominator, >= 0.
+      eps_root: added inside the square root of the denominator, >= 0 (optax's ``eps_root``; torch has none).
+      nesterov: keyword-only, a bool: Nesterov momentum (NAdam in optax's form, see ``scale_by_adam``).
       weight_decay: ``lambda``, >= 0, coupled (L2); use ``adamw`` for decoupled decay.
       moment_dtype: dtype of both moments; ``None`` (default): float32 for float16 and bfloat16
         parameters, else the parameter's dtype (see ``funcamp.optim.transforms``).
@@ -115,10 +123,12 @@ def adam(
       ``chain(add_decayed_weights, scale_by_adam, scale_by_learning_rate)``.
     Raises:
       ValueError: if ``b1`` or ``b2`` is not in [0, 1).
-      ValueError: if ``learning_rate``, ``eps`` or ``weight_decay`` is negative or not finite.
+      ValueError: if ``learning_rate``, ``eps``, ``eps_root`` or ``weight_decay`` is negative or not finite.
+      TypeError: if ``nesterov`` is not a bool.
       ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
     References:
       Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization", arXiv:1412.6980.
+      Dozat 2016, "Incorporating Nesterov Momentum into Adam", ICLR workshop.
 
     Example:
       >>> import torch
@@ -131,7 +141,7 @@ def adam(
     """
     return chain(
         add_decayed_weights(weight_decay),
-        scale_by_adam(b1, b2, eps, moment_dtype=moment_dtype),
+        scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov, moment_dtype=moment_dtype),
         scale_by_learning_rate(learning_rate),
     )
 
@@ -141,9 +151,11 @@ def adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
     *,
     weight_decay: float = 0.01,
     mask: Mask | None = None,
+    nesterov: bool = False,
     moment_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     r"""AdamW: Adam with weight decay decoupled from the gradient.
@@ -152,8 +164,9 @@ def adamw(
 
     As ``torch.optim.AdamW``, including its default ``weight_decay=0.01`` (optax's ``adamw``
     defaults to 1e-4). The decay is scaled by the learning rate, so it follows a schedule.
-    Positional arguments are ``learning_rate, b1, b2, eps`` (optax's and torch's order); the others are
-    keyword-only (optax's fifth positional argument is its ``eps_root``).
+    Positional arguments are ``learning_rate, b1, b2, eps, eps_root`` (optax's order; torch's first four);
+    the others are keyword-only (optax's sixth positional argument is its ``mu_dtype``, and torch's fifth is
+    ``weight_decay``). ``nesterov=True`` is optax's ``adamw(nesterov=True)`` (``optax.nadamw``).
 
     Warning: ``torch.optim.AdamW`` multiplies the parameters by ``1 - lr * weight_decay`` rounded
     to float32, which misstates a small decay (by 0.13% at ``lr * weight_decay = 1e-5``); funcamp
@@ -166,19 +179,23 @@ def adamw(
       b1: decay of the first moment, in [0, 1).
       b2: decay of the second moment, in [0, 1).
       eps: added to the denominator, >= 0.
+      eps_root: added inside the square root of the denominator, >= 0 (optax's ``eps_root``; torch has none).
       weight_decay: ``lambda``, >= 0.
       mask: which leaves to decay (see ``add_decayed_weights``); e.g. a tree that is ``False`` for
-        biases and norm scales.
+        biases and norm scales, or a prefix of the parameters' tree (one bool for a whole subtree).
+      nesterov: keyword-only, a bool: Nesterov momentum (NAdam in optax's form, see ``scale_by_adam``).
       moment_dtype: dtype of both moments; ``None`` (default): float32 for float16 and bfloat16
         parameters, else the parameter's dtype (see ``funcamp.optim.transforms``).
     Returns:
       ``chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)``.
     Raises:
       ValueError: if ``b1`` or ``b2`` is not in [0, 1).
-      ValueError: if ``learning_rate``, ``eps`` or ``weight_decay`` is negative or not finite.
+      ValueError: if ``learning_rate``, ``eps``, ``eps_root`` or ``weight_decay`` is negative or not finite.
+      TypeError: if ``nesterov`` is not a bool.
       ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
     References:
       Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization", arXiv:1711.05101.
+      Dozat 2016, "Incorporating Nesterov Momentum into Adam", ICLR workshop.
 
     Example:
       >>> import torch
@@ -190,7 +207,7 @@ def adamw(
       tensor([0.8500, 1.0500])
     """
     return chain(
-        scale_by_adam(b1, b2, eps, moment_dtype=moment_dtype),
+        scale_by_adam(b1, b2, eps, eps_root, nesterov=nesterov, moment_dtype=moment_dtype),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )

@@ -1,17 +1,33 @@
 """Parameter groups, optax-style: ``masked``, ``multi_transform`` and ``set_to_zero``.
 
-A group is chosen by a tree with the structure of the parameters: Python bools for ``masked``,
-labels for ``multi_transform`` (or a callable ``params -> such a tree``, evaluated on the Python side
-when the step is traced, so it must depend on names, shapes and dtypes only, never on values). Each
-inner transformation sees a tree of the same structure in which the leaves outside its group are
+A group is chosen by a tree with the structure of the parameters, or a prefix of it, as in optax:
+Python bools for ``masked``, labels for ``multi_transform`` (or a callable ``params -> such a tree``,
+evaluated on the Python side when the step is traced, so it must depend on names, shapes and dtypes
+only, never on values). In a prefix, one value stands for a whole subtree: ``{"encoder": False,
+"decoder": True}`` masks every tensor of a nested ``{"encoder": {...}, "decoder": {...}}``. Dict keys are
+matched whole: funcamp's own parameters are usually a flat dict with dotted names (``"0.weight"``,
+``functionalize``'s), and there ``{"0": False}`` is refused (optax's trees are nested, so it never
+matches names by their dotted prefix either); write the flat tree, or a callable such as ``lambda params:
+{k: not k.startswith("0.") for k in params}``. What is neither the structure nor a prefix is refused with a
+``ValueError`` naming the path where the two differ.
+
+Each inner transformation sees a tree of the same structure in which the leaves outside its group are
 ``None`` (optree treats ``None`` as an empty node, so the inner transform neither visits them nor keeps
 state for them); optax puts its ``MaskedNode`` there. States are NamedTuples of the inner states, so
 they compose with ``chain``, compile with ``fullgraph=True``, and are kept bitwise by ``TrainState``
 on a skipped step like every other optimizer state.
 
-Nesting (a ``masked`` inside a ``multi_transform`` group, say) works the same way one level down:
-the inner mask or labels must have ``None`` where the tree it is given has ``None`` (a callable gets
-those leaves as ``None``), where optax accepts any value in place of its ``MaskedNode``.
+Nesting (a ``masked`` inside a ``multi_transform`` group, say) works the same way one level down: where
+the tree an inner mask or labels tree is matched against has ``None`` (a leaf outside the outer group),
+any value is accepted and ignored, as optax accepts any value in place of its ``MaskedNode``; a callable
+gets those leaves as ``None``.
+
+optax's ``update(updates, state, params, **extra_args)`` passes extra arguments (a loss value, say) down to
+the transforms that take them, and ``masked``/``multi_transform``'s ``mask_compatible_extra_args=True``
+masks those shaped like the parameters. funcamp's ``update(updates, state, params)`` takes none (hyperparameters
+and anything else a transform needs live in its closure), so there is nothing to mask:
+``mask_compatible_extra_args=False`` (optax's default) is accepted and changes nothing, ``True`` is refused
+with a ``ValueError``, and an extra argument to ``update`` with a ``TypeError``.
 
 This is what ``torch.optim``'s parameter groups do (``[{"params": ..., "lr": ...}, ...]``): e.g.
 no weight decay on biases and norms, another learning rate for a head, or frozen tensors.
@@ -77,7 +93,9 @@ def set_to_zero() -> GradientTransformation:
     return _flat.elementwise(_inplace.in_place(GradientTransformation(empty_init, update)))
 
 
-def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
+def masked(
+    inner: GradientTransformation, mask: Any, *, mask_compatible_extra_args: bool = False
+) -> GradientTransformation:
     """Apply ``inner`` to the leaves where ``mask`` is ``True``; pass the other updates through unchanged.
 
     ``inner`` sees trees (updates, params) in which the masked-out leaves are ``None``, so its state
@@ -86,15 +104,21 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
 
     Args:
       inner: the transformation to apply to the masked-in leaves.
-      mask: a tree of Python bools with the structure of the parameters, or a callable returning one
-        (called with ``params`` in ``init`` and with ``updates`` in ``update``, as optax does).
+      mask: a tree of Python bools with the structure of the parameters or a prefix of it (a bool for a whole
+        subtree; dict keys matched whole, not as dotted prefixes: see the module docstring), or a callable
+        returning one (called with ``params`` in ``init`` and with ``updates`` in ``update``, as optax does).
+      mask_compatible_extra_args: keyword-only, optax's; ``False`` (the default) only: funcamp's ``update``
+        takes no extra arguments, so there are none to mask (module docstring).
     Returns:
       A ``GradientTransformation`` with a ``MaskedState``; the updates keep the structure of the input.
     Raises:
-      TypeError: if ``inner`` is not a ``GradientTransformation`` or ``mask`` is neither a tree nor callable.
-      ValueError: (from ``init``/``update``) if the mask tree's structure differs from the parameters'.
+      TypeError: if ``inner`` is not a ``GradientTransformation``.
+      TypeError: if ``mask_compatible_extra_args`` is not a bool; ValueError: if it is ``True``.
+      ValueError: (from ``init``/``update``) if the mask tree is neither the parameters' structure nor a prefix
+        of it (the message names the path).
       TypeError: (from ``init``/``update``) if a mask leaf is not a Python bool (tensors are refused:
         a group must be known when the step is traced).
+      TypeError: (from ``update``) if it is given an extra argument (optax's ``**extra_args``).
 
     Example:
       >>> import torch
@@ -106,6 +130,7 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     """
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"masked: inner must be a GradientTransformation, got {type(inner).__name__}")
+    _check_extra_args_flag("masked", mask_compatible_extra_args)
 
     def flags(tree: Any) -> list[bool]:
         return _group_leaves("masked", "mask", mask, tree, _check_bool)
@@ -113,7 +138,10 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     def init(params: Params) -> MaskedState:
         return MaskedState(inner_state=_init_group(inner, params, flags(params)))
 
-    def update(updates: Updates, state: MaskedState, params: Params = None) -> tuple[Updates, MaskedState]:
+    def update(
+        updates: Updates, state: MaskedState, params: Params = None, **extra_args: Any
+    ) -> tuple[Updates, MaskedState]:
+        _refuse_extra_args("masked", extra_args)
         keep = flags(updates)
         out, inner_state = _update_group("masked", inner, updates, state.inner_state, params, keep)
         return _merge(updates, [(out, keep)]), MaskedState(inner_state=inner_state)
@@ -122,7 +150,12 @@ def masked(inner: GradientTransformation, mask: Any) -> GradientTransformation:
     return _outermost_if_inside(result, [inner])
 
 
-def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param_labels: Any) -> GradientTransformation:
+def multi_transform(
+    transforms: Mapping[Hashable, GradientTransformation],
+    param_labels: Any,
+    *,
+    mask_compatible_extra_args: bool = False,
+) -> GradientTransformation:
     """Give each group of parameters its own transformation, chosen by a label per parameter.
 
     Every parameter belongs to exactly one group: the leaves labelled ``k`` are updated by
@@ -133,18 +166,24 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param
     Args:
       transforms: a mapping ``label -> GradientTransformation``.
       param_labels: a tree of labels (hashable Python values such as strings) with the structure of the
-        parameters, or a callable returning one (called with ``params`` in ``init`` and with ``updates``
-        in ``update``, as optax does).
+        parameters or a prefix of it (one label for a whole subtree, as optax's; dict keys matched whole, not
+        as dotted prefixes: see the module docstring), or a callable returning one (called with ``params`` in
+        ``init`` and with ``updates`` in ``update``, as optax does).
+      mask_compatible_extra_args: keyword-only, optax's; ``False`` (the default) only: funcamp's ``update``
+        takes no extra arguments, so there are none to mask (module docstring).
     Returns:
       A ``GradientTransformation`` with a ``MultiTransformState`` (one inner state per label, in the
       order of ``transforms``).
     Raises:
       TypeError: if ``transforms`` is not a non-empty mapping of ``GradientTransformation`` objects.
-      ValueError: (from ``init``/``update``) if the labels tree's structure differs from the parameters'.
+      TypeError: if ``mask_compatible_extra_args`` is not a bool; ValueError: if it is ``True``.
+      ValueError: (from ``init``/``update``) if the labels tree is neither the parameters' structure nor a
+        prefix of it (the message names the path).
       ValueError: (from ``init``/``update``) if a parameter's label has no transformation (the message
         names the parameter, its label and the labels that have one).
       TypeError: (from ``init``/``update``) if a label is a tensor or not hashable.
       ValueError: (from ``update``) if the state's labels differ from ``transforms``'.
+      TypeError: (from ``update``) if it is given an extra argument (optax's ``**extra_args``).
 
     Example:
       >>> import torch
@@ -170,6 +209,7 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param
                 f"multi_transform: transforms[{label!r}] must be a GradientTransformation, got {type(t).__name__}"
             )
     transforms = dict(transforms)
+    _check_extra_args_flag("multi_transform", mask_compatible_extra_args)
 
     def groups(tree: Any) -> dict[Hashable, list[bool]]:
         labels = _group_leaves("multi_transform", "param_labels", param_labels, tree, _check_label)
@@ -188,8 +228,9 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param
         return MultiTransformState(inner_states={k: _init_group(t, params, by_label[k]) for k, t in transforms.items()})
 
     def update(
-        updates: Updates, state: MultiTransformState, params: Params = None
+        updates: Updates, state: MultiTransformState, params: Params = None, **extra_args: Any
     ) -> tuple[Updates, MultiTransformState]:
+        _refuse_extra_args("multi_transform", extra_args)
         if not isinstance(state, MultiTransformState) or set(state.inner_states) != set(transforms):
             got = list(state.inner_states) if isinstance(state, MultiTransformState) else type(state).__name__
             raise ValueError(
@@ -225,6 +266,25 @@ def _check_label(fn: str, path: Callable[[], str], x: Any) -> None:
         )
 
 
+def _check_extra_args_flag(fn: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: mask_compatible_extra_args must be a bool (True or False), got {value!r}")
+    if value:
+        raise ValueError(
+            f"{fn}: mask_compatible_extra_args=True has nothing to mask: funcamp's update(updates, state, params) "
+            "takes no extra arguments (optax's **extra_args); put what a transform needs in its closure, and drop "
+            "the argument (False, optax's default, is accepted)"
+        )
+
+
+def _refuse_extra_args(fn: str, extra_args: dict[str, Any]) -> None:
+    if extra_args:
+        raise TypeError(
+            f"{fn}: update takes (updates, state, params) and no extra arguments (optax's **extra_args), got "
+            f"{sorted(extra_args)}; put what a transform needs in its closure"
+        )
+
+
 Check = Callable[[str, Callable[[], str], Any], None]
 
 
@@ -235,21 +295,14 @@ def _group_leaves(fn: str, name: str, spec: Any, tree: Any, check: Check) -> lis
 
 
 def _evaluated_leaves(fn: str, name: str, spec: Any, tree: Any, check: Check) -> list[Any]:
+    """The values of ``spec`` (or of ``spec(tree)``), one per leaf of ``tree``, each checked.
+
+    ``spec`` has ``tree``'s structure or is a prefix of it (:func:`funcamp._tree.prefix_leaves`: a plain-Python
+    walk, which Dynamo traces; Dynamo cannot flatten a dict of Python values such as bools and strings).
+    """
     if callable(spec):
         spec = spec(tree)
-    fast = _tree.flatten_same(tree, spec)  # traced: plain containers of one structure (see _flatten)
-    if fast is not None:
-        leaves = fast[0][1]
-    else:
-        tree_def = _tree.tree_structure(tree)
-        # flatten_up_to, not tree_flatten: dynamo cannot flatten a dict of Python values (bools, strings).
-        try:
-            leaves = tree_def.flatten_up_to(spec)
-        except (ValueError, TypeError) as error:
-            raise ValueError(
-                f"{fn}: {name} must have the structure of the parameters (one entry per parameter), got {spec!r} "
-                f"for parameters {tree_def} ({error})"
-            ) from None
+    leaves = _tree.prefix_leaves(spec, tree, fn, name)
     for i, x in enumerate(leaves):
         check(fn, lambda i=i: _tree.tree_paths(tree)[i], x)
     return leaves

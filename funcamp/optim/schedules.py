@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from funcamp.optim.base import check_real, check_steps
+from funcamp.optim.base import check_positive, check_real, check_steps
 
 __all__ = ["Schedule", "constant", "cosine_decay", "linear_schedule", "linear_warmup", "warmup_cosine_decay"]
 
@@ -107,22 +107,27 @@ def linear_warmup(init_value: float, peak_value: float, warmup_steps: int) -> Sc
     return linear_schedule(init_value, peak_value, warmup_steps)
 
 
-def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
+def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0, exponent: float = 1.0) -> Schedule:
     r"""Return a cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps``.
 
-    .. math:: \eta(t) = \eta_0 \left((1 - \alpha)\,\tfrac12\left(1 + \cos(\pi \min(t, T) / T)\right)
-       + \alpha\right)
+    .. math:: \eta(t) = \eta_0 \left((1 - \alpha)\left[\tfrac12\left(1 + \cos(\pi \min(t, T) / T)\right)
+       \right]^p + \alpha\right)
+
+    As optax's ``cosine_decay_schedule(init_value, decay_steps, alpha, exponent)``, same positional order.
 
     Args:
       init_value: the rate at step 0.
       decay_steps: ``T``, an integer >= 1; the rate stays at ``alpha * init_value`` after it.
       alpha: the final rate as a fraction of ``init_value``, in [0, 1].
+      exponent: ``p``, a finite number > 0 (default 1: the plain cosine); > 1 decays faster at first.
     Returns:
       ``schedule(count) -> 0-d float32 tensor``.
     Raises:
       ValueError: if ``init_value`` is not a finite real number.
       ValueError: if ``decay_steps`` is not an integer >= 1.
       ValueError: if ``alpha`` is not in [0, 1].
+      ValueError: if ``exponent`` is not a finite number > 0 (optax accepts any: ``p = 0`` is a constant rate,
+        ``p < 0`` is infinite at step ``T``).
     References:
       Loshchilov & Hutter 2017, "SGDR: Stochastic Gradient Descent with Warm Restarts",
       arXiv:1608.03983.
@@ -138,31 +143,46 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Sch
     if not 0.0 <= check_real(fn, "alpha", alpha) <= 1.0:
         raise ValueError(f"{fn}: alpha must be in [0, 1], got {alpha!r}")
     alpha = float(alpha)
+    exponent = check_positive(fn, "exponent", exponent)
 
     def schedule(count: torch.Tensor | int) -> torch.Tensor:
         frac = (_float_count(count) / steps).clamp(0.0, 1.0)
-        cosine = 0.5 * (1.0 + torch.cos(math.pi * frac))
+        cosine = _power(0.5 * (1.0 + torch.cos(math.pi * frac)), exponent)
         return init_value * ((1.0 - alpha) * cosine + alpha)
 
     return schedule
 
 
 def warmup_cosine_decay(
-    peak_value: float, warmup: int, total: int, *, init_value: float = 0.0, end_value: float = 0.0
+    peak_value: float,
+    warmup: int,
+    total: int,
+    *,
+    init_value: float = 0.0,
+    end_value: float = 0.0,
+    exponent: float = 1.0,
 ) -> Schedule:
     r"""Return a linear warmup to ``peak_value`` followed by a cosine decay to ``end_value``.
 
-    With ``W = warmup`` and ``D = total - warmup``:
+    With ``W = warmup``, ``D = total - warmup`` and ``p = exponent``:
 
     .. math:: \eta(t) = \begin{cases}
        \eta_0 + (\eta_p - \eta_0)\, t / W & t < W \\
-       \eta_e + (\eta_p - \eta_e)\,\tfrac12\left(1 + \cos(\pi \min(t - W, D) / D)\right) & t \ge W
+       \eta_e + (\eta_p - \eta_e)\left[\tfrac12\left(1 + \cos(\pi \min(t - W, D) / D)\right)\right]^p
+       & t \ge W
        \end{cases}
 
-    ``total`` counts the warmup steps, as optax's ``decay_steps`` does; the rate is ``end_value`` from
-    step ``total`` on. ``init_value`` and ``end_value`` are keyword-only: optax's
-    ``warmup_cosine_decay_schedule`` takes ``init_value`` first, so a call in its order is refused rather
-    than read as another schedule.
+    This is optax's ``warmup_cosine_decay_schedule(init_value, peak_value, warmup_steps, decay_steps,
+    end_value, exponent)`` with ``decay_steps = total``: ``total`` counts the warmup steps, as optax's
+    ``decay_steps`` does, and the rate is ``end_value`` from step ``total`` on. ``init_value``,
+    ``end_value`` and ``exponent`` are keyword-only: optax's function takes ``init_value`` first, so a call
+    in its order is refused rather than read as another schedule.
+
+    A ``peak_value`` of 0 with ``end_value`` 0 is 0 from step ``W`` on (and during warmup the line from
+    ``init_value`` to 0), as optax's. A ``peak_value`` of 0 with another ``end_value`` is refused: optax
+    then drops ``end_value`` (its decay is ``peak * ((1 - alpha) c + alpha)`` with ``alpha = end / peak``,
+    which it sets to 0 for a zero peak) and is 0 after warmup, where the formula above would rise to
+    ``end_value``; neither answer is what such a call means, so say which you want.
 
     Args:
       peak_value: the rate at the end of warmup.
@@ -170,12 +190,15 @@ def warmup_cosine_decay(
       total: the step at which the decay ends, an integer > ``warmup``.
       init_value: keyword-only, the rate at step 0 (default 0).
       end_value: keyword-only, the rate at step ``total`` and after (default 0).
+      exponent: keyword-only, ``p``, a finite number > 0 (default 1: the plain cosine), as optax's.
     Returns:
       ``schedule(count) -> 0-d float32 tensor``.
     Raises:
       ValueError: if ``peak_value``, ``init_value`` or ``end_value`` is not a finite real number.
       ValueError: if ``warmup`` is not an integer >= 0.
       ValueError: if ``total`` is not an integer > ``warmup``.
+      ValueError: if ``exponent`` is not a finite number > 0.
+      ValueError: if ``peak_value`` is 0 and ``end_value`` is not (see above).
 
     Example:
       >>> from funcamp.optim import warmup_cosine_decay
@@ -194,6 +217,14 @@ def warmup_cosine_decay(
             f"{fn}: total must be greater than warmup (it counts the warmup steps), got "
             f"total={total} and warmup={warmup}"
         )
+    exponent = check_positive(fn, "exponent", exponent)
+    if peak_value == 0.0 and end_value != 0.0:
+        raise ValueError(
+            f"{fn}: peak_value=0 with end_value={end_value!r} is refused: optax's warmup_cosine_decay_schedule "
+            "drops end_value when the peak is 0 (its rate is 0 after warmup), while this schedule would rise "
+            f"from 0 to {end_value!r}. Pass end_value=0 for optax's numbers (0 after warmup), or write the rise "
+            "as a schedule of your own (any function count -> 0-d float32 tensor)"
+        )
     decay = total - warmup
 
     def schedule(count: torch.Tensor | int) -> torch.Tensor:
@@ -203,7 +234,13 @@ def warmup_cosine_decay(
         else:
             warm = torch.full_like(t, peak_value)
         frac = ((t - warmup) / decay).clamp(0.0, 1.0)
-        cool = end_value + (peak_value - end_value) * 0.5 * (1.0 + torch.cos(math.pi * frac))
+        cosine = _power(0.5 * (1.0 + torch.cos(math.pi * frac)), exponent)
+        cool = end_value + (peak_value - end_value) * cosine
         return torch.where(t < warmup, warm, cool)
 
     return schedule
+
+
+def _power(cosine: torch.Tensor, exponent: float) -> torch.Tensor:
+    """``cosine ** exponent``; the plain cosine, untouched, for the default exponent 1 (``cosine >= 0``)."""
+    return cosine if exponent == 1.0 else cosine.pow(exponent)

@@ -164,6 +164,7 @@ def scale_by_adam(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     *,
+    nesterov: bool = False,
     moment_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     r"""Rescale updates by Adam's bias-corrected moment estimates.
@@ -173,7 +174,13 @@ def scale_by_adam(
     .. math::
        m_t = \beta_1 m_{t-1} + (1 - \beta_1) g, \qquad v_t = \beta_2 v_{t-1} + (1 - \beta_2) g^2,
 
-       u = \frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t) + \epsilon_{root}} + \epsilon}
+       u = \frac{\hat m_t}{\sqrt{v_t / (1 - \beta_2^t) + \epsilon_{root}} + \epsilon}, \qquad
+       \hat m_t = m_t / (1 - \beta_1^t)
+
+    and with ``nesterov=True`` (NAdam, Dozat 2016, in optax's form):
+    ``\hat m_t = \beta_1 m_t / (1 - \beta_1^{t+1}) + (1 - \beta_1) g / (1 - \beta_1^t)``, without
+    Dozat's extra factor ``\beta_2`` on ``v``. That is ``optax.scale_by_adam(nesterov=True)`` (``optax.nadam``),
+    not ``torch.optim.NAdam``, whose momentum decays on a schedule (``momentum_decay``).
 
     The bias corrections are 0-d float32 tensors computed from the step count, so a compiled step
     does not recompile as it advances.
@@ -182,7 +189,9 @@ def scale_by_adam(
       b1: ``beta_1``, the decay of the first moment, in [0, 1).
       b2: ``beta_2``, the decay of the second moment, in [0, 1).
       eps: added to the denominator outside the square root, >= 0.
-      eps_root: added inside the square root, >= 0 (useful when differentiating through the update).
+      eps_root: added inside the square root, >= 0 (useful when differentiating through the update), as
+        optax's ``eps_root``: ``sqrt(v_hat + eps_root)``, with ``v_hat`` the bias-corrected second moment.
+      nesterov: keyword-only (as optax's), a bool: Nesterov momentum (NAdam), above.
       moment_dtype: dtype of both moments (e.g. ``torch.bfloat16`` to halve their memory); ``None``
         (default): float32 for float16 and bfloat16 parameters, else the parameter's dtype (see the
         moment rule in the module docstring: a float16 ``v`` flushes ``g**2`` to 0 for ``|g| < 2**-12``).
@@ -193,9 +202,11 @@ def scale_by_adam(
     Raises:
       ValueError: if ``b1`` or ``b2`` is not in [0, 1).
       ValueError: if ``eps`` or ``eps_root`` is negative or not finite.
+      TypeError: if ``nesterov`` is not a bool.
       ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
     References:
       Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization", arXiv:1412.6980.
+      Dozat 2016, "Incorporating Nesterov Momentum into Adam", ICLR workshop.
 
     Example:
       >>> import torch
@@ -209,6 +220,7 @@ def scale_by_adam(
     fn = "scale_by_adam"
     b1, b2 = check_beta(fn, "b1", b1), check_beta(fn, "b2", b2)
     eps, eps_root = check_nonnegative(fn, "eps", eps), check_nonnegative(fn, "eps_root", eps_root)
+    nesterov = check_bool(fn, "nesterov", nesterov)
     moment_dtype = check_dtype(fn, moment_dtype)
 
     def init(params: Params) -> ScaleByAdamState:
@@ -222,6 +234,7 @@ def scale_by_adam(
         t = count.to(torch.float32)
         bc1, bc2 = _bias_correction(b1, t), _bias_correction(b2, t)
         bc2_sqrt = bc2.sqrt()
+        bc1_next = _bias_correction(b1, t + 1.0) if nesterov else bc1
 
         def leaf(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
             c = compute_dtype(g.dtype, m.dtype)
@@ -230,7 +243,9 @@ def scale_by_adam(
             v_c = v.to(c).mul(b2).addcmul(g_c, g_c, value=1.0 - b2)
             # sqrt(v / bc2 + eps_root), written as torch.optim writes it when eps_root == 0.
             denom = (v_c + eps_root * bc2).sqrt() / bc2_sqrt + eps
-            u = ((m_c / bc1) / denom).to(g.dtype)
+            # NAdam (optax's form): b1 * m / (1 - b1**(t+1)) + (1 - b1) * g / (1 - b1**t).
+            m_hat = (m_c / bc1_next) * b1 + (g_c / bc1) * (1.0 - b1) if nesterov else m_c / bc1
+            u = (m_hat / denom).to(g.dtype)
             # In a donating eager step: u into g's buffer, the moments into the donated ones (funcamp.optim._inplace).
             return _inplace.reuse(g, u), _inplace.write(m, m_c.to(m.dtype)), _inplace.write(v, v_c.to(v.dtype))
 
@@ -360,14 +375,17 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
 
     Args:
       weight_decay: ``lambda``, >= 0.
-      mask: ``None`` (decay every leaf), or a tree of Python bools with the structure of params, or a
-        callable ``params -> such a tree``; leaves marked ``False`` are passed through.
+      mask: ``None`` (decay every leaf), or a tree of Python bools with the structure of params or a prefix
+        of it (one bool for a whole subtree, as optax's; dict keys matched whole, not as dotted prefixes: see
+        ``funcamp.optim.groups``), or a callable ``params -> such a tree``; leaves marked ``False`` are passed
+        through.
     Returns:
       A ``GradientTransformation`` with an ``EmptyState``; ``update`` needs ``params``.
     Raises:
       ValueError: if ``weight_decay`` is negative or not finite.
       ValueError: (from ``update``) if ``params`` is ``None`` and ``weight_decay > 0``.
       TypeError: (from ``update``) if a mask leaf is not a Python bool.
+      ValueError: (from ``update``) if the mask is neither the structure of params nor a prefix of it.
 
     Example:
       >>> import torch
@@ -398,10 +416,11 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
 
         def evaluate() -> list[Any]:  # one value per leaf of params (over flat buffers: theirs, _flat)
             tree_mask = mask(params) if callable(mask) else mask
-            return _tree.tree_leaves(_tree.tree_map(lambda p, keep: keep, params, tree_mask))
+            return _tree.prefix_leaves(tree_mask, params, "add_decayed_weights", "mask")  # optax's prefix trees
 
-        keep = iter(_flat.leaf_values(mask, params, evaluate))
-        return _tree.tree_map(lambda u, p: masked(u, p, next(keep)), updates, params), state
+        keep = _flat.leaf_values(mask, params, evaluate)
+        (out,) = _map_n(1, lambda i, u, p: (masked(u, p, keep[i]),), updates, params, indexed=True)
+        return out, state
 
     return _flat.elementwise(_inplace.in_place(GradientTransformation(empty_init, update)))
 
