@@ -319,7 +319,13 @@ def inductor_runs():
     """DeepNet (dropout on, fp8 delayed) trained 2 AdamW steps by the inductor-compiled step, without remat,
     with every block checkpointed, and the same with budget 0.5: per run, the states after each step, the
     post-grad graph before RematPass and after, the nodes it added, the compiles, and the peak bytes a step
-    allocated. Caches off: the remat tags are not in their keys."""
+    allocated. Caches off: the remat tags are not in their keys.
+
+    One thread: with more, inductor splits a bias gradient's sum over the rows among the threads or not
+    depending on the kernel it is fused into, and the flat step's gradient concat fuses differently with and
+    without remat (measured with 2 threads: 5 bias gradients 1 float32 ulp apart after a step, every other leaf
+    equal; with one thread every sum runs in row order and all leaves are equal). The remat choice, not the
+    thread split, is what this compares."""
     import sys
     from pathlib import Path
 
@@ -349,29 +355,34 @@ def inductor_runs():
         torch._functorch.config.patch(enable_autograd_cache=False),
     ):
         mp.setattr(passes.RematPass, "__call__", counting)
-        for remat in (None, Fp8Block, HALF):
-            torch._dynamo.reset()
-            apply_fn, params, buffers = functionalize(
-                DeepNet().train(), "p=f32,c=f32,o=f32", remat=remat, with_buffers=True
-            )
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for remat in (None, Fp8Block, HALF):
+                torch._dynamo.reset()
+                apply_fn, params, buffers = functionalize(
+                    DeepNet().train(), "p=f32,c=f32,o=f32", remat=remat, with_buffers=True
+                )
 
-            def loss_fn(p, b, x, f=apply_fn):
-                out, new = f(p, b, x)
-                return out.square().mean(), new
+                def loss_fn(p, b, x, f=apply_fn):
+                    out, new = f(p, b, x)
+                    return out.square().mean(), new
 
-            opt = optim.adamw(1e-2)
-            step = fa.make_train_step(loss_fn, opt)
-            state = fa.TrainState.create(params, opt, buffers=buffers)
-            torch.manual_seed(5)
-            states = []
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", fa.fp8.Fp8FallbackWarning)
-                for i in range(2):
-                    state, _ = step(state, x[i])
-                    states.append(state)
-                box = [state]
-                peak, _ = profiled_step(lambda box=box, step=step: box.__setitem__(0, step(box[0], x[2])[0]))
-            runs[remat] = {"states": states, "graph": graphs[-1], "pre": pre[-1], "made": made[-1], "peak": peak}
+                opt = optim.adamw(1e-2)
+                step = fa.make_train_step(loss_fn, opt)
+                state = fa.TrainState.create(params, opt, buffers=buffers)
+                torch.manual_seed(5)
+                states = []
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", fa.fp8.Fp8FallbackWarning)
+                    for i in range(2):
+                        state, _ = step(state, x[i])
+                        states.append(state)
+                    box = [state]
+                    peak, _ = profiled_step(lambda box=box, step=step: box.__setitem__(0, step(box[0], x[2])[0]))
+                runs[remat] = {"states": states, "graph": graphs[-1], "pre": pre[-1], "made": made[-1], "peak": peak}
+        finally:
+            torch.set_num_threads(threads)
         runs["compiles"] = len(made)
     return runs
 
