@@ -12,6 +12,9 @@ call is timed:
 
 * ``optimizer``: the main job's ``chain(clip_by_global_norm(1.0), adamw(warmup_cosine_decay(...),
   weight_decay=0.1, mask=matrices))`` over the model's float32 parameters: ``update`` then ``apply_updates``;
+* ``optimizer_flat``: the same optimizer as the compiled step runs it over flat buffers (``funcamp.train._flat``:
+  the gradients concatenated into one buffer per group, the masks replayed per buffer, ``update`` then
+  ``apply_updates`` on the buffers); with ``--baseline`` a checkout without the flat path has no such part;
 * ``check_select``: the step's verdict and commit: the per-leaf finite flags, the global norm (the ``grad_norm``
   metric) and the ``select_tree`` of new and old parameters and AdamW moments;
 * ``step``: ``funcamp.make_train_step`` with that optimizer (float32, no loss scale) on a batch of 32 x 128;
@@ -41,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("optimizer", "check_select", "step", "torch_optimizer")
+PARTS = ("optimizer", "optimizer_flat", "check_select", "step", "torch_optimizer")
 REFERENCE = "torch_optimizer"
 
 
@@ -148,6 +151,26 @@ def _build(part: str, size: str, stack_layers: bool = False) -> Any:
 
         compiled = torch.compile(update, fullgraph=True)
         return lambda: compiled(params, state, grads)
+    if part == "optimizer_flat":
+        from funcamp.optim import _flat as flat_opt
+        from funcamp.train import _flat
+
+        opt = _main_job_optimizer(params)
+        layout = _flat.layout_for(params, opt)
+        if layout is None:
+            raise RuntimeError("optimizer_flat: this checkout's flat layout refuses the main job's optimizer")
+        packed = layout.pack(fa.TrainState.create(params, opt))
+        if packed is None:
+            raise RuntimeError("optimizer_flat: the state does not pack into the layout")
+        flat_state = packed[0]
+
+        def flat_update(buffers: dict, state: Any, grads: dict) -> Any:
+            flat_grads = layout.flat(grads)
+            updates, new_state = flat_opt.replaying(layout.replay, opt.update, flat_grads, state, buffers)
+            return optim.apply_updates(buffers, updates), new_state
+
+        compiled = torch.compile(flat_update, fullgraph=True)
+        return lambda: compiled(flat_state.params.buffers, flat_state.opt_state, grads)
     if part == "check_select":
         opt = _main_job_optimizer(params)
         state = opt.init(params)
@@ -231,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     runs: list[tuple[str, Path]] = [(x, ROOT) for x in args.parts]
     if args.baseline:
-        runs += [(f"{x}@base", Path(args.baseline)) for x in args.parts if x != REFERENCE]
+        runs += [(f"{x}@base", Path(args.baseline)) for x in args.parts if x not in (REFERENCE, "optimizer_flat")]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in runs}
     print(f"load average at start: {os.getloadavg()}", flush=True)
     for r in range(args.repeats):

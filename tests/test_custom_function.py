@@ -299,6 +299,9 @@ def test_user_checkpoint_with_dropout_trains_as_before(monkeypatch):
     graph with a traced torch.autograd.grad, stays off in the step (planted on: "does not support RNG ops in
     recompute regions")."""
     start, new = _train_checkpointed(0.5, "aot_eager")
+    from funcamp.nn import _remat
+
+    _remat._warned = False  # said once a process: another test in this process may have made it say so
     with pytest.warns(RematInactiveWarning):  # torch.func's route: torch.utils.checkpoint cannot recompute there
         _, old = _train_checkpointed(0.5, "aot_eager", grad._func_route, monkeypatch)
     for k in new:
