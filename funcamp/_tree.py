@@ -33,6 +33,7 @@ __all__ = [
     "global_norm",
     "is_floating",
     "norm_dtype",
+    "norm_of_scaled",
     "prefix_leaves",
     "rebuilder",
     "scaled_global_norm",
@@ -820,7 +821,12 @@ def global_norm(tree: Any) -> torch.Tensor:
       TypeError: if a leaf is not a tensor, or is a quantized tensor or a tensor of an unsupported
         layout; the message names the leaf.
     """
-    t, s = scaled_global_norm(tree)
+    return norm_of_scaled(*scaled_global_norm(tree))
+
+
+def norm_of_scaled(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The norm ``t / s`` of :func:`scaled_global_norm`'s ``(t, s)``, a finite one clamped to the dtype's largest
+    finite value (:func:`global_norm`'s result), NaN or inf where ``t`` is."""
     return torch.where(torch.isfinite(t), (t / s).clamp(max=torch.finfo(t.dtype).max), t)
 
 

@@ -162,8 +162,7 @@ class SingleProcess:
         """``(finite, flags, grad_norm)``: every gradient and the loss finite (0-d bool), one flag per floating
         leaf (1-d bool, tree order), the global L2 norm (:func:`funcamp.global_norm`)."""
         flags = _tree.finite_flags(grads)
-        t, s = self.scaled_global_norm(grads)  # within a step, the one clip_by_global_norm reads (NormMemo)
-        norm = torch.where(torch.isfinite(t), (t / s).clamp(max=torch.finfo(t.dtype).max), t)  # _tree.global_norm
+        norm = _tree.norm_of_scaled(*self.scaled_global_norm(grads))  # within a step, the clip's too (NormMemo)
         return self._agree(flags.all() & torch.isfinite(loss)), flags, norm
 
     def _agree(self, finite: torch.Tensor) -> torch.Tensor:
