@@ -2,7 +2,7 @@
 
     python benchmarks/bench_locality.py --model gpt --rounds 8
 
-The compiled step turns the pass off (``funcamp.train._step._inductor_options``: inductor takes the one
+The compiled step turns the pass off (``funcamp.train._assemble.inductor_options``: inductor takes the one
 forward-and-backward graph for an inference graph and moved every weight gradient's matmul to the end of the
 backward, which costs memory; see docs/memory.md). This checks that turning it off costs no time: the same
 model (``bench_memory.make``), ``make_train_step(donate=True)`` with bfloat16 compute, built twice with the
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import bench_memory  # noqa: E402
 
-import funcamp.train._step as step_module  # noqa: E402
+import funcamp.train._assemble as step_module  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
@@ -35,16 +35,16 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    options = step_module._inductor_options
+    options = step_module.inductor_options
     steps = {}
     try:
         for name, on in (("off", False), ("on", True)):
-            step_module._inductor_options = lambda on=on: {**(options() or {}), "reorder_for_locality": on}
+            step_module.inductor_options = lambda on=on: {**(options() or {}), "reorder_for_locality": on}
             model, batches, loss = bench_memory.make(args.model, torch.device("cpu"))
             step = bench_memory.build("funcamp_compiled_donate", model, loss, torch.bfloat16, "inductor")
             steps[name] = (step, batches(1 + 3 * args.rounds))
     finally:
-        step_module._inductor_options = options
+        step_module.inductor_options = options
     for name, (step, data) in steps.items():
         t0 = time.perf_counter()
         step(data[0])

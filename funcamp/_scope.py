@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-__all__ = ["GathersAtUse", "Scope", "StepLayout", "current", "within"]
+__all__ = ["GathersAtUse", "Scope", "StepLayout", "compiling", "current", "in_step", "step_plan", "within"]
 
 R = TypeVar("R")
 
@@ -91,3 +91,26 @@ def within(layout: StepLayout, fn: Callable[..., R], /, *args: Any, **kwargs: An
 def current() -> StepLayout | None:
     """The layout of the innermost :func:`within`, or None outside every step."""
     return _LAYOUT.current()
+
+
+_STEP = Scope()
+
+
+def in_step(plan: Any, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs)`` as the body of an assembled step of ``plan`` (``funcamp.train.assemble``'s
+    :class:`funcamp.train.StepPlan`: ``plan.compiled`` says whether it is being traced for ``torch.compile``)."""
+    return _STEP.within(plan, fn, *args, **kwargs)
+
+
+def step_plan() -> Any:
+    """The plan of the assembled step whose body is running (or being traced), or None outside every one."""
+    return _STEP.current()
+
+
+def compiling() -> bool:
+    """Whether the code runs in a compiled step, as it is traced: the assembled step's plan decides (made once,
+    when the step was built); outside every assembled step (a model called under the user's own
+    ``torch.compile``), whether ``torch.compile`` is tracing. The one compiled-or-eager question funcamp's
+    modules ask (``docs/internals.md`` lists who asks)."""
+    plan = _STEP.current()
+    return torch.compiler.is_compiling() if plan is None else plan.compiled

@@ -314,6 +314,7 @@ def telemetry_metrics(
     loss_scale: torch.Tensor,
     config: Telemetry,
     active: torch.Tensor | None = None,
+    params_of: Any = None,
 ) -> dict[str, torch.Tensor]:
     """The telemetry metrics of one step's gradients (traceable; no host sync when compiled).
 
@@ -324,6 +325,9 @@ def telemetry_metrics(
       config: a :class:`Telemetry`.
       active: a 0-d bool tensor: compute now (True) or return zeros (False), with :func:`torch.cond`
         when compiling (eagerly: a Python branch, one host read); ``None``: always compute.
+      params_of: ``params_of(params) -> the parameter tree``, for ``params`` held otherwise (a flat state's
+        buffers, ``state.storage.tree``): the buffers go into ``torch.cond``, which refuses aliased operands
+        (views of one buffer), and the views are made inside it. Default: ``params`` is the tree.
     Returns:
       ``{"numerics/active": 0-d bool, "numerics/<group>/<name>": 0-d float32 or, for
       ``grad_log2_hist``, an int64 vector of :data:`HISTOGRAM_BINS` counts}``, on the gradients'
@@ -337,6 +341,8 @@ def telemetry_metrics(
       >>> [m[f"numerics/all/{k}"].item() for k in ("float16/underflow", "float16/overflow", "grad_zeros")]
       [0.25, 0.25, 0.25]
     """
+    held, params_of = params, params_of or (lambda tree: tree)
+    params = params_of(held)
     g_leaves = [x for x in _tree.tree_leaves(grads) if _is_float(x)]
     w_leaves = [x for x in _tree.tree_leaves(params) if _is_float(x)]
     if len(g_leaves) != len(w_leaves):
@@ -348,9 +354,11 @@ def telemetry_metrics(
         return {"numerics/active": torch.ones((), dtype=torch.bool) if active is None else active}
     groups = group_names(params, config.group_depth)
     scale = loss_scale.detach().float().to(g_leaves[0].device)
-    args = (g_leaves, w_leaves, scale)
+    held_leaves, held_spec = _tree.tree_flatten(held)
+    args = (g_leaves, held_leaves, scale)
 
     def compute(g: list[torch.Tensor], w: list[torch.Tensor], s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w = [x for x in _tree.tree_leaves(params_of(_tree.tree_unflatten(held_spec, w))) if _is_float(x)]
         return _compute(g, w, s, config, groups)
 
     def skip(g: list[torch.Tensor], w: list[torch.Tensor], s: torch.Tensor) -> tuple[torch.Tensor, ...]:

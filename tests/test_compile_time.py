@@ -197,7 +197,7 @@ def test_compiled_train_step_bitwise_equal_to_eager() -> None:
         assert x.dtype == y.dtype and torch.equal(x, y) or torch.equal(x.isnan(), y.isnan())
 
 
-# --- the compiled step's inductor options (funcamp.train._inductor_options) --------------------------------
+# --- the compiled step's inductor options (funcamp.train.inductor_options) --------------------------------
 
 
 def test_compiled_step_graph_is_cacheable_by_aot_autograd() -> None:
@@ -206,9 +206,9 @@ def test_compiled_step_graph_is_cacheable_by_aot_autograd() -> None:
     from torch._functorch._aot_autograd.autograd_cache import check_node_safe
     from torch._inductor import config as inductor_config
 
-    from funcamp.train import _inductor_options
+    from funcamp.train import inductor_options
 
-    marked = _inductor_options()["unsafe_marked_cacheable_functions"]
+    marked = inductor_options()["unsafe_marked_cacheable_functions"]
     assert "torch._tensor.split" in marked and set(marked.values()) == {torch.__version__}
 
     class Split(torch.nn.Module):

@@ -154,7 +154,10 @@ def test_resume_from_checkpoint_stays_bitwise(tmp_path):
     S._assert_bitwise(state, pure[-1][0], "resumed")
 
 
-def test_tensors_that_must_not_be_written_are_refused():
+def test_tensors_that_must_not_be_written_are_refused(monkeypatch):
+    """A state kept leaf by leaf holds the tensors it was given: one twice, or a module's own, is refused. (A flat
+    state copies them into its buffers at TrainState.create; replaced by hand, they are refused the same way.)"""
+    monkeypatch.setenv("FUNCAMP_FLAT", "off")
     step = fa.make_train_step(S.mean_loss(torch.float32), optim.sgd(0.1), compile=False, donate=True)
     w = torch.randn(6, 8)
     params = {"w1": w, "b1": torch.zeros(8), "w2": torch.randn(8, 3)}
@@ -166,11 +169,18 @@ def test_tensors_that_must_not_be_written_are_refused():
     with pytest.raises(ValueError, match=r"'params.b1' is an nn.Parameter"):
         step(owned, S._batches(False)[0])
     assert torch.equal(params["w1"], w)  # nothing was written
+    monkeypatch.delenv("FUNCAMP_FLAT")
+    flat = fa.TrainState.create(params, optim.sgd(0.1))
+    assert flat.storage.kind == "flat"
+    replaced = flat.replace(params=dict(flat.params, w1=w, b1=w[0]))  # two replaced leaves on one tensor
+    with pytest.raises(ValueError, match=r"state leaves .*'params.b1'.* and .*'params.w1'.* share storage"):
+        step(replaced, S._batches(False)[0])
 
 
-def test_every_call_checks_its_state():
+def test_every_call_checks_its_state(monkeypatch):
     """Found by a newcomer: only the first call was checked, so a later state holding one tensor twice was
     written twice, silently. Each call is checked now."""
+    monkeypatch.setenv("FUNCAMP_FLAT", "off")  # a flat state copies the given tensors: nothing shared
     step = fa.make_train_step(S.mean_loss(torch.float32), optim.sgd(0.1), compile=False, donate=True)
     step(fa.TrainState.create(S._params(), optim.sgd(0.1)), S._batches(False)[0])  # the first call passes
     w = torch.randn(6, 8)

@@ -1,6 +1,7 @@
-"""The flat-buffer optimizer path of the compiled step (funcamp/train/_flat.py, funcamp/optim/_flat.py).
+"""Flat storage (funcamp/train/_flat.py, funcamp/optim/_flat.py): laid out by TrainState.create, the optimizer run
+once per buffer in the compiled step.
 
-The oracle is the same compiled step run leaf by leaf (``layout_for`` made to return None): elementwise updates
+The oracle is the same compiled step over a state kept leaf by leaf (``FUNCAMP_FLAT=off``): elementwise updates
 are bitwise those; the global norm that clipping takes is summed per buffer instead of per leaf, and is held to
 the float64 norm of the same gradients. The leaf-by-leaf step is itself checked against torch (tests/test_train.py,
 tests/test_differential.py).
@@ -61,10 +62,11 @@ def _run(optimizer, *, flat, donate, monkeypatch):
     torch._dynamo.reset()
     with monkeypatch.context() as m:
         if not flat:
-            m.setattr(_flat, "layout_for", lambda *a: None)
+            m.setenv("FUNCAMP_FLAT", "off")
         state = fa.TrainState.create(
             {k: v.clone() for k, v in _PARAMS.items()}, optimizer, loss_scale=fa.DynamicLossScale(2.0**15)
         )
+        assert state.storage.kind == ("flat" if flat else "per leaf")
         step = fa.make_train_step(_loss, optimizer, backend=BACKEND, donate=donate)
         metrics = []
         for batch in _batches():
@@ -95,7 +97,7 @@ def test_flat_step_is_bitwise_the_leaf_by_leaf_step(name, monkeypatch):
     masks, labels, a schedule, momentum and compensations: bitwise the leaf-by-leaf compiled step's (the clip
     of the concatenated gradients takes the norm of the per-leaf ones, which the finite check took)."""
     optimizer = OPTIMIZERS[name]()
-    assert _flat.layout_for(_PARAMS, optimizer) is not None, "this optimizer runs flat"
+    assert isinstance(_flat.layout(_PARAMS, optimizer), _flat.Flat), "this optimizer runs flat"
     ref, ref_metrics = _run(optimizer, flat=False, donate=False, monkeypatch=monkeypatch)
     for donate in (False, True):
         got, metrics = _run(optimizer, flat=True, donate=donate, monkeypatch=monkeypatch)
@@ -106,30 +108,33 @@ def test_flat_step_is_bitwise_the_leaf_by_leaf_step(name, monkeypatch):
 
 
 def test_flat_state_is_views_of_one_buffer_and_calls_copy_nothing(monkeypatch, tmp_path):
-    """After the first call the state's tensors are views of one buffer per group; the next calls take those
-    buffers as they are (donating: the same memory each step) and a checkpoint of the state reads back equal."""
+    """TrainState.create lays the buffers out: the state's tensors are views of one buffer per group, equal to the
+    given parameters; the calls take those buffers as they are (donating: the same memory each step, no copy)
+    and a checkpoint of the state reads back equal, into the layout of the state it is loaded into."""
     optimizer = OPTIMIZERS["clip_adamw_mask_schedule"]()
-    state = fa.TrainState.create({k: v.clone() for k, v in _PARAMS.items()}, optimizer)
+    given = {k: v.clone() for k, v in _PARAMS.items()}
+    state = fa.TrainState.create(given, optimizer)
+    bases = {p._base.data_ptr() for p in state.params.values()}
+    assert len(bases) == 2, "two groups: decayed and not"
+    assert all(p._base is not None and torch.equal(p, given[k]) and p is not given[k] for k, p in state.params.items())
     step = fa.make_train_step(_loss, optimizer, backend=BACKEND, donate=True)
     batches = _batches()
-    state, _ = step(state, batches[0])
-    storages = {p.untyped_storage().data_ptr() for p in state.params.values()}
-    assert len(storages) == 2, "two groups: decayed and not"
     ptrs = {k: p.data_ptr() for k, p in state.params.items()}
-    packs = []
+    afters = []
     with monkeypatch.context() as m:
-        original = _flat.FlatLayout.pack
+        original = _flat.Flat.enter
 
-        def pack(self, s):
+        def enter(self, s):
             out = original(self, s)
-            packs.append(out[1])
+            afters.append(out[1])
             return out
 
-        m.setattr(_flat.FlatLayout, "pack", pack)
-        state, _ = step(state, batches[1])
-        state, _ = step(state, batches[3])
-    assert packs == [False, False], "no copy once the state is the buffers' views"
+        m.setattr(_flat.Flat, "enter", enter)
+        for batch in batches[:2]:
+            state, _ = step(state, batch)
+    assert afters == [_flat._nothing] * 2, "no copy: the state is the buffers' views"
     assert {k: p.data_ptr() for k, p in state.params.items()} == ptrs
+    assert {p._base.data_ptr() for p in state.params.values()} == bases
     before = _tree.tree_map(torch.clone, (state.params, state.opt_state))
     path = tmp_path / "state.ckpt"
     fa.checkpoint.save(path, state)
@@ -137,11 +142,20 @@ def test_flat_state_is_views_of_one_buffer_and_calls_copy_nothing(monkeypatch, t
     _assert_bitwise((loaded.params, loaded.opt_state), before, "checkpoint")
 
 
+def test_flat_off_keeps_the_given_tensors(monkeypatch):
+    """``FUNCAMP_FLAT=off``: the state holds the given tensors, each its own, and says why."""
+    monkeypatch.setenv("FUNCAMP_FLAT", "off")
+    given = {k: v.clone() for k, v in _PARAMS.items()}
+    state = fa.TrainState.create(given, OPTIMIZERS["clip_adamw_mask_schedule"]())
+    assert all(state.params[k] is given[k] for k in given)
+    assert state.storage.kind == "per leaf" and "FUNCAMP_FLAT=off" in state.storage.reason
+
+
 def test_flat_clip_norm_within_float32_of_float64(monkeypatch):
     """Clipping's global norm, summed per buffer: the clipped update equals the float64 clip of the same
     gradients within float32 round-off (the leaf-by-leaf order is another float32 rounding of the same sum)."""
     optimizer = optim.chain(optim.clip_by_global_norm(1e-3), optim.sgd(1.0))  # always clips
-    assert _flat.layout_for(_PARAMS, optimizer) is not None
+    assert isinstance(_flat.layout(_PARAMS, optimizer), _flat.Flat)
     batch = _batches()[0]
     params = {k: v.clone().requires_grad_() for k, v in _PARAMS.items()}
     g = torch.autograd.grad(_loss(params, batch), list(params.values()))
@@ -161,10 +175,10 @@ def test_what_runs_leaf_by_leaf():
         return updates, state
 
     user = optim.GradientTransformation(lambda p: (), user_update)
-    assert _flat.layout_for(_PARAMS, optim.chain(user, optim.sgd(1e-2))) is None
-    assert _flat.layout_for(_PARAMS, optim.stochastic_rounding(optim.sgd(1e-2))) is None
-    assert _flat.layout_for({"n": torch.zeros(3, dtype=torch.int64)}, optim.sgd(1e-2)) is None
-    assert _flat.layout_for({"s": torch.zeros(3, 3).to_sparse()}, optim.sgd(1e-2)) is None
+    assert "not marked elementwise" in _flat.layout(_PARAMS, optim.chain(user, optim.sgd(1e-2)))
+    assert "not marked elementwise" in _flat.layout(_PARAMS, optim.stochastic_rounding(optim.sgd(1e-2)))
+    assert "plain dense floating" in _flat.layout({"n": torch.zeros(3, dtype=torch.int64)}, optim.sgd(1e-2))
+    assert "plain dense floating" in _flat.layout({"s": torch.zeros(3, 3).to_sparse()}, optim.sgd(1e-2))
     by_value = optim.adamw(1e-2, mask=lambda p: _tree.tree_map(lambda x: bool(x.sum() > 0), p))
-    assert _flat.layout_for(_PARAMS, by_value) is None
-    assert _flat.layout_for(_PARAMS, optim.adamw(1e-2, mask=_DECAY)) is not None
+    assert isinstance(_flat.layout(_PARAMS, by_value), str)
+    assert isinstance(_flat.layout(_PARAMS, optim.adamw(1e-2, mask=_DECAY)), _flat.Flat)

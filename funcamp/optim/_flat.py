@@ -16,7 +16,7 @@ make that give the same numbers:
   device) share a buffer, and while the optimizer runs over the buffers each mask gives a buffer its leaves'
   value (:class:`Replay`). Masks and labels are read where they are evaluated, through :func:`leaf_values`.
 
-Both are dynamic scopes (:class:`funcamp._scope.Scope`): outside a layout's build and a flat update nothing
+Both are read from one dynamic scope (:class:`funcamp._scope.Scope`): outside a layout's build and a flat update nothing
 changes.
 """
 
@@ -25,13 +25,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from funcamp import _scope, _tree
 
 __all__ = ["Recording", "Replay", "elementwise", "leaf_values", "recording", "replaying", "runs_flat"]
 
 _FLAT = "_funcamp_elementwise"
-_RECORDING = _scope.Scope()
-_REPLAY = _scope.Scope()
+_SCOPE = _scope.Scope()  # a Recording while a layout is built, a Replay while the optimizer runs over buffers
 
 
 def elementwise(transform: Any, *inner: Any) -> Any:
@@ -83,10 +84,12 @@ class Replay:
 
     Args:
       values: ``id(spec) -> {buffer key: value}`` for every spec the layout's :class:`Recording` saw.
+      specs: those specs, held so that their ids stay theirs while the replay lives.
     """
 
-    def __init__(self, values: dict[int, dict[str, Any]]) -> None:
+    def __init__(self, values: dict[int, dict[str, Any]], specs: list[Any] = ()) -> None:
         self.values = values
+        self.specs = list(specs)
 
     def __call__(self, spec: Any, tree: Any) -> list[Any]:
         by_key = self.values.get(id(spec))
@@ -101,12 +104,12 @@ class Replay:
 
 def recording(record: Recording, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` with every :func:`leaf_values` evaluation recorded into ``record``."""
-    return _RECORDING.within(record, fn, *args, **kwargs)
+    return _SCOPE.within(record, fn, *args, **kwargs)
 
 
 def replaying(replay: Replay, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` over flat buffers: :func:`leaf_values` answers from ``replay``."""
-    return _RECORDING.within(None, _REPLAY.within, replay, fn, *args, **kwargs)
+    return _SCOPE.within(replay, fn, *args, **kwargs)
 
 
 def leaf_values(spec: Any, tree: Any, evaluate: Callable[[], list[Any]]) -> list[Any]:
@@ -116,11 +119,30 @@ def leaf_values(spec: Any, tree: Any, evaluate: Callable[[], list[Any]]) -> list
     checked); over flat buffers (:func:`replaying`) the recorded values of each buffer's leaves are returned
     instead, and while a layout is built (:func:`recording`) the computed ones are recorded by leaf name.
     """
-    replay = _REPLAY.current()
-    if replay is not None:
-        return replay(spec, tree)
-    values = evaluate()
-    record = _RECORDING.current()
-    if record is not None:
-        record.add(spec, _tree.tree_paths(tree), values)
+    current = _SCOPE.current()
+    if isinstance(current, Replay):
+        return current(spec, tree)
+    if not isinstance(current, Recording):
+        return evaluate()
+    with _StateTensorsOnly():
+        values = evaluate()
+    current.add(spec, _tree.tree_paths(tree), values)
     return values
+
+
+class _StateTensorsOnly(torch.overrides.TorchFunctionMode):
+    """While a layout records a mask's values: refuse a mask callable that reads ``requires_grad``.
+
+    A mask or label callable is evaluated on the state's parameters, which are tensors of the state (detached:
+    ``requires_grad`` is False in every step), not on the module's ``nn.Parameter``s; a rule such as nanoGPT's
+    ``p.requires_grad and p.ndim >= 2`` would select nothing, silently. Select by name or by ``ndim`` instead.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__self__", None) is torch.Tensor.requires_grad:  # the attribute's getter
+            raise TypeError(
+                "funcamp.optim: a mask or label callable read p.requires_grad; it is given the train state's "
+                "parameters, which are plain tensors (requires_grad False in every step), not the module's "
+                "nn.Parameters. Select by name (a dict of bools) or by shape (p.ndim >= 2) instead"
+            )
+        return func(*args, **(kwargs or {}))

@@ -48,6 +48,11 @@ def _storage_users(x: torch.Tensor) -> int | None:
 _ALONE = _storage_users(torch.empty(1))  # the count of a tensor that shares its storage with no other
 
 
+def _where(x: torch.Tensor) -> tuple[Any, int]:
+    """``x``'s storage, by device and address."""
+    return (x.device, x.untyped_storage().data_ptr())
+
+
 def _alone(x: torch.Tensor) -> bool:
     """``x`` is the only tensor on its storage (no view, no alias), and covers all of it."""
     return (
@@ -73,6 +78,9 @@ class Donation:
     def __init__(self, donated: Iterable[Any], finite: torch.Tensor, reusable: Iterable[Any] = ()) -> None:
         self.finite = finite
         self._donated = {id(x): x for x in donated if isinstance(x, torch.Tensor) and x.ndim > 0}
+        self._sharers: dict[tuple[Any, int], int] = {}  # donated tensors on each storage
+        for x in self._donated.values():
+            self._sharers[_where(x)] = self._sharers.get(_where(x), 0) + 1
         seen: dict[int, int] = {}
         for x in reusable:
             if isinstance(x, torch.Tensor):
@@ -88,8 +96,14 @@ class Donation:
         }
 
     def writable(self, x: Any) -> bool:
-        """``x`` is a donated tensor that nothing else shares."""
-        return isinstance(x, torch.Tensor) and self._donated.get(id(x)) is x and _alone(x)
+        """``x`` is a donated tensor whose memory nothing but the donated tensors shares (a flat state's views of
+        one buffer share it with each other and with the buffer they are views of: nothing else)."""
+        if not (isinstance(x, torch.Tensor) and self._donated.get(id(x)) is x):
+            return False
+        if _ALONE is None or type(x) is not torch.Tensor:
+            return False
+        sharers = self._sharers[_where(x)] + (x._base is not None)
+        return _storage_users(x) == _ALONE - 1 + sharers
 
     def reusable(self, x: Any) -> bool:
         """``x`` is one of the step's temporaries, still seen by funcamp's transforms only."""

@@ -12,6 +12,7 @@ so ``torch.compile(fullgraph=True)`` turns the whole step into one graph.
 optimizers, a loss scale per loss) is written from the same stages: see ``examples/gan.py``.
 """
 
+from funcamp.train._assemble import Step, StepPlan, assemble, inductor_options
 from funcamp.train._donate import DonatedStateError
 from funcamp.train._layout import DataParallel, Sharded, SingleProcess, layout_from
 from funcamp.train._loss import LossSum, micro_batches
@@ -36,11 +37,8 @@ from funcamp.train._stages import (
     update,
 )
 from funcamp.train._state import TrainState
-from funcamp.train._step import (
-    EAGER_RERUN_NOTE,
-    _inductor_options,  # noqa: F401  (tests read the compiled step's options)
-    make_train_step,
-)
+from funcamp.train._step import EAGER_RERUN_NOTE, make_train_step
+from funcamp.train._storage import ParamStorage, PerLeaf
 
 __all__ = [
     "EAGER_RERUN_NOTE",
@@ -50,16 +48,22 @@ __all__ = [
     "LossSum",
     "Sharded",
     "SingleProcess",
+    "ParamStorage",
+    "PerLeaf",
     "SkippedStepsError",
+    "Step",
+    "StepPlan",
     "StepRecord",
     "TrainState",
     "Verdict",
+    "assemble",
     "aux_probe",
     "cast_like",
     "check",
     "check_skips",
     "commit",
     "gradients",
+    "inductor_options",
     "layout_from",
     "make_train_step",
     "metrics",

@@ -40,10 +40,33 @@ __all__ = [
     "check_not_donated",
     "copying",
     "donating",
+    "eager",
     "in_place",
     "mark_donated",
+    "may_update_in_place",
     "returning_state",
+    "updates_in_place",
 ]
+
+_IN_PLACE_BODY = "_funcamp_updates_in_place"
+
+
+def updates_in_place(body: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a step body that may run its optimizer stage in place when donating eagerly (:func:`in_place`): it
+    takes one :class:`funcamp.TrainState` and reads neither its parameters and optimizer state nor the gradients
+    after the update (``make_train_step``'s body without telemetry). Returns ``body``."""
+    setattr(body, _IN_PLACE_BODY, True)
+    return body
+
+
+def may_update_in_place(body: Callable[..., Any]) -> bool:
+    """Whether ``body`` was marked by :func:`updates_in_place`."""
+    return getattr(body, _IN_PLACE_BODY, False)
+
+
+def eager(body: Callable[..., Any], in_place_ok: bool) -> Callable[..., Any]:
+    """The eager donating form of ``body``: :func:`in_place` where the body allows it, else :func:`copying`."""
+    return in_place(body) if in_place_ok else copying(body)
 
 _DONATED = DONATED
 
@@ -129,6 +152,14 @@ def _leaf_fields(cls: type) -> tuple[str, ...]:
 
 
 def _state_leaves(state: Any) -> list[Any]:
+    if isinstance(state, dict):  # a composed step's states (funcamp.train.assemble): each state's leaves in turn
+        return [leaf for value in state.values() for leaf in _state_leaves(value)]
+    if type(state) in (list, tuple):
+        return [leaf for value in state for leaf in _state_leaves(value)]
+    return _fields_leaves(state)
+
+
+def _fields_leaves(state: Any) -> list[Any]:
     """The leaves of a :class:`funcamp.TrainState`, field by field (each field in optree's leaf order).
 
     While Dynamo traces, :func:`funcamp._tree.tree_leaves` takes its fast path only for plain containers, and the
@@ -141,6 +172,24 @@ def _state_leaves(state: Any) -> list[Any]:
     if not names:
         return _tree.tree_leaves(state)
     return [leaf for name in names for leaf in _tree.tree_leaves(getattr(state, name))]
+
+
+def _each_state(tree: Any) -> list[Any]:
+    """The dataclass states of a donated argument: the state itself, or those of a dict, list or tuple of them."""
+    if isinstance(tree, dict):
+        return [s for v in tree.values() for s in _each_state(v)]
+    if type(tree) in (list, tuple):
+        return [s for v in tree for s in _each_state(v)]
+    return [tree] if dataclasses.is_dataclass(tree) else []
+
+
+def _replaced(tree: Any) -> Any:
+    """A new container of new state objects on the same tensors (the given ones are marked donated after)."""
+    if isinstance(tree, dict):
+        return type(tree)((k, _replaced(v)) for k, v in tree.items())
+    if type(tree) in (list, tuple):
+        return type(tree)(_replaced(v) for v in tree)
+    return dataclasses.replace(tree) if dataclasses.is_dataclass(tree) else tree
 
 
 def _copy(x: Any) -> Any:
@@ -222,12 +271,15 @@ def returning_state(run: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-        if not getattr(state, _DONATED, False):  # a donated one: run's own check names donation
-            check_donatable(state)  # every call: each state may hold other tensors
-        _leaf_fields(type(state))  # for the traced body's _state_leaves
+        states = _each_state(state)
+        for one in states:
+            check_not_donated(one, "train_step")
+            _leaf_fields(type(one))  # for the traced body's _state_leaves
+        check_donatable(state)  # every call: each state may hold other tensors
         metrics = run(state, batch)
-        new_state = dataclasses.replace(state)
-        mark_donated(state)
+        new_state = _replaced(state)
+        for one in states:
+            mark_donated(one)
         return new_state, metrics
 
     return step

@@ -1,27 +1,31 @@
-"""Flat buffers: the compiled step's parameters and optimizer state as one contiguous buffer per group.
+"""Flat storage: a state's parameters and optimizer state as one contiguous buffer per group, from birth.
 
 Inductor lowers a tensor operation once per tensor, and on the CPU it has no grouped lowering for lists of
 tensors, so an optimizer written leaf by leaf costs compile time in proportion to the number of parameter
-tensors (about half the first compile of the main job's step). The compiled step therefore runs the optimizer
-over *flat buffers*: the parameters, and every optimizer-state tree shaped like them (Adam's moments, a
-momentum trace, Kahan compensations), each concatenated into one 1-D buffer per group. A group is the
-parameters of one device and dtype to which every mask and label of the optimizer gives the same values
-(:mod:`funcamp.optim._flat`): the main job's AdamW with no decay on the norms has two. Inside the step the
-gradients are concatenated once per group, the update (clip, AdamW, decay mask, schedule), the select that keeps
-a skipped step's state and the donation's writes run once per buffer, and the forward reads each parameter as a
-view of its buffer. Elementwise results are bitwise those of the leaf-by-leaf update; a global norm is summed in
-another order (within float32 round-off of the float64 norm).
+tensors. A state with flat storage (:class:`Flat`, chosen by ``TrainState.create``) holds its parameters, and
+every optimizer-state tree shaped like them (Adam's moments, a momentum trace, Kahan compensations), in one 1-D
+buffer per *group*: the parameters of one device and dtype to which every mask and label of the optimizer gives
+the same values (:mod:`funcamp.optim._flat`). ``TrainState.create`` lays the buffers out once (llm.c's
+``malloc_and_point_parameters``) and hands out per-leaf views with the user's names and shapes:
+``state.params["w"]`` is a view of its buffer, as is ``state.opt_state[...].mu["w"]``.
 
-What users see stays per leaf: between steps ``state.params`` and ``state.opt_state`` have their usual trees,
-names and shapes, and their tensors are views into the buffers (:meth:`FlatLayout.unpack`); at each call the step
-takes the buffers back from the views without a copy (:meth:`FlatLayout.pack`), or, for a state whose tensors are
-not laid out so (the first call, a state built or loaded elsewhere), copies them in once. Checkpoints, ``load_into``
-and ``nonfinite_leaf_name`` read the per-leaf trees as before.
+Inside the compiled step the loss reads each parameter as a view of its buffer (:meth:`Flat.tree`); the
+gradients are concatenated once per group and the optimizer (clip, AdamW, masks, schedule), the select that
+keeps a skipped step's state and the donation's writes run once per buffer (:meth:`Flat.update`). Elementwise
+results are bitwise those of the leaf-by-leaf update, and a global norm over the buffers is taken over each
+member's view (the per-leaf norm, bitwise). An eager step runs the optimizer leaf by leaf over the views.
 
-Which steps run flat is decided once, at a step's first call (:func:`layout_for`): compiled steps whose optimizer
-is made of funcamp's transformations only (:func:`funcamp.optim._flat.runs_flat`) and whose parameters are plain
-dense floating tensors, in one process or data parallel; a sharded step, a step with telemetry (which reads
-every leaf's update) and an eager step run leaf by leaf.
+Host boundary of the compiled step: :meth:`Flat.enter` hands it the buffers the state's views are of (one
+attribute read per leaf, no copy); for a state whose tensors are not those views (leaves the user replaced, a
+state loaded or built elsewhere) it copies them into new buffers, and a donating step then writes the results
+back into the given tensors after the call. Nothing is ever re-pointed (``Tensor.set_``): a tensor the user, a
+module or a closure holds keeps its memory. :meth:`Flat.leave` makes a pure step's result per-leaf views again.
+
+Which optimizer-state leaves belong to which parameter is found as optax's ``tree_map_params`` does: ``init``
+runs on placeholders (meta tensors, each parameter tagged, the tags following every tensor made from a tagged
+one), once per leaf and once over the buffers; a state leaf made from parameter ``i`` (or from group ``g``'s
+buffer) is that parameter's (that buffer's). Where the two states do not correspond leaf for leaf, the state is
+kept leaf by leaf and says why.
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as torch_pytree
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from funcamp import _tree
 from funcamp.optim import GradientTransformation
 from funcamp.optim import _flat as _flat_opt
-from funcamp.train import _layout
 
-__all__ = ["FlatLayout", "FlatParams", "layout_for", "of"]
+__all__ = ["Flat", "FlatParams", "layout"]
 
 #: Every leaf starts at a multiple of this many bytes of its buffer (a cache line; 16-byte vector loads on GPUs).
 ALIGN_BYTES = 64
@@ -56,26 +62,20 @@ class Group(NamedTuple):
 
 @_tree.dataclass
 class FlatParams:
-    """The parameters inside a flat compiled step: ``buffers`` (``{group key: 1-D tensor}``) and their layout."""
+    """The parameters inside a compiled step of a flat state: ``buffers`` (``{group key: 1-D tensor}``)."""
 
     buffers: dict[str, torch.Tensor]
-    layout: FlatLayout = _tree.field(pytree_node=False)
-
-
-def of(params: Any) -> FlatLayout | None:
-    """The layout of ``params`` if they are flat (:class:`FlatParams`), else None."""
-    return params.layout if isinstance(params, FlatParams) else None
+    storage: Flat = _tree.field(pytree_node=False)
 
 
 class _StateMap(NamedTuple):
     """How the per-leaf optimizer state and the flat one correspond, leaf by leaf.
 
-    ``flat_sources[j]`` makes flat leaf ``j``: ``("same", t)`` (per-leaf leaf ``t``, a count or rate),
+    ``flat_sources[j]`` makes flat leaf ``j``: ``("same", t)`` (per-leaf leaf ``t``, a count or rate) or
     ``("group", g, ts, dtype)`` (group ``g``'s buffer of ``dtype`` from per-leaf leaves ``ts``, one per member) or
-    ``("empty", t)``
-    (a group's empty placeholder, as ``kahan_summation`` keeps for float32 parameters).
-    ``leaf_sources[t]`` makes per-leaf leaf ``t``: ``("same", j)``, ``("view", j, i)`` (parameter ``i``'s
-    view of flat leaf ``j``) or ``("empty", j)``.
+    ``("empty", t)`` (a group's empty placeholder, as ``kahan_summation`` keeps for float32 parameters).
+    ``leaf_sources[t]`` makes per-leaf leaf ``t``: ``("same", j)``, ``("view", j, i)`` (parameter ``i``'s view of
+    flat leaf ``j``) or ``("empty", j)``.
     """
 
     leaf_spec: Any
@@ -84,21 +84,19 @@ class _StateMap(NamedTuple):
     leaf_sources: list[tuple[Any, ...]]
 
 
-class FlatLayout:
-    """The flat layout of one step's parameters and optimizer state (built by :func:`layout_for`).
+class Flat:
+    """The flat storage of a state's parameters and optimizer state (built by :func:`layout`).
 
-    Host side, at each call of the compiled step: :meth:`pack` (per-leaf state -> flat, no copy when the
-    tensors are views of the buffers), :meth:`unpack` (flat -> per-leaf views), :meth:`adopt` (after a
-    donating call that copied, the given state's tensors become views of the buffers). Inside the step:
-    :meth:`tree` (the parameters' per-leaf views), :meth:`update` (the optimizer over the buffers).
+    Static: the groups (device, dtype, members, offsets), the mask values of each buffer (:class:`Replay`) and
+    the correspondence of the per-leaf and flat optimizer states. Carried by the state (``state.storage``),
+    compared by identity: the states of one ``TrainState.create`` and their successors share it.
     """
 
+    kind = "flat"
+    reason = None
+
     def __init__(
-        self,
-        params: Any,
-        groups: list[Group],
-        replay: _flat_opt.Replay,
-        state_map: _StateMap,
+        self, params: Any, groups: list[Group], replay: _flat_opt.Replay, state_map: _StateMap, optimizer: Any
     ) -> None:
         leaves = _tree.tree_leaves(params)
         self.params_spec = _tree.tree_structure(params)
@@ -109,22 +107,68 @@ class FlatLayout:
         self.state_map = state_map
         self._rebuild = _tree.rebuilder(params)
         self._group_of = {i: (g, j) for g in groups for j, i in enumerate(g.members)}
+        self._stand_ins = _tree.tree_map(_stand_in, params)
+        self._admitted = [optimizer]  # the optimizers whose masks this layout's replay answers for
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{g.dtype} x {len(g.members)} ({g.numel})" for g in self.groups)
-        return f"FlatLayout({len(self.shapes)} parameters in {len(self.groups)} buffers: {sizes})"
+        return f"Flat({self.describe()})"
+
+    def _key(self) -> tuple[Any, ...]:
+        s = self.state_map
+        return (self.params_spec, tuple(self.shapes), tuple(self.groups), s.leaf_spec, s.flat_spec, repr(s.flat_sources))
+
+    def __eq__(self, other: object) -> bool:
+        """Two layouts of the same parameters, groups and optimizer-state correspondence (two states created
+        alike) are equal: a step compiled for one runs the other."""
+        return isinstance(other, Flat) and (other is self or other._key() == self._key())
+
+    def __hash__(self) -> int:
+        return hash((self.params_spec, tuple(self.shapes), tuple(self.groups)))
+
+    def admit(self, optimizer: GradientTransformation) -> None:
+        """Host side, before a step runs ``optimizer`` over this storage: check that ``optimizer`` lays the
+        parameters out as the one the state was created with (the same groups: its masks and labels give the
+        same values), so that its masks can be answered from the buffers; once per optimizer object.
+
+        Raises:
+          TypeError: if ``optimizer`` groups the parameters otherwise (another mask or label), or cannot run
+            over flat buffers; the message says to build the state with the step's optimizer.
+        """
+        if any(optimizer is known for known in self._admitted):
+            return
+        built = layout(self._stand_ins, optimizer, devices=[g.device for g in self.groups])
+        if isinstance(built, str) or built._key() != self._key():
+            why = built if isinstance(built, str) else "its masks or labels group the parameters otherwise"
+            raise TypeError(
+                "train_step: the state's flat storage was laid out (TrainState.create) for another optimizer than "
+                f"the step's ({why}); build the state with the optimizer given to the step"
+            )
+        self.replay.values.update(built.replay.values)
+        self.replay.specs.extend(built.replay.specs)
+        self._admitted.append(optimizer)
+
+    def describe(self) -> str:
+        """One line for the step's plan: the buffers and their sizes."""
+        sizes = ", ".join(f"{g.dtype} x {len(g.members)} ({g.numel:,})" for g in self.groups)
+        return f"flat: {len(self.shapes)} parameters in {len(self.groups)} buffers: {sizes}"
 
     # --- inside the step ---------------------------------------------------------------------------------
 
-    def tree(self, flat: FlatParams) -> Any:
-        """The parameters' tree, each leaf a view of its buffer (traced: a slice and a view per leaf, which
+    def tree(self, params: Any) -> Any:
+        """The parameter tree the loss sees: ``params`` as they are (per-leaf views, eager), or for
+        :class:`FlatParams` (compiled) each leaf a view of its buffer (a narrow and a view per leaf, which
         funcamp's graph passes read as a parameter's forward tensor, as they read a graph input)."""
+        if not isinstance(params, FlatParams):
+            return params
+        return self._rebuild(self._views(params.buffers))
+
+    def _views(self, buffers: dict[str, torch.Tensor]) -> list[Any]:
         leaves: list[Any] = [None] * len(self.shapes)
         for g in self.groups:
-            buffer = flat.buffers[g.key]
+            buffer = buffers[g.key]
             for i, off in zip(g.members, g.offsets, strict=True):
                 leaves[i] = buffer.narrow(0, off, self.numels[i]).view(self.shapes[i])
-        return self._rebuild(leaves)
+        return leaves
 
     def flat(self, tree: Any) -> dict[str, torch.Tensor]:
         """``{group key: buffer}`` of a tree shaped like the parameters (the gradients): one ``cat`` per group,
@@ -145,79 +189,54 @@ class FlatLayout:
         return out
 
     def update(
-        self, stage: Any, optimizer: GradientTransformation, grads: Any, opt_state: Any, params: FlatParams, layout: Any
-    ) -> tuple[FlatParams, Any]:
-        """``stage`` (:func:`funcamp.train.update`) over the buffers: the gradients concatenated, the masks and
-        labels giving each buffer its leaves' values. Returns the new flat parameters and the new flat state."""
-        flat_grads = self.flat(grads)
-        memo = _layout.NORMS.current()
-        if memo is not None:  # a clip of these takes the per-leaf gradients' norm: the check's, bitwise
-            memo.alias(flat_grads, grads)
+        self,
+        stage: Any,
+        optimizer: GradientTransformation,
+        grads: Any,
+        opt_state: Any,
+        params: Any,
+        layout: Any,
+        finite: Any,
+    ) -> tuple[Any, Any]:
+        """The optimizer stage (:func:`funcamp.train.update`): over the buffers for :class:`FlatParams` (the
+        gradients concatenated, each mask and label giving a buffer its leaves' value, the global norm taken over
+        the members' views), leaf by leaf over the views otherwise (eager, in place when donating)."""
+        if not isinstance(params, FlatParams):
+            return stage(optimizer, grads, opt_state, params, layout, finite)
+        norms = _MemberNorms(layout, self)
         new, new_state = _flat_opt.replaying(
-            self.replay, stage, optimizer, flat_grads, opt_state, params.buffers, layout
+            self.replay, stage, optimizer, self.flat(grads), opt_state, params.buffers, norms, None
         )
         return FlatParams(new, self), new_state
 
-    # --- on the host, around each call -------------------------------------------------------------------
+    def member_views(self, key: str, buffer: torch.Tensor) -> list[torch.Tensor] | None:
+        """The members' views of ``buffer`` if ``key`` is one of this storage's groups and ``buffer`` its size."""
+        g = next((g for g in self.groups if g.key == key), None)
+        if g is None or buffer.ndim != 1 or buffer.shape[0] != g.numel:
+            return None
+        return [buffer.narrow(0, off, self.numels[i]) for i, off in zip(g.members, g.offsets, strict=True)]
 
-    def pack(self, state: Any) -> tuple[Any, bool] | None:
-        """``(flat_state, copied)``: ``state`` with flat parameters and optimizer state, or None when its
-        parameters or optimizer state are not of this layout's structure, shapes, dtypes and devices (the step
-        then runs that call leaf by leaf). ``copied``: some buffer was made by copying (the tensors were not
-        views of one buffer at the layout's offsets)."""
-        p_leaves, p_spec = _tree.tree_flatten(state.params)
-        s_leaves, s_spec = _tree.tree_flatten(state.opt_state)
-        if p_spec != self.params_spec or s_spec != self.state_map.leaf_spec:
-            return None
-        if any(not isinstance(x, torch.Tensor) or tuple(x.shape) != s for x, s in zip(p_leaves, self.shapes)):
-            return None
-        made = [self._buffer(g, [p_leaves[i] for i in g.members], g.dtype) for g in self.groups]
-        flat_leaves = []
-        for source in self.state_map.flat_sources:
-            if source[0] == "group":
-                base = self._buffer(self.groups[source[1]], [s_leaves[t] for t in source[2]], source[3])
-                made.append(base)
-                flat_leaves.append(None if base is None else base[0])
-            else:
-                flat_leaves.append(s_leaves[source[1]])
-        if any(m is None for m in made):
-            return None
-        copied = any(c for _, c in made)
-        buffers = {g.key: base for g, (base, _) in zip(self.groups, made)}
-        opt_state = _tree.tree_unflatten(self.state_map.flat_spec, flat_leaves)
-        return dataclasses.replace(state, params=FlatParams(buffers, self), opt_state=opt_state), copied
+    # --- on the host ---------------------------------------------------------------------------------------
 
-    def _buffer(self, g: Group, tensors: list[Any], dtype: torch.dtype) -> tuple[torch.Tensor, bool] | None:
-        """``(buffer, copied)`` of group ``g`` whose members are ``tensors`` (of ``dtype``): their own storage when
-        they are views of one buffer at the layout's offsets, else a new buffer they are copied into (zeros in the
-        padding); None when a tensor is not of ``dtype`` on the group's device."""
-        if any(not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != g.device for t in tensors):
-            return None
-        storage = tensors[0].untyped_storage()
-        if storage.nbytes() == g.numel * dtype.itemsize and all(
-            t.is_contiguous() and t.storage_offset() == off and t.untyped_storage()._cdata == storage._cdata
-            for t, off in zip(tensors, g.offsets, strict=True)
-        ):
-            return torch.empty(0, dtype=dtype, device=g.device).set_(storage, 0, (g.numel,), (1,)), False
-        base = torch.zeros(g.numel, dtype=dtype, device=g.device)
+    def lay_out(self, params: Any, optimizer: GradientTransformation) -> tuple[Any, Any]:
+        """``(params, opt_state)`` of a new state: the buffers made, the parameters copied in (padding zero), the
+        optimizer's ``init`` run over the buffers; both trees per-leaf views of them."""
+        leaves = _tree.tree_leaves(params)
+        buffers = {}
         with torch.no_grad():
-            for t, i, off in zip(tensors, g.members, g.offsets, strict=True):
-                base.narrow(0, off, self.numels[i]).copy_(t.reshape(-1))
-        return base, True
+            for g in self.groups:
+                base = torch.zeros(g.numel, dtype=g.dtype, device=g.device)
+                for i, off in zip(g.members, g.offsets, strict=True):
+                    base.narrow(0, off, self.numels[i]).copy_(leaves[i].reshape(-1))
+                buffers[g.key] = base
+            flat_state = _flat_opt.replaying(self.replay, optimizer.init, buffers)
+        return self._per_leaf(buffers, flat_state)
 
-    def unpack(self, flat_state: Any) -> Any:
-        """``flat_state`` with per-leaf parameters and optimizer state, each tensor a view of its buffer."""
-        flat_leaves = _tree.tree_leaves(flat_state.opt_state)
+    def _per_leaf(self, buffers: dict[str, torch.Tensor], flat_state: Any) -> tuple[Any, Any]:
+        flat_leaves = _tree.tree_leaves(flat_state)
         leaves = [self._leaf(source, flat_leaves) for source in self.state_map.leaf_sources]
         opt_state = _tree.tree_unflatten(self.state_map.leaf_spec, leaves)
-        buffers = flat_state.params.buffers
-        params = [None] * len(self.shapes)
-        for g in self.groups:
-            for i, off in zip(g.members, g.offsets, strict=True):
-                params[i] = buffers[g.key].narrow(0, off, self.numels[i]).view(self.shapes[i])
-        return dataclasses.replace(
-            flat_state, params=_tree.tree_unflatten(self.params_spec, params), opt_state=opt_state
-        )
+        return _tree.tree_unflatten(self.params_spec, self._views(buffers)), opt_state
 
     def _leaf(self, source: tuple[Any, ...], flat_leaves: list[Any]) -> Any:
         if source[0] != "view":
@@ -226,27 +245,116 @@ class FlatLayout:
         g, k = self._group_of[i]
         return flat_leaves[j].narrow(0, g.offsets[k], self.numels[i]).view(self.shapes[i])
 
-    def adopt(self, state: Any, flat_state: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Before a donating call on ``flat_state`` (made from ``state`` by copying): every tensor of ``state``'s
-        parameters and optimizer state becomes the view of its buffer (``Tensor.set_``), so that the caller's
-        tensors hold the values the call writes, the next call takes the buffers without a copy, and a tensor
-        that the user's code reads from outside the state (a closure) is seen by the trace as the view of the
-        buffer it is. Returns the pairs ``(tensor, view)`` of the tensors that cannot be re-pointed (views of
-        other tensors, subclasses): the caller copies each view into its tensor after the call."""
-        views = self.unpack(flat_state)
-        pairs = zip(
-            _tree.tree_leaves((state.params, state.opt_state)), _tree.tree_leaves((views.params, views.opt_state))
-        )
-        later = []
+    def enter(self, state: Any) -> tuple[Any, Any]:
+        """``(flat_state, after)``: ``state`` with :class:`FlatParams` and a flat optimizer state, and what to do
+        after a donating call (copy the results back into tensors that had to be copied in).
+
+        The buffers are those the state's views are of (no copy). A tensor that is not the view of its buffer at
+        its place (the user replaced it, or the state was loaded or built elsewhere) is copied with its whole
+        group into a new buffer; ``after()`` then writes the buffer's values back into the given tensors, so a
+        donating step writes into the caller's memory and never re-points it.
+
+        Raises:
+          TypeError: if the state's parameters or optimizer state are not of this storage's structure, shapes,
+            dtypes and devices (the message says which; build the state with ``TrainState.create``).
+        """
+        p_leaves, p_spec = _tree.tree_flatten(state.params)
+        s_leaves, s_spec = _tree.tree_flatten(state.opt_state)
+        if p_spec != self.params_spec or s_spec != self.state_map.leaf_spec:
+            which = "parameters" if p_spec != self.params_spec else "optimizer state"
+            raise TypeError(
+                f"train_step: the state's {which} are not of the structure its flat storage was laid out for "
+                "(TrainState.create); a state changed by hand keeps its storage's structure: build a new one with "
+                "TrainState.create(params, optimizer), or replace tensors leaf for leaf"
+            )
+        copies: list[tuple[list[torch.Tensor], torch.Tensor, Group]] = []
+        buffers = {g.key: self._buffer(g, [p_leaves[i] for i in g.members], g.dtype, copies) for g in self.groups}
+        flat_leaves = []
+        for source in self.state_map.flat_sources:
+            if source[0] == "group":
+                g = self.groups[source[1]]
+                flat_leaves.append(self._buffer(g, [s_leaves[t] for t in source[2]], source[3], copies))
+            else:
+                flat_leaves.append(s_leaves[source[1]])
+        opt_state = _tree.tree_unflatten(self.state_map.flat_spec, flat_leaves)
+        flat_state = dataclasses.replace(state, params=FlatParams(buffers, self), opt_state=opt_state)
+        return flat_state, (lambda: self._write_back(copies)) if copies else _nothing
+
+    def _buffer(
+        self, g: Group, tensors: list[Any], dtype: torch.dtype, copies: list[tuple[list[torch.Tensor], torch.Tensor, Group]]
+    ) -> torch.Tensor:
+        """Group ``g``'s buffer whose members are ``tensors`` (of ``dtype``): the buffer they are views of, or a
+        new one they are copied into (recorded in ``copies``)."""
+        for t, i in zip(tensors, g.members, strict=True):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != g.device or t.shape != self.shapes[i]:
+                got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TypeError(
+                    f"train_step: a leaf of the state is {got} where its flat storage holds {dtype} "
+                    f"{self.shapes[i]} on {g.device}; replace state tensors only with tensors of the same shape, "
+                    "dtype and device (or build a new state with TrainState.create)"
+                )
+        base = tensors[0]._base
+        if (
+            base is not None
+            and base.ndim == 1
+            and base.shape[0] == g.numel
+            and base.dtype == dtype
+            and base.storage_offset() == 0
+            and all(
+                t._base is base and t.storage_offset() == off and t.is_contiguous()
+                for t, off in zip(tensors, g.offsets, strict=True)
+            )
+        ):
+            return base
+        made = torch.zeros(g.numel, dtype=dtype, device=g.device)
         with torch.no_grad():
-            for old, new in pairs:
-                if old is new or not isinstance(old, torch.Tensor):
-                    continue
-                if old._is_view() or type(old) is not torch.Tensor:
-                    later.append((old, new))
-                else:
-                    old.set_(new.untyped_storage(), new.storage_offset(), new.shape, new.stride())
-        return later
+            for t, i, off in zip(tensors, g.members, g.offsets, strict=True):
+                made.narrow(0, off, self.numels[i]).copy_(t.reshape(-1))
+        copies.append((tensors, made, g))
+        return made
+
+    def _write_back(self, copies: list[tuple[list[torch.Tensor], torch.Tensor, Group]]) -> None:
+        with torch.no_grad():
+            for tensors, made, g in copies:
+                for t, i, off in zip(tensors, g.members, g.offsets, strict=True):
+                    t.copy_(made.narrow(0, off, self.numels[i]).view(self.shapes[i]))
+
+    def leave(self, flat_state: Any) -> Any:
+        """``flat_state`` (a pure compiled step's result) with per-leaf views of its buffers."""
+        params, opt_state = self._per_leaf(flat_state.params.buffers, flat_state.opt_state)
+        return dataclasses.replace(flat_state, params=params, opt_state=opt_state)
+
+
+def _nothing() -> None:
+    return None
+
+
+class _MemberNorms:
+    """The step's process layout as the optimizer sees it over flat buffers: a global norm of buffers of this
+    storage is taken over their members' views, bitwise the per-leaf norm (padding excluded); everything else is
+    the layout's."""
+
+    def __init__(self, layout: Any, storage: Flat) -> None:
+        self._layout, self._storage = layout, storage
+
+    def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(t, s)`` of :func:`funcamp._tree.scaled_global_norm` over the members of each buffer."""
+        views: list[torch.Tensor] = []
+        for key, leaf in zip(_tree.tree_paths(tree), _tree.tree_leaves(tree), strict=True):
+            members = self._storage.member_views(key.rsplit(".", 1)[-1], leaf) if isinstance(leaf, torch.Tensor) else None
+            views.extend([leaf] if members is None else members)
+        return self._layout.scaled_global_norm(views, fn)
+
+    def element_offsets(self) -> Any:
+        """The layout's (None: the parameters are whole)."""
+        return self._layout.element_offsets()
+
+    def finish_params(self, params: Any) -> Any:
+        """The layout's."""
+        return self._layout.finish_params(params)
+
+
+# --- building the layout -----------------------------------------------------------------------------------
 
 
 def _aligned(offset: int, itemsize: int) -> int:
@@ -264,35 +372,80 @@ def _plain(x: Any) -> bool:
     )
 
 
-def _meta(tree: Any) -> Any:
-    return _tree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"), tree)
+def _stand_in(x: torch.Tensor) -> torch.Tensor:
+    """A shape-only copy of ``x`` (meta): what a mask callable is given (its shape, dtype and ``ndim``)."""
+    return torch.empty(x.shape, dtype=x.dtype, device="meta")
 
 
-def layout_for(params: Any, optimizer: GradientTransformation) -> FlatLayout | None:
-    """The flat layout of ``params`` under ``optimizer``, or None when they must run leaf by leaf.
+class _Tags(TorchFunctionMode):
+    """While active, every tensor made by a torch function from tensors of one tag gets that tag (optax's
+    ``tree_map_params`` placeholders, for torch: the tags follow ``zeros_like``, ``new_zeros``, ``to``...)."""
 
-    None when the optimizer holds a transformation that is not funcamp's (not marked elementwise), a
-    parameter is not a plain dense floating tensor, the optimizer's masks depend on more than the leaves
-    (a spec gave one leaf two values), or its state does not correspond leaf for leaf between the two
-    layouts. Runs the optimizer's ``init`` and ``update`` on shape-only (meta) tensors, twice: per leaf,
-    recording the masks' values, and over the buffers, checking the result.
+    def __init__(self, tags: WeakIdKeyDictionary) -> None:
+        super().__init__()
+        self.tags = tags
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        found = {self.tags[x] for x in torch_pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x in self.tags}
+        if len(found) == 1:
+            tag = found.pop()
+            for y in torch_pytree.tree_leaves(out):
+                if isinstance(y, torch.Tensor) and y not in self.tags:
+                    self.tags[y] = tag
+        return out
+
+
+def _tagged_init(fn: Any, tree: Any, replay: _flat_opt.Replay | None, record: _flat_opt.Recording | None) -> tuple[Any, list[Any]]:
+    """``(state, tags)``: ``fn(tree)`` (``init`` over meta tensors), and for each of its leaves the index of the leaf of
+    ``tree`` it was made from (None: made from none, or from several)."""
+    tags = WeakIdKeyDictionary()
+    leaves = _tree.tree_leaves(tree)
+    for n, x in enumerate(leaves):
+        tags[x] = n
+    with _Tags(tags):
+        state = (
+            _flat_opt.replaying(replay, fn, tree) if replay is not None else _flat_opt.recording(record, fn, tree)
+        )
+    return state, [tags.get(x) if isinstance(x, torch.Tensor) else None for x in _tree.tree_leaves(state)]
+
+
+def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torch.device] | None = None) -> Flat | str:
+    """The flat storage of ``params`` under ``optimizer``, or the reason they must be kept leaf by leaf.
+
+    ``devices``: the groups' devices, for meta ``params`` (:meth:`Flat.admit`); default the parameters' own.
+    Leaf by leaf when the optimizer holds a transformation that is not marked elementwise (a user's own, one
+    that reads shapes), a parameter is not a plain dense floating tensor, the optimizer's masks depend on more
+    than the leaves (a spec gave one leaf two values), or its state does not correspond leaf for leaf between
+    the two layouts. Runs ``init`` and ``update`` on shape-only (meta) stand-ins, per leaf (recording the masks'
+    values) and over the buffers (checking the result).
     """
     if not _flat_opt.runs_flat(optimizer):
-        return None
+        return "the optimizer holds a transformation not marked elementwise (funcamp.optim._flat.elementwise)"
     paths, leaves, _ = _tree.tree_flatten_with_path(params)
-    if not leaves or not all(_plain(x) for x in leaves):
-        return None
+    if not leaves:
+        return "no parameters"
+    odd = next((".".join(map(str, p)) for p, x in zip(paths, leaves, strict=True) if not _plain(x)), None)
+    if odd is not None:
+        return f"parameter {odd!r} is not a plain dense floating tensor"
     names = [".".join(str(k) for k in p) for p in paths]
     record = _flat_opt.Recording()
-    meta = _meta(params)
+    meta = _tree.tree_map(_stand_in, params)
     try:
-        leaf_state = _flat_opt.recording(record, optimizer.init, meta)
-        _flat_opt.recording(record, optimizer.update, _meta(params), leaf_state, meta)
-    except Exception:  # noqa: BLE001 (an optimizer that cannot run on meta tensors runs leaf by leaf)
-        return None
+        leaf_state, leaf_tags = _tagged_init(optimizer.init, meta, None, record)
+        _flat_opt.recording(record, optimizer.update, _tree.tree_map(_stand_in, params), leaf_state, meta)
+    except TypeError as e:
+        if "requires_grad" in str(e):
+            raise  # a mask that reads requires_grad: refused whatever the storage (funcamp.optim._flat)
+        return f"the optimizer does not run on shape-only tensors ({type(e).__name__}: {e})"
+    except Exception as e:  # noqa: BLE001 (an optimizer that cannot run on meta tensors runs leaf by leaf)
+        return f"the optimizer does not run on shape-only tensors ({type(e).__name__}: {e})"
     if not record.consistent:
-        return None
+        return "a mask or label of the optimizer gave one parameter two values"
     groups = _groups(leaves, names, record)
+    if devices is not None:
+        groups = [g._replace(device=d) for g, d in zip(groups, devices, strict=False)]
     replay = _flat_opt.Replay(
         {
             id(spec): {
@@ -301,16 +454,19 @@ def layout_for(params: Any, optimizer: GradientTransformation) -> FlatLayout | N
                 if names[g.members[0]] in record.values[id(spec)]
             }
             for spec in record.specs
-        }
+        },
+        record.specs,
     )
     flat_meta = {g.key: torch.empty(g.numel, dtype=g.dtype, device="meta") for g in groups}
     try:
-        flat_state = _flat_opt.replaying(replay, optimizer.init, flat_meta)
-        _flat_opt.replaying(replay, optimizer.update, _meta(flat_meta), flat_state, flat_meta)
-    except Exception:  # noqa: BLE001
-        return None
-    state_map = _state_map(leaf_state, flat_state, paths, leaves, groups)
-    return None if state_map is None else FlatLayout(params, groups, replay, state_map)
+        flat_state, flat_tags = _tagged_init(optimizer.init, flat_meta, replay, None)
+        _flat_opt.replaying(replay, optimizer.update, _tree.tree_map(torch.empty_like, flat_meta), flat_state, flat_meta)
+    except Exception as e:  # noqa: BLE001
+        return f"the optimizer does not run over flat buffers ({type(e).__name__}: {e})"
+    state_map = _state_map(leaf_state, leaf_tags, flat_state, flat_tags, leaves, groups)
+    if isinstance(state_map, str):
+        return state_map
+    return Flat(params, groups, replay, state_map, optimizer)
 
 
 def _groups(leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Recording) -> list[Group]:
@@ -332,64 +488,66 @@ def _groups(leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Reco
 
 def _state_map(
     leaf_state: Any,
+    leaf_tags: list[int | None],
     flat_state: Any,
-    param_paths: list[tuple[Any, ...]],
+    flat_tags: list[int | None],
     params: list[torch.Tensor],
     groups: list[Group],
-) -> _StateMap | None:
-    """The leaf-for-leaf correspondence of the two optimizer states (meta), or None where there is none."""
-    t_paths, t_leaves, t_spec = _tree.tree_flatten_with_path(leaf_state)
-    f_paths, f_leaves, f_spec = _tree.tree_flatten_with_path(flat_state)
-    index = {tuple(p): i for i, p in enumerate(param_paths)}
-    lengths = sorted({len(p) for p in param_paths}, reverse=True)
-    group_of = {i: n for n, g in enumerate(groups) for i in g.members}
-    expected: dict[tuple[Any, ...], Any] = {}
-    for t, (path, leaf) in enumerate(zip(t_paths, t_leaves, strict=True)):
-        if not isinstance(leaf, torch.Tensor):
-            return None
-        hit = next(((path[:-k], index[path[-k:]]) for k in lengths if len(path) >= k and path[-k:] in index), None)
-        if hit is None or (leaf.shape != params[hit[1]].shape and leaf.shape != (0,)):
-            if path in expected:
-                return None
-            expected[path] = ("same", t)
-            continue
-        prefix, i = hit
-        n = group_of[i]
-        key = (*prefix, groups[n].key)
-        kind = "group" if leaf.shape == params[i].shape else "empty"
-        entry = expected.setdefault(key, [kind, n, {}])
-        if entry[0] != kind:
-            return None
-        entry[2][i] = t
-    flat_sources: list[tuple[Any, ...]] = []
-    leaf_sources: list[Any] = [None] * len(t_leaves)
-    for j, (path, leaf) in enumerate(zip(f_paths, f_leaves, strict=True)):
-        entry = expected.pop(path, None)
-        if entry is None:
-            return None
-        if entry[0] == "same":
-            t = entry[1]
-            if t_leaves[t].shape != leaf.shape or t_leaves[t].dtype != leaf.dtype:
-                return None
-            flat_sources.append(("same", t))
-            leaf_sources[t] = ("same", j)
-            continue
-        kind, n, by_member = entry
-        g = groups[n]
-        if set(by_member) != set(g.members) or any(t_leaves[t].dtype != leaf.dtype for t in by_member.values()):
-            return None
-        if kind == "empty":
-            if leaf.shape != (0,):
-                return None
-            flat_sources.append(("same", by_member[g.members[0]]))
-            for t in by_member.values():
-                leaf_sources[t] = ("empty", j)
-            continue
-        if leaf.shape != (g.numel,):
-            return None
-        flat_sources.append(("group", n, [by_member[i] for i in g.members], leaf.dtype))
-        for i, t in by_member.items():
-            leaf_sources[t] = ("view", j, i)
-    if expected:
-        return None
+) -> _StateMap | str:
+    """The leaf-for-leaf correspondence of the per-leaf and flat optimizer states (meta), from the placeholders'
+    tags: the ``k``-th flat leaf made from group ``g``'s buffer holds the ``k``-th leaf made from each member; the
+    untagged leaves (counts, rates) correspond in order. A reason where they do not correspond."""
+    t_leaves, t_spec = _tree.tree_flatten(leaf_state)
+    f_leaves, f_spec = _tree.tree_flatten(flat_state)
+    if any(not isinstance(x, torch.Tensor) for x in (*t_leaves, *f_leaves)):
+        return "the optimizer state holds a leaf that is not a tensor"
+    by_param: dict[int, list[int]] = {}
+    untagged_leaf = []
+    for t, tag in enumerate(leaf_tags):
+        (untagged_leaf.append(t) if tag is None else by_param.setdefault(tag, []).append(t))
+    untagged_flat = [j for j, tag in enumerate(flat_tags) if tag is None]
+    if len(untagged_flat) != len(untagged_leaf):
+        return "the optimizer state's leaves made from no parameter differ between the per-leaf and flat layouts"
+    flat_sources: list[tuple[Any, ...]] = [()] * len(f_leaves)
+    leaf_sources: list[tuple[Any, ...]] = [()] * len(t_leaves)
+    for j, t in zip(untagged_flat, untagged_leaf, strict=True):
+        if f_leaves[j].shape != t_leaves[t].shape or f_leaves[j].dtype != t_leaves[t].dtype:
+            return "a leaf of the optimizer state made from no parameter has another shape over the flat buffers"
+        flat_sources[j], leaf_sources[t] = ("same", t), ("same", j)
+    seen = dict.fromkeys(range(len(params)), 0)
+    for n, g in enumerate(groups):
+        made = [j for j, tag in enumerate(flat_tags) if tag == n]
+        for j in made:
+            k = made.index(j)
+            members = {}
+            for i in g.members:
+                mine = by_param.get(i, [])
+                if k >= len(mine):
+                    return f"parameter {i} has fewer optimizer-state leaves than its flat buffer"
+                members[i] = mine[k]
+            kind = _kind(f_leaves[j], g, [t_leaves[t] for t in members.values()], [params[i] for i in members])
+            if kind is None:
+                return "an optimizer-state leaf made from a parameter is neither its shape nor empty"
+            if kind == "empty":
+                flat_sources[j] = ("same", members[g.members[0]])
+                for t in members.values():
+                    leaf_sources[t] = ("empty", j)
+            else:
+                flat_sources[j] = ("group", n, [members[i] for i in g.members], f_leaves[j].dtype)
+                for i, t in members.items():
+                    leaf_sources[t] = ("view", j, i)
+        for i in g.members:
+            seen[i] = len(made)
+    if any(len(by_param.get(i, [])) != seen[i] for i in seen):
+        return "a parameter has more optimizer-state leaves than its flat buffer"
     return _StateMap(t_spec, f_spec, flat_sources, leaf_sources)
+
+
+def _kind(flat: torch.Tensor, g: Group, leaves: list[torch.Tensor], params: list[torch.Tensor]) -> str | None:
+    """``"group"`` (each leaf its parameter's shape, the flat leaf the buffer's, one dtype), ``"empty"`` (all
+    empty) or None."""
+    if all(x.shape == (0,) for x in leaves) and flat.shape == (0,):
+        return "empty"
+    if flat.shape == (g.numel,) and all(x.shape == p.shape and x.dtype == flat.dtype for x, p in zip(leaves, params, strict=True)):
+        return "group"
+    return None

@@ -21,6 +21,8 @@ name and torchtitan's train loop does not know which parallelisms were applied.
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,7 +31,7 @@ import torch
 from funcamp import _at_use, _scope, _tree, parallel, sharding
 from funcamp.policy import Policy, get_policy
 
-__all__ = ["BuildLayout", "DataParallel", "Sharded", "SingleProcess", "StageLayout", "layout_from"]
+__all__ = ["BuildLayout", "DataParallel", "Sharded", "SingleProcess", "StageLayout", "layout_from", "of_fields"]
 
 
 @runtime_checkable
@@ -62,42 +64,6 @@ class BuildLayout(Protocol):
 
     def check_ranks(self) -> None: ...
     def check_state(self, state: Any) -> None: ...
-
-
-class NormMemo:
-    """The global norms one step has taken, by the identity of the tensors (a trace-time cache).
-
-    The step's finite check and ``optim.clip_by_global_norm`` ask for the norm of the same gradients; the
-    second gets the first's ``(t, s)`` instead of another reduction. :meth:`alias` says that a tree has the norm
-    of another (the flat step's concatenated gradients, funcamp/train/_flat.py, that of the per-leaf ones, so
-    the clip is bitwise the leaf-by-leaf step's). Keeps the trees it was given alive, so no id is reused.
-    """
-
-    def __init__(self) -> None:
-        self._norms: dict[tuple[int, ...], tuple[Any, Any]] = {}
-        self._aliases: dict[tuple[int, ...], tuple[Any, Any]] = {}
-
-    @staticmethod
-    def _key(tree: Any) -> tuple[int, ...]:
-        return tuple(id(x) for x in _tree.tree_leaves(tree))
-
-    def alias(self, tree: Any, same: Any) -> None:
-        """The norm of ``tree`` is to be taken as that of ``same``."""
-        self._aliases[self._key(tree)] = (tree, same)
-
-    def get(self, tree: Any, compute: Callable[[Any], Any]) -> Any:
-        """``compute(tree)``, once per set of tensors (through :meth:`alias`)."""
-        key = self._key(tree)
-        if key in self._aliases:
-            tree = self._aliases[key][1]
-            key = self._key(tree)
-        if key not in self._norms:
-            self._norms[key] = (tree, compute(tree))
-        return self._norms[key][1]
-
-
-#: The :class:`NormMemo` of the step being run or traced (``funcamp.train.run``), None outside one.
-NORMS = _scope.Scope()
 
 
 class SingleProcess:
@@ -162,7 +128,7 @@ class SingleProcess:
         """``(finite, flags, grad_norm)``: every gradient and the loss finite (0-d bool), one flag per floating
         leaf (1-d bool, tree order), the global L2 norm (:func:`funcamp.global_norm`)."""
         flags = _tree.finite_flags(grads)
-        norm = _tree.norm_of_scaled(*self.scaled_global_norm(grads))  # within a step, the clip's too (NormMemo)
+        norm = _tree.norm_of_scaled(*self.scaled_global_norm(grads))
         return self._agree(flags.all() & torch.isfinite(loss)), flags, norm
 
     def _agree(self, finite: torch.Tensor) -> torch.Tensor:
@@ -172,14 +138,11 @@ class SingleProcess:
         """``(t, s)``, the global L2 norm of ``tree`` being ``t / s``: :func:`funcamp._tree.scaled_global_norm`
         of this process's tensors (float32, float64 if a leaf is; ``s`` a power of two).
 
-        ``funcamp.optim.clip_by_global_norm`` asks the layout of the step it runs in (``funcamp._scope``).
-        Within a step (:data:`NORMS`) the norm of the same tensors is taken once: the finite check's and the
-        clip's are one reduction.
+        ``funcamp.optim.clip_by_global_norm`` asks the layout of the step it runs in (``funcamp._scope``). The
+        finite check's norm and a clip's of the same gradients are the same expression over the same tensors:
+        the compiled step computes it once (AOTAutograd's common-subexpression elimination).
         """
-        memo = NORMS.current()
-        if memo is None:
-            return _tree.scaled_global_norm(tree, fn)
-        return memo.get(tree, lambda same: _tree.scaled_global_norm(same, fn))
+        return _tree.scaled_global_norm(tree, fn)
 
     def global_norm(self, tree: Any) -> torch.Tensor:
         """The global L2 norm of ``tree`` (:func:`funcamp.global_norm`: this process's tensors are the whole)."""
@@ -479,3 +442,20 @@ def _same_ranks(a: Any, b: Any) -> bool:
     import torch.distributed as dist
 
     return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
+def of_fields(shard: Any, data_parallel: Any, policy: Policy | None) -> SingleProcess:
+    """The layout a state's static fields describe (``TrainState.shard``, ``data_parallel``, ``policy``): one object
+    per distinct set of fields in a process, so that every state of a run carries the same one (host side).
+
+    Raises:
+      As :func:`layout_from`.
+    """
+    return _of_fields(shard, None if shard is None else id(shard.group), data_parallel, policy)
+
+
+@functools.lru_cache(maxsize=64)
+def _of_fields(shard: Any, group_id: Any, data_parallel: Any, policy: Policy | None) -> SingleProcess:
+    del group_id  # in the key only: a ShardLayout compares equal whatever its group
+    fields = types.SimpleNamespace(shard=shard, data_parallel=data_parallel, policy=policy)
+    return layout_from(state=fields)

@@ -44,24 +44,25 @@ def aux_probe(record: StepRecord) -> dict:
     return {"aux": record.aux}
 
 
-def telemetry_probe(telemetry: numerics.Telemetry, layout: StageLayout) -> Probe:
+def telemetry_probe(telemetry: numerics.Telemetry, layout: StageLayout | None = None) -> Probe:
     """The ``numerics/...`` metrics of :mod:`funcamp.numerics`, every ``telemetry.every``-th step.
 
     Computed inside the same graph (``torch.cond`` on the step count): zeros and ``numerics/active`` False on
-    the other steps.
+    the other steps. Over the step's layout (the record's); ``layout``, when given, is checked now.
 
     Raises:
       ValueError: under a layout without whole gradients (:class:`funcamp.train.Sharded`: telemetry reads them).
     """
-    if not layout.whole_gradients:
+    if layout is not None and not layout.whole_gradients:
         raise ValueError("make_train_step: telemetry= is not supported with shard= (it reads whole gradients)")
 
     def probe(record: StepRecord) -> dict:
         state = record.state
         active = (state.step + 1) % telemetry.every == 0
         loss_scale = record.metrics["loss_scale"]
-        return numerics.telemetry_metrics(
-            record.layout.distinct(record.grads), state.params, loss_scale, telemetry, active
+        grads = record.layout.distinct(record.grads)
+        return numerics.telemetry_metrics(  # a flat state's buffers: per-leaf views made inside torch.cond
+            grads, state.params, loss_scale, telemetry, active, params_of=state.storage.tree
         )
 
     return probe

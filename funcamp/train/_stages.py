@@ -25,12 +25,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcamp import _scope, _tree
+from funcamp import _dynamo_autograd, _scope, _tree
 from funcamp.grad import _Route, scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, _inplace, apply_updates, learning_rate
-from funcamp.train import _flat, _loss
-from funcamp.train._layout import NORMS, NormMemo, SingleProcess
+from funcamp.train import _loss
+from funcamp.train._layout import SingleProcess
 from funcamp.train._state import TrainState
 
 __all__ = [
@@ -153,8 +153,9 @@ def gradients(
       layout: the process layout (default one process).
       buffer_reductions: the buffers' reductions over ranks (``TrainState.buffer_reductions``: a buffer's
         dotted name -> ``"max"`` or ``"min"``; the others are averaged), or None.
-      route: how to differentiate (:data:`funcamp.grad._Route`); default ``torch.func``'s semantics. The
-        compiled step passes :data:`funcamp._dynamo_autograd.route`, traced ``torch.autograd.grad``.
+      route: how to differentiate (:data:`funcamp.grad._Route`). Default: in the body of a compiled step built by
+        :func:`funcamp.train.assemble`, :data:`funcamp._dynamo_autograd.route` (``torch.autograd.grad`` traced
+        by Dynamo, which keeps every custom Function's backward), elsewhere ``torch.func``'s semantics.
     Returns:
       A :class:`Gradients`.
     Raises:
@@ -162,6 +163,8 @@ def gradients(
       TypeError: if ``loss_fn`` returns the wrong form (see :func:`funcamp.make_train_step`).
     """
     check_args("gradients", loss_fn, accumulation_steps=accumulation_steps, loss_scale=loss_scale)
+    if route is None and getattr(_scope.step_plan(), "compiled", False):
+        route = _dynamo_autograd.route  # the assembly traces torch.autograd.grad (trace_autograd_ops)
     with_buffers = buffers is not None
     scale = None if isinstance(loss_scale, NoOpLossScale) else loss_scale.loss_scale
     fun = _loss.as_differentiable(loss_fn, has_aux=has_aux, with_buffers=with_buffers)
@@ -308,34 +311,21 @@ def run(
     *,
     has_aux: bool = False,
     accumulation_steps: int = 1,
-    layout: SingleProcess = _ONE_PROCESS,
+    layout: SingleProcess | None = None,
     route: _Route | None = None,
 ) -> StepRecord:
     """One whole train step from the stages: gradients, cast, check, update, commit, metrics.
 
-    ``route`` is :func:`gradients`' (default ``torch.func``'s semantics).
+    ``layout``: the process layout (default the one the state carries, ``state.layout``); ``route``:
+    :func:`gradients`'. The parameters the loss sees and the optimizer stage are the state's storage's
+    (``state.storage``: flat buffers or leaf by leaf).
 
     Returns:
       A :class:`StepRecord`; ``record.new_state`` and ``record.metrics`` are what the train step returns
       (before probes add theirs).
     """
-    return NORMS.within(
-        NormMemo(), _run, loss_fn, optimizer, state, batch, has_aux, accumulation_steps, layout, route
-    )  # the check's gradient norm and the clip's: one (funcamp.train._layout.NormMemo)
-
-
-def _run(
-    loss_fn: Callable[..., Any],
-    optimizer: GradientTransformation,
-    state: TrainState,
-    batch: Any,
-    has_aux: bool,
-    accumulation_steps: int,
-    layout: SingleProcess,
-    route: _Route | None,
-) -> StepRecord:
-    flat = _flat.of(state.params)  # a flat compiled step's parameters (funcamp.train._flat), else None
-    whole = state.params if flat is None else flat.tree(state.params)
+    storage, layout = state.storage, state.layout if layout is None else layout
+    whole = storage.tree(state.params)
     g = gradients(
         loss_fn,
         state.loss_scale,
@@ -350,10 +340,9 @@ def _run(
     )
     grads = cast_like(g.grads, whole)
     verdict = check(grads, g.loss, layout)
-    if flat is None:
-        new_params, new_opt_state = update(optimizer, grads, state.opt_state, state.params, layout, verdict.finite)
-    else:  # the optimizer over the buffers: compiled, never in place (finite is not needed)
-        new_params, new_opt_state = flat.update(update, optimizer, grads, state.opt_state, state.params, layout)
+    new_params, new_opt_state = storage.update(
+        update, optimizer, grads, state.opt_state, state.params, layout, verdict.finite
+    )
     new_state = commit(state, verdict.finite, new_params, new_opt_state, g.buffers)
     return StepRecord(
         state, new_state, grads, verdict, g.aux, layout, metrics(state, new_state, g.loss, verdict, new_opt_state)

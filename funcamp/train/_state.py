@@ -13,6 +13,7 @@ from funcamp import _tree, parallel, sharding
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation
 from funcamp.policy import Policy, get_policy
+from funcamp.train import _layout, _storage
 
 __all__ = ["TrainState"]
 
@@ -98,6 +99,12 @@ class TrainState:
         wrapper: ``state.data_parallel.group``), or None.
       policy: static, the :class:`funcamp.Policy` whose ``reduce_dtype`` the step reduces gradients in,
         or None (each gradient's own dtype).
+      storage: static, how this process holds ``params`` and ``opt_state`` (:class:`funcamp.train.ParamStorage`):
+        flat buffers (``storage.kind == "flat"``: every tensor of ``params`` and of the optimizer state shaped
+        like them is a view of one buffer per group) or leaf by leaf (``"per leaf"``, with ``storage.reason``).
+        Chosen by :meth:`create`.
+      layout: static, the process layout a step runs this state under (:class:`funcamp.train.SingleProcess`,
+        ``DataParallel``, ``Sharded``), made from ``shard``, ``data_parallel`` and ``policy`` when the state is.
 
     The static fields are part of the pytree structure, not leaves (as a flax ``TrainState``'s
     ``struct.field(pytree_node=False)``), and ``funcamp.checkpoint`` does not write them: a loaded state
@@ -115,6 +122,17 @@ class TrainState:
     buffer_reductions: tuple[tuple[str, str], ...] = _tree.field(default=(), pytree_node=False, metadata=STATIC)
     data_parallel: _Group | None = _tree.field(default=None, pytree_node=False, metadata=STATIC)
     policy: Policy | None = _tree.field(default=None, pytree_node=False, metadata=STATIC)
+    storage: _storage.ParamStorage = _tree.field(default=_storage.PerLeaf(), pytree_node=False, metadata=STATIC)
+    layout: _layout.SingleProcess | None = _tree.field(default=None, pytree_node=False, metadata=STATIC)
+
+    def __post_init__(self) -> None:
+        if self.layout is None:  # a state built by hand or loaded without ``like``: the layout its fields describe
+            object.__setattr__(self, "layout", _layout.of_fields(self.shard, self.data_parallel, self.policy))
+
+    @property
+    def plan(self) -> str:
+        """The static decisions this state carries, in one line: its process layout and its storage."""
+        return f"{self.layout!r}; storage {self.storage.describe()}"
 
     @classmethod
     def create(
@@ -130,6 +148,13 @@ class TrainState:
         policy: Policy | str | None = None,
     ) -> TrainState:
         """A fresh state: ``optimizer.init(params)``, counters at 0, the loss scale on the params' device.
+
+        The storage is chosen here, once (:mod:`funcamp.train._storage`): where every transformation of
+        ``optimizer`` is elementwise (funcamp's own are) and the parameters are plain dense floating tensors,
+        the state lays out one flat buffer per (device, dtype, optimizer group), copies ``params`` into it and
+        holds views of it, with your names and shapes (``state.storage.kind == "flat"``); the tensors you pass
+        are then not the state's, and no step writes into them. Otherwise (or with ``FUNCAMP_FLAT=off`` in the
+        environment) the state holds the tensors you pass, leaf by leaf, and ``state.storage.reason`` says why.
 
         With ``shard`` (a :class:`funcamp.sharding.ShardLayout`, from
         ``funcamp.sharding.shard_layout(params, group)``), ``params`` are the whole parameters, the same
@@ -214,10 +239,12 @@ class TrainState:
                 sharding.check_same_params(params, shard.group, "TrainState.create", layout=shard)
             params = sharding.shard_params(params, shard)
         device = _tree.tree_device(params)
-        return cls(
+        storage = _storage.choose(params, optimizer, sharded=shard is not None)
+        params, opt_state = storage.lay_out(params, optimizer)
+        state = cls(
             step=_zero_int(device),
             params=params,
-            opt_state=optimizer.init(params),
+            opt_state=opt_state,
             loss_scale=loss_scale.to(device),
             buffers=buffers,
             skipped_steps=_zero_int(device),
@@ -226,7 +253,11 @@ class TrainState:
             buffer_reductions=reductions,
             data_parallel=None if group is None else _Group(group),
             policy=policy,
+            storage=storage,
         )
+        state.layout.check_ranks()  # every rank runs this layout (sharded: one all_gather_object)
+        state.layout.check_state(state)  # data parallel: the same parameters on every rank
+        return state
 
     def replace(self, **changes: Any) -> TrainState:
         """A copy with the given fields replaced.

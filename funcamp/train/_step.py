@@ -1,24 +1,25 @@
-"""The functional train step: ``(state, batch) -> (state, metrics)``, compiled whole.
+"""``make_train_step``: the standard step, the stages of :mod:`funcamp.train._stages` in one body.
 
-``make_train_step`` is a short assembly: a process layout (:mod:`funcamp.train._layout`) from what the state
-carries (``TrainState.create``'s ``shard``, ``data_parallel`` and ``policy``), the stages of
-:mod:`funcamp.train._stages` in order, and the probes of :mod:`funcamp.train._probes` its keywords ask for;
-then the host-side checks of the first call and ``torch.compile(fullgraph=True)`` around it.
-No stage branches on a feature flag.
+The body is :func:`funcamp.train.run` (gradients, cast, check, update, commit, metrics) and the probes the
+keywords ask for (:mod:`funcamp.train._probes`); everything around it (compiled or eager, donation, the host
+boundary of the state's storage, the graph passes) is :func:`funcamp.train.assemble`'s. The process layout and
+the storage come from the state (``TrainState.create``). No stage branches on a feature flag.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from funcamp import _dynamo_autograd, _tree, numerics, passes
+from funcamp import _tree, numerics
 from funcamp.optim import GradientTransformation
-from funcamp.train import _donate, _flat, _hints, _layout, _loss, _probes, _stages
+from funcamp.train import _assemble, _donate, _layout, _loss, _probes, _stages
+from funcamp.train._assemble import EAGER_RERUN_NOTE
 from funcamp.train._state import TrainState
 
 __all__ = ["EAGER_RERUN_NOTE", "make_train_step"]
@@ -36,7 +37,7 @@ def make_train_step(
     telemetry: numerics.Telemetry | int | None = None,
     donate: bool = False,
     **moved: Any,
-) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+) -> _assemble.Step:
     """Build the pure train step ``step(state, batch) -> (new_state, metrics)``.
 
     Per call: split ``batch`` into ``accumulation_steps`` micro-batches along dim 0; for each, the
@@ -72,13 +73,15 @@ def make_train_step(
       donate: write the next state into the given state's tensors, bitwise the pure step's; the given state
         is consumed (using it again raises :class:`funcamp.train.DonatedStateError`). Default False.
       **moved: ``data_parallel=``, ``policy=`` and ``shard=``, deprecated (``DeprecationWarning``): the state
-        carries them (``TrainState.create(params, optimizer, data_parallel=..., policy=..., shard=...)``) and
-        the step takes them from it at its first call; given here they still work as before and must agree
-        with the state's. At the first call a data-parallel step compares a float64 checksum of each
-        parameter over the ranks (one ``all_gather_object``); a sharded one trains this rank's shards with
-        the unsharded step's metrics (:mod:`funcamp.sharding`).
+        carries them (``TrainState.create(params, optimizer, data_parallel=..., policy=..., shard=...)``, which
+        checks the parameters and the layout across the ranks) and the step runs each state under the layout it
+        carries; given here they still work as before and must agree with the state's. A sharded state trains
+        this rank's shards with the unsharded step's metrics (:mod:`funcamp.sharding`).
     Returns:
-      The step function.
+      The step, a :class:`funcamp.train.Step` (:func:`funcamp.train.assemble` over the stages): call it as
+      ``step(state, batch)``; ``step.plan`` and ``step.plan_for(state)`` show what it decided (compiled or
+      eager, donation, probes; the state's process layout and storage, flat buffers or leaf by leaf and why),
+      which the first call logs once at INFO on ``funcamp.train``.
     Raises:
       TypeError: if ``loss_fn`` is not callable, ``optimizer`` not a GradientTransformation,
         ``data_parallel`` not None, a bool or a ProcessGroup, or ``telemetry`` not None, an int or a
@@ -106,168 +109,31 @@ def make_train_step(
       (tensor([0.0667, 0.0667, 0.0667]), tensor(True))
     """
     _stages.check_args("make_train_step", loss_fn, optimizer, accumulation_steps)
-    data_parallel, shard, policy = _moved_to_state(moved)
     telemetry = numerics.as_telemetry(telemetry)
-    built = _layout.layout_from(data_parallel, shard, policy)
-    run_as = _Assembly(built, _probes_for(built, max_consecutive_skips, has_aux, telemetry))
-    built.check_ranks()
-    # Compiled, differentiate with traced torch.autograd.grad: torch.func's compiled grad ignores the backward
-    # of a custom autograd.Function applied to a parameter itself (funcamp._dynamo_autograd).
-    route = _dynamo_autograd.route if compile else None
+    probes = _probes_for(max_consecutive_skips, has_aux, telemetry)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        layout = run_as.layout  # set by the first call's host-side check, before anything is traced
-        record = _stages.run(
-            loss_fn,
-            optimizer,
-            state,
-            batch,
-            has_aux=has_aux,
-            accumulation_steps=accumulation_steps,
-            layout=layout,
-            route=route,
-        )
+        record = _stages.run(loss_fn, optimizer, state, batch, has_aux=has_aux, accumulation_steps=accumulation_steps)
         metrics = dict(record.metrics)
-        for probe in run_as.probes:
+        for probe in probes.values():
             metrics.update(probe(record))
         return record.new_state, metrics
 
-    def for_state(state: TrainState) -> None:  # the first call: the layout the state carries
-        # Compiled, one process or data parallel, no telemetry (it reads every leaf's update): the optimizer over
-        # flat buffers, where the optimizer and parameters allow it (funcamp.train._flat).
-        runs_flat = compile and telemetry is None and shard is None and state.shard is None
-        run_as.flat = _flat.layout_for(state.params, optimizer) if runs_flat else None
-        if state.shard is None and state.data_parallel is None and state.policy is None:
-            return
-        layout = _layout.layout_from(data_parallel, shard, policy, state=state)
-        if shard is None:  # taken from the state: checked as a layout given to the step is at build time
-            run_as.probes = _probes_for(layout, max_consecutive_skips, has_aux, telemetry)
-            layout.check_ranks()
-        run_as.layout = layout
-
-    first_call = _first_call_check(run_as, for_state, loss_fn, optimizer)
-    body = _donating(step, compile, telemetry) if donate else step  # (state, batch) -> metrics, state written
-    if compile:
-        backend = backend or "inductor"
-        options = _inductor_options() if backend == "inductor" else None  # None where torch lacks the option
-        compiled = _dynamo_autograd.compile(body, fullgraph=True, backend=backend, options=options)
-        flat = _flat_boundary(compiled, run_as, donate)  # the state's buffers in, its per-leaf views out
-        run = _with_eager_errors(step, flat, first_call)  # an eager re-run of an error writes nothing
-    else:
-        run = _with_checked_args(body, first_call)
-    return _donate.returning_state(run) if donate else run
-
-
-def _donating(step: Callable[..., Any], compiled: bool, telemetry: Any) -> Callable[..., Any]:
-    """The donating form of ``step`` (:mod:`funcamp.train._donate`): compiled, input mutations in the graph;
-    eager, the optimizer in place, unless telemetry reads the gradients and old parameters after the update."""
-    if compiled:
-        return _donate.donating(step)
-    return _donate.copying(step) if telemetry is not None else _donate.in_place(step)
-
-
-class _Assembly:
-    """What a step runs with: its layout and probes (those of the state's layout after the first call), and the
-    flat layout of its parameters and optimizer state (None: leaf by leaf), chosen at the first call."""
-
-    def __init__(self, layout: _layout.SingleProcess, probes: list[Any]) -> None:
-        self.layout, self.probes = layout, probes
-        self.flat: _flat.FlatLayout | None = None
-
-
-def _flat_boundary(compiled: Callable[..., Any], run_as: _Assembly, donate: bool) -> Callable[..., Any]:
-    """``compiled`` called on the state's flat buffers (:mod:`funcamp.train._flat`) where the step runs flat.
-
-    The per-leaf state is packed (its tensors are views of the buffers: no copy, after the first call) and the
-    step's result unpacked into per-leaf views. Donating, the step writes into the buffers, which the given
-    state's tensors view (when a call has to copy them in, they are made views of the buffers before it). A state
-    of another structure than the first call's runs leaf by leaf (compiled again, as any other structure is).
-    """
-
-    def call(state: TrainState, batch: Any) -> Any:
-        flat = run_as.flat
-        packed = None if flat is None else flat.pack(state)
-        if packed is None:
-            return compiled(state, batch)
-        flat_state, copied = packed
-        later = flat.adopt(state, flat_state) if donate and copied else []
-        out = compiled(flat_state, batch)
-        if donate:  # the metrics; the new state is in the buffers
-            with torch.no_grad():
-                for tensor, view in later:
-                    tensor.copy_(view)
-            return out
-        new_state, metrics = out
-        return flat.unpack(new_state), metrics
-
-    return call
-
-
-def _probes_for(
-    layout: _layout.SingleProcess, max_consecutive_skips: int | None, has_aux: bool, telemetry: Any
-) -> list[Any]:
-    """The probes the step's keywords ask for, over ``layout`` (raises as :func:`funcamp.train.telemetry_probe`)."""
-    probes: list[Any] = [] if max_consecutive_skips is None else [_probes.skip_limit(max_consecutive_skips)]
-    probes += [_probes.aux_probe] if has_aux else []
-    return probes + ([] if telemetry is None else [_probes.telemetry_probe(telemetry, layout)])
-
-
-def _inductor_options() -> dict[str, Any] | None:
-    """The inductor options of the compiled step: funcamp's graph pass, the backward's order kept, and a cache.
-
-    ``post_grad_custom_pre_pass``: :class:`funcamp.passes.RematPass` (``functionalize(remat=)`` regions
-    recomputed, sharded gathers at use, large backward buffers made late). ``reorder_for_locality=False``: the
-    step's forward and backward are traced into one graph without a forward/backward split, which inductor
-    takes for an inference graph and reorders for locality, moving each node to just before its first user:
-    each weight gradient's matmul went to the end of the backward, where the finite check first reads it, and
-    kept its inputs alive until then (a tied LM head: the logits' gradient through the whole backward,
-    ``tests/test_remat.py``); torch does not run that pass on the graphs it compiles for training.
-
-    Let AOTAutograd's cache store the step:
-
-    funcamp's casting mode (:class:`funcamp.ops.OpPolicies`, a ``TorchFunctionMode``) makes Dynamo record the
-    ``Tensor`` methods that torch writes in Python (``Tensor.split``, ``Tensor.unique``, ...) as calls to those
-    Python functions, which AOTAutograd's cache refuses ("Bypassing autograd cache due to: Unsupported
-    call_function target Tensor.split"): every new process re-ran AOTAutograd on the whole step (3.6 s of
-    the warm first step of the benchmark GPT on a 2-core AMD EPYC, AVX2). They are torch's own functions,
-    marked cacheable here under the running torch version (``torch._inductor.config.
-    unsafe_marked_cacheable_functions``), so a change of torch changes the cache key.
-    """
-    from torch._inductor import config as inductor_config
-
-    remat = {"post_grad_custom_pre_pass": passes.RematPass(), "reorder_for_locality": False}
-    if not hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # older torch: no such option
-        return remat
-    methods = (getattr(torch.Tensor, name, None) for name in _PYTHON_TENSOR_MATH)
-    names = sorted(
-        f"{fn.__module__}.{fn.__name__}"
-        for fn in methods
-        if isinstance(fn, types.FunctionType) and fn.__module__ == "torch._tensor"
+    return _assemble.assemble(
+        step if telemetry is not None else _donate.updates_in_place(step),  # telemetry reads after the update
+        compile=compile,
+        backend=backend,
+        donate=donate,
+        prepare=_prepare(loss_fn, optimizer, telemetry, moved),
+        probes=tuple(probes),
     )
-    return {"unsafe_marked_cacheable_functions": dict.fromkeys(names, torch.__version__), **remat}
 
 
-#: Tensor methods that torch writes in Python and that only compute (no hooks, no autograd or storage
-#: state): those a model calls inside the step. Others (``backward``, ``register_hook``) stay refused.
-_PYTHON_TENSOR_MATH = (
-    "split",
-    "norm",
-    "unique",
-    "unique_consecutive",
-    "stft",
-    "istft",
-    "lu",
-    "unflatten",
-    "__rsub__",
-    "__rdiv__",
-    "__rtruediv__",
-    "__rpow__",
-    "__floordiv__",
-    "__rfloordiv__",
-    "__rmatmul__",
-    "__rlshift__",
-    "__rrshift__",
-)
+def _probes_for(max_consecutive_skips: int | None, has_aux: bool, telemetry: Any) -> dict[str, Any]:
+    """The probes the step's keywords ask for, by name (raises as :func:`funcamp.train.skip_limit`)."""
+    probes: dict[str, Any] = {} if max_consecutive_skips is None else {"skip_limit": _probes.skip_limit(max_consecutive_skips)}
+    probes.update({"aux": _probes.aux_probe} if has_aux else {})
+    return probes | ({} if telemetry is None else {"telemetry": _probes.telemetry_probe(telemetry)})
 
 
 _MOVED = ("data_parallel", "policy", "shard")
@@ -294,52 +160,17 @@ def _moved_to_state(moved: dict[str, Any]) -> tuple[Any, Any, Any]:
     return moved.get("data_parallel"), moved.get("shard"), moved.get("policy")
 
 
-def _first_call_check(
-    run_as: _Assembly, for_state: Callable[[Any], None], loss_fn: Callable[..., Any], optimizer: GradientTransformation
-) -> Callable[[Any], None]:
-    """The host-side check of the state at a step's first call; later calls only compare the layout the state
-    carries with the first call's (a host-side comparison of static metadata)."""
-    done: list[Any] = [False, None, None]
-
-    def check(state: TrainState) -> None:
-        if done[0]:
-            if state.shard is not done[1] and state.shard != done[1]:
-                raise ValueError(
-                    f"train_step: this step was first called with a state of layout {done[1]!r} and runs under it; "
-                    f"this state carries {state.shard!r}: build another step for it (make_train_step)"
-                )
-            if (state.data_parallel, state.policy) != done[2]:
-                raise ValueError(
-                    f"train_step: this step was first called with a state of data_parallel and policy {done[2]!r} "
-                    f"and runs under them; this state carries {(state.data_parallel, state.policy)!r}: build another "
-                    "step for it (make_train_step)"
-                )
-            return
-        message = _loss.arity_error(loss_fn, state.buffers is not None)
-        if message is not None:
-            raise TypeError(message)
-        for_state(state)
-        _check_opt_state(state, optimizer)
-        run_as.layout.check_state(state)
-        done[0], done[1], done[2] = True, state.shard, (state.data_parallel, state.policy)
-
-    return check
-
-
 def _check_opt_state(state: TrainState, optimizer: GradientTransformation) -> None:
     """Refuse an optimizer state made by another optimizer (its structure differs from ``optimizer.init``'s).
 
-    ``init`` runs on shape-only (meta) copies of the parameters: nothing is allocated. An ``init`` that cannot
-    run there is not checked.
+    ``init`` runs on shape-only (meta) copies of the parameters, once per structure, shapes and dtypes
+    (:func:`_init_structure`): nothing is allocated. An ``init`` that cannot run there is not checked.
     """
-    if _tree.first_non_floating(state.params) is not None:  # the step names that leaf itself
-        return
-    meta = _tree.tree_map(lambda p: p.to("meta") if isinstance(p, torch.Tensor) else p, state.params)
-    try:
-        expected = _tree.tree_structure(optimizer.init(meta))
-    except Exception:  # noqa: BLE001 (an init that needs real values: let the step itself decide)
-        return
-    if expected != _tree.tree_structure(state.opt_state):
+    leaves, spec = _tree.tree_flatten(state.params)
+    if any(not isinstance(x, torch.Tensor) or not x.is_floating_point() for x in leaves):
+        return  # the step names that leaf itself
+    expected = _init_structure(optimizer, spec, tuple((tuple(x.shape), x.dtype) for x in leaves))
+    if expected is not None and expected != _tree.tree_structure(state.opt_state):
         raise TypeError(
             "train_step: state.opt_state was not made by this step's optimizer for these parameters (its structure "
             "differs from optimizer.init(state.params)'s); build the state with TrainState.create(params, optimizer) "
@@ -363,72 +194,54 @@ def _check_step_args(state: Any, batch: Any) -> None:
     )
 
 
-def _with_checked_args(step: Callable[..., Any], first_call: Callable[[Any], None]) -> Callable[..., Any]:
-    def checked_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+@functools.lru_cache(maxsize=32)
+def _init_structure(optimizer: GradientTransformation, spec: Any, shapes: tuple[Any, ...]) -> Any:
+    """The structure of ``optimizer.init`` over meta parameters of ``spec`` and ``shapes``, or None where it cannot
+    run on them (an init that needs real values: the step itself decides)."""
+    meta = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes]
+    try:
+        return _tree.tree_structure(optimizer.init(_tree.tree_unflatten(spec, meta)))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _prepare(
+    loss_fn: Callable[..., Any], optimizer: GradientTransformation, telemetry: Any, moved: dict[str, Any]
+) -> Callable[[Any, Any], Any]:
+    """The host-side checks of each call (cheap; what needs the ranks ran at ``TrainState.create``): the
+    arguments, the loss's arity, the optimizer state's structure, and the layout a deprecated keyword asks for."""
+    arity = {buffers: _loss.arity_error(loss_fn, buffers) for buffers in (False, True)}
+    given = _given_layout(*_moved_to_state(moved))
+
+    def prepare(state: Any, batch: Any) -> Any:
         _check_step_args(state, batch)
-        first_call(state)
-        return step(state, batch)
+        if arity[state.buffers is not None] is not None:
+            raise TypeError(arity[state.buffers is not None])
+        _check_opt_state(state, optimizer)
+        state.storage.admit(optimizer)  # flat: the optimizer groups the parameters as the state's (once per object)
+        if given is not None:
+            state = dataclasses.replace(state, layout=given(state.shard, state.data_parallel, state.policy))
+        if telemetry is not None and not state.layout.whole_gradients:
+            raise ValueError("make_train_step: telemetry= is not supported with shard= (it reads whole gradients)")
+        return state
 
-    return checked_step
-
-
-#: Appended (``add_note``) to an error that the compiled step met while tracing and that the eager re-run
-#: raised again: the error is the user's code's (or funcamp's) own, not the compiler's.
-EAGER_RERUN_NOTE = (
-    "funcamp: raised while torch.compile traced the train step; funcamp re-ran the step eagerly to show this "
-    "error as your code raises it (make_train_step(..., compile=False) runs without compiling)"
-)
-_FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+    return prepare
 
 
-class _HeldRecords(logging.Filter):
-    """Hold a logger's records back instead of emitting them (released or dropped later)."""
+def _given_layout(data_parallel: Any, shard: Any, policy: Any) -> Callable[..., Any] | None:
+    """With the deprecated ``data_parallel=``, ``shard=`` or ``policy=`` of ``make_train_step``: the layout they
+    and a state's fields describe together (checked against each other, one object per set of fields), else
+    None (the state's own layout). A layout given here is checked across ranks now, at build time."""
+    if data_parallel is None and shard is None and policy is None:
+        return None
+    _layout.layout_from(data_parallel, shard, policy).check_ranks()
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
+    @functools.lru_cache(maxsize=16)
+    def combined(state_shard: Any, state_group: Any, state_policy: Any) -> Any:
+        fields = types.SimpleNamespace(shard=state_shard, data_parallel=state_group, policy=state_policy)
+        layout = _layout.layout_from(data_parallel, shard, policy, state=fields)
+        if shard is None and state_shard is not None:  # taken from the state: checked as one given here
+            layout.check_ranks()
+        return layout
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        self.records.append(record)
-        return False
-
-
-def _with_eager_errors(
-    step: Callable[..., Any], compiled: Callable[..., Any], first_call: Callable[[Any], None]
-) -> Callable[..., Any]:
-    """``compiled``, but an error of the user's code (or a bad input) raises itself rather than dynamo's.
-
-    With ``fullgraph=True`` an exception raised while tracing reaches the caller wrapped by dynamo:
-    ``torch._dynamo.exc.Unsupported`` ("Observed exception") for funcamp's own checks (a loss that is
-    not 0-d, a batch that does not split into micro-batches), ``TorchRuntimeError`` (about 45 lines of
-    fake-tensor detail, after a logged traceback) for an error in the user's ``loss_fn`` (float labels
-    to ``cross_entropy``, a wrong feature size). The step is pure, so on any dynamo error it is run once
-    eagerly: what that raises is raised instead, as itself, with :data:`EAGER_RERUN_NOTE` added and
-    the fake-tensor log lines of the failed trace dropped. If the eager step succeeds, dynamo's error
-    is re-raised (with a note saying what to do where :mod:`funcamp.train._hints` knows the failure) and
-    the held log lines are emitted. The arguments' types are checked first.
-    """
-
-    def compiled_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        _check_step_args(state, batch)
-        first_call(state)
-        logger, held = logging.getLogger(_FAKE_TENSOR_LOGGER), _HeldRecords()
-        logger.addFilter(held)
-        try:
-            return compiled(state, batch)
-        except torch._dynamo.exc.TorchDynamoException as dynamo_error:
-            logger.removeFilter(held)
-            try:
-                step(state, batch)
-            except Exception as error:
-                held.records.clear()  # the fake-tensor traceback of the same error: noise
-                error.add_note(EAGER_RERUN_NOTE)
-                raise error from None
-            _hints.add_known_fix(dynamo_error)  # a known fix (transformers' logging, an untraceable Function)
-            raise dynamo_error
-        finally:
-            logger.removeFilter(held)
-            for record in held.records:
-                logger.handle(record)
-
-    return compiled_step
+    return combined
