@@ -9,8 +9,9 @@ on real against generated points, the generator on fooling the discriminator. Th
 different scales, and one overflowing must not skip (or back off the scale of) the other, so each loss has
 its own :class:`funcamp.DynamicLossScale`, as apex's ``num_losses`` gives each loss its own scaler. The step
 below is :func:`funcamp.train.run` twice, once per model, each with its own :class:`funcamp.TrainState`
-(parameters, optimizer state, loss scale, skip counters); the whole step is one ``torch.compile(fullgraph=True)``
-graph that does not recompile as the scales move. Both scales go to TensorBoard (``d/amp/loss_scale``,
+(parameters, optimizer state, loss scale, skip counters); :func:`funcamp.train.assemble` compiles the whole step
+into one ``torch.compile(fullgraph=True)`` graph, with the graph passes, flat storage and the traced-autograd route
+of ``make_train_step``, that does not recompile as the scales move. Both scales go to TensorBoard (``d/amp/loss_scale``,
 ``g/amp/loss_scale``) with the losses.
 
 The data are 2-d points from 8 Gaussians on a circle of radius 2 (standard deviation 0.05), a
@@ -30,7 +31,7 @@ import torch
 
 import funcamp as fa
 from funcamp import optim
-from funcamp.train import run
+from funcamp.train import assemble, run
 
 LATENT = 8
 MODES = 8
@@ -70,9 +71,9 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, fa.TrainState], Any]
 
     def gan_step(states: dict[str, fa.TrainState], batch: dict[str, torch.Tensor]) -> tuple[dict, dict]:
         d, g = states["d"], states["g"]
-        fake = g_apply(g.params, batch["z"]).detach().float()
+        fake = g_apply(g.param_tree(), batch["z"]).detach().float()
         d_record = run(d_loss, d_opt, d, {"real": batch["real"], "fake": fake})
-        d_params_now = d.params  # the generator's loss sees the discriminator before this step's update
+        d_params_now = d.param_tree()  # the generator's loss sees the discriminator before this step's update
 
         def g_loss(params: Any, z: torch.Tensor) -> torch.Tensor:
             logits = d_apply(d_params_now, g_apply(params, z)).float()
@@ -141,34 +142,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train; return the last metrics (floats), the coverage, the graph count and the states."""
     args = parse_args(argv)
     gan_step, states, generate = build(args)
-    frames = None
-    if not args.no_compile:
-        from torch._dynamo.testing import CompileCounterWithBackend
-
-        frames = CompileCounterWithBackend(args.backend)
-        gan_step = torch.compile(gan_step, fullgraph=True, backend=frames)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # the graphs Dynamo makes, counted
+    gan_step = assemble(gan_step, compile=not args.no_compile, backend=args.backend)
     start, metrics = time.perf_counter(), {}
     with fa.TensorBoardLogger(args.logdir, log_every=args.log_every, tags=_tags()) as logger:
         for step in range(args.steps):
             states, metrics = gan_step(states, ring_batch(args.seed, step, args.batch_size))
             logger.log(metrics, step=step)
     host = {k: float(v) for k, v in metrics.items()}
+    frames = None if args.no_compile else torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     with torch.no_grad():
-        points = generate(states["g"].params, ring_batch(args.seed + 1, 0, 2048)["z"])
+        points = generate(states["g"].param_tree(), ring_batch(args.seed + 1, 0, 2048)["z"])
     near, modes = mode_coverage(points)
     print(
         f"done: {args.steps} steps in {time.perf_counter() - start:.1f} s, "
         f"d loss {host['d/loss']:.3f} (scale {host['d/loss_scale']:g}, {host['d/skipped_steps']:.0f} skipped), "
         f"g loss {host['g/loss']:.3f} (scale {host['g/loss_scale']:g}, {host['g/skipped_steps']:.0f} skipped), "
         f"near_mode {near:.2f}, modes {modes}/{MODES}"
-        + ("" if frames is None else f", {frames.frame_count} graph(s)")
+        + ("" if frames is None else f", {frames} graph(s)")
         + f"; tensorboard --logdir {args.logdir}"
     )
     return {
         "metrics": host,
         "near_mode": near,
         "modes": modes,
-        "graphs": None if frames is None else frames.frame_count,
+        "graphs": frames,
         "states": states,
     }
 

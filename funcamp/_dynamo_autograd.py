@@ -55,7 +55,9 @@ def compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     (:func:`_own_frame`): building it again in the same process compiles it afresh, never as a recompile of an
     earlier build. Same arguments and errors as ``torch.compile``.
     """
-    compiled = torch.compile(_own_frame(fn), **options)
+    backend = options.pop("backend", "inductor")
+    inductor = options.pop("options", None)
+    compiled = torch.compile(_own_frame(fn), backend=_aliasing_aware(backend, inductor), **options)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -66,6 +68,47 @@ def compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
             return compiled(*args, **kwargs)
 
     return call
+
+
+def _aliasing_aware(backend: Any, inductor_options: dict[str, Any] | None) -> Callable[..., Any]:
+    """``backend`` (a name or a callable; ``inductor_options`` for inductor) as a callable backend that keeps
+    AOTAutograd's cache away from a graph whose inputs share memory.
+
+    torch 2.13's AOTAutograd cache key does not see which graph inputs share storage (pytorch/pytorch #139789;
+    PRs #184481 and #185891 add the alias groups to the key later): a graph compiled for a step whose closure read
+    a copy of a state tensor was served to the same Dynamo graph where that tensor is a view of a donated input
+    (wrong aux and buffer values, ``tests/test_flat.py``). Such a graph is compiled with the cache off, so it is
+    neither served from it nor stored in it (``funcamp.compile_cache`` saves what the caches hold); inductor's FX
+    graph cache keys the graph after AOTAutograd, where the aliasing shows.
+    """
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def compile_graph(gm: Any, example_inputs: Any) -> Any:
+        shared = _inputs_share_memory(example_inputs)
+        cache = torch._functorch.config.enable_autograd_cache and not shared
+        with torch._functorch.config.patch(enable_autograd_cache=cache):
+            if backend == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+
+                return compile_fx(gm, example_inputs, config_patches=inductor_options)
+            return (lookup_backend(backend) if isinstance(backend, str) else backend)(gm, example_inputs)
+
+    return compile_graph
+
+
+def _inputs_share_memory(inputs: Any) -> bool:
+    """Whether two of the graph's tensor inputs are on one storage (views of one buffer, a tensor and its alias)."""
+    seen: set[tuple[Any, int]] = set()
+    for x in inputs:
+        if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.device.type == "meta":
+            continue  # a tensor subclass holds its storage in its parts
+        if x.untyped_storage().nbytes() == 0:
+            continue
+        key = (x.device, x.untyped_storage().data_ptr())
+        if key in seen:
+            return True
+        seen.add(key)
+    return False
 
 
 #: Numbers the frames :func:`_own_frame` makes, one per compiled build in this process.

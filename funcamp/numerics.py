@@ -326,8 +326,9 @@ def telemetry_metrics(
       active: a 0-d bool tensor: compute now (True) or return zeros (False), with :func:`torch.cond`
         when compiling (eagerly: a Python branch, one host read); ``None``: always compute.
       params_of: ``params_of(params) -> the parameter tree``, for ``params`` held otherwise (a flat state's
-        buffers, ``state.storage.tree``): the buffers go into ``torch.cond``, which refuses aliased operands
-        (views of one buffer), and the views are made inside it. Default: ``params`` is the tree.
+        buffers, a plain dict: :meth:`funcamp.train.ParamStorage.held`): the buffers go into ``torch.cond``,
+        which refuses aliased operands (views of one buffer), and the views are made inside it. Default:
+        ``params`` is the tree.
     Returns:
       ``{"numerics/active": 0-d bool, "numerics/<group>/<name>": 0-d float32 or, for
       ``grad_log2_hist``, an int64 vector of :data:`HISTOGRAM_BINS` counts}``, on the gradients'
@@ -354,11 +355,11 @@ def telemetry_metrics(
         return {"numerics/active": torch.ones((), dtype=torch.bool) if active is None else active}
     groups = group_names(params, config.group_depth)
     scale = loss_scale.detach().float().to(g_leaves[0].device)
-    held_leaves, held_spec = _tree.tree_flatten(held)
-    args = (g_leaves, held_leaves, scale)
+    rebuild = _tree.rebuilder(held)  # made here: traced inside torch.cond without optree's polyfill
+    args = (g_leaves, _tree.tree_leaves(held), scale)
 
     def compute(g: list[torch.Tensor], w: list[torch.Tensor], s: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        w = [x for x in _tree.tree_leaves(params_of(_tree.tree_unflatten(held_spec, w))) if _is_float(x)]
+        w = [x for x in _tree.tree_leaves(params_of(rebuild(w))) if _is_float(x)]
         return _compute(g, w, s, config, groups)
 
     def skip(g: list[torch.Tensor], w: list[torch.Tensor], s: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import pytest
@@ -63,8 +65,12 @@ def test_train_state_round_trip_with_and_without_like(tmp_path):
     assert int(state.skipped_steps) == 1 and int(state.step) == 3  # the state has really moved
     path = tmp_path / "ckpt.pt"
     checkpoint.save(path, state)
-    _assert_equal_trees(checkpoint.load(path), state)
-    _assert_equal_trees(checkpoint.load(path, like=_state()), state)
+    alone = checkpoint.load(path)  # without like: the static fields are the defaults, the storage per leaf
+    assert alone.storage.kind == "per leaf" and state.storage.kind == "flat"
+    _assert_equal_trees(alone, dataclasses.replace(state, storage=fa.train.PerLeaf()))
+    into = checkpoint.load(path, like=_state())  # into a created state: its storage, the tensors laid out in it
+    _assert_equal_trees(into, state)
+    assert into.storage.kind == "flat" and all(p._base is not None for p in into.params.values())
     loaded = checkpoint.load(path)
     assert type(loaded.opt_state[1][0]) is optim.ScaleByAdamState
     assert loaded.loss_scale.hysteresis == 2 and loaded.loss_scale.min_loss_scale == 0.25

@@ -161,7 +161,8 @@ def test_data_parallel_is_given_to_the_state():
 def test_the_state_carries_group_and_policy_to_the_step():
     """One gloo rank: a state made with ``data_parallel=True, policy=...`` trains as the step built with them
     did (deprecated), bitwise, the gradients on the policy's bfloat16 wire; the group survives ``deepcopy``
-    and is dropped by pickling; a step given another policy than the state's is refused at its first call.
+    and is dropped by pickling; a step given another policy than the state's is refused; one step runs each state
+    under the layout it carries.
     (Planted: the step ignoring the state's policy -> float32 wire, other bits -> the first assertion fails.)"""
     import copy
     import pickle
@@ -193,8 +194,8 @@ def test_the_state_carries_group_and_policy_to_the_step():
         assert pickle.loads(pickle.dumps(carried)).data_parallel.group is None
         with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="differs from the state's"):
             fa.make_train_step(loss_fn, opt, policy="f32", compile=False)(carried, W.batches(1)[0])
-        with pytest.raises(ValueError, match="first called with a state of data_parallel and policy"):
-            new(fa.TrainState.create(W.init_params(), opt), W.batches(1)[0])  # another state: another step
+        alone, _ = new(fa.TrainState.create(W.init_params(), opt), W.batches(1)[0])  # each state its own layout
+        assert type(alone.layout) is fa.train.SingleProcess and type(carried.layout) is fa.train.DataParallel
     finally:
         dist.destroy_process_group()
 

@@ -50,32 +50,65 @@ def _type_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _encode(x: Any, path: str) -> Any:
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """Every tensor in ``x`` (the trees :func:`save` takes), in any order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [t for f in _saved_fields(x) for t in _tensors(getattr(x, f.name))]
+    return []
+
+
+def _memory(x: torch.Tensor) -> tuple[Any, int]:
+    return (x.device, x.untyped_storage().data_ptr())
+
+
+def _saved_whole(state: Any) -> set[Any]:
+    """The storages the tensors of ``state`` cover (but for the alignment padding of a flat buffer, at most 64
+    bytes a tensor): saved as they are, shared. A tensor on a storage it shares with tensors that are not saved
+    (one parameter of a flat state) is cloned instead, so that a file holds only what was asked for and a loaded
+    tensor pins no larger buffer (``torch.save`` writes a view's whole storage)."""
+    covered: dict[Any, list[int]] = {}
+    for x in _tensors(state):
+        if x.numel():
+            entry = covered.setdefault(_memory(x), [x.untyped_storage().nbytes(), 0, 0])
+            entry[1] += x.numel() * x.element_size()
+            entry[2] += 1
+    return {key for key, (nbytes, saved, n) in covered.items() if saved >= nbytes - 64 * n}
+
+
+def _encode(x: Any, path: str, whole: set[Any] | None = None) -> Any:
     if isinstance(x, torch.Tensor):
         if type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
             raise TypeError(
                 f"funcamp.checkpoint.save: {path or 'the state'} is a {type(x).__name__}; save plain tensors"
             )
+        if whole is not None and _memory(x) not in whole:
+            return x.detach().clone()  # a part of a larger buffer: only its own bytes go into the file
         return x.detach()
     if isinstance(x, _SCALARS):
         return x
     if isinstance(x, torch.dtype):
         return {"$": "dtype", "name": str(x).removeprefix("torch.")}
     if isinstance(x, dict):
-        return {"$": "dict", "items": [[k, _encode(v, _join(path, k))] for k, v in x.items()]}
+        return {"$": "dict", "items": [[k, _encode(v, _join(path, k), whole)] for k, v in x.items()]}
     if _is_namedtuple(x):
-        fields = {f: _encode(getattr(x, f), _join(path, f)) for f in type(x)._fields}
+        fields = {f: _encode(getattr(x, f), _join(path, f), whole) for f in type(x)._fields}
         return {"$": "namedtuple", "type": _type_name(type(x)), "fields": fields}
     if isinstance(x, (list, tuple)):
         kind = "list" if isinstance(x, list) else "tuple"
-        return {"$": kind, "items": [_encode(v, _join(path, i)) for i, v in enumerate(x)]}
+        return {"$": kind, "items": [_encode(v, _join(path, i), whole) for i, v in enumerate(x)]}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         if getattr(x, "_funcamp_donated", False):  # funcamp.train._donate.mark_donated
             raise DonatedStateError(
                 f"funcamp.checkpoint.save: {path or 'the state'} was donated to a train step built with donate=True, "
                 "which wrote the next state into its tensors; save the state that step returned"
             )
-        fields = {f.name: _encode(getattr(x, f.name), _join(path, f.name)) for f in _saved_fields(x)}
+        fields = {f.name: _encode(getattr(x, f.name), _join(path, f.name), whole) for f in _saved_fields(x)}
         return {"$": "dataclass", "type": _type_name(type(x)), "fields": fields}
     raise TypeError(
         f"funcamp.checkpoint.save: cannot save {path or 'the state'} of type {type(x).__name__}; a checkpoint holds "
@@ -148,7 +181,7 @@ def save(path: str | os.PathLike[str], state: Any) -> None:
       tensor(1024.)
     """
     _check_path("save", path, state)
-    payload = {"format": FORMAT, "version": VERSION, "tree": _encode(state, "")}
+    payload = {"format": FORMAT, "version": VERSION, "tree": _encode(state, "", _saved_whole(state))}
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):

@@ -405,6 +405,8 @@ def _check_keys(what: str, got: Mapping[str, Any], expected: list[str], frozen: 
         hint = (
             " (this module has buffers: call apply_fn(params, buffers, *args, **kwargs))" if what == "buffers" else ""
         )
+        if hasattr(got, "buffers") and hasattr(got, "storage"):  # a flat train state's buffers, in a step body
+            hint = " (a flat train state's buffers: inside a step body, pass state.param_tree(), not state.params)"
         raise TypeError(f"apply_fn: {what} must be a dict of tensors by name, got {type(got).__name__}{hint}")
     if got.keys() != set(expected):
         missing = sorted(set(expected) - got.keys())

@@ -111,6 +111,9 @@ def _copy(module: nn.Module, plan: _Plan, training: bool | None) -> nn.Module:
     memo: dict[int, Any] = {id(t): t for t in module.buffers()}
     memo.update({id(t): torch.empty_like(t, device="meta") for t in state})
     copied = copy_structure(module, memo)
+    for sub in copied.modules():
+        if getattr(sub, "_use_kernels", False):  # transformers' hub kernels: re-applied at each train()/eval(),
+            sub._use_kernels = False  # which fails on the copy's meta tensors; the copy keeps the forwards it has
     if training is not None:
         copied.train(training)
     return copied

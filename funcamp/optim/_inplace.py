@@ -49,8 +49,8 @@ _ALONE = _storage_users(torch.empty(1))  # the count of a tensor that shares its
 
 
 def _where(x: torch.Tensor) -> tuple[Any, int]:
-    """``x``'s storage, by device and address."""
-    return (x.device, x.untyped_storage().data_ptr())
+    """``x``'s storage, by device and storage object (fake tensors' storages have no address)."""
+    return (x.device, x.untyped_storage()._cdata)
 
 
 def _alone(x: torch.Tensor) -> bool:

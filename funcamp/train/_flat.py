@@ -162,6 +162,13 @@ class Flat:
             return params
         return self._rebuild(self._views(params.buffers))
 
+    def held(self, params: Any) -> tuple[Any, Any]:
+        """``(tensors, tree_of)``: for :class:`FlatParams`, the buffers (a plain dict) and the function that makes
+        the per-leaf views of them (operands that share no memory, as ``torch.cond`` requires); else ``params``."""
+        if not isinstance(params, FlatParams):
+            return params, lambda tree: tree
+        return params.buffers, lambda buffers: self._rebuild(self._views(buffers))
+
     def _views(self, buffers: dict[str, torch.Tensor]) -> list[Any]:
         leaves: list[Any] = [None] * len(self.shapes)
         for g in self.groups:
@@ -231,6 +238,44 @@ class Flat:
                 buffers[g.key] = base
             flat_state = _flat_opt.replaying(self.replay, optimizer.init, buffers)
         return self._per_leaf(buffers, flat_state)
+
+    def adopt(self, params: Any, opt_state: Any) -> tuple[Any, Any] | None:
+        """Host side, when a state of this storage is made (loaded, unpickled, ``replace``-d): None if ``params``
+        and ``opt_state`` are already the views of this storage's buffers (or the buffers themselves); otherwise
+        both copied into new buffers, as per-leaf views (the given tensors are left as they are).
+
+        Raises:
+          TypeError: as :meth:`enter`, for trees of another structure, shapes, dtypes or devices.
+        """
+        if isinstance(params, FlatParams) or any(
+            isinstance(x, torch.Tensor) and (x.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(x))
+            for x in _tree.tree_leaves(params)
+        ):
+            return None
+        state = _Trees(params, opt_state)
+        entered, after = self.enter(state)
+        if after is _nothing:
+            return None
+        return self._per_leaf(entered.params.buffers, entered.opt_state)
+
+    def compact(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """``(FlatParams, flat optimizer state)``: the buffers the trees are views of (copied where they are not),
+        as a state is pickled: each buffer once, not once per view."""
+        entered, _ = self.enter(_Trees(params, opt_state))
+        return entered.params, entered.opt_state
+
+    def expand(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """:meth:`compact`'s trees as per-leaf views (trees that are per leaf already are returned as they are)."""
+        return self._per_leaf(params.buffers, opt_state) if isinstance(params, FlatParams) else (params, opt_state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without what holds functions (the rebuild, the optimizers and their masks' replay): a step's
+        :meth:`admit` of its optimizer makes the replay again."""
+        return {**self.__dict__, "_rebuild": None, "_admitted": [], "replay": _flat_opt.Replay({}, [])}
+
+    def __setstate__(self, fields: dict[str, Any]) -> None:
+        self.__dict__.update(fields)
+        self._rebuild = _tree.rebuilder(self._stand_ins)
 
     def _per_leaf(self, buffers: dict[str, torch.Tensor], flat_state: Any) -> tuple[Any, Any]:
         flat_leaves = _tree.tree_leaves(flat_state)
@@ -305,7 +350,13 @@ class Flat:
                 for t, off in zip(tensors, g.offsets, strict=True)
             )
         ):
-            return base
+            return base  # the views the state was given (TrainState.create, a step's result)
+        storage = tensors[0].untyped_storage()
+        if storage.nbytes() == g.numel * dtype.itemsize and all(
+            t.untyped_storage()._cdata == storage._cdata and t.storage_offset() == off and t.is_contiguous()
+            for t, off in zip(tensors, g.offsets, strict=True)
+        ):  # tensors on one buffer's memory at its offsets (an unpickled or deep-copied state): a new tensor on it
+            return torch.empty(0, dtype=dtype, device=g.device).set_(storage, 0, (g.numel,), (1,))
         made = torch.zeros(g.numel, dtype=dtype, device=g.device)
         with torch.no_grad():
             for t, i, off in zip(tensors, g.members, g.offsets, strict=True):
@@ -327,6 +378,14 @@ class Flat:
 
 def _nothing() -> None:
     return None
+
+
+@dataclasses.dataclass
+class _Trees:
+    """The two trees :meth:`Flat.enter` reads of a state, for :meth:`Flat.adopt`."""
+
+    params: Any
+    opt_state: Any
 
 
 class _MemberNorms:

@@ -61,9 +61,8 @@ def telemetry_probe(telemetry: numerics.Telemetry, layout: StageLayout | None = 
         active = (state.step + 1) % telemetry.every == 0
         loss_scale = record.metrics["loss_scale"]
         grads = record.layout.distinct(record.grads)
-        return numerics.telemetry_metrics(  # a flat state's buffers: per-leaf views made inside torch.cond
-            grads, state.params, loss_scale, telemetry, active, params_of=state.storage.tree
-        )
+        held, params_of = state.storage.held(state.params)  # a flat state's buffers: views made inside torch.cond
+        return numerics.telemetry_metrics(grads, held, loss_scale, telemetry, active, params_of=params_of)
 
     return probe
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _tree, parallel, sharding
+from funcamp import _scope, _tree, parallel, sharding
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation
 from funcamp.policy import Policy, get_policy
@@ -128,6 +128,37 @@ class TrainState:
     def __post_init__(self) -> None:
         if self.layout is None:  # a state built by hand or loaded without ``like``: the layout its fields describe
             object.__setattr__(self, "layout", _layout.of_fields(self.shard, self.data_parallel, self.policy))
+        if _scope.step_plan() is None and self.params is not None:  # on the host: a flat state holds its views
+            adopted = self.storage.adopt(self.params, self.opt_state)
+            if adopted is not None:  # tensors given in other memory (loaded, replaced): copied into new buffers
+                object.__setattr__(self, "params", adopted[0])
+                object.__setattr__(self, "opt_state", adopted[1])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the process layout (it may hold a process group; unpickling makes it again), a flat
+        state as its buffers (each once: pickling a view writes its whole storage)."""
+        fields = {**self.__dict__, "layout": None}
+        if self.params is not None:
+            fields["params"], fields["opt_state"] = self.storage.compact(self.params, self.opt_state)
+        return fields
+
+    def __setstate__(self, fields: dict[str, Any]) -> None:
+        self.__dict__.update(fields)
+        try:
+            layout = _layout.of_fields(self.shard, self.data_parallel, self.policy)
+        except ValueError:  # a sharded state unpickled without its process group: stepping it says so
+            layout = None
+        object.__setattr__(self, "layout", layout)
+        if self.params is not None:
+            params, opt_state = self.storage.expand(self.params, self.opt_state)
+            object.__setattr__(self, "params", params)
+            object.__setattr__(self, "opt_state", opt_state)
+
+    def param_tree(self) -> Any:
+        """The parameter tree the loss sees: ``params`` itself, or, for a flat state inside a compiled step (where
+        ``params`` holds the buffers, :class:`funcamp.train.ParamStorage`), per-leaf views of its buffers. A step
+        body (:func:`funcamp.train.assemble`) that calls a model itself reads its parameters here."""
+        return self.storage.tree(self.params)
 
     @property
     def plan(self) -> str:
@@ -262,12 +293,18 @@ class TrainState:
     def replace(self, **changes: Any) -> TrainState:
         """A copy with the given fields replaced.
 
+        A new ``shard``, ``data_parallel`` or ``policy`` makes the process layout again (``layout``).
+
         Raises:
           funcamp.train.DonatedStateError: if this state was given to a step built with ``donate=True``.
+          ValueError: as :meth:`create`, if the new fields describe no layout (a shard layout over more ranks
+            than its group).
         """
         from funcamp.train._donate import check_not_donated  # the package imports this module first
 
         check_not_donated(self, "TrainState.replace")
+        if {"shard", "data_parallel", "policy"} & changes.keys() and "layout" not in changes:
+            changes["layout"] = None  # made again from the new fields
         return dataclasses.replace(self, **changes)
 
 

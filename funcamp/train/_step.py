@@ -211,7 +211,7 @@ def _prepare(
     """The host-side checks of each call (cheap; what needs the ranks ran at ``TrainState.create``): the
     arguments, the loss's arity, the optimizer state's structure, and the layout a deprecated keyword asks for."""
     arity = {buffers: _loss.arity_error(loss_fn, buffers) for buffers in (False, True)}
-    given = _given_layout(*_moved_to_state(moved))
+    given = _given_layout(*_moved_to_state(moved), telemetry)
 
     def prepare(state: Any, batch: Any) -> Any:
         _check_step_args(state, batch)
@@ -219,8 +219,11 @@ def _prepare(
             raise TypeError(arity[state.buffers is not None])
         _check_opt_state(state, optimizer)
         state.storage.admit(optimizer)  # flat: the optimizer groups the parameters as the state's (once per object)
-        if given is not None:
+        if given is not None:  # deprecated: the state was not checked across the ranks for this layout
             state = dataclasses.replace(state, layout=given(state.shard, state.data_parallel, state.policy))
+            state.layout.check_state(state)
+        elif state.layout is None:  # unpickled without its group: made again, or the error says why not
+            state = dataclasses.replace(state)
         if telemetry is not None and not state.layout.whole_gradients:
             raise ValueError("make_train_step: telemetry= is not supported with shard= (it reads whole gradients)")
         return state
@@ -228,13 +231,16 @@ def _prepare(
     return prepare
 
 
-def _given_layout(data_parallel: Any, shard: Any, policy: Any) -> Callable[..., Any] | None:
+def _given_layout(data_parallel: Any, shard: Any, policy: Any, telemetry: Any) -> Callable[..., Any] | None:
     """With the deprecated ``data_parallel=``, ``shard=`` or ``policy=`` of ``make_train_step``: the layout they
     and a state's fields describe together (checked against each other, one object per set of fields), else
     None (the state's own layout). A layout given here is checked across ranks now, at build time."""
     if data_parallel is None and shard is None and policy is None:
         return None
-    _layout.layout_from(data_parallel, shard, policy).check_ranks()
+    built = _layout.layout_from(data_parallel, shard, policy)
+    built.check_ranks()
+    if telemetry is not None:
+        _probes.telemetry_probe(telemetry, built)  # refuses a layout without whole gradients, now
 
     @functools.lru_cache(maxsize=16)
     def combined(state_shard: Any, state_group: Any, state_policy: Any) -> Any:

@@ -35,7 +35,8 @@ class ParamStorage(Protocol):
 
     Inside the step (traced): :meth:`tree` (the parameter tree the loss sees) and :meth:`update` (the optimizer
     stage over the storage). On the host: :meth:`lay_out` (a new state's tensors placed in the storage), :meth:`admit` (a step's optimizer checked
-    against the one the storage was laid out for),
+    against the one the storage was laid out for), :meth:`adopt` (tensors given to a state in other memory,
+    copied into its storage: a loaded or replaced state),
     :meth:`enter` (the state as the compiled step takes it) and :meth:`leave` (the compiled step's result as the
     user sees it). ``kind`` names it (``"per leaf"``, ``"flat"``); ``reason``, for a per-leaf storage chosen
     where flat buffers were asked for, why.
@@ -45,6 +46,7 @@ class ParamStorage(Protocol):
     reason: str | None
 
     def tree(self, params: Any) -> Any: ...
+    def held(self, params: Any) -> tuple[Any, Callable[[Any], Any]]: ...
     def update(
         self,
         stage: Callable[..., tuple[Any, Any]],
@@ -57,6 +59,9 @@ class ParamStorage(Protocol):
     ) -> tuple[Any, Any]: ...
     def lay_out(self, params: Any, optimizer: GradientTransformation) -> tuple[Any, Any]: ...
     def admit(self, optimizer: GradientTransformation) -> None: ...
+    def adopt(self, params: Any, opt_state: Any) -> tuple[Any, Any] | None: ...
+    def compact(self, params: Any, opt_state: Any) -> tuple[Any, Any]: ...
+    def expand(self, params: Any, opt_state: Any) -> tuple[Any, Any]: ...
     def enter(self, state: Any) -> tuple[Any, Callable[[], None]]: ...
     def leave(self, state: Any) -> Any: ...
 
@@ -90,6 +95,10 @@ class PerLeaf:
         """The parameters as they are."""
         return params
 
+    def held(self, params: Any) -> tuple[Any, Callable[[Any], Any]]:
+        """``(params, identity)``: the tensors that hold the parameters, and the tree from them."""
+        return params, _identity
+
     def update(
         self,
         stage: Callable[..., tuple[Any, Any]],
@@ -111,6 +120,18 @@ class PerLeaf:
         """Any optimizer runs leaf by leaf."""
         del optimizer
 
+    def adopt(self, params: Any, opt_state: Any) -> None:
+        """None: the state holds the tensors it is given."""
+        del params, opt_state
+
+    def compact(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The trees as they are (pickling)."""
+        return params, opt_state
+
+    def expand(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The trees as they are (unpickling)."""
+        return params, opt_state
+
     def enter(self, state: Any) -> tuple[Any, Callable[[], None]]:
         """``(state, after)``: the state as it is, nothing to do after the call."""
         return state, _nothing
@@ -122,6 +143,10 @@ class PerLeaf:
 
 def _nothing() -> None:
     return None
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 def flat_enabled() -> bool:
