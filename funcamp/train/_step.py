@@ -82,7 +82,8 @@ def make_train_step(
     Raises:
       TypeError: if ``loss_fn`` is not callable, ``optimizer`` not a GradientTransformation,
         ``data_parallel`` not None, a bool or a ProcessGroup, or ``telemetry`` not None, an int or a
-        Telemetry.
+        Telemetry; at the first call, if a state leaf requires grad (a state built by hand from
+        ``nn.Parameter``s: ``TrainState.create`` detaches them).
       RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
       ValueError: if ``accumulation_steps`` < 1, ``max_consecutive_skips`` < 1 or ``telemetry`` < 1; at call time, if a
         batch leaf cannot be split into ``accumulation_steps`` micro-batches. With a sharded layout (given
@@ -318,12 +319,30 @@ def _first_call_check(
         message = _loss.arity_error(loss_fn, state.buffers is not None)
         if message is not None:
             raise TypeError(message)
+        _check_no_history(state)
         for_state(state)
         _check_opt_state(state, optimizer)
         run_as.layout.check_state(state)
         done[0], done[1], done[2] = True, state.shard, (state.data_parallel, state.policy)
 
     return check
+
+
+def _check_no_history(state: TrainState) -> None:
+    """Refuse a state built by hand with a leaf that requires grad (``TrainState.create`` detaches them): the eager
+    step would chain every step's autograd history onto the state, the compiled one fail inside torch.
+
+    Raises:
+      TypeError: naming the first such leaf.
+    """
+    for path, leaf in zip(_tree.tree_paths(state), _tree.tree_leaves(state)):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            raise TypeError(
+                f"train_step: state leaf {path!r} requires grad (an nn.Parameter, or a tensor with autograd history); "
+                "a train state carries none. Build the state with TrainState.create(params, optimizer), which takes "
+                "such tensors as tensor.detach() (the same memory), or pass {k: p.detach() for k, p in "
+                "model.named_parameters()}"
+            )
 
 
 def _check_opt_state(state: TrainState, optimizer: GradientTransformation) -> None:
