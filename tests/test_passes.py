@@ -134,3 +134,36 @@ def test_a_chunk_split_inside_the_forward_is_not_a_parameter() -> None:
 
     assert _is_input(w) and _is_input(v) and not _is_input(chunk)
     assert set(_param_uses(graph)) == {w_cast}
+
+
+def test_the_switch_is_part_of_the_cache_key(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FUNCAMP_PASSES_OFF`` changes :meth:`RematPass.uuid`, so inductor's caches do not serve a graph compiled
+    with the passes on to a compile with them off (the debug switch would do nothing on a warm cache). A graph
+    of a matmul and a view (no C++ kernel: about a second), compiled in a fresh cache directory: the same
+    switches hit the cache, other switches miss it. (Planted: the uuid without the switches' names: the third
+    compile hits.)"""
+    from torch._dynamo.utils import counters
+
+    from funcamp.passes import tags
+
+    monkeypatch.setattr(tags, "_made_regions", [False])  # a process that made a region bypasses the caches
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUNCAMP_PASSES_OFF", raising=False)
+    uuid = passes.RematPass().uuid()
+    assert uuid is not None and uuid == passes.RematPass().uuid()
+    monkeypatch.setenv("FUNCAMP_PASSES_OFF", "casts_at_use")
+    assert passes.RematPass().uuid() != uuid
+
+    def hits(off: str) -> int:
+        monkeypatch.setenv("FUNCAMP_PASSES_OFF", off)
+        torch._dynamo.reset()
+        before = counters["inductor"]["fxgraph_cache_hit"]
+        options = {"post_grad_custom_pre_pass": passes.RematPass(), "fx_graph_cache": True}
+        with torch._functorch.config.patch(enable_autograd_cache=True):
+            torch.compile(lambda x, w: (x @ w).t(), fullgraph=True, options=options)(torch.ones(4, 4), torch.ones(4, 4))
+        return counters["inductor"]["fxgraph_cache_hit"] - before
+
+    try:
+        assert [hits(""), hits(""), hits(",".join(passes.NAMES)), hits("casts_at_use")] == [0, 1, 0, 0]
+    finally:
+        torch._dynamo.reset()
