@@ -107,3 +107,76 @@ def test_another_logger_gets_the_general_note(caplog):
     note = "\n".join(info.value.__notes__)
     assert "the step calls user.model's warning(), which torch.compile(fullgraph=True) cannot trace" in note
     assert "ignore_logging_functions.add(logging.Logger.warning)" in note
+
+
+def mixtral() -> torch.nn.Module:
+    """A fresh tiny Mixtral whose config asks for router logits (its loss adds the router's load-balancing loss):
+    transformers installs its output-capturing hooks at the first forward that records something."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+    )
+    return transformers.MixtralForCausalLM(config).eval()
+
+
+def test_a_fresh_model_that_records_outputs_compiles():
+    """transformers installs the hooks that record hidden states, attentions and router logits at the first
+    forward asking for them, under a threading.Lock: a fresh Mixtral with ``output_router_logits=True`` stopped the
+    compiled step with dynamo's "Unsupported context manager" (lock). ``functionalize`` installs them on its copy
+    (the user's model gets none); the compiled step is one graph, with the eager step's losses, which are the
+    model's own. (Planted: functionalize without ``_deferred.install``: "Unsupported context manager".)"""
+    model = mixtral()
+    reference = model(input_ids=IDS, labels=IDS, use_cache=False).loss  # the model's own loss (router loss in it)
+    assert any(m._forward_hooks for m in model.modules())  # that forward installed them on the model...
+    fresh = mixtral()
+    eager, state = labels_step(fresh, compile=False)
+    counter = CompileCounterWithBackend("aot_eager")
+    step, compiled_state = labels_step(fresh, backend=counter)
+    assert not any(m._forward_hooks for m in fresh.modules())  # ...functionalize installs none on yours
+    for i in range(2):
+        state, want = eager(state, IDS)
+        compiled_state, got = step(compiled_state, IDS)
+        if i == 0:
+            torch.testing.assert_close(want["loss"], reference.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-6, atol=0)
+    assert counter.frame_count == 1
+
+
+def test_hooks_installed_under_a_lock_elsewhere_get_a_note():
+    """A fresh model run through the user's own ``torch.func.functional_call`` (not functionalize) still meets
+    transformers' lock; the error's note says what to do. A lock of one's own gets the general note."""
+    model = mixtral()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    def loss_fn(p, ids):
+        return torch.func.functional_call(model, p, (), {"input_ids": ids, "labels": ids, "use_cache": False}).loss
+
+    step = fa.make_train_step(loss_fn, OPT, backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="Unsupported context manager") as info:
+        step(fa.TrainState.create(params, OPT), IDS)
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "transformers installs the hooks that record hidden states, attentions or router logits" in note
+    assert "transformers.utils.output_capturing.maybe_install_capturing_hooks(model)" in note
+
+    import threading
+
+    lock = threading.Lock()
+
+    def locked(p, x):
+        with lock:
+            return (x @ p["w"]).square().mean()
+
+    step = fa.make_train_step(locked, OPT, backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        step(fa.TrainState.create({"w": torch.ones(3, 2)}, OPT), torch.ones(4, 3))
+    assert "the step enters a threading.Lock (`with lock:`)" in "\n".join(info.value.__notes__)
+
