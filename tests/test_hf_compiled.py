@@ -180,3 +180,27 @@ def test_hooks_installed_under_a_lock_elsewhere_get_a_note():
         step(fa.TrainState.create({"w": torch.ones(3, 2)}, OPT), torch.ones(4, 3))
     assert "the step enters a threading.Lock (`with lock:`)" in "\n".join(info.value.__notes__)
 
+
+def test_a_models_own_loss_on_bfloat16_logits_is_float32():
+    """A tiny T5 in bfloat16 compute with ``labels=``: its own loss is the float32 cross-entropy of its bfloat16
+    logits, bit for bit (the float32 ``cross_entropy`` rule no longer rounds it to bfloat16: 4.65625 before), and
+    the eager step's ``loss`` metric is that number. Compiled, T5's in-forward ``CrossEntropyLoss()`` escapes the
+    rule (tests/test_ops.py, the xfail): docs/policies.md says to compute the loss from the logits."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2, decoder_start_token_id=0
+    )
+    apply_fn, params = functionalize(transformers.T5ForConditionalGeneration(config).eval(), "p=f32,c=bf16,o=f32")
+    out = apply_fn(params, input_ids=IDS, labels=IDS)
+    want = F.cross_entropy(out.logits.flatten(0, 1), IDS.flatten())  # the bfloat16 logits, exact in float32
+    assert out.loss.dtype == torch.float32 and torch.equal(out.loss, want)
+    assert not torch.equal(want, want.bfloat16().float())  # a loss that bfloat16 would round
+
+
+    def loss_fn(p, ids):
+        out = apply_fn(p, input_ids=ids, labels=ids)
+        return out.loss, out.logits.detach()
+
+    step = fa.make_train_step(loss_fn, OPT, has_aux=True, compile=False)
+    _, metrics = step(fa.TrainState.create(params, OPT), IDS)  # (torch.func.grad's logits differ in bf16 round-off)
+    assert torch.equal(metrics["loss"], F.cross_entropy(metrics["aux"].flatten(0, 1), IDS.flatten()))
