@@ -196,7 +196,6 @@ def test_a_models_own_loss_on_bfloat16_logits_is_float32():
     assert out.loss.dtype == torch.float32 and torch.equal(out.loss, want)
     assert not torch.equal(want, want.bfloat16().float())  # a loss that bfloat16 would round
 
-
     def loss_fn(p, ids):
         out = apply_fn(p, input_ids=ids, labels=ids)
         return out.loss, out.logits.detach()

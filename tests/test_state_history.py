@@ -31,7 +31,9 @@ def _batches():
 
 def _own_transform():
     """A transform of one's own (the step runs it leaf by leaf): the updates halved."""
-    return optim.GradientTransformation(lambda params: (), lambda u, s, p=None: (_tree.tree_map(lambda g: g * 0.5, u), s))
+    return optim.GradientTransformation(
+        lambda params: (), lambda u, s, p=None: (_tree.tree_map(lambda g: g * 0.5, u), s)
+    )
 
 
 def _no_history(tree, where):
@@ -68,7 +70,9 @@ def test_parameters_that_require_grad_train_without_history(compiled, mode):
 
 def test_create_detaches_keeping_memory():
     model = _model()
-    state = fa.TrainState.create(dict(model.named_parameters()), optim.sgd(0.1), buffers={"b": torch.ones(2, requires_grad=True)})
+    state = fa.TrainState.create(
+        dict(model.named_parameters()), optim.sgd(0.1), buffers={"b": torch.ones(2, requires_grad=True)}
+    )
     for k, p in model.named_parameters():
         held = state.params[k]
         assert type(held) is torch.Tensor and not held.requires_grad
