@@ -15,6 +15,7 @@ import dataclasses
 import math
 import numbers
 import struct
+import warnings
 from typing import Any, TypeVar
 
 import torch
@@ -316,6 +317,9 @@ class DynamicLossScale(LossScale):
         initial scale (a Python number, or a float32 CPU tensor; a device tensor at
         ``TrainState.create``) is below ``min_loss_scale``, above ``max_loss_scale`` or not finite, or
         ``counter`` or ``hysteresis_left`` (a Python int, or a CPU tensor) is out of its range.
+    Warns:
+      UserWarning: if ``counter`` is a Python int above 0 (``DynamicLossScale(65536.0, 2)``: GradScaler's
+        growth factor in jmp's counter place); a counter given as a tensor is taken silently.
 
     Example:
       >>> ls = DynamicLossScale(2.0**15, period=1)
@@ -393,6 +397,21 @@ class DynamicLossScale(LossScale):
                     f"DynamicLossScale: {name} must be an int in [0, {high_name}={high}], got {value}"
                     + (_JMP_ORDER if name == "counter" and value > high else "")
                 )
+        counter = self.counter
+        if _is_number(counter) and not isinstance(counter, numbers.Integral):  # (65536.0, 2.0): a growth factor
+            raise TypeError(
+                f"DynamicLossScale: counter must be a torch.int32 0-d tensor or a Python int, got "
+                f"{counter!r}{_JMP_ORDER}"
+            )
+        if isinstance(counter, int) and not isinstance(counter, bool) and counter > 0:
+            # (65536.0, 2): GradScaler's growth_factor in jmp's counter place, in range, so taken as a counter
+            warnings.warn(
+                f"DynamicLossScale: counter={counter} starts the growth count mid-period{_JMP_ORDER}. For a growth "
+                f"factor write growth_factor={counter}; to start mid-period on purpose, pass the counter as a tensor "
+                f"(torch.tensor({counter}, dtype=torch.int32))",
+                UserWarning,
+                stacklevel=4,  # _check_counters, __post_init__, the dataclass's __init__, the caller
+            )
 
     def _check_options(self) -> None:
         def fail(name: str, accepted: str) -> None:

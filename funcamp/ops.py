@@ -18,10 +18,13 @@ of the differentiated graph; ``torch.compile(fullgraph=True)`` traces it (no gra
 ``torch.func`` transforms compose with it. A matched call casts its floating tensor arguments (also
 inside lists and tuples) to the rule's dtype, runs with ``torch.autocast`` disabled (so that the rule
 wins in autocast mode too), and casts its floating tensor outputs back to the dtype of its first
-floating argument. Integer and bool tensors (indices, masks) are never cast.
+floating argument, except a loss's (:data:`LOSSES`: ``cross_entropy``, ``nll_loss``, ...), which is never
+handed back narrower than the rule computed it: a bfloat16 model's own loss under the float32
+``cross_entropy`` rule is float32, not the float32 value rounded to bfloat16. Integer and bool tensors
+(indices, masks) are never cast.
 
 Unlike ``torch.autocast``, whose op lists are fixed per device, rules are yours to set, and outputs go
-back to the surrounding dtype (autocast's float32 ops return float32).
+back to the surrounding dtype (autocast's float32 ops return float32; here only the losses do).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from funcamp import policy as _policy
 
-__all__ = ["FLOAT32_ACCUMULATION", "OpPolicies", "OpRule", "with_op_policies"]
+__all__ = ["FLOAT32_ACCUMULATION", "LOSSES", "OpPolicies", "OpRule", "with_op_policies"]
 
 #: A rule: a dtype (or its name), or ``fn(*args, **kwargs) -> dtype | None`` (None: leave the call alone).
 OpRule = torch.dtype | str | Callable[..., torch.dtype | None]
@@ -88,6 +91,37 @@ FLOAT32_ACCUMULATION: dict[str, OpRule] = {
     "cross_entropy": _when_half,
     "nll_loss": _when_half,
 }
+
+
+#: ``torch.nn.functional``'s losses: under a rule, their outputs come back in the wider of the rule's dtype and the
+#: surrounding one (``torch.promote_types``), as ``torch.autocast`` returns its float32 losses in float32. Before,
+#: the float32 ``cross_entropy`` rule rounded a bfloat16 T5's own loss (``labels=``) to bfloat16: 4.65625 for the
+#: float32 4.6697 of the same logits, and the eager and compiled steps parted at that rounding.
+LOSSES = frozenset(
+    {
+        "cross_entropy",
+        "nll_loss",
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+        "kl_div",
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "poisson_nll_loss",
+        "gaussian_nll_loss",
+        "ctc_loss",
+        "soft_margin_loss",
+        "multilabel_soft_margin_loss",
+        "multi_margin_loss",
+        "multilabel_margin_loss",
+        "margin_ranking_loss",
+        "hinge_embedding_loss",
+        "cosine_embedding_loss",
+        "triplet_margin_loss",
+        "triplet_margin_with_distance_loss",
+    }
+)
 
 
 def _floating_tensors(tree: Any) -> list[torch.Tensor]:
@@ -196,7 +230,8 @@ class OpPolicies(TorchFunctionMode):
         floating = _floating_tensors((args, kwargs))
         if dtype is None or not floating or all(t.dtype == dtype for t in floating):
             return func(*args, **kwargs)
-        back = floating[0].dtype
+        name = getattr(func, "__name__", "")
+        back = torch.promote_types(dtype, floating[0].dtype) if name in LOSSES else floating[0].dtype
         args = tuple(_cast(a, dtype) for a in args)
         kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
         device_type = floating[0].device.type

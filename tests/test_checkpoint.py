@@ -157,6 +157,32 @@ def test_save_is_atomic_a_failed_write_keeps_the_previous_checkpoint(tmp_path, m
     assert torch.equal(checkpoint.load(path)["x"], torch.ones(2))
 
 
+def test_save_keeps_the_temporary_file_of_a_process_it_cannot_signal(tmp_path, monkeypatch):
+    """A save removes a killed writer's temporary file (its process gone: ``os.kill(pid, 0)`` raises
+    ``ProcessLookupError``) but keeps one whose process it may not signal (``PermissionError``, EPERM: another
+    user's live process, mid-save). ``os.kill`` is faked: this suite may run as root, which may signal anyone.
+    (Planted: EPERM read as "gone": the live writer's file is deleted.)"""
+    from funcamp.checkpoint import _atomic
+
+    other_user, gone = 3999991, 3999992
+    real_kill = os.kill
+
+    def kill(pid, sig):
+        if pid == other_user:
+            raise PermissionError(1, "Operation not permitted")
+        if pid == gone:
+            raise ProcessLookupError(3, "No such process")
+        return real_kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", kill)
+    host = _atomic._host()
+    live, stale = tmp_path / f".ckpt.pt.{host}-{other_user}.x.tmp", tmp_path / f".ckpt.pt.{host}-{gone}.y.tmp"
+    live.write_text("another user's save, in progress")
+    stale.write_text("a killed writer's")
+    checkpoint.save(tmp_path / "ckpt.pt", {"x": torch.ones(2)})
+    assert live.exists() and not stale.exists()
+
+
 def test_truncated_file_raises_corrupt_error_naming_the_path(tmp_path):
     path = tmp_path / "ckpt.pt"
     checkpoint.save(path, _state())

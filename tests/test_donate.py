@@ -155,8 +155,9 @@ def test_resume_from_checkpoint_stays_bitwise(tmp_path):
 
 
 def test_tensors_that_must_not_be_written_are_refused(monkeypatch):
-    """A state kept leaf by leaf holds the tensors it was given: one twice, or a module's own, is refused. (A flat
-    state copies them into its buffers at TrainState.create; replaced by hand, they are refused the same way.)"""
+    """A state kept leaf by leaf holds the tensors it was given: one twice, or a module's own, is refused. A flat
+    state copies what it is given into its buffers (TrainState.create, replace): nothing to refuse, nothing of the
+    caller's written."""
     monkeypatch.setenv("FUNCAMP_FLAT", "off")
     step = fa.make_train_step(S.mean_loss(torch.float32), optim.sgd(0.1), compile=False, donate=True)
     w = torch.randn(6, 8)
@@ -165,16 +166,19 @@ def test_tensors_that_must_not_be_written_are_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"state leaves .*'params.w1'.* and .*'params.w2'.* share storage"):
         step(twice, S._batches(False)[0])
     module = torch.nn.Linear(6, 8)
-    owned = fa.TrainState.create(dict(params, w1=module.weight.T, b1=module.bias), optim.sgd(0.1))
+    # Built by hand: TrainState.create takes a module's parameters as p.detach() (issue 47), as the message says.
+    owned = twice.replace(params=dict(params, w1=module.weight.T, b1=module.bias))
     with pytest.raises(ValueError, match=r"'params.b1' is an nn.Parameter"):
         step(owned, S._batches(False)[0])
     assert torch.equal(params["w1"], w)  # nothing was written
     monkeypatch.delenv("FUNCAMP_FLAT")
     flat = fa.TrainState.create(params, optim.sgd(0.1))
     assert flat.storage.kind == "flat"
+    kept = w.clone()
     replaced = flat.replace(params=dict(flat.params, w1=w, b1=w[0]))  # two replaced leaves on one tensor
-    with pytest.raises(ValueError, match=r"state leaves .*'params.b1'.* and .*'params.w1'.* share storage"):
-        step(replaced, S._batches(False)[0])
+    assert replaced.params["w1"] is not w and replaced.params["w1"]._base is not None  # copied into its buffers
+    step(replaced, S._batches(False)[0])  # nothing shared: it runs, and writes its own buffers only
+    assert torch.equal(w, kept)
 
 
 def test_every_call_checks_its_state(monkeypatch):

@@ -406,3 +406,28 @@ def test_rebuilt_scales_are_not_read_in_the_traced_step():
     for flag in (TRUE, TRUE, TRUE, torch.tensor(False)):
         ls = adjust(ls, flag)
     assert counter.frame_count == 1 and float(ls.loss_scale) == 2.0**11
+
+
+def test_a_grad_scaler_growth_factor_in_the_counter_place_gets_the_order_hint():
+    """``DynamicLossScale(65536.0, 2)``, a GradScaler user's growth factor as the second positional argument, is
+    jmp's counter there and in range: it warns with the positional-order hint that ``(65536.0, 2000)`` raises with;
+    ``(65536.0, 2.0)`` raises with it. A counter given as a tensor (jmp's tests, checkpoints, ``adjust``, pickling)
+    or 0 is taken silently. (Issue 47 item 6.)"""
+    import copy
+    import pickle
+    import warnings
+
+    hint = r"the positional order is jmp's, DynamicLossScale\(loss_scale, counter, period, growth_factor"
+    with pytest.warns(UserWarning, match=hint + r".*For a growth factor write growth_factor=2"):
+        scale = fa.DynamicLossScale(65536.0, 2)
+    assert int(scale.counter) == 2 and scale.growth_factor == 2.0
+    with pytest.raises(TypeError, match=r"counter must be .* got 2.0; " + hint):
+        fa.DynamicLossScale(65536.0, 2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mid = fa.DynamicLossScale(65536.0, torch.tensor(2, dtype=torch.int32))
+        fa.DynamicLossScale(65536.0, 0)
+        for again in (mid.adjust(torch.tensor(True)), copy.deepcopy(mid), pickle.loads(pickle.dumps(mid))):
+            assert int(again.counter) in (2, 3)
+        leaves, spec = _tree.tree_flatten(mid)
+        assert int(_tree.tree_unflatten(spec, leaves).counter) == 2

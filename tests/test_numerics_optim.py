@@ -197,6 +197,8 @@ NORM_TREES = {
     "f32-squares-overflow": _tree_of({"a": (torch.float32, [3e19, -4e19, 1e19]), "b": (torch.float32, [2e19])}),
     "bf16-squares-overflow": _tree_of({"a": (torch.bfloat16, [1e30, 2e30]), "h": (torch.float16, [60000.0])}),
     "near-float32-max": _tree_of({"a": (torch.float32, [1e38, 1e38, -1e38])}),
+    # norm 4.2e38 past float32's largest value (3.4e38), every element finite: clamped to that value, not inf
+    "past-float32-max": _tree_of({"a": (torch.float32, [3e38, -3e38])}),
     "squares-underflow": _tree_of({"a": (torch.float32, [3e-25, 4e-25]), "b": (torch.bfloat16, [1e-30])}),
     "subnormal": _tree_of({"a": (torch.float32, [3e-42, 4e-42])}),
     "complex": {"z": torch.tensor([3e30 + 4e30j, 1 - 1j], dtype=torch.complex64), "a": torch.tensor([1e30])},

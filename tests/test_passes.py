@@ -15,6 +15,8 @@ not kept (``_KEPT_SEED_OPS`` empty: remat).
 
 from __future__ import annotations
 
+import operator
+
 import _passes_case as case
 import pytest
 import torch
@@ -98,3 +100,70 @@ def test_pipeline_counts_the_nodes_around_each_pass(traced: torch.fx.Graph, monk
     monkeypatch.setenv("FUNCAMP_PASSES_OFF", "remat_budget,late_constructors")
     ctx = pipeline.run(case.copy(traced, 0.5))
     assert [c.name for c in ctx.counts] == [n for n, _ in pipeline.PIPELINE if n not in ctx.off]
+
+
+def test_a_chunk_split_inside_the_forward_is_not_a_parameter() -> None:
+    """``_is_input`` takes a piece of a graph input for a parameter only when it is made outside the forward (the
+    flat step's split of its buffer, untagged); a chunk the model splits inside the forward (tagged) is not, so
+    its cast is no parameter use (``remat_regions`` would recompute it, ``casts_at_use`` move and gate it).
+    A hand-made graph in the traced one's shape: the traced case has no split inside the forward. (Planted:
+    ``_is_input`` without its "no phase tag" condition: the chunk is taken for an input and its cast for a
+    parameter use in region 1.)"""
+    from funcamp.passes._graph import _is_input
+    from funcamp.passes.remat_regions import _param_uses
+    from funcamp.passes.tags import _PHASE, _REMAT
+
+    aten, cast = torch.ops.aten, torch.ops.prims.convert_element_type.default
+    graph = torch.fx.Graph()
+    buffer, x = graph.placeholder("buffer"), graph.placeholder("x")
+
+    def call(target: object, args: tuple, tags: dict) -> torch.fx.Node:
+        node = graph.call_function(target, args)
+        node.meta["custom"] = tags
+        return node
+
+    forward, region = {_PHASE: "forward"}, {_PHASE: "forward", _REMAT: 1}
+    pieces = call(aten.split_with_sizes.default, (buffer, [16, 16]), {})  # the flat step's parameters
+    w = call(aten.view.default, (call(operator.getitem, (pieces, 0), {}), [4, 4]), {})
+    v = call(aten.view.default, (call(operator.getitem, (pieces, 1), {}), [4, 4]), {})
+    w_cast = call(cast, (w, torch.bfloat16), forward)  # functionalize's cast of a parameter: a use
+    chunk = call(operator.getitem, (call(aten.split.Tensor, (v, 2), forward), 0), forward)  # the model's chunk
+    chunk_cast = call(cast, (chunk, torch.bfloat16), forward)
+    h = call(aten.mm.default, (x, w_cast), region)
+    graph.output(call(aten.mm.default, (chunk_cast, h), region))
+
+    assert _is_input(w) and _is_input(v) and not _is_input(chunk)
+    assert set(_param_uses(graph)) == {w_cast}
+
+
+def test_the_switch_is_part_of_the_cache_key(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FUNCAMP_PASSES_OFF`` changes :meth:`RematPass.uuid`, so inductor's caches do not serve a graph compiled
+    with the passes on to a compile with them off (the debug switch would do nothing on a warm cache). A graph
+    of a matmul and a view (no C++ kernel: about a second), compiled in a fresh cache directory: the same
+    switches hit the cache, other switches miss it. (Planted: the uuid without the switches' names: the third
+    compile hits.)"""
+    from torch._dynamo.utils import counters
+
+    from funcamp.passes import tags
+
+    monkeypatch.setattr(tags, "_made_regions", [False])  # a process that made a region bypasses the caches
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUNCAMP_PASSES_OFF", raising=False)
+    uuid = passes.RematPass().uuid()
+    assert uuid is not None and uuid == passes.RematPass().uuid()
+    monkeypatch.setenv("FUNCAMP_PASSES_OFF", "casts_at_use")
+    assert passes.RematPass().uuid() != uuid
+
+    def hits(off: str) -> int:
+        monkeypatch.setenv("FUNCAMP_PASSES_OFF", off)
+        torch._dynamo.reset()
+        before = counters["inductor"]["fxgraph_cache_hit"]
+        options = {"post_grad_custom_pre_pass": passes.RematPass(), "fx_graph_cache": True}
+        with torch._functorch.config.patch(enable_autograd_cache=True):
+            torch.compile(lambda x, w: (x @ w).t(), fullgraph=True, options=options)(torch.ones(4, 4), torch.ones(4, 4))
+        return counters["inductor"]["fxgraph_cache_hit"] - before
+
+    try:
+        assert [hits(""), hits(""), hits(",".join(passes.NAMES)), hits("casts_at_use")] == [0, 1, 0, 0]
+    finally:
+        torch._dynamo.reset()

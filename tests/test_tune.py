@@ -1174,3 +1174,19 @@ def test_block_probe_leaves_the_models_buffers_as_they_were() -> None:
     assert probe.name == "0" and model[0][1].num_batches_tracked is before["0.1.num_batches_tracked"][0]
     for name, b in model.named_buffers():
         assert b is before[name][0] and torch.equal(b, before[name][1]), name
+
+
+def test_block_probe_measures_a_unit_the_user_keeps_in_float32_in_float32() -> None:
+    """The probe's unit follows the candidate dtype unless the user's ``module_policies`` keep it off it: a model
+    of Linear blocks with ``{nn.Linear: "float32"}`` (the unit itself a Linear) runs its kernels in float32 under
+    every candidate, as the step would. (Issue 47; planted: the runner's map merged as ``{"": candidate, **user}``,
+    the candidate's entry first: the bfloat16 probe records bfloat16 matmuls.)"""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3))), torch.randn(4, 16)
+    for module_policies, want in ((None, BF16), ({nn.Linear: "float32"}, F32)):
+        probe = fa.tune.block_probe(model, (x,), module_policies=module_policies)
+        run = probe(BF16)
+        assert probe.name == "0" and run.kernels
+        for func, args, _ in run.kernels:
+            operands = [a for a in args if isinstance(a, torch.Tensor) and a.ndim >= 2]
+            assert operands and all(a.dtype == want for a in operands), (module_policies, func, want)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from funcamp import quant
-from funcamp.nn import _remat, _scan, _store, _use, _wrappers
+from funcamp.nn import _deferred, _remat, _scan, _store, _use, _wrappers
 from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
 from funcamp.nn._reductions import buffer_reductions
 from funcamp.nn._store import Trainable, _sample
@@ -233,6 +233,8 @@ def functionalize(
             autocast=autocast,
         )
     skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=budgets)
+    if not scan_names:  # a scanned run refuses hooks (they would run the first layer's for every layer)
+        _deferred.install(skeleton)  # transformers' first-forward hooks, installed under a lock Dynamo cannot enter
     _scan.install(skeleton, scan_names, uses)
     op_mode = _wrappers.op_mode(policy, op_policies, autocast, store.forward_dtypes)
     run = _Apply(skeleton, plan, policy, autocast, store, uses, op_mode)

@@ -14,6 +14,9 @@ from funcamp import _dynamo_autograd
 __all__ = ["add_known_fix"]
 
 _LOGGING = "logging.Logger method not supported"
+_CONTEXT_MANAGER = "Unsupported context manager"
+# transformers' lazy install of its output-capturing hooks (utils/output_capturing.py), in dynamo's user stack
+_HF_HOOKS = "maybe_install_capturing_hooks"
 # Dynamo's context for a logging call: "method: <Logger transformers.modeling_utils (WARNING)>.warning_once, args: ..."
 _LOGGER_CALL = re.compile(r"method: <Logger (?P<logger>\S+) \(\w+\)>\.(?P<method>\w+)")
 
@@ -31,6 +34,10 @@ def known_fix(error: BaseException) -> str | None:
     A custom ``torch.autograd.Function`` that Dynamo cannot trace: the note names it
     (:func:`funcamp._dynamo_autograd.function_note`).
 
+    A ``threading.Lock`` entered inside the step (dynamo's "Unsupported context manager" on a ``lock``): transformers
+    5.x takes one at a model's first forward that records hidden states, attentions or router logits, to install
+    its hooks (:mod:`funcamp.nn._deferred`); the note says to install them first; another lock gets the general fix.
+
     A logging call inside the step (dynamo's "logging.Logger method not supported"): Hugging Face
     transformers' ``loss_function`` logs ``loss_type=None ... Using the default loss: ForCausalLMLoss`` at
     every call with ``labels=`` of a model whose class name maps to no loss type (``GPT2LMHeadModel``), so
@@ -39,7 +46,10 @@ def known_fix(error: BaseException) -> str | None:
     function = _dynamo_autograd.function_note(error)
     if function is not None:
         return function
-    if not (getattr(error, "gb_type", None) or "").startswith(_LOGGING):
+    gb_type = getattr(error, "gb_type", None) or ""
+    if gb_type.startswith(_CONTEXT_MANAGER) and "`lock` context manager" in str(error):
+        return _lock_note(str(error))
+    if not gb_type.startswith(_LOGGING):
         return None
     message = str(error)
     call = _LOGGER_CALL.search(message)
@@ -59,4 +69,23 @@ def known_fix(error: BaseException) -> str | None:
         f"funcamp: the step calls {logger}'s {method}(), which torch.compile(fullgraph=True) cannot trace. Make it "
         f"a no-op while compiling ({ignore}: nothing is logged from inside the step), move it out of the loss, or "
         "run make_train_step(..., compile=False)"
+    )
+
+
+def _lock_note(message: str) -> str:
+    """The note for a lock entered inside the step: transformers' hook installation, or any other."""
+    if _HF_HOOKS in message:
+        return (
+            "funcamp: transformers installs the hooks that record hidden states, attentions or router logits at the "
+            "model's first forward that asks for one (output_router_logits=True in an MoE config, "
+            "output_hidden_states=...), under a threading.Lock, which torch.compile(fullgraph=True) cannot enter. "
+            "funcamp.nn.functionalize installs them on its copy of the model (except with scan=); elsewhere (your own "
+            "torch.func.functional_call, a scanned model) run one eager forward of the model before the first "
+            "compiled step, or install them yourself: "
+            "transformers.utils.output_capturing.maybe_install_capturing_hooks(model)"
+        )
+    return (
+        "funcamp: the step enters a threading.Lock (`with lock:`), which torch.compile(fullgraph=True) cannot trace. "
+        "Take the lock outside the train step (do the locked work once, before the first step), or run "
+        "make_train_step(..., compile=False)"
     )

@@ -49,6 +49,13 @@ def _buffer_reductions(reductions: Any, buffers: Any) -> tuple[tuple[str, str], 
     return tuple(sorted(reductions.items()))
 
 
+def _detached(x: Any) -> Any:
+    """``x.detach()`` for a parameter or a tensor that requires grad (the same memory, no history), else ``x``."""
+    if isinstance(x, torch.Tensor) and (x.requires_grad or isinstance(x, torch.nn.Parameter)):
+        return x.detach()
+    return x
+
+
 class _Group:
     """The data-parallel process group a state carries: itself under ``copy.deepcopy``, and pickled without the
     group (a handle of this process, not picklable), as :class:`funcamp.sharding.ShardLayout` keeps its own."""
@@ -187,6 +194,9 @@ class TrainState:
         are then not the state's, and no step writes into them. Otherwise (or with ``FUNCAMP_FLAT=off`` in the
         environment) the state holds the tensors you pass, leaf by leaf, and ``state.storage.reason`` says why.
 
+        The state carries no autograd history: an ``nn.Parameter`` or a tensor that requires grad, in ``params`` or
+        ``buffers`` (``dict(model.named_parameters())``), is taken as ``tensor.detach()`` (the same memory).
+
         With ``shard`` (a :class:`funcamp.sharding.ShardLayout`, from
         ``funcamp.sharding.shard_layout(params, group)``), ``params`` are the whole parameters, the same
         on every rank (:func:`funcamp.parallel.broadcast_params`), and the state holds this rank's
@@ -257,6 +267,7 @@ class TrainState:
                 f"TrainState.create: every parameter must be a floating tensor; {bad[0]!r} is {bad[1]}. "
                 "Keep integer state in buffers."
             )
+        params, buffers = _tree.tree_map(_detached, params), _tree.tree_map(_detached, buffers)
         reductions = _buffer_reductions(buffer_reductions, buffers)
         group = parallel.resolve_group(data_parallel)
         policy = None if policy is None else get_policy(policy)

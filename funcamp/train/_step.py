@@ -85,7 +85,8 @@ def make_train_step(
     Raises:
       TypeError: if ``loss_fn`` is not callable, ``optimizer`` not a GradientTransformation,
         ``data_parallel`` not None, a bool or a ProcessGroup, or ``telemetry`` not None, an int or a
-        Telemetry.
+        Telemetry; at the first call, if a state leaf requires grad (a state built by hand from
+        ``nn.Parameter``s: ``TrainState.create`` detaches them).
       RuntimeError: if ``data_parallel`` asks for a group and torch.distributed is not initialized.
       ValueError: if ``accumulation_steps`` < 1, ``max_consecutive_skips`` < 1 or ``telemetry`` < 1; at call time, if a
         batch leaf cannot be split into ``accumulation_steps`` micro-batches. With a sharded layout (given
@@ -194,6 +195,24 @@ def _check_step_args(state: Any, batch: Any) -> None:
     )
 
 
+def _check_no_history(state: TrainState) -> None:
+    """Refuse a state built by hand with a leaf that requires grad (``TrainState.create`` detaches them): the eager
+    step would chain every step's autograd history onto the state, the compiled one fail inside torch.
+
+    Raises:
+      TypeError: naming the first such leaf.
+    """
+    for i, leaf in enumerate(_tree.tree_leaves(state)):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            path = _tree.tree_paths(state)[i]
+            raise TypeError(
+                f"train_step: state leaf {path!r} requires grad (an nn.Parameter, or a tensor with autograd history); "
+                "a train state carries none. Build the state with TrainState.create(params, optimizer), which takes "
+                "such tensors as tensor.detach() (the same memory), or pass {k: p.detach() for k, p in "
+                "model.named_parameters()}"
+            )
+
+
 @functools.lru_cache(maxsize=32)
 def _init_structure(optimizer: GradientTransformation, spec: Any, shapes: tuple[Any, ...]) -> Any:
     """The structure of ``optimizer.init`` over meta parameters of ``spec`` and ``shapes``, or None where it cannot
@@ -217,6 +236,7 @@ def _prepare(
         _check_step_args(state, batch)
         if arity[state.buffers is not None] is not None:
             raise TypeError(arity[state.buffers is not None])
+        _check_no_history(state)
         _check_opt_state(state, optimizer)
         state.storage.admit(optimizer)  # flat: the optimizer groups the parameters as the state's (once per object)
         if given is not None:  # deprecated: the state was not checked across the ranks for this layout
