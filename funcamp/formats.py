@@ -174,7 +174,8 @@ def quantize_to(x: torch.Tensor, fmt: Format | torch.dtype | str, *, saturate: b
     saturates at +-6 (it has neither inf nor NaN, as OCP MX's conversion; ``saturate`` must be True; NaN
     stays NaN in the float32 result). ``float8_e8m0fnu`` rounds a positive value to the nearest power of
     two, a tie ``1.5 * 2**e`` going up (even, as torch's cast); values in ``[0, 2**-127]`` become
-    ``2**-127`` (it has no zero; torch's cast does the same); past ``2**127`` it saturates or, with
+    ``2**-127`` (it has no zero; torch's cast does the same, but rounds a float32 subnormal as if its bits
+    were a normal number's: just below ``1.5 * 2**-127`` it gives ``2**-126``); past ``2**127`` it saturates or, with
     ``saturate=False``, gives NaN (it has no inf; torch's cast gives NaN); negative values give NaN (it has
     no sign; torch's cast drops the sign instead).
 
