@@ -569,12 +569,12 @@ def _announce_emulation(recipe: Recipe, device: torch.device) -> None:
     if recipe.scaling in _announced or torch.compiler.is_compiling():
         return
     _announced.add(recipe.scaling)
-    why = (
-        "no kernel takes NVFP4 block scales in this version"
-        if recipe.scaling == "nvfp4"
-        else "torch._scaled_mm takes MX block scales on CUDA devices of compute capability 10.0 and up only "
-        "(and e4m3 elements only: fp8_format='E4M3')"
-    )
+    if recipe.scaling == "nvfp4":
+        why = "funcamp routes no NVFP4 matmul to a kernel yet"
+    elif recipe.fp8_format != "E4M3":
+        why = "MX kernels take e4m3 elements only, and this recipe's gradients are e5m2"
+    else:
+        why = "torch._scaled_mm takes MX block scales only on CUDA devices of compute capability 10.0 and up"
     warnings.warn(
         f"fp8: the {recipe.scaling} recipe runs its exact float32 emulation on {device} ({why}): the numbers of "
         "the block-scaled matmuls, not their speed",
