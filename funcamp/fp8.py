@@ -21,6 +21,16 @@ Recipes (:class:`Recipe`, :func:`get_recipe`):
   skipped steps by :class:`funcamp.TrainState`. Gradients use current (dynamic, tensorwise) scaling:
   a backward pass cannot hand new state out of ``torch.func.grad`` functionally. TransformerEngine
   keeps a delayed history for gradients too; this is where funcamp differs.
+- ``"mxfp8"`` and ``"nvfp4"``, block-scaled: every operand of each matmul is cast in blocks along the
+  dimension that matmul contracts, 32 e4m3 elements with a power-of-two (e8m0) scale (OCP MX; torchao's
+  ``MXFP8TrainingOpConfig``, TransformerEngine's ``MXFP8BlockScaling``), or 16 e2m1 (fp4) elements with an
+  e4m3 scale under a float32 scale per tensor, 16 x 16 weight tiles and stochastically rounded gradients
+  (TransformerEngine's ``NVFP4BlockScaling``, torchao's ``nvfp4_quantize``). No state. Where the device has
+  no kernel for the block scales (every device but CUDA compute capability 10.0 and up, which runs
+  ``mxfp8`` on ``torch._scaled_mm``: a path no test here has run) an exact float32 emulation computes the
+  same numbers, said once by an :class:`Fp8EmulationWarning`: ``mxfp8`` equals torchao 0.18's emulated
+  MX linear bit for bit on the CPU, NVFP4's cast ``NVFP4Tensor.to_nvfp4``'s. See :class:`Recipe` for their
+  fields and docs/fp8.md for how they differ from torchao and TransformerEngine.
 
 Non-finite values. A saturating cast would turn an inf into ``fp8_max`` and hide an overflow; instead,
 where an amax is inf or NaN the scale is NaN, so that layer's output (or gradient) is NaN and the train
@@ -65,7 +75,8 @@ than the mean saturate).
 
 Use :func:`convert` (as torchao's ``convert_to_float8_training``) to swap the ``nn.Linear`` layers of a
 model for :class:`Float8Linear` (Hugging Face ``Conv1D`` for :class:`Float8Conv1D`; layers whose sizes
-are not multiples of 16 stay as they are, reported once), then ``functionalize`` with
+are not multiples of 16, or of the block, stay as they are, reported once, and so do mixture-of-experts
+weights used through grouped matmuls), then ``functionalize`` with
 :data:`MODULE_POLICIES` so that each fp8 layer receives its float32 master weight and float32 recipe state:
 
     model = fp8.convert(GPT(cfg), recipe="tensorwise")    # first and last Linear stay as they are
@@ -83,7 +94,9 @@ References:
   Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433. torchao float8 training
   (``torchao.float8.Float8Linear``, ``convert_to_float8_training``, recipes ``tensorwise`` and
   ``rowwise``, 0.18). NVIDIA TransformerEngine ``recipe.DelayedScaling`` (``margin``,
-  ``amax_history_len``, ``amax_compute_algo``, ``Format.HYBRID``).
+  ``amax_history_len``, ``amax_compute_algo``, ``Format.HYBRID``), ``MXFP8BlockScaling``,
+  ``NVFP4BlockScaling``. OCP Microscaling Formats (MX) Specification v1.0, 2023. torchao 0.18
+  ``prototype.moe_training.mxfp8_linear`` and ``prototype.mx_formats`` (``to_mx``, ``NVFP4Tensor``).
 """
 
 from __future__ import annotations
