@@ -629,7 +629,11 @@ class _BlockMatmul(torch.autograd.Function):
     transposes' rows, M zero-padded to a whole block) for ``grad_weight``, or that one in float32 from the
     high-precision operands (``wgrad_with_hp``). The high-precision ``x`` and ``w`` are saved and cast again in
     the backward (as torchao's MX linear does); nvfp4's tiled weight casts to the same values both ways.
+    ``vmap`` comes from ``generate_vmap_rule``: each sample is cast with its own blocks (stochastic rounding
+    under vmap needs ``randomness="different"`` or ``"same"``).
     """
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x: torch.Tensor, w: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:

@@ -406,3 +406,35 @@ def test_inductor_equals_eager(recipe):
 
     compiled = torch.compile(run, backend="inductor", fullgraph=True)
     assert all(torch.equal(a, b) for a, b in zip(compiled(x, w), run(x, w), strict=True))
+
+
+def test_vmap_per_sample_gradients():
+    """``torch.func.vmap`` of the weight gradient equals a loop over the samples, each cast with its own blocks;
+    stochastic rounding under vmap asks for ``randomness="different"``. Planted: no ``generate_vmap_rule``
+    (vmap refuses the Function)."""
+    x, w, g = torch.randn(3, 8, 64), torch.randn(32, 64), torch.randn(3, 8, 32)
+    for recipe in ("mxfp8", fp8.Recipe("nvfp4", stochastic_rounding=False)):
+
+        def per_sample(xs, gs, recipe=recipe):
+            return torch.func.grad(lambda w: (fp8.fp8_linear(xs, w, recipe=recipe) * gs).sum())(w)
+
+        loop = torch.stack([per_sample(x[i], g[i]) for i in range(3)])
+        assert torch.equal(torch.func.vmap(per_sample)(x, g), loop)
+    sr = torch.func.vmap(
+        lambda xs, gs: torch.func.grad(lambda w: (fp8.fp8_linear(xs, w, recipe="nvfp4") * gs).sum())(w),
+        randomness="different",
+    )(x, g)
+    assert sr.shape == (3, 32, 64) and torch.isfinite(sr).all()
+
+
+def test_policy_string_memory_report_and_main_job_flag():
+    import train_gpt
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    apply_fn, params, buffers = fa.nn.functionalize(GPT(cfg), "p=f32,c=bf16,o=f32,fp8=mxfp8", with_buffers=True)
+    assert buffers == {} and apply_fn(params, buffers, torch.zeros(2, 16, dtype=torch.long))[0].shape == (2, 16, 64)
+    report = fa.memory.memory_report(fp8.convert(GPT(cfg), "mxfp8"), tokens=32)
+    # the largest layer's copies (one at a time, as rowwise): mlp.proj, K = 128: (32 weight + 32 token rows) * 128
+    assert report.compute[torch.float8_e4m3fn] == (32 + 32) * 128
+    assert report.compute[torch.float8_e8m0fnu] == (32 + 32) * 128 // 32
+    assert train_gpt.parse_args(["--fp8", "nvfp4"]).fp8 == "nvfp4"
