@@ -190,13 +190,14 @@ def kernel_available(device: torch.device, recipe: Any) -> bool:
 
 
 def _to_blocked(scales: torch.Tensor) -> torch.Tensor:
-    """``(R, C)`` scales in cuBLAS's block-scaling-factor layout (128 x 4 tiles, each as 32 x 16), flattened,
-    zero-padded to whole tiles. UNTESTED here (no device of compute capability 10.0)."""
+    """``(R, C)`` e8m0 scales in cuBLAS's block-scaling-factor layout (128 x 4 tiles, each as 32 x 16), flattened,
+    zero-padded to whole tiles; moved as bytes (torch has no pad or copy kernels for every float8 dtype).
+    UNTESTED here (no device of compute capability 10.0)."""
     r, c = scales.shape
     pr, pc = -(-r // 128) * 128, -(-c // 4) * 4
-    padded = torch.nn.functional.pad(scales, (0, pc - c, 0, pr - r))
+    padded = torch.nn.functional.pad(scales.view(torch.uint8), (0, pc - c, 0, pr - r))
     tiles = padded.reshape(pr // 128, 128, pc // 4, 4).permute(0, 2, 1, 3)
-    return tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16).flatten()
+    return tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16).flatten().view(scales.dtype)
 
 
 def mx_kernel_mm(a: torch.Tensor, b: torch.Tensor, rounding: str, out_dtype: torch.dtype) -> torch.Tensor:

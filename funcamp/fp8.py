@@ -579,7 +579,7 @@ _announced: set[str] = set()  # the recipes whose emulation was announced (once 
 def _announce_emulation(recipe: Recipe, device: torch.device) -> None:
     """Say once per recipe and process that ``recipe`` runs its float32 emulation on ``device``. Not while
     compiling (it runs at ``convert`` and at the first eager call)."""
-    if recipe.scaling in _announced or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or recipe.scaling in _announced:  # traced: constant True, the set unread
         return
     _announced.add(recipe.scaling)
     if recipe.scaling == "nvfp4":

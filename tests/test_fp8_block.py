@@ -438,3 +438,19 @@ def test_policy_string_memory_report_and_main_job_flag():
     assert report.compute[torch.float8_e4m3fn] == (32 + 32) * 128
     assert report.compute[torch.float8_e8m0fnu] == (32 + 32) * 128 // 32
     assert train_gpt.parse_args(["--fp8", "nvfp4"]).fp8 == "nvfp4"
+
+
+def test_kernel_path_operands_and_scale_layout():
+    """What the MX kernel path (CUDA compute capability 10.0 and up; not run here) would hand
+    ``torch._scaled_mm``: the e4m3 elements and e8m0 scales of the emulation's cast, exactly, and the scales in
+    torchao's ``to_blocked`` layout (cuBLAS's), padded rows and columns included."""
+    utils = pytest.importorskip("torchao.prototype.mx_formats.utils")
+    x = spanning(130, 192, seed=19)
+    q, scale = blocks.mx_cast(x, "e4m3", "rceil")
+    e8m0 = scale.reshape(130, -1).to(torch.float8_e8m0fnu)
+    assert torch.equal(q.to(torch.float8_e4m3fn).float(), q)
+    assert torch.equal(e8m0.float(), scale.reshape(130, -1))
+    got = blocks._to_blocked(e8m0)
+    assert got.dtype == torch.float8_e8m0fnu
+    assert torch.equal(got.view(torch.uint8), utils.to_blocked(e8m0.view(torch.uint8)))
+    assert not blocks.kernel_available(torch.device("cpu"), fp8.get_recipe("mxfp8"))
