@@ -611,7 +611,9 @@ def _block_values(t: torch.Tensor, recipe: Recipe, role: str) -> torch.Tensor:
     return _blocks.nvfp4_values(t, _blocks.nvfp4_tensor_scale(t), tile=tile, noise=noise)
 
 
-def _block_mm(a: torch.Tensor, b: torch.Tensor, recipe: Recipe, roles: tuple[str, str], out_dtype: torch.dtype):
+def _block_mm(
+    a: torch.Tensor, b: torch.Tensor, recipe: Recipe, roles: tuple[str, str], out_dtype: torch.dtype
+) -> torch.Tensor:
     """``a @ b.T`` with ``a`` ``(M, K)`` and ``b`` ``(N, K)`` block-cast along K, rounded once to ``out_dtype``:
     the kernel where the device has one (mxfp8, e4m3, compute capability 10.0 and up; UNTESTED here), else the
     float32 product of the cast values."""
