@@ -25,9 +25,10 @@ and weight amax, the share of gradient elements that would underflow or overflow
 bfloat16 before and after loss scaling, the loss scale's headroom, log2|g| histograms), computed inside
 the same compiled graph and shown in TensorBoard under ``numerics/``.
 
-``--fp8 tensorwise|rowwise|delayed`` runs every Linear but the first and the last in fp8
+``--fp8 tensorwise|rowwise|delayed|mxfp8|nvfp4`` runs every Linear but the first and the last in fp8
 (``funcamp.fp8.convert``; the delayed recipe's amax histories are buffers that the train state carries
-and checkpoints). ``--master-weights bfloat16|bfloat16-kahan|bfloat16-sr`` stores the parameters in
+and checkpoints; ``mxfp8`` and ``nvfp4`` are the block-scaled recipes, run as their exact float32
+emulation, said once, on every device but one whose ``torch._scaled_mm`` takes their block scales). ``--master-weights bfloat16|bfloat16-kahan|bfloat16-sr`` stores the parameters in
 bfloat16 (LayerNorms stay float32) and wraps the optimizer in ``optim.kahan_summation`` or
 ``optim.stochastic_rounding``; ``--moment-dtype bfloat16`` halves AdamW's state. ``--lint`` prints
 ``funcamp.debug.lint``'s report of the policy on the first batch before training. When
@@ -161,8 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fp8",
         default=None,
-        choices=["tensorwise", "rowwise", "delayed"],
-        help="run every Linear but the first and the last in fp8 with this scaling recipe (funcamp.fp8)",
+        choices=["tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4"],
+        help="run every Linear but the first and the last in fp8 with this scaling recipe (funcamp.fp8; mxfp8 "
+        "and nvfp4 are block-scaled, emulated in float32 where the device has no kernel for them)",
     )
     p.add_argument(
         "--loss-scale",

@@ -21,6 +21,16 @@ Recipes (:class:`Recipe`, :func:`get_recipe`):
   skipped steps by :class:`funcamp.TrainState`. Gradients use current (dynamic, tensorwise) scaling:
   a backward pass cannot hand new state out of ``torch.func.grad`` functionally. TransformerEngine
   keeps a delayed history for gradients too; this is where funcamp differs.
+- ``"mxfp8"`` and ``"nvfp4"``, block-scaled: every operand of each matmul is cast in blocks along the
+  dimension that matmul contracts, 32 e4m3 elements with a power-of-two (e8m0) scale (OCP MX; torchao's
+  ``MXFP8TrainingOpConfig``, TransformerEngine's ``MXFP8BlockScaling``), or 16 e2m1 (fp4) elements with an
+  e4m3 scale under a float32 scale per tensor, 16 x 16 weight tiles and stochastically rounded gradients
+  (TransformerEngine's ``NVFP4BlockScaling``, torchao's ``nvfp4_quantize``). No state. Where the device has
+  no kernel for the block scales (every device but CUDA compute capability 10.0 and up, which runs
+  ``mxfp8`` on ``torch._scaled_mm``: a path no test here has run) an exact float32 emulation computes the
+  same numbers, said once by an :class:`Fp8EmulationWarning`: ``mxfp8`` equals torchao 0.18's emulated
+  MX linear bit for bit on the CPU, NVFP4's cast ``NVFP4Tensor.to_nvfp4``'s. See :class:`Recipe` for their
+  fields and docs/fp8.md for how they differ from torchao and TransformerEngine.
 
 Non-finite values. A saturating cast would turn an inf into ``fp8_max`` and hide an overflow; instead,
 where an amax is inf or NaN the scale is NaN, so that layer's output (or gradient) is NaN and the train
@@ -65,7 +75,8 @@ than the mean saturate).
 
 Use :func:`convert` (as torchao's ``convert_to_float8_training``) to swap the ``nn.Linear`` layers of a
 model for :class:`Float8Linear` (Hugging Face ``Conv1D`` for :class:`Float8Conv1D`; layers whose sizes
-are not multiples of 16 stay as they are, reported once), then ``functionalize`` with
+are not multiples of 16, or of the block, stay as they are, reported once, and so do mixture-of-experts
+weights used through grouped matmuls), then ``functionalize`` with
 :data:`MODULE_POLICIES` so that each fp8 layer receives its float32 master weight and float32 recipe state:
 
     model = fp8.convert(GPT(cfg), recipe="tensorwise")    # first and last Linear stay as they are
@@ -83,7 +94,9 @@ References:
   Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv:2209.05433. torchao float8 training
   (``torchao.float8.Float8Linear``, ``convert_to_float8_training``, recipes ``tensorwise`` and
   ``rowwise``, 0.18). NVIDIA TransformerEngine ``recipe.DelayedScaling`` (``margin``,
-  ``amax_history_len``, ``amax_compute_algo``, ``Format.HYBRID``).
+  ``amax_history_len``, ``amax_compute_algo``, ``Format.HYBRID``), ``MXFP8BlockScaling``,
+  ``NVFP4BlockScaling``. OCP Microscaling Formats (MX) Specification v1.0, 2023. torchao 0.18
+  ``prototype.moe_training.mxfp8_linear`` and ``prototype.mx_formats`` (``to_mx``, ``NVFP4Tensor``).
 """
 
 from __future__ import annotations
@@ -100,6 +113,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from funcamp import _block_scaling as _blocks
 from funcamp.formats import get_format
 from funcamp.policy import keep_in_float32
 
@@ -108,9 +122,11 @@ __all__ = [
     "DelayedScalingState",
     "Float8Conv1D",
     "Float8Linear",
+    "Fp8EmulationWarning",
     "Fp8FallbackWarning",
     "Recipe",
     "amax_to_scale",
+    "auto_filter_small_kn",
     "convert",
     "fp8_linear",
     "get_recipe",
@@ -142,37 +158,83 @@ class Fp8FallbackWarning(UserWarning):
     """A layer stays in the surrounding dtype: ``torch._scaled_mm`` cannot take its shape."""
 
 
+class Fp8EmulationWarning(Fp8FallbackWarning):
+    """A block-scaled recipe (``mxfp8``, ``nvfp4``) runs its exact float32 emulation: the device has no kernel
+    for its block scales (said once per recipe and process)."""
+
+
 # --- recipes -------------------------------------------------------------------------------------
+
+_BLOCK_SIZES = {"mxfp8": _blocks.MX_BLOCK, "nvfp4": _blocks.NVFP4_BLOCK}
+_SCALINGS = ("tensorwise", "rowwise", "delayed", *_BLOCK_SIZES)
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """How the operands of the fp8 matmuls are scaled (static configuration, hashable).
 
+    Fields left None take the value their scaling implies (shown as resolved once made).
+
     Attributes:
-      scaling: ``"tensorwise"``, ``"rowwise"`` or ``"delayed"`` (see the module docstring).
-      fp8_format: ``"HYBRID"`` (e4m3 forward, e5m2 gradients) or ``"E4M3"`` (e4m3 everywhere).
+      scaling: ``"tensorwise"``, ``"rowwise"``, ``"delayed"``, or the block-scaled ``"mxfp8"`` and ``"nvfp4"``
+        (see the module docstring).
+      fp8_format: ``"HYBRID"`` (e4m3 forward, e5m2 gradients) or ``"E4M3"`` (e4m3 everywhere). None:
+        ``"E4M3"`` for ``mxfp8`` (TransformerEngine's ``MXFP8BlockScaling`` and torchao's default) and
+        ``nvfp4`` (whose elements are e2m1 everywhere and block scales e4m3: only ``"E4M3"`` is accepted there),
+        ``"HYBRID"`` otherwise.
       amax_history_len: past amaxes kept per tensor (``"delayed"`` only; TransformerEngine's default is
         1024, torchao's former delayed recipe used 16, as here).
       margin: scale down by ``2**margin`` more than the amax asks (``"delayed"`` only).
       amax_compute_algo: ``"max"`` (the history's maximum) or ``"most_recent"`` (``"delayed"`` only).
-      round_scales_to_power_of_2: round each scale down to a power of two (exact scaling).
+      round_scales_to_power_of_2: round each scale down to a power of two (exact scaling); not for the
+        block-scaled recipes (MX scales are powers of two already, NVFP4's are e4m3).
+      scale_rounding: ``mxfp8`` only: how a block's e8m0 scale comes from its amax, ``"rceil"`` (the default:
+        ``2**ceil(log2(amax / elem_max))``, nothing saturates; the hardware's conversion, torchao's
+        ``ScaleCalculationMode.RCEIL`` and TransformerEngine's) or ``"floor"`` (``2**(floor(log2 amax) -
+        emax_elem)``, the OCP MX specification's rule and torchao's ``FLOOR``: the largest values of a block
+        may saturate).
+      wgrad_with_hp: block-scaled recipes only: the weight gradient ``g^T x`` in float32 from the
+        high-precision operands (torchao's ``wgrad_with_hp``); the other two matmuls stay block-scaled.
+      stochastic_rounding: ``nvfp4`` only (default True there, as TransformerEngine's ``NVFP4BlockScaling``):
+        the output gradient's elements are rounded stochastically, drawing from torch's default generator (the
+        one dropout draws from), for both backward matmuls.
+      weight_2d_blocks: ``nvfp4`` only (default True there, as TransformerEngine): one scale per 16 x 16 tile
+        of the weight, so that the forward (blocks along ``in_features``) and the input gradient (along
+        ``out_features``) use the same quantized weight; False: 1 x 16 blocks along each matmul's contraction.
     Raises:
-      ValueError: if a field is outside the values above.
+      ValueError: if a field is outside the values above, or set for a scaling it does not apply to.
     """
 
     scaling: str = "tensorwise"
-    fp8_format: str = "HYBRID"
+    fp8_format: str | None = None
     amax_history_len: int = 16
     margin: int = 0
     amax_compute_algo: str = "max"
     round_scales_to_power_of_2: bool = False
+    scale_rounding: str | None = None
+    wgrad_with_hp: bool = False
+    stochastic_rounding: bool | None = None
+    weight_2d_blocks: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.scaling not in ("tensorwise", "rowwise", "delayed"):
-            raise ValueError(f"Recipe: scaling must be 'tensorwise', 'rowwise' or 'delayed', got {self.scaling!r}")
+        if self.scaling not in _SCALINGS:
+            raise ValueError(f"Recipe: scaling must be one of {', '.join(map(repr, _SCALINGS))}, got {self.scaling!r}")
+        block, nvfp4 = self.scaling in _BLOCK_SIZES, self.scaling == "nvfp4"
+        defaults = {
+            "fp8_format": "E4M3" if block else "HYBRID",
+            "scale_rounding": "rceil" if self.scaling == "mxfp8" else None,
+            "stochastic_rounding": nvfp4,
+            "weight_2d_blocks": nvfp4,
+        }
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.fp8_format not in ("HYBRID", "E4M3"):
             raise ValueError(f"Recipe: fp8_format must be 'HYBRID' or 'E4M3', got {self.fp8_format!r}")
+        if nvfp4 and self.fp8_format != "E4M3":
+            raise ValueError(
+                "Recipe: nvfp4 has e2m1 elements everywhere and e4m3 block scales: fp8_format must be 'E4M3'"
+            )
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"Recipe: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
@@ -181,27 +243,62 @@ class Recipe:
             raise ValueError(
                 f"Recipe: amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
             )
+        self._check_block_fields(block, nvfp4)
+
+    def _check_block_fields(self, block: bool, nvfp4: bool) -> None:
+        if self.scaling == "mxfp8" and self.scale_rounding not in ("floor", "rceil"):
+            raise ValueError(f"Recipe: scale_rounding must be 'floor' or 'rceil', got {self.scale_rounding!r}")
+        for name, ok in (
+            ("scale_rounding", self.scaling == "mxfp8" or self.scale_rounding is None),
+            ("round_scales_to_power_of_2", not block or not self.round_scales_to_power_of_2),
+            ("wgrad_with_hp", block or not self.wgrad_with_hp),
+            ("stochastic_rounding", nvfp4 or not self.stochastic_rounding),
+            ("weight_2d_blocks", nvfp4 or not self.weight_2d_blocks),
+        ):
+            if not ok:
+                raise ValueError(
+                    f"Recipe: {name}={getattr(self, name)!r} does not apply to scaling {self.scaling!r} "
+                    "(scale_rounding: mxfp8; wgrad_with_hp: mxfp8 and nvfp4; stochastic_rounding and "
+                    "weight_2d_blocks: nvfp4; round_scales_to_power_of_2: not the block-scaled recipes)"
+                )
+        for name in ("wgrad_with_hp", "stochastic_rounding", "weight_2d_blocks", "round_scales_to_power_of_2"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Recipe: {name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        """The format of the gradients: e5m2 for ``HYBRID``, e4m3 for ``E4M3``."""
+        """The format of the gradients: e5m2 for ``HYBRID``, e4m3 for ``E4M3``; ``torch.float4_e2m1fn_x2``
+        (fp4, two to a byte) for ``nvfp4``."""
+        if self.scaling == "nvfp4":
+            return torch.float4_e2m1fn_x2
         return E5M2 if self.fp8_format == "HYBRID" else E4M3
+
+    @property
+    def block_size(self) -> int | None:
+        """Elements per scale along the contraction dimension: 32 for ``mxfp8``, 16 for ``nvfp4``, else None."""
+        return _BLOCK_SIZES.get(self.scaling)
 
 
 _RECIPES = {
     "tensorwise": Recipe("tensorwise"),
     "rowwise": Recipe("rowwise", fp8_format="E4M3", round_scales_to_power_of_2=True),
     "delayed": Recipe("delayed"),
+    "mxfp8": Recipe("mxfp8"),
+    "nvfp4": Recipe("nvfp4"),
 }
 
 
 def get_recipe(recipe: Recipe | str) -> Recipe:
-    """The :class:`Recipe` for a name: ``"tensorwise"``, ``"rowwise"`` or ``"delayed"``.
+    """The :class:`Recipe` for a name: ``"tensorwise"``, ``"rowwise"``, ``"delayed"``, ``"mxfp8"`` or ``"nvfp4"``.
 
-    ``"rowwise"`` is torchao's: e4m3 gradients and power-of-two scales.
+    ``"rowwise"`` is torchao's: e4m3 gradients and power-of-two scales. ``"mxfp8"``: e4m3 elements everywhere,
+    32-element blocks, RCEIL e8m0 scales (torchao's ``MXFP8TrainingOpConfig`` and TransformerEngine's
+    ``MXFP8BlockScaling``). ``"nvfp4"``: e2m1 elements, 16-element blocks with e4m3 scales and a float32 scale
+    per tensor, 16 x 16 weight tiles, stochastic rounding of gradients (TransformerEngine's
+    ``NVFP4BlockScaling`` without its random Hadamard transform).
 
     Raises:
-      ValueError: if the name is not one of the three.
+      ValueError: if the name is not one of the five.
       TypeError: if ``recipe`` is neither a Recipe nor a string.
     """
     if isinstance(recipe, Recipe):
@@ -474,6 +571,104 @@ class _Fp8Matmul(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
+# --- the block-scaled matmuls (mxfp8, nvfp4) ---------------------------------------------------------
+
+_announced: set[str] = set()  # the recipes whose emulation was announced (once per process)
+
+
+def _announce_emulation(recipe: Recipe, device: torch.device) -> None:
+    """Say once per recipe and process that ``recipe`` runs its float32 emulation on ``device``. Not while
+    compiling (it runs at ``convert`` and at the first eager call)."""
+    if torch.compiler.is_compiling() or recipe.scaling in _announced:  # traced: constant True, the set unread
+        return
+    _announced.add(recipe.scaling)
+    if recipe.scaling == "nvfp4":
+        why = "funcamp routes no NVFP4 matmul to a kernel yet"
+    elif recipe.fp8_format != "E4M3":
+        why = "MX kernels take e4m3 elements only, and this recipe's gradients are e5m2"
+    else:
+        why = "torch._scaled_mm takes MX block scales only on CUDA devices of compute capability 10.0 and up"
+    warnings.warn(
+        f"fp8: the {recipe.scaling} recipe runs its exact float32 emulation on {device} ({why}): the numbers of "
+        "the block-scaled matmuls, not their speed",
+        Fp8EmulationWarning,
+        stacklevel=3,
+    )
+
+
+def _block_values(t: torch.Tensor, recipe: Recipe, role: str) -> torch.Tensor:
+    """The float32 values the block cast of ``t`` ``(R, C)`` (blocks along C) stands for, by role: ``"input"``,
+    ``"weight"`` (nvfp4: 16 x 16 tiles with ``weight_2d_blocks``), ``"grad"`` (e5m2 elements for a ``HYBRID``
+    mxfp8 recipe; nvfp4: stochastic rounding with ``stochastic_rounding``, from the default generator)."""
+    t = t.detach()
+    if recipe.scaling == "mxfp8":
+        elem = "e5m2" if role == "grad" and recipe.fp8_format == "HYBRID" else "e4m3"
+        return _blocks.mx_values(t, elem, recipe.scale_rounding)
+    noise = None
+    if role == "grad" and recipe.stochastic_rounding:
+        noise = torch.rand(t.shape, dtype=torch.float32, device=t.device)
+    tile = role == "weight" and recipe.weight_2d_blocks
+    return _blocks.nvfp4_values(t, _blocks.nvfp4_tensor_scale(t), tile=tile, noise=noise)
+
+
+def _block_mm(
+    a: torch.Tensor, b: torch.Tensor, recipe: Recipe, roles: tuple[str, str], out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``a @ b.T`` with ``a`` ``(M, K)`` and ``b`` ``(N, K)`` block-cast along K, rounded once to ``out_dtype``:
+    the kernel where the device has one (mxfp8, e4m3, compute capability 10.0 and up; UNTESTED here), else the
+    float32 product of the cast values."""
+    if _blocks.kernel_available(a.device, recipe):
+        return _blocks.mx_kernel_mm(a, b, recipe.scale_rounding, out_dtype)
+    return (_block_values(a, recipe, roles[0]) @ _block_values(b, recipe, roles[1]).t()).to(out_dtype)
+
+
+@torch._dynamo.allow_in_graph
+class _BlockMatmul(torch.autograd.Function):
+    """``y = x @ w.T`` with its three matmuls block-scaled (mxfp8, nvfp4); ``x`` (M, K), ``w`` (N, K).
+
+    Every operand is cast along the contraction dimension of its matmul: ``x`` and ``w`` along K for ``y``;
+    ``g`` along N and ``w`` along N (its transpose's rows) for ``grad_input``; ``g`` and ``x`` along M (their
+    transposes' rows, M zero-padded to a whole block) for ``grad_weight``, or that one in float32 from the
+    high-precision operands (``wgrad_with_hp``). The high-precision ``x`` and ``w`` are saved and cast again in
+    the backward (as torchao's MX linear does); nvfp4's tiled weight casts to the same values both ways.
+    ``vmap`` comes from ``generate_vmap_rule``: each sample is cast with its own blocks (stochastic rounding
+    under vmap needs ``randomness="different"`` or ``"same"``).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+        return _block_mm(x, w, recipe, ("input", "weight"), out_dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, w, recipe, _ = inputs
+        ctx.recipe, ctx.dtypes = recipe, (x.dtype, w.dtype)
+        ctx.save_for_backward(x, w)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        recipe: Recipe = ctx.recipe
+        x, w = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # g (M, N) along N; w.T (K, N) along N
+            if recipe.scaling == "nvfp4" and recipe.weight_2d_blocks:  # the forward's tiles: the same values
+                grad_x = (_block_values(g, recipe, "grad") @ _block_values(w, recipe, "weight")).to(x_dtype)
+            else:
+                grad_x = _block_mm(g, w.t().contiguous(), recipe, ("grad", "weight"), x_dtype)
+        if ctx.needs_input_grad[1]:  # g.T (N, M) along M; x.T (K, M) along M
+            if recipe.wgrad_with_hp:
+                grad_w = (g.t().to(torch.float32) @ x.to(torch.float32)).to(w_dtype)
+            else:
+                block = recipe.block_size
+                gt = _blocks._pad_rows(g, block).t().contiguous()
+                xt = _blocks._pad_rows(x, block).t().contiguous()
+                grad_w = _block_mm(gt, xt, recipe, ("grad", "input"), w_dtype)
+        return grad_x, grad_w, None, None
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -485,7 +680,10 @@ def fp8_linear(
 
     Args:
       x: ``(..., K)`` float32, bfloat16 or float16.
-      weight: ``(N, K)``, any of those dtypes; ``K`` and ``N`` multiples of 16 on CUDA.
+      weight: ``(N, K)``, any of those dtypes; ``K`` and ``N`` multiples of 16 on CUDA, and of the block
+        size for ``mxfp8`` (32) and ``nvfp4`` (16) on every device. The rows of ``x`` (``M``, contracted by
+        the weight gradient) may be any number: a block recipe pads them with zeros to a whole block there
+        (zeros change no block's scale), where torchao refuses.
       bias: ``(N,)`` or None; added in the output dtype after the fp8 matmul, as torchao.
       recipe: a :class:`Recipe` or its name.
       scales: for the delayed recipe, the float32 0-d multipliers of ``x`` and ``weight``, finite and in
@@ -495,10 +693,13 @@ def fp8_linear(
       ``(..., N)`` in ``x``'s dtype (the autocast dtype under ``torch.autocast``); the gradients of ``x``
       and ``weight`` come back in their own dtypes. Each of the three products equals the exact
       product of the fp8 operands within the float32 accumulation bound and one rounding to its dtype.
+      The block recipes' emulation (every device but CUDA compute capability 10.0 and up with ``mxfp8``;
+      said once by an :class:`Fp8EmulationWarning`) multiplies the cast values in float32.
     Raises:
       TypeError: if ``x`` or ``weight`` is not float32, bfloat16 or float16.
       ValueError: if the last dimension of ``x`` is not ``weight``'s second, or ``scales`` is given for
         a dynamic recipe or missing for the delayed one.
+      ValueError: for ``mxfp8`` and ``nvfp4``, if ``K`` or ``N`` is not a multiple of the block size.
     """
     r = get_recipe(recipe)
     for name, t in (("x", x), ("weight", weight)):
@@ -515,6 +716,15 @@ def fp8_linear(
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         out_dtype = torch.get_autocast_dtype(device_type)
     x2 = x.reshape(-1, x.shape[-1])
+    if r.block_size is not None:
+        problem = _check_fp8_shape(weight.shape[1], weight.shape[0], r)
+        if problem:
+            raise ValueError(f"fp8_linear: {problem}")
+        if not _blocks.kernel_available(x.device, r):
+            _announce_emulation(r, x.device)
+        y = _BlockMatmul.apply(x2, weight, r, out_dtype)
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
     sx, sw = scales if scales is not None else (None, None)
     y = _Fp8Matmul.apply(x2, weight, sx, sw, r, out_dtype)[0]
     y = y.reshape(*x.shape[:-1], weight.shape[0])
@@ -524,13 +734,31 @@ def fp8_linear(
 # --- the module swap ------------------------------------------------------------------------------
 
 
-def _check_fp8_shape(in_features: int, out_features: int) -> str | None:
+def _check_fp8_shape(in_features: int, out_features: int, recipe: Recipe | None = None) -> str | None:
+    block = recipe.block_size if recipe is not None else None
+    if block is not None and (in_features % block or out_features % block):
+        return (
+            f"in_features={in_features} and out_features={out_features} must both be multiples of {block}, the "
+            f"{recipe.scaling} block size (the forward contracts in_features, the input gradient out_features)"
+        )
     if in_features % 16 or out_features % 16:
         return (
             f"in_features={in_features} and out_features={out_features} must both be multiples of 16 "
             "(torch._scaled_mm's rule on CUDA)"
         )
     return None
+
+
+def _block_copy_bytes(recipe: Recipe, elements: int, with_input: bool) -> dict[torch.dtype, int]:
+    """The bytes of the block-scaled copies of ``elements`` values (weight, and input with ``with_input``)."""
+    if recipe.scaling == "mxfp8":
+        return {E4M3: elements, torch.float8_e8m0fnu: elements // _blocks.MX_BLOCK}
+    tensors = 2 if with_input else 1
+    return {
+        torch.float4_e2m1fn_x2: elements // 2,
+        E4M3: elements // _blocks.NVFP4_BLOCK,
+        torch.float32: 4 * tensors,
+    }
 
 
 class _Float8Layer(nn.Module):
@@ -562,8 +790,9 @@ class _Float8Layer(nn.Module):
     def keeps_fp8_copies(self) -> bool:
         """Whether a call keeps its fp8 copies until the backward: True for the per-tensor recipes
         (``tensorwise``, ``delayed``), False for ``rowwise``, which keeps the high-precision input and
-        weight instead and casts them again along the other dimension in the backward."""
-        return self.recipe.scaling != "rowwise"
+        weight instead and casts them again along the other dimension in the backward, and so do the
+        block-scaled recipes (``mxfp8``, ``nvfp4``), as torchao's MX linear."""
+        return self.recipe.scaling not in ("rowwise", *_BLOCK_SIZES)
 
     def fp8_copy_bytes(self, tokens: int | None = None) -> dict[torch.dtype, int]:
         """Bytes of the fp8 copies one call of the layer makes in its forward, by dtype.
@@ -579,13 +808,18 @@ class _Float8Layer(nn.Module):
         Args:
           tokens: the number of rows of the input, or None to count the weight's copy only.
         Returns:
-          ``{torch.float8_e4m3fn: bytes, torch.float32: bytes}``.
+          ``{torch.float8_e4m3fn: bytes, torch.float32: bytes}``. The block-scaled recipes' copies as their
+          kernels hold them: ``mxfp8`` ``{torch.float8_e4m3fn: elements, torch.float8_e8m0fnu: elements / 32}``;
+          ``nvfp4`` ``{torch.float4_e2m1fn_x2: elements / 2, torch.float8_e4m3fn: elements / 16,
+          torch.float32: 4 per tensor}`` (the emulation makes float32 values instead).
         Raises:
           ValueError: if ``tokens`` is not None or an int >= 1.
         """
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
             raise ValueError(f"fp8_copy_bytes: tokens must be None or an int >= 1 (batch x sequence), got {tokens!r}")
         k, n = self._sizes()
+        if self.recipe.block_size is not None:
+            return _block_copy_bytes(self.recipe, n * k + (tokens or 0) * k, tokens is not None)
         rowwise = self.recipe.scaling == "rowwise"
         fp8, scales = n * k, (n if rowwise else 1)
         if tokens is not None:
@@ -662,7 +896,8 @@ class Float8Linear(nn.Linear, _Float8Layer):
     from its float32 master once (no bfloat16 step in between).
 
     Raises:
-      ValueError: at construction, if ``in_features`` or ``out_features`` is not a multiple of 16.
+      ValueError: at construction, if ``in_features`` or ``out_features`` is not a multiple of 16 (of 32
+        for ``mxfp8``).
       ValueError: at call time (delayed), if the buffers are not float32 or not of the recipe's
         history length (a recipe state from another model or recipe), naming the layer.
     """
@@ -678,7 +913,7 @@ class Float8Linear(nn.Linear, _Float8Layer):
         recipe: Recipe | str = "tensorwise",
         name: str = "",
     ) -> None:
-        problem = _check_fp8_shape(in_features, out_features)
+        problem = _check_fp8_shape(in_features, out_features, get_recipe(recipe))
         if problem:
             raise ValueError(f"Float8Linear {name!r}: {problem}; fp8.convert leaves such layers as they are")
         super().__init__(in_features, out_features, bias, device, dtype)
@@ -716,11 +951,11 @@ class Float8Conv1D(_Float8Layer):
     and shapes unchanged, so checkpoints and ``functionalize``'s names stay valid).
 
     Raises:
-      ValueError: if ``nx`` or ``nf`` is not a multiple of 16.
+      ValueError: if ``nx`` or ``nf`` is not a multiple of 16 (of 32 for ``mxfp8``).
     """
 
     def __init__(self, conv: nn.Module, recipe: Recipe | str = "tensorwise", name: str = "") -> None:
-        problem = _check_fp8_shape(conv.nx, conv.nf)
+        problem = _check_fp8_shape(conv.nx, conv.nf, get_recipe(recipe))
         if problem:
             raise ValueError(f"Float8Conv1D {name!r}: {problem}; fp8.convert leaves such layers as they are")
         super().__init__()
@@ -770,6 +1005,84 @@ def _selector(filter: Filter, linears: list[str]) -> Callable[[nn.Module, str], 
     )
 
 
+def _gemm_sizes(module: nn.Module) -> tuple[int, int] | None:
+    """``(K, N)`` of a candidate layer: ``nn.Linear`` ``(in_features, out_features)``, Conv1D ``(nx, nf)``."""
+    if type(module) is nn.Linear:
+        return module.in_features, module.out_features
+    if _is_hf_conv1d(module):
+        return module.nx, module.nf
+    return None
+
+
+def _small_kn(scaling: str, k: int, n: int) -> bool:
+    if scaling in ("tensorwise", "delayed"):
+        return k <= 4096 and n <= 1024
+    if scaling == "rowwise":
+        return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+    return k <= 1024 and n <= 1024
+
+
+def auto_filter_small_kn(
+    recipe: Recipe | str = "tensorwise", exclude: Iterable[str] = ()
+) -> Callable[[nn.Module, str], bool]:
+    """A ``filter`` for :func:`convert` that skips the layers too small to gain from low precision.
+
+    torchtitan's ``filter_fqns=["auto_filter_small_kn"]`` (torchao's ``_auto_filter_for_recipe``): a layer
+    ``y = x W^T`` with ``K`` inputs and ``N`` outputs is converted unless its name contains one of ``exclude``,
+    a size is not a multiple of 16 (of the block size for ``mxfp8``, ``nvfp4``), or its GEMM is small:
+
+    - ``tensorwise``, ``delayed``: ``K <= 4096 and N <= 1024``;
+    - ``rowwise``: ``N <= 2048``, or ``K <= 1024``, or ``N <= 4096 and K <= 2048``;
+    - ``mxfp8``, ``nvfp4``: ``K <= 1024 and N <= 1024``.
+
+    The first two are torchao's thresholds, measured on H100 for the training step; the last is torchao
+    0.18's rule for NVFP4 (``_auto_filter_for_nfp4``), taken for MXFP8 too, for which torchao publishes none:
+    re-measure on your device. Unlike :func:`convert`'s default, this filter does not keep the first and last
+    layers by position: name them in ``exclude`` (``["lm_head"]``) if they should stay.
+
+    Args:
+      recipe: the recipe the layers will run (its thresholds and block size).
+      exclude: substrings of qualified layer names never converted (torchao's ``filter_fqns``).
+    Returns:
+      A predicate ``(module, qualified_name) -> bool``.
+    Raises:
+      ValueError: if the recipe is unknown.
+      TypeError: if ``exclude`` is a string or holds a non-string (a list of strings is expected).
+
+    Example:
+      >>> model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 64))
+      >>> keep = auto_filter_small_kn("mxfp8")
+      >>> [keep(m, name) for name, m in model.named_children()]
+      [True, False]
+    """
+    r = get_recipe(recipe)
+    names = () if isinstance(exclude, str) else tuple(exclude)
+    if isinstance(exclude, str) or not all(isinstance(e, str) for e in names):
+        raise TypeError(f"auto_filter_small_kn: exclude must be a list of name substrings, got {exclude!r}")
+
+    def keep(module: nn.Module, name: str) -> bool:
+        sizes = _gemm_sizes(module)
+        if sizes is None or any(e in name for e in names) or _check_fp8_shape(*sizes, r):
+            return False
+        return not _small_kn(r.scaling, *sizes)
+
+    return keep
+
+
+def _grouped_weights(model: nn.Module) -> list[str]:
+    """The 3-D floating parameters outside convolutions: the experts of mixture-of-experts layers, used
+    through a grouped (batched) matmul, which :func:`convert` does not convert."""
+    found = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.modules.conv._ConvNd):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.ndim == 3 and p.is_floating_point():
+                shape = "x".join(map(str, p.shape))
+                found.append(f"{module_name + '.' if module_name else ''}{name} ({shape})")
+    return found
+
+
 def convert(model: nn.Module, recipe: Recipe | str = "tensorwise", *, filter: Filter = None) -> nn.Module:
     """A copy of ``model`` with its linear layers swapped for fp8 ones (torchao's ``convert_to_float8_training``).
 
@@ -777,15 +1090,21 @@ def convert(model: nn.Module, recipe: Recipe | str = "tensorwise", *, filter: Fi
     made :class:`Float8Linear`, and Hugging Face ``Conv1D`` layers (GPT-2), made :class:`Float8Conv1D`.
     ``filter`` chooses among them; by default every one but the first and the last in
     ``named_modules()`` order (the embedding-side and output layers stay in the surrounding dtype, as
-    torchao's and TransformerEngine's guides advise). A chosen layer whose sizes are not multiples of
-    16 stays as it is, with one :class:`Fp8FallbackWarning` naming all such layers. Parameters are
-    copied with the model, and a weight tied between a converted layer and another module stays tied.
+    torchao's and TransformerEngine's guides advise, and torchtitan's NVFP4 runs keep the last blocks in
+    bfloat16); :func:`auto_filter_small_kn` chooses by GEMM size. A chosen layer whose sizes are not
+    multiples of 16 (of the block size, 32, for ``mxfp8``) stays as it is, and so do the 3-D weights of
+    mixture-of-experts layers, used through a grouped matmul (Hugging Face Mixtral's
+    ``experts.gate_up_proj`` and ``experts.down_proj``): one :class:`Fp8FallbackWarning` names them all.
+    Parameters are copied with the model, and a weight tied between a converted layer and another module
+    stays tied. A block-scaled recipe on a device without its kernel (every device but CUDA compute
+    capability 10.0 and up for ``mxfp8``) runs its exact float32 emulation, said once by an
+    :class:`Fp8EmulationWarning`.
 
     Args:
       model: any ``nn.Module``; not changed.
-      recipe: a :class:`Recipe` or ``"tensorwise"``, ``"rowwise"``, ``"delayed"``.
-      filter: None (the default above), a predicate ``filter(module, qualified_name) -> bool``, or a
-        name pattern or list of them (fnmatch: ``"blocks.*.mlp.*"``).
+      recipe: a :class:`Recipe` or ``"tensorwise"``, ``"rowwise"``, ``"delayed"``, ``"mxfp8"``, ``"nvfp4"``.
+      filter: None (the default above), a predicate ``filter(module, qualified_name) -> bool`` (such as
+        :func:`auto_filter_small_kn`'s), or a name pattern or list of them (fnmatch: ``"blocks.*.mlp.*"``).
     Returns:
       The converted copy (train/eval flags kept).
     Raises:
@@ -796,7 +1115,7 @@ def convert(model: nn.Module, recipe: Recipe | str = "tensorwise", *, filter: Fi
         raise TypeError(f"fp8.convert: expected a torch.nn.Module, got {type(model).__name__}")
     r = get_recipe(recipe)
     model = copy.deepcopy(model)
-    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear or _is_hf_conv1d(m)]
+    linears = [name for name, m in model.named_modules() if _gemm_sizes(m) is not None]
     select = _selector(filter, linears)
     chosen = [name for name in linears if select(model.get_submodule(name), name)]
     if not chosen:
@@ -808,8 +1127,8 @@ def convert(model: nn.Module, recipe: Recipe | str = "tensorwise", *, filter: Fi
     fallback = []
     for name in chosen:
         old = model.get_submodule(name)
-        sizes = (old.in_features, old.out_features) if isinstance(old, nn.Linear) else (old.nx, old.nf)
-        if _check_fp8_shape(*sizes):
+        sizes = _gemm_sizes(old)
+        if _check_fp8_shape(*sizes, r):
             fallback.append(f"{name} ({sizes[0]}->{sizes[1]})")
             continue
         if id(old) not in swapped:
@@ -820,11 +1139,26 @@ def convert(model: nn.Module, recipe: Recipe | str = "tensorwise", *, filter: Fi
         for child_name, child in list(parent.named_children()):
             if id(child) in swapped:
                 setattr(parent, child_name, swapped[id(child)])
-    if fallback:
-        warnings.warn(
-            f"fp8.convert: {len(fallback)} layer(s) stay in the surrounding dtype, their sizes are not multiples "
-            f"of 16: {', '.join(fallback)}",
-            Fp8FallbackWarning,
-            stacklevel=2,
-        )
+    _warn_fallback(fallback, _grouped_weights(model), r)
+    if r.block_size is not None and swapped:
+        device = next(iter(swapped.values())).weight.device
+        if not _blocks.kernel_available(device, r):
+            _announce_emulation(r, device)
     return model
+
+
+def _warn_fallback(layers: list[str], grouped: list[str], recipe: Recipe) -> None:
+    parts = []
+    if layers:
+        multiple = recipe.block_size if recipe.block_size is not None and recipe.block_size > 16 else 16
+        parts.append(
+            f"{len(layers)} layer(s) stay in the surrounding dtype, their sizes are not multiples of {multiple}: "
+            f"{', '.join(layers)}"
+        )
+    if grouped:
+        parts.append(
+            f"{len(grouped)} 3-D weight(s) of mixture-of-experts layers, used through a grouped matmul, stay in the "
+            f"surrounding dtype (fp8.convert converts nn.Linear and Conv1D layers only): {', '.join(grouped)}"
+        )
+    if parts:
+        warnings.warn(f"fp8.convert: {'; '.join(parts)}", Fp8FallbackWarning, stacklevel=3)

@@ -110,7 +110,7 @@ def _format(dtype: torch.dtype, max_finite: float, emin: int, mantissa_bits: int
 FORMATS: dict[str, NumberFormat] = {
     name: _format(f.dtype, f.max, f.min_exponent, f.mantissa_bits)
     for name, f in formats.FORMATS.items()
-    if not f.is_integer
+    if not f.is_integer and f.signed and not f.packed  # not the block-scaling formats e8m0 (scales) and e2m1
 }
 
 #: The histogram of ``log2|g|``: bin ``i`` counts ``2**(HISTOGRAM_LOW + i) <= |g| < 2**(HISTOGRAM_LOW + i + 1)``;

@@ -307,7 +307,7 @@ def keep_in_float32(surrounding: Policy) -> Policy:
 
 
 #: The names of :mod:`funcamp.fp8`'s recipes (``fp8.get_recipe``), for the ``fp8=`` part of a policy string.
-_FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
+_FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "mxfp8", "nvfp4")
 
 
 def _split_fp8(policy: str | Policy) -> tuple[str | Policy, str | None]:

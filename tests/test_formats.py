@@ -225,3 +225,47 @@ def test_amax_magnitudes_round_as_the_float64_oracle(dtype, name, saturate) -> N
     got = quantize_to(x, fmt, saturate=saturate)
     expected = torch.tensor([nearest_value(v, fmt, saturate) for v in x.double().tolist()], dtype=torch.float32)
     same_bits(got, expected)
+
+
+# --- the block-scaling formats (issue 49): e2m1 elements, e8m0 scales -------------------------------------
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def e2m1_sweep() -> torch.Tensor:
+    """The fp4 values, their midpoints and the float32 numbers either side of each, past 6, both signs."""
+    grid = torch.tensor([*E2M1, 8.0])
+    mids = (grid[1:] + grid[:-1]) / 2
+    up, down = torch.nextafter(mids, torch.tensor(torch.inf)), torch.nextafter(mids, torch.tensor(-torch.inf))
+    positive = torch.cat([grid, mids, up, down, torch.tensor([1e-45, 100.0, 3e38])])
+    return torch.cat([positive, -positive, torch.tensor([torch.inf, -torch.inf])])
+
+
+def test_e2m1_rounds_as_torchao() -> None:
+    """Nearest, ties to even (1.25 -> 1, 1.75 -> 2, 5 -> 4), saturating at 6, bitwise torchao's fp4 cast
+    (``f32_to_f4_unpacked``, then back); NaN stays NaN; saturate=False refused (no inf, no NaN)."""
+    kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
+    x = e2m1_sweep()
+    expected = kernels.f4_unpacked_to_f32(kernels.f32_to_f4_unpacked(x.clamp(-6.0, 6.0)))
+    same_bits(quantize_to(x, "e2m1"), expected)
+    assert quantize_to(torch.tensor([1.25, 1.75, 5.0, 0.25, 0.75]), "fp4").tolist() == [1.0, 2.0, 4.0, 0.0, 1.0]
+    assert torch.isnan(quantize_to(torch.tensor([torch.nan]), "e2m1")).all()
+    with pytest.raises(ValueError, match="float4_e2m1fn has no overflow value"):
+        quantize_to(x, "e2m1", saturate=False)
+
+
+def test_e8m0_rounds_as_torch_cast() -> None:
+    """Powers of two: nearest with ties up (1.5 * 2**e -> 2**(e + 1)), ``[0, 2**-127]`` to ``2**-127``, past
+    ``2**127`` NaN (saturate=False) or ``2**127``; bitwise torch's cast for zero and normal float32 inputs; negative
+    NaN. A float32 subnormal just below ``1.5 * 2**-127`` rounds down here, up by torch's cast (which reads its
+    bits as a normal number's)."""
+    p = torch.exp2(torch.arange(-126, 128, dtype=torch.float64))
+    x = torch.cat([p, p * 1.5, p * 1.4999, p * 1.5001, torch.tensor([0.0, 2.0**-127, 2.0**-128, torch.inf])]).float()
+    same_bits(quantize_to(x, "e8m0", saturate=False), x.to(torch.float8_e8m0fnu).float())
+    assert quantize_to(torch.tensor([1.4999 * 2.0**-127, 1e-45]), "e8m0").tolist() == [2.0**-127, 2.0**-127]
+    top = quantize_to(torch.tensor([2.0**127 * 1.6, torch.inf]), "e8m0")
+    assert top.tolist() == [2.0**127, 2.0**127]
+    assert torch.isnan(quantize_to(torch.tensor([-2.0, -0.0 - 1e-30]), "e8m0")).all()
+    f = get_format("e8m0")
+    assert (f.max, f.min, f.signed, f.has_inf, f.mantissa_bits) == (2.0**127, 2.0**-127, False, False, 0)
+    assert get_format(torch.float4_e2m1fn_x2) is get_format("e2m1") is FORMATS["float4_e2m1fn"]
