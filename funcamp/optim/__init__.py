@@ -4,7 +4,8 @@ An optimizer is a ``GradientTransformation``; ``chain`` composes them; ``masked`
 ``multi_transform`` give parameter groups their own transformations (``set_to_zero`` freezes one);
 ``kahan_summation`` and ``stochastic_rounding`` let bfloat16 master weights keep small updates;
 ``moment_dtype="int8"`` / ``"int4"`` / ``torch.float8_e4m3fn`` keep the Adam family's moments
-block-quantized (:class:`MomentFormat`, :class:`QuantizedMoment`); ``apply_updates`` adds the result to the parameters, keeping each parameter's dtype. Every state is
+block-quantized (:class:`MomentFormat`, :class:`QuantizedMoment`); ``apply_updates`` adds the result
+to the parameters, keeping each parameter's dtype. Every state is
 a NamedTuple of tensors (step counts are 0-d int32 tensors), so a whole train step compiles with
 ``fullgraph=True`` and does not recompile as the step count or the learning rate changes.
 """
