@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _tree, numerics
+from funcamp import _tree, numerics, optim
 from funcamp.train._layout import StageLayout
 from funcamp.train._stages import StepRecord
 
@@ -60,11 +60,31 @@ def telemetry_probe(telemetry: numerics.Telemetry, layout: StageLayout) -> Probe
         state = record.state
         active = (state.step + 1) % telemetry.every == 0
         loss_scale = record.metrics["loss_scale"]
+        applied = None
+        if telemetry.lost_updates and record.updates is not None:  # the lost-update meter (funcamp.numerics)
+            carry = _carry(state.opt_state, record.new_state.opt_state, state.params)
+            # Copies where the gradients are views of one buffer (data parallel): an update passed through
+            # unchanged is one of them, and torch.cond refuses operands that share storage.
+            updates = record.layout.distinct(record.updates)
+            applied = numerics.AppliedUpdate(updates, record.new_state.params, record.verdict.finite, carry)
         return numerics.telemetry_metrics(
-            record.layout.distinct(record.grads), state.params, loss_scale, telemetry, active
+            record.layout.distinct(record.grads), state.params, loss_scale, telemetry, active, applied
         )
 
     return probe
+
+
+def _carry(opt_state: Any, new_opt_state: Any, params: Any) -> Any:
+    """What the lost-update meter reads of a bfloat16 master-weight wrapper that is the whole optimizer: the
+    compensations before and after the step (``kahan_summation``), ``"stochastic"`` (``stochastic_rounding``),
+    or None (another optimizer, or a wrapper inside a group: not measured)."""
+    if isinstance(opt_state, optim.KahanSummationState):
+        old, new = opt_state.compensation, new_opt_state.compensation
+        if _tree.tree_structure(old) == _tree.tree_structure(params):
+            return (old, new)
+    if isinstance(opt_state, optim.StochasticRoundingState):
+        return "stochastic"
+    return None
 
 
 def nonfinite_leaf_name(params: Any, index: int | torch.Tensor) -> str | None:
