@@ -30,8 +30,9 @@ the same compiled graph and shown in TensorBoard under ``numerics/``.
 and checkpoints; ``mxfp8`` and ``nvfp4`` are the block-scaled recipes, run as their exact float32
 emulation, said once, on every device but one whose ``torch._scaled_mm`` takes their block scales). ``--master-weights bfloat16|bfloat16-kahan|bfloat16-sr`` stores the parameters in
 bfloat16 (LayerNorms stay float32) and wraps the optimizer in ``optim.kahan_summation`` or
-``optim.stochastic_rounding``; ``--moment-dtype bfloat16`` halves AdamW's state. ``--lint`` prints
-``funcamp.debug.lint``'s report of the policy on the first batch before training. When
+``optim.stochastic_rounding``; ``--moment-dtype bfloat16`` halves AdamW's state, ``--moment-dtype int8|int4``
+keeps it block-quantized (torchao's AdamW8bit / AdamW4bit: about 0.25x / 0.13x of float32 moments).
+``--lint`` prints ``funcamp.debug.lint``'s report of the policy on the first batch before training. When
 ``--max-consecutive-skips`` steps in a row are skipped, the error ends with ``funcamp.debug``'s replay
 of the last one: the first op whose output was not finite.
 
@@ -156,8 +157,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--moment-dtype",
         default="float32",
-        choices=["float32", "bfloat16"],
-        help="dtype of AdamW's two moments (optim.adamw(moment_dtype=...); default: float32)",
+        choices=["float32", "bfloat16", "int8", "int4", "float8_e4m3fn"],
+        help="format of AdamW's two moments (optim.adamw(moment_dtype=...)): a dtype, or block-quantized\n"
+        "int8 / int4 / float8_e4m3fn as torchao's AdamW8bit / AdamW4bit / AdamWFp8 (tensors of 4096\n"
+        "elements and more; smaller ones keep float32 moments) (default: float32)",
     )
     p.add_argument(
         "--fp8",
@@ -501,7 +504,8 @@ def make_optimizer(args: argparse.Namespace, decay_mask: dict[str, bool]) -> opt
     layout (over the shards of all ranks when sharded) and stochastic rounding its element offsets (its noise
     hashes each element's index in the whole tensor)."""
     schedule = optim.warmup_cosine_decay(args.lr, warmup=args.warmup, total=args.steps, end_value=args.lr / 10)
-    moment_dtype = getattr(torch, args.moment_dtype)
+    quantized = args.moment_dtype in ("int8", "int4")  # optim.adamw takes these by name; the others are dtypes
+    moment_dtype = args.moment_dtype if quantized else getattr(torch, args.moment_dtype)
     optimizer = optim.chain(
         optim.clip_by_global_norm(args.clip),
         optim.adamw(

@@ -23,6 +23,19 @@ and for ``all`` of them, computed inside the compiled step with no host sync:
   any size (``torch.histc`` on at most 2**24 elements at a time, whose float32 counts are exact, summed
   in int64; one ``histc`` over a whole leaf stopped counting at 2**24 = 16,777,216).
 
+- ``lost_updates`` (the lost-update meter, with :attr:`Telemetry.lost_updates`): the fraction of the
+  group's elements with a nonzero update ``u`` (what the optimizer returned, what ``apply_updates`` adds)
+  whose stored parameter did not change, ``#(u != 0 and p' == p) / #(u != 0)`` (0 when no update is
+  nonzero, and at a skipped step, which applies none). Rounding to the parameter's dtype threw these
+  updates away: an update below half the spacing of the numbers around ``p`` (``|p| * 2**-9`` in bfloat16,
+  ``|p| * 2**-25`` in float32) is lost. bfloat16 parameters near 1 under SGD steps of 1e-5 read 1.0, float32
+  ones 0. With ``kahan_summation`` or ``stochastic_rounding`` (the whole optimizer) the update is the wrapper's
+  landing ``p' - p``, never lost, so the meter reads 0 and ``carried_updates`` says what the wrapper kept:
+  among the elements of bfloat16 parameters with a nonzero gradient, the fraction whose parameter did not
+  change but whose update was carried, by the compensation buffer (Kahan: it changed) or in expectation
+  (stochastic rounding: the parameter moves a whole spacing with probability ``|u| / spacing``; every element
+  that kept its value counts). Exact int64 counts, as the others.
+
 Keys are ``numerics/<group>/<name>`` (``numerics/blocks.0/float16/underflow_scaled``), plus
 ``numerics/active`` (0-d bool): whether this step computed them. They are computed when the new step
 count ``state.step + 1`` is a multiple of ``every`` (so at steps N, 2N, ... of a loop that counts from 1,
@@ -64,6 +77,7 @@ from funcamp import _tree, formats
 
 __all__ = [
     "FORMATS",
+    "AppliedUpdate",
     "HISTOGRAM_BINS",
     "HISTOGRAM_HIGH",
     "HISTOGRAM_LOW",
@@ -136,6 +150,8 @@ class Telemetry:
         group per parameter (its full name). Parameters without a module path go to ``root``.
       formats: names of :data:`FORMATS` to measure underflow, overflow and headroom in.
       histogram: whether to add ``grad_log2_hist`` per group.
+      lost_updates: whether to add the lost-update meter (``lost_updates``, and ``carried_updates`` under
+        ``kahan_summation`` or ``stochastic_rounding``) per group.
     Raises:
       ValueError: if ``every`` is not an int >= 1, ``group_depth`` not None or an int >= 1, or a
         format is not in :data:`FORMATS`.
@@ -145,6 +161,7 @@ class Telemetry:
     group_depth: int | None = 2
     formats: tuple[str, ...] = ("float16", "bfloat16")
     histogram: bool = True
+    lost_updates: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -173,6 +190,26 @@ def as_telemetry(telemetry: Telemetry | int | None) -> Telemetry | None:
     )
 
 
+class AppliedUpdate(NamedTuple):
+    """What the lost-update meter reads of one step (:func:`telemetry_metrics`' ``applied``).
+
+    Fields: ``updates`` (the optimizer's updates, what ``apply_updates`` added; the structure of the
+    parameters); ``new_params`` (the parameters after the step: the old ones where the step was skipped);
+    ``finite`` (0-d bool: whether the step was applied); ``carry``: None, ``"stochastic"`` (the optimizer is
+    ``stochastic_rounding(...)``) or ``(old, new)``, the compensation trees of ``kahan_summation(...)`` before
+    and after the step (a tensor shaped like each bfloat16 parameter, an empty one for the others);
+    ``trees_of``: None, or ``(updates_of, new_params_of)`` where ``updates`` and ``new_params`` are held
+    otherwise (a flat state's buffers, a plain dict): each makes the parameters' tree of its held tensors,
+    inside ``torch.cond`` (which refuses operands that share memory, as views of one buffer do).
+    """
+
+    updates: Any
+    new_params: Any
+    finite: torch.Tensor
+    carry: Any = None
+    trees_of: Any = None  # (updates_of, new_params_of): for trees held otherwise (a flat state's buffers)
+
+
 def group_names(params: Any, depth: int | None) -> list[str]:
     """The group of each floating leaf of ``params``, in leaf order (see :class:`Telemetry`)."""
     names = [n for n, leaf in zip(_tree.tree_paths(params), _tree.tree_leaves(params)) if _is_float(leaf)]
@@ -194,6 +231,25 @@ def _leaf_stats(g: torch.Tensor, w: torch.Tensor, limits: list[torch.Tensor]) ->
         counts.append(((a > 0) & (a <= low)).sum())
         counts.append((~(a < high)).sum())
     return amax, torch.stack(counts)
+
+
+def _update_counts(u: torch.Tensor, w: torch.Tensor, w_new: torch.Tensor, g: torch.Tensor, carry: Any) -> torch.Tensor:
+    """int64 ``[#(u != 0), #(u != 0 and w' == w)]``, and with ``carry`` ``[#(g != 0), #carried]`` (see the module)."""
+    kept = w_new == w  # the stored value did not change (NaN counts as changed)
+    nonzero = u != 0
+    counts = [nonzero.sum(), (nonzero & kept).sum()]
+    if carry is None:
+        return torch.stack(counts)
+    zero = counts[0] * 0
+    if carry == "stochastic":
+        carried = None if w.dtype != torch.bfloat16 else kept
+    else:  # (old, new) compensation of this leaf: an empty placeholder for a parameter it does not compensate
+        c_old, c_new = carry
+        carried = None if c_old.shape != w.shape else kept & (c_new != c_old)
+    if carried is None:
+        return torch.stack([*counts, zero, zero])
+    moving = g != 0
+    return torch.stack([*counts, moving.sum(), (moving & carried).sum()])
 
 
 def _limits(formats: tuple[str, ...], scale: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -263,13 +319,24 @@ def _log2_hist_chunk(a: torch.Tensor) -> torch.Tensor:
 
 
 def _compute(
-    grads: list[torch.Tensor], weights: list[torch.Tensor], scale: torch.Tensor, config: Telemetry, groups: list[str]
+    grads: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    scale: torch.Tensor,
+    config: Telemetry,
+    groups: list[str],
+    applied: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[Any]] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Per group (in ``_group_order`` order): a float32 vector of the scalars, and its int64 histogram."""
+    """Per group (in ``_group_order`` order): a float32 vector of the scalars, and its int64 histogram.
+
+    ``applied``: ``(updates, new weights, finite, carry per leaf)`` for the lost-update meter, or None.
+    """
     scale = scale.double()
     limits = {dtype: _limits(config.formats, scale, dtype) for dtype in dict.fromkeys(map(_magnitude_dtype, grads))}
     per_leaf = [_leaf_stats(g, w, limits[_magnitude_dtype(g)]) for g, w in zip(grads, weights)]
     hists = [_log2_hist(g) for g in grads] if config.histogram else []
+    if applied is not None:
+        updates, new_weights, finite, carry = applied
+        moved = [_update_counts(*xs) for xs in zip(updates, weights, new_weights, grads, carry)]
     out = []
     for members in _group_members(groups).values():
         amax = torch.stack([per_leaf[i][0] for i in members]).amax(0)
@@ -278,7 +345,11 @@ def _compute(
         fractions = counts.double() / max(n, 1)  # exact int64 counts, one rounding to float32 below
         # log2(max_finite / (scale * amax)) in float64: finite for every finite amax > 0 (subnormal too)
         heads = [math.log2(FORMATS[f].max_finite) - torch.log2(scale) - torch.log2(amax[0]) for f in config.formats]
-        out.append(torch.cat([amax, fractions, *(h.reshape(1) for h in heads)]).float())
+        if applied is not None:  # of / out of: lost of the nonzero updates (and carried of the moving elements)
+            c = torch.stack([moved[i] for i in members]).sum(0).double()
+            meter = torch.where(finite, c[1::2] / c[0::2].clamp_min(1), 0.0)  # exact counts, one division
+            heads.append(meter)
+        out.append(torch.cat([amax, fractions, *(h.reshape(-1) for h in heads)]).float())
         if config.histogram:
             out.append(torch.stack([hists[i] for i in members]).sum(0))
     return tuple(out)
@@ -291,15 +362,23 @@ def _group_members(groups: list[str]) -> dict[str, list[int]]:
     return members
 
 
-def _scalar_names(config: Telemetry) -> list[str]:
+def _scalar_names(config: Telemetry, meter: tuple[str, ...] = ()) -> list[str]:
     names = ["grad_amax", "weight_amax", "grad_zeros"]
     for f in config.formats:
         names += [f"{f}/underflow", f"{f}/overflow", f"{f}/underflow_scaled", f"{f}/overflow_scaled"]
-    return names + [f"{f}/headroom_log2" for f in config.formats]
+    return names + [f"{f}/headroom_log2" for f in config.formats] + list(meter)
 
 
-def _unpack(values: tuple[torch.Tensor, ...], groups: list[str], config: Telemetry) -> dict[str, torch.Tensor]:
-    names, it, out = _scalar_names(config), iter(values), {}
+def _meter_names(applied: AppliedUpdate | None) -> tuple[str, ...]:
+    if applied is None:
+        return ()
+    return ("lost_updates",) if applied.carry is None else ("lost_updates", "carried_updates")
+
+
+def _unpack(
+    values: tuple[torch.Tensor, ...], groups: list[str], config: Telemetry, meter: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    names, it, out = _scalar_names(config, meter), iter(values), {}
     for group in _group_members(groups):
         vector = next(it)
         out.update({f"numerics/{group}/{name}": vector[j] for j, name in enumerate(names)})
@@ -314,6 +393,7 @@ def telemetry_metrics(
     loss_scale: torch.Tensor,
     config: Telemetry,
     active: torch.Tensor | None = None,
+    applied: AppliedUpdate | None = None,
     params_of: Any = None,
 ) -> dict[str, torch.Tensor]:
     """The telemetry metrics of one step's gradients (traceable; no host sync when compiled).
@@ -325,6 +405,8 @@ def telemetry_metrics(
       config: a :class:`Telemetry`.
       active: a 0-d bool tensor: compute now (True) or return zeros (False), with :func:`torch.cond`
         when compiling (eagerly: a Python branch, one host read); ``None``: always compute.
+      applied: the step's :class:`AppliedUpdate`, for the lost-update meter (``lost_updates``, and
+        ``carried_updates`` with a ``carry``); None: no meter. Its trees have the structure of ``params``.
       params_of: ``params_of(params) -> the parameter tree``, for ``params`` held otherwise (a flat state's
         buffers, a plain dict: :meth:`funcamp.train.ParamStorage.held`): the buffers go into ``torch.cond``,
         which refuses aliased operands (views of one buffer), and the views are made inside it. Default:
@@ -334,7 +416,8 @@ def telemetry_metrics(
       ``grad_log2_hist``, an int64 vector of :data:`HISTOGRAM_BINS` counts}``, on the gradients'
       device; the names are listed in the module docstring.
     Raises:
-      ValueError: if ``grads`` and ``params`` have different numbers of floating leaves.
+      ValueError: if ``grads`` and ``params`` have different numbers of floating leaves, or the trees of
+        ``applied`` another number than ``params``.
 
     Example:
       >>> g = {"w": torch.tensor([1e-8, 1.0, 7e4, 0.0])}  # below 2**-25, ordinary, above 65520, zero
@@ -355,27 +438,84 @@ def telemetry_metrics(
         return {"numerics/active": torch.ones((), dtype=torch.bool) if active is None else active}
     groups = group_names(params, config.group_depth)
     scale = loss_scale.detach().float().to(g_leaves[0].device)
+    meter = _meter_names(applied)
+    n = len(g_leaves)
+    if applied is not None and applied.trees_of is not None:  # rebuilt inside the cond, without optree
+        updates_of, new_of, carry_of = applied.trees_of
+        rebuilders = [(updates_of, _tree.rebuilder(applied.updates)), (new_of, _tree.rebuilder(applied.new_params))]
+        if isinstance(applied.carry, tuple):
+            rebuilders += [(carry_of, _tree.rebuilder(applied.carry[0])), (carry_of, _tree.rebuilder(applied.carry[1]))]
+        applied = applied._replace(trees_of=tuple(rebuilders))
     rebuild = _tree.rebuilder(held)  # made here: traced inside torch.cond without optree's polyfill
-    args = (g_leaves, _tree.tree_leaves(held), scale)
+    held_leaves = _tree.tree_leaves(held)
+    h = len(held_leaves)
+    operands = (*g_leaves, *held_leaves, scale, *_applied_leaves(applied, n))  # one tensor may come twice: allowed
 
-    def compute(g: list[torch.Tensor], w: list[torch.Tensor], s: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        w = [x for x in _tree.tree_leaves(params_of(rebuild(w))) if _is_float(x)]
-        return _compute(g, w, s, config, groups)
+    def compute(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        g, held_w, s, rest = ts[:n], list(ts[n : n + h]), ts[n + h], ts[n + h + 1 :]
+        w = [x for x in _tree.tree_leaves(params_of(rebuild(held_w))) if _is_float(x)]
+        return _compute(g, w, s, config, groups, _applied_args(applied, rest, n))
 
-    def skip(g: list[torch.Tensor], w: list[torch.Tensor], s: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _zeros_like_compute(config, groups, s.device)
+    def skip(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _zeros_like_compute(config, groups, scale.device, meter)
 
     if active is None:
-        values, flag = compute(*args), torch.ones((), dtype=torch.bool, device=scale.device)
+        values, flag = compute(*operands), torch.ones((), dtype=torch.bool, device=scale.device)
     elif torch.compiler.is_compiling():
-        values, flag = torch.cond(active, compute, skip, args), active
+        values, flag = torch.cond(active, compute, skip, operands), active
     else:
-        values, flag = (compute(*args) if bool(active) else skip(*args)), active
-    return {"numerics/active": flag, **_unpack(values, groups, config)}
+        values, flag = (compute(*operands) if bool(active) else skip(*operands)), active
+    return {"numerics/active": flag, **_unpack(values, groups, config, meter)}
 
 
-def _zeros_like_compute(config: Telemetry, groups: list[str], device: torch.device) -> tuple[torch.Tensor, ...]:
-    n = len(_scalar_names(config))
+def _applied_leaves(applied: AppliedUpdate | None, n: int) -> list[torch.Tensor]:
+    """The tensors of ``applied`` in order: updates, new parameters (as held), finite, then the compensations."""
+    if applied is None:
+        return []
+    trees = [applied.updates, applied.new_params]
+    if isinstance(applied.carry, tuple):
+        trees += list(applied.carry)
+    leaves = []
+    for i, tree in enumerate(trees):
+        xs = [x for x in _tree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+        if applied.trees_of is None:  # held otherwise: made into the parameters' leaves inside the cond
+            if len(xs) != n:
+                raise ValueError(
+                    f"telemetry_metrics: applied's tree {i} has {len(xs)} tensor leaves, params {n} floating ones; "
+                    "they must have the structure of the parameters"
+                )
+        leaves.append(xs)
+    return [*leaves[0], *leaves[1], applied.finite, *(x for xs in leaves[2:] for x in xs)]
+
+
+def _applied_args(applied: AppliedUpdate | None, rest: list[torch.Tensor], n: int) -> Any:
+    """``_compute``'s ``applied`` from the operands after the scale (see :func:`_applied_leaves`); trees held
+    otherwise (``applied.trees_of``) made into the parameters' leaves here."""
+    if applied is None:
+        return None
+    trees = [applied.updates, applied.new_params, *(applied.carry if isinstance(applied.carry, tuple) else ())]
+    sizes = [len(_tree.tree_leaves(t)) for t in trees]
+    parts, at = [], 0
+    for k, size in enumerate(sizes):
+        parts.append(list(rest[at : at + size]))
+        at += size + (1 if k == 1 else 0)  # finite sits after the new parameters
+    finite = rest[sizes[0] + sizes[1]]
+    if applied.trees_of is not None:  # the rebuilders were made outside the cond (telemetry_metrics)
+        parts = [_tree.tree_leaves(of(rebuild(p))) for (of, rebuild), p in zip(applied.trees_of, parts, strict=False)]
+    updates, new_weights = parts[0], parts[1]
+    if applied.carry is None:
+        carry: list[Any] = [None] * n
+    elif applied.carry == "stochastic":
+        carry = ["stochastic"] * n
+    else:
+        carry = list(zip(parts[2], parts[3]))
+    return updates, new_weights, finite, carry
+
+
+def _zeros_like_compute(
+    config: Telemetry, groups: list[str], device: torch.device, meter: tuple[str, ...] = ()
+) -> tuple[torch.Tensor, ...]:
+    n = len(_scalar_names(config, meter))
     out = []
     for _ in _group_members(groups):
         out.append(torch.zeros(n, dtype=torch.float32, device=device))

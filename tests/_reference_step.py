@@ -18,7 +18,8 @@ from funcamp.grad import scaled_grad_and_value
 from funcamp.loss_scale import NoOpLossScale
 from funcamp.optim import GradientTransformation, apply_updates, learning_rate
 from funcamp.policy import Policy, get_policy
-from funcamp.train import LossSum, TrainState, _loss  # noqa: F401  (TrainState: the state this step takes)
+from funcamp.train import LossSum, TrainState, _loss, _probes  # noqa: F401  (TrainState: the state this step takes)
+from funcamp.train._storage import PerLeaf
 
 
 def _micro_batches(batch: Any, k: int) -> list[Any]:
@@ -178,7 +179,11 @@ def make_train_step(
             # Averaged over ranks, the gradients are views of one reduced buffer, and torch.cond refuses
             # operands that alias each other: give it copies (data parallelism with telemetry only).
             seen = grads if group is None else _tree.tree_map(torch.clone, grads)
-            metrics.update(numerics.telemetry_metrics(seen, params, metrics["loss_scale"], telemetry, active))
+            applied = None
+            if telemetry.lost_updates:  # the lost-update meter: the updates as applied, the parameters kept
+                carry, _ = _probes._carry(state.opt_state, new_state.opt_state, params, PerLeaf())
+                applied = numerics.AppliedUpdate(updates, new_state.params, finite, carry)
+            metrics.update(numerics.telemetry_metrics(seen, params, metrics["loss_scale"], telemetry, active, applied))
         return new_state, metrics
 
     if compile:

@@ -319,6 +319,19 @@ def test_bfloat16_kahan_master_weights(tmp_path, capsys):
     assert (saved["master_weights"], saved["moment_dtype"]) == ("bfloat16-kahan", "float32")
 
 
+def test_quantized_moments_run_and_checkpoint(tmp_path):
+    moment_dtype = "int8"  # int4 takes the same path (a format of optim.adamw); smoke-run by hand
+    argv = [*TINY, "--steps", "2", "--save-every", "2", "--no-compile", "--moment-dtype", moment_dtype]
+    results = train_gpt.main([*argv, "--logdir", str(tmp_path)])
+    assert all(math.isfinite(v) for _, v in results["history"]["train_loss"]) and math.isfinite(results["val_loss"])
+    adam = results["state"].opt_state[1][0]
+    big = [k for k, m in adam.mu.items() if isinstance(m, optim.QuantizedMoment)]
+    assert "wte.weight" in big and isinstance(adam.nu["ln_f.weight"], torch.Tensor)  # small: float32
+    saved = checkpoint.load(results["checkpoint"])
+    assert saved["config"]["moment_dtype"] == moment_dtype
+    assert torch.equal(saved["state"].opt_state[1][0].nu["wte.weight"].codes, adam.nu["wte.weight"].codes)
+
+
 def test_bfloat16_stochastic_rounding_moments_and_flag_errors(tmp_path):
     argv = [*TINY, "--steps", "2", "--no-compile", "--master-weights", "bfloat16-sr", "--moment-dtype", "bfloat16"]
     state = train_gpt.main([*argv, "--seed", "7", "--logdir", str(tmp_path)])["state"]

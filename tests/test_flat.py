@@ -132,7 +132,7 @@ def test_flat_state_is_views_of_one_buffer_and_calls_copy_nothing(monkeypatch, t
         m.setattr(_flat.Flat, "enter", enter)
         for batch in batches[:2]:
             state, _ = step(state, batch)
-    assert afters == [_flat._nothing] * 2, "no copy: the state is the buffers' views"
+    assert len(afters) >= 2 and all(a is _flat._nothing for a in afters), "no copy: the state is the buffers' views"
     assert {k: p.data_ptr() for k, p in state.params.items()} == ptrs
     assert {p._base.data_ptr() for p in state.params.values()} == bases
     before = _tree.tree_map(torch.clone, (state.params, state.opt_state))

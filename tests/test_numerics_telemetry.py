@@ -430,3 +430,108 @@ def test_no_formats_gives_amaxes_zeros_and_the_histogram():
         "weight_amax",
     ]
     assert m["numerics/all/grad_zeros"].item() == pytest.approx(1 / 3) and m["numerics/all/grad_amax"].item() == 3.0
+
+
+# --- the lost-update meter (issue 49, item 3) ----------------------------------------------------------------
+
+
+def _sum_loss(params, batch):
+    """d loss / d p = batch[name] (float32): the step's gradient is the batch."""
+    return sum((params[k].float() * batch[k]).sum() for k in params)
+
+
+def _meter_run(dtype, opt, *, compile=True, steps=2, batch=None, config=None):
+    """``steps`` steps of SGD-like updates on parameters in [1, 1.5) (4096 in ``a``, 64 in ``b``); the last
+    step's metrics."""
+    g = torch.Generator().manual_seed(0)
+    params = {"a.w": 1 + 0.5 * torch.rand(4096, generator=g), "b.w": 1 + 0.5 * torch.rand(64, generator=g)}
+    params = {k: v.to(dtype) for k, v in params.items()}
+    config = config or Telemetry(every=1, group_depth=1)
+    kwargs = {"backend": "aot_eager"} if compile else {"compile": False}
+    step = fa.make_train_step(_sum_loss, opt, telemetry=config, **kwargs)
+    state = fa.TrainState.create(params, opt)
+    batch = batch or {k: torch.ones(v.shape) for k, v in params.items()}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(steps):
+            state, m = step(state, batch)
+    return m
+
+
+@pytest.fixture(scope="module")
+def meter_runs():
+    """The meter over SGD steps of 1e-5 on parameters near 1, compiled (aot_eager) and eager."""
+    torch._dynamo.reset()
+    cases = {
+        "bfloat16": (torch.bfloat16, optim.sgd(1e-5)),
+        "float32": (torch.float32, optim.sgd(1e-5)),
+        "kahan": (torch.bfloat16, optim.kahan_summation(optim.sgd(1e-5))),
+        "stochastic": (torch.bfloat16, optim.stochastic_rounding(optim.sgd(1e-5))),
+        # b's update is its gradient itself (passed through): an operand of the cond twice, refused if not deduped
+        "masked": (torch.bfloat16, optim.masked(optim.sgd(1e-5), {"a.w": True, "b.w": False})),
+    }
+    compiled = ("bfloat16", "kahan", "masked")  # the others eager only (each compile costs seconds)
+    return {
+        (name, compile): _meter_run(dtype, opt, compile=compile)
+        for name, (dtype, opt) in cases.items()
+        for compile in (True, False)
+        if compile is False or name in compiled
+    }
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+def test_lost_updates_bfloat16_near_one_and_float32(meter_runs, compile):
+    bf16, f32 = meter_runs[("bfloat16", compile)], meter_runs[("float32", False)]
+    for group in ("all", "a", "b"):
+        # Half a bfloat16 spacing at [1, 1.5) is 2**-8 = 0.0039: every step of 1e-5 is lost. float32: none.
+        assert bf16[f"numerics/{group}/lost_updates"].item() >= 0.9  # measured: 1.0
+        assert f32[f"numerics/{group}/lost_updates"].item() <= 0.01  # measured: 0.0
+    assert "numerics/all/carried_updates" not in bf16
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+def test_lost_updates_under_kahan_and_stochastic_rounding_are_carried(meter_runs, compile):
+    kahan, sr = meter_runs[("kahan", compile)], meter_runs[("stochastic", False)]
+    for m in (kahan, sr):
+        assert m["numerics/all/lost_updates"].item() == 0.0  # the wrappers' updates land exactly
+    # Kahan: the parameter stayed, the compensation took every update. Stochastic rounding: a parameter moves
+    # a whole spacing with probability 1e-5 / 2**-7 per step (0.13%), every other one kept its value.
+    assert kahan["numerics/all/carried_updates"].item() == 1.0
+    assert 0.99 <= sr["numerics/all/carried_updates"].item() < 1.0  # measured: 0.9986
+
+
+def test_lost_updates_count_only_applied_nonzero_updates(meter_runs):
+    m = meter_runs[("masked", True)]
+    # a.w (4096): SGD's 1e-5, lost; b.w (64): passed through unmasked, the gradient 1.0 itself, applied.
+    assert m["numerics/a/lost_updates"].item() == 1.0 and m["numerics/b/lost_updates"].item() == 0.0
+    assert m["numerics/all/lost_updates"].item() == pytest.approx(4096 / 4160, rel=1e-7)
+    frozen = _meter_run(torch.bfloat16, optim.multi_transform(
+        {"t": optim.sgd(1e-5), "f": optim.set_to_zero()}, {"a.w": "t", "b.w": "f"}), compile=False)  # fmt: skip
+    assert frozen["numerics/b/lost_updates"].item() == 0.0  # zero updates: not counted, not lost
+    assert frozen["numerics/all/lost_updates"].item() == 1.0  # of the 4096 nonzero ones, all lost
+
+
+def test_eager_meter_equals_compiled(meter_runs):
+    for name in ("bfloat16", "kahan", "masked"):
+        compiled, eager = meter_runs[(name, True)], meter_runs[(name, False)]
+        for k, v in compiled.items():
+            if "lost" in k or "carried" in k:
+                assert torch.equal(v, eager[k]), (name, k)
+
+
+def test_lost_updates_are_zero_on_a_skipped_step_and_off_when_asked():
+    batch = {"a.w": torch.ones(4096), "b.w": torch.ones(64)}
+    batch["b.w"][0] = math.inf
+    m = _meter_run(torch.bfloat16, optim.sgd(1e-5), steps=1, batch=batch, compile=False)
+    assert not bool(m["grads_finite"]) and m["numerics/all/lost_updates"].item() == 0.0
+    off = _meter_run(torch.bfloat16, optim.sgd(1e-5), steps=1, config=Telemetry(1, lost_updates=False), compile=False)
+    assert not any("lost" in k for k in off)
+
+
+def test_meter_matches_a_direct_count():
+    """``telemetry_metrics`` on hand-made trees: the definition, element by element."""
+    p = {"w": torch.tensor([1.0, 1.0, 1.0, 2.0, 0.0], dtype=torch.bfloat16)}
+    u = {"w": torch.tensor([1e-5, 0.0, 0.1, -1e-3, 1e-30])}
+    new = {"w": (p["w"].float() + u["w"]).to(torch.bfloat16)}  # kept, kept (zero update), moved, kept, moved
+    applied = numerics.AppliedUpdate(u, new, torch.tensor(True))
+    m = telemetry_metrics(u, p, torch.tensor(1.0), Telemetry(), applied=applied)
+    assert m["numerics/all/lost_updates"].item() == pytest.approx(2 / 4)  # 4 nonzero updates, 2 lost

@@ -3,11 +3,14 @@
 An optimizer is a ``GradientTransformation``; ``chain`` composes them; ``masked`` and
 ``multi_transform`` give parameter groups their own transformations (``set_to_zero`` freezes one);
 ``kahan_summation`` and ``stochastic_rounding`` let bfloat16 master weights keep small updates;
-``apply_updates`` adds the result to the parameters, keeping each parameter's dtype. Every state is
+``moment_dtype="int8"`` / ``"int4"`` / ``torch.float8_e4m3fn`` keep the Adam family's moments
+block-quantized (:class:`MomentFormat`, :class:`QuantizedMoment`); ``apply_updates`` adds the result
+to the parameters, keeping each parameter's dtype. Every state is
 a NamedTuple of tensors (step counts are 0-d int32 tensors), so a whole train step compiles with
 ``fullgraph=True`` and does not recompile as the step count or the learning rate changes.
 """
 
+from funcamp.optim._moments import MomentFormat, QuantizedMoment, moment_format
 from funcamp.optim.aliases import adam, adamw, lion, sgd
 from funcamp.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from funcamp.optim.groups import MaskedState, MultiTransformState, masked, multi_transform, set_to_zero
@@ -45,7 +48,9 @@ __all__ = [
     "GradientTransformation",
     "KahanSummationState",
     "MaskedState",
+    "MomentFormat",
     "MultiTransformState",
+    "QuantizedMoment",
     "ScaleByAdamState",
     "ScaleByLearningRateState",
     "ScaleByLionState",
@@ -67,6 +72,7 @@ __all__ = [
     "linear_warmup",
     "lion",
     "masked",
+    "moment_format",
     "multi_transform",
     "scale",
     "scale_by_adam",

@@ -14,6 +14,12 @@ parameter with the constant gradient 2**-10 gives updates 1.0, 1.414, 3.156, 6.9
 50 with float16 moments, and 0.99999 (the float64 answer) with float32 ones. ``torch.optim`` keeps
 the state in the parameter's dtype; pass ``moment_dtype=torch.float16`` (or ``torch.bfloat16``) to
 get that, e.g. to halve the state's memory, knowing the above.
+
+The Adam family (``scale_by_adam``, ``adam``, ``adamw``) also stores its moments block-quantized:
+``moment_dtype="int8"``, ``"int4"`` or ``torch.float8_e4m3fn`` (torchao's ``AdamW8bit``, ``AdamW4bit``,
+``AdamWFp8``: about 0.25x, 0.13x and 0.25x the bytes of float32 moments). The format is static data the
+transform reads (:mod:`funcamp.optim._moments`); the state holds a ``QuantizedMoment(codes, scale)`` in
+place of each moment tensor of at least 4096 elements whose size the block divides.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _scope, _tree
-from funcamp.optim import _flat, _inplace
+from funcamp.optim import _flat, _inplace, _moments
 from funcamp.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -33,7 +39,6 @@ from funcamp.optim.base import (
     Updates,
     check_beta,
     check_bool,
-    check_dtype,
     check_nonnegative,
     check_positive,
     check_real,
@@ -116,9 +121,29 @@ def _map_n(
     return tuple(_tree.tree_unflatten(spec, [o[i] for o in outs]) for i in range(n))
 
 
-def _zeros(params: Params, dtype: torch.dtype | None) -> Updates:
-    """Zero moments shaped like ``params``: in ``dtype``, or by default in at least float32 (the moment rule)."""
-    return _tree.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or compute_dtype(p.dtype)), params)
+def _zeros(params: Params, fmt: _moments.MomentFormat) -> Updates:
+    """Zero moments for ``params`` in format ``fmt``: a tensor shaped like each parameter (in ``fmt``'s dtype, or
+    by default in at least float32: the moment rule), or a block-quantized :class:`funcamp.optim.QuantizedMoment`."""
+    return _tree.tree_map(fmt.zeros, params)
+
+
+def _map_moments(n: int, fn: Callable[..., tuple[Any, ...]], tree: Any, *moments: Any, name: str) -> tuple[Any, ...]:
+    """:func:`_map_n` for moment trees that may hold a :class:`funcamp.optim.QuantizedMoment` (a subtree) where
+    ``tree`` holds a tensor: each is passed to ``fn`` whole; returns ``n`` trees of ``tree``'s structure."""
+    outs: list[tuple[Any, ...]] = []
+
+    def call(*xs: Any) -> int:
+        outs.append(fn(*xs))
+        return len(outs) - 1
+
+    try:
+        index = _tree.tree_map(call, tree, *moments)
+    except ValueError as e:
+        raise ValueError(
+            f"{name}: updates and optimizer state must have the same structure ({e}); build the state with "
+            "init(params) on parameters shaped like the gradients"
+        ) from None
+    return tuple(_tree.tree_map(lambda i, k=k: outs[i][k], index) for k in range(n))
 
 
 def _scale_leaf(u: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
@@ -192,10 +217,17 @@ def scale_by_adam(
       eps_root: added inside the square root, >= 0 (useful when differentiating through the update), as
         optax's ``eps_root``: ``sqrt(v_hat + eps_root)``, with ``v_hat`` the bias-corrected second moment.
       nesterov: keyword-only (as optax's), a bool: Nesterov momentum (NAdam), above.
-      moment_dtype: dtype of both moments (e.g. ``torch.bfloat16`` to halve their memory); ``None``
-        (default): float32 for float16 and bfloat16 parameters, else the parameter's dtype (see the
-        moment rule in the module docstring: a float16 ``v`` flushes ``g**2`` to 0 for ``|g| < 2**-12``).
-        optax's ``mu_dtype`` only sets the first moment.
+      moment_dtype: the format of both moments. A floating dtype (e.g. ``torch.bfloat16`` to halve their
+        memory); ``None`` (default): float32 for float16 and bfloat16 parameters, else the parameter's dtype
+        (see the moment rule in the module docstring: a float16 ``v`` flushes ``g**2`` to 0 for
+        ``|g| < 2**-12``). optax's ``mu_dtype`` only sets the first moment. Block-quantized, as torchao's
+        low-bit AdamW: ``"int8"`` (blocks of 256, a dynamic quantization map), ``"int4"`` (blocks of 128,
+        two codes a byte) or ``torch.float8_e4m3fn`` (blocks of 256 scaled by ``amax / 448``); a parameter
+        with fewer than 4096 elements, or a size the block does not divide, keeps float32 moments (torchao's
+        rule; torchao keeps them in the parameter's dtype). Quantized moments are updated in float32 from
+        their decoded values, ``v`` as torchao's ``lerp``, and the update uses the new moments before they
+        are quantized: torchao's order, with its codes bit for bit. Not elementwise: a compiled step runs
+        it leaf by leaf (:mod:`funcamp.optim._moments`).
     Returns:
       A ``GradientTransformation`` with a ``ScaleByAdamState``; the updates are the ascent direction
       (chain with ``scale_by_learning_rate`` to descend).
@@ -203,10 +235,14 @@ def scale_by_adam(
       ValueError: if ``b1`` or ``b2`` is not in [0, 1).
       ValueError: if ``eps`` or ``eps_root`` is negative or not finite.
       TypeError: if ``nesterov`` is not a bool.
-      ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
+      ValueError: if ``moment_dtype`` is not ``None``, a floating dtype of 16 bits or more,
+        ``torch.float8_e4m3fn``, ``"int8"`` or ``"int4"``.
+      ValueError: (from ``update``) if the updates and the state differ in structure.
     References:
       Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization", arXiv:1412.6980.
       Dozat 2016, "Incorporating Nesterov Momentum into Adam", ICLR workshop.
+      Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", arXiv:2110.02861.
+      Li et al. 2023, "Memory Efficient Optimizers with 4-bit States", arXiv:2309.01507.
 
     Example:
       >>> import torch
@@ -221,12 +257,10 @@ def scale_by_adam(
     b1, b2 = check_beta(fn, "b1", b1), check_beta(fn, "b2", b2)
     eps, eps_root = check_nonnegative(fn, "eps", eps), check_nonnegative(fn, "eps_root", eps_root)
     nesterov = check_bool(fn, "nesterov", nesterov)
-    moment_dtype = check_dtype(fn, moment_dtype)
+    fmt = _moments.moment_format(fn, moment_dtype)
 
     def init(params: Params) -> ScaleByAdamState:
-        return ScaleByAdamState(
-            count=zero_count(params), mu=_zeros(params, moment_dtype), nu=_zeros(params, moment_dtype)
-        )
+        return ScaleByAdamState(count=zero_count(params), mu=_zeros(params, fmt), nu=_zeros(params, fmt))
 
     def update(updates: Updates, state: ScaleByAdamState, params: Params = None) -> tuple[Updates, ScaleByAdamState]:
         del params
@@ -236,23 +270,28 @@ def scale_by_adam(
         bc2_sqrt = bc2.sqrt()
         bc1_next = _bias_correction(b1, t + 1.0) if nesterov else bc1
 
-        def leaf(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            c = compute_dtype(g.dtype, m.dtype)
+        def leaf(g: torch.Tensor, m: Any, v: Any) -> tuple[Any, ...]:
+            m_in, v_in = fmt.read(m, g, signed=True), fmt.read(v, g, signed=False)  # quantized: decoded, float32
+            c = compute_dtype(g.dtype, m_in.dtype)
             g_c = g.to(c)
-            m_c = m.to(c).lerp(g_c, 1.0 - b1)
-            v_c = v.to(c).mul(b2).addcmul(g_c, g_c, value=1.0 - b2)
+            m_c = m_in.to(c).lerp(g_c, 1.0 - b1)
+            v_c = fmt.second_moment(v_in.to(c), g_c, b2)  # torch.optim's arithmetic, or torchao's
             # sqrt(v / bc2 + eps_root), written as torch.optim writes it when eps_root == 0.
             denom = (v_c + eps_root * bc2).sqrt() / bc2_sqrt + eps
             # NAdam (optax's form): b1 * m / (1 - b1**(t+1)) + (1 - b1) * g / (1 - b1**t).
             m_hat = (m_c / bc1_next) * b1 + (g_c / bc1) * (1.0 - b1) if nesterov else m_c / bc1
             u = (m_hat / denom).to(g.dtype)
             # In a donating eager step: u into g's buffer, the moments into the donated ones (funcamp.optim._inplace).
-            return _inplace.reuse(g, u), _inplace.write(m, m_c.to(m.dtype)), _inplace.write(v, v_c.to(v.dtype))
+            # The moments stored in their format (quantized: new codes and scales).
+            return _inplace.reuse(g, u), fmt.write(m, m_c, signed=True), fmt.write(v, v_c, signed=False)
 
-        u, mu, nu = _map_n(3, leaf, updates, state.mu, state.nu)
+        u, mu, nu = _map_moments(3, leaf, updates, state.mu, state.nu, name=fn)
         return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
-    return _flat.elementwise(_inplace.in_place(GradientTransformation(init, update)))
+    result = _inplace.in_place(GradientTransformation(init, update))
+    if fmt.blockwise:  # not elementwise: leaf by leaf (what a flat layout would need: fmt.flat_requirement())
+        return _moments.mark_blockwise(result, fmt)
+    return _flat.elementwise(result)
 
 
 def scale_by_lion(
@@ -275,7 +314,8 @@ def scale_by_lion(
       A ``GradientTransformation`` with a ``ScaleByLionState``.
     Raises:
       ValueError: if ``b1`` or ``b2`` is not in [0, 1).
-      ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
+      ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype of 16 bits or more (block-quantized
+        moments are the Adam family's).
     References:
       Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", arXiv:2302.06675.
 
@@ -289,10 +329,10 @@ def scale_by_lion(
     """
     fn = "scale_by_lion"
     b1, b2 = check_beta(fn, "b1", b1), check_beta(fn, "b2", b2)
-    moment_dtype = check_dtype(fn, moment_dtype)
+    fmt = _moments.moment_format(fn, moment_dtype, quantized=False)
 
     def init(params: Params) -> ScaleByLionState:
-        return ScaleByLionState(count=zero_count(params), mu=_zeros(params, moment_dtype))
+        return ScaleByLionState(count=zero_count(params), mu=_zeros(params, fmt))
 
     def update(updates: Updates, state: ScaleByLionState, params: Params = None) -> tuple[Updates, ScaleByLionState]:
         del params
@@ -327,7 +367,8 @@ def trace(decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | N
     Raises:
       ValueError: if ``decay`` is negative or not finite.
       TypeError: if ``nesterov`` is not a bool.
-      ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype.
+      ValueError: if ``moment_dtype`` is not ``None`` or a floating dtype of 16 bits or more (block-quantized
+        moments are the Adam family's).
 
     Example:
       >>> import torch
@@ -340,10 +381,10 @@ def trace(decay: float, nesterov: bool = False, *, moment_dtype: torch.dtype | N
     """
     decay = check_nonnegative("trace", "decay", decay)
     nesterov = check_bool("trace", "nesterov", nesterov)
-    moment_dtype = check_dtype("trace", moment_dtype)
+    fmt = _moments.moment_format("trace", moment_dtype, quantized=False)
 
     def init(params: Params) -> TraceState:
-        return TraceState(trace=_zeros(params, moment_dtype))
+        return TraceState(trace=_zeros(params, fmt))
 
     def update(updates: Updates, state: TraceState, params: Params = None) -> tuple[Updates, TraceState]:
         del params

@@ -165,21 +165,24 @@ class Flat:
     def held(self, params: Any) -> tuple[Any, Any]:
         """``(tensors, tree_of)``: for :class:`FlatParams`, the buffers (a plain dict) and the function that makes
         the per-leaf views of them (operands that share no memory, as ``torch.cond`` requires); else ``params``."""
-        if not isinstance(params, FlatParams):
-            return params, lambda tree: tree
-        return params.buffers, lambda buffers: self._rebuild(self._views(buffers))
+        if isinstance(params, FlatParams):
+            return params.buffers, lambda buffers: self._rebuild(self._views(buffers))
+        if isinstance(params, dict) and params.keys() == {g.key for g in self.groups}:  # a flat state-tree (moments)
+            return params, lambda buffers: self._rebuild(self._views(buffers))
+        return params, lambda tree: tree
 
     def _views(self, buffers: dict[str, torch.Tensor]) -> list[Any]:
         leaves: list[Any] = [None] * len(self.shapes)
         for g in self.groups:
             buffer = buffers[g.key]
-            for i, off in zip(g.members, g.offsets, strict=True):
-                leaves[i] = buffer.narrow(0, off, self.numels[i]).view(self.shapes[i])
+            for i, off in zip(g.members, g.offsets, strict=True):  # an empty placeholder (Kahan's) stays one
+                leaves[i] = buffer if buffer.numel() == 0 else buffer.narrow(0, off, self.numels[i]).view(self.shapes[i])
         return leaves
 
     def flat(self, tree: Any) -> dict[str, torch.Tensor]:
         """``{group key: buffer}`` of a tree shaped like the parameters (the gradients): one ``cat`` per group,
-        zeros in the padding."""
+        zeros in the padding; a new tensor even for a group of one parameter (an update passed through unchanged
+        must not be a view of a gradient the telemetry's ``torch.cond`` also reads)."""
         leaves = _tree.tree_leaves(tree)
         out = {}
         for g in self.groups:
@@ -192,7 +195,7 @@ class Flat:
                 cursor = off + self.numels[i]
             if g.numel > cursor:
                 parts.append(leaves[g.members[-1]].new_zeros(g.numel - cursor))
-            out[g.key] = torch.cat(parts) if len(parts) > 1 else parts[0]
+            out[g.key] = torch.cat(parts) if len(parts) > 1 else parts[0].clone()  # never a view of a gradient
         return out
 
     def update(
@@ -205,16 +208,17 @@ class Flat:
         layout: Any,
         finite: Any,
     ) -> tuple[Any, Any]:
-        """The optimizer stage (:func:`funcamp.train.update`): over the buffers for :class:`FlatParams` (the
-        gradients concatenated, each mask and label giving a buffer its leaves' value, the global norm taken over
-        the members' views), leaf by leaf over the views otherwise (eager, in place when donating)."""
+        """The optimizer stage (``stage``, :mod:`funcamp.train._stages`'): over the buffers for :class:`FlatParams`
+        (the gradients concatenated, each mask and label giving a buffer its leaves' value, the global norm taken
+        over the members' views), leaf by leaf over the views otherwise (eager, in place when donating).
+        Returns ``(params, opt_state, updates)``, the updates held as the parameters (:class:`FlatParams`)."""
         if not isinstance(params, FlatParams):
             return stage(optimizer, grads, opt_state, params, layout, finite)
         norms = _MemberNorms(layout, self)
-        new, new_state = _flat_opt.replaying(
+        new, new_state, updates = _flat_opt.replaying(
             self.replay, stage, optimizer, self.flat(grads), opt_state, params.buffers, norms, None
         )
-        return FlatParams(new, self), new_state
+        return FlatParams(new, self), new_state, FlatParams(updates, self)
 
     def member_views(self, key: str, buffer: torch.Tensor) -> list[torch.Tensor] | None:
         """The members' views of ``buffer`` if ``key`` is one of this storage's groups and ``buffer`` its size."""

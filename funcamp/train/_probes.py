@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from funcamp import _tree, numerics
+from funcamp import _tree, numerics, optim
 from funcamp.train._layout import StageLayout
 from funcamp.train._stages import StepRecord
 
@@ -60,11 +60,37 @@ def telemetry_probe(telemetry: numerics.Telemetry, layout: StageLayout | None = 
         state = record.state
         active = (state.step + 1) % telemetry.every == 0
         loss_scale = record.metrics["loss_scale"]
+        storage = state.storage
+        held, params_of = storage.held(state.params)  # a flat state's buffers: views made inside torch.cond
+        applied = None
+        if telemetry.lost_updates and record.updates is not None:  # the lost-update meter (funcamp.numerics)
+            carry, carry_of = _carry(state.opt_state, record.new_state.opt_state, state.params, storage)
+            # Copies where the gradients are views of one buffer (data parallel): an update passed through
+            # unchanged is one of them, and torch.cond refuses operands that share storage.
+            updates, updates_of = storage.held(record.updates)
+            new_params, new_of = storage.held(record.new_state.params)
+            applied = numerics.AppliedUpdate(
+                record.layout.distinct(updates), new_params, record.verdict.finite, carry, (updates_of, new_of, carry_of)
+            )
         grads = record.layout.distinct(record.grads)
-        held, params_of = state.storage.held(state.params)  # a flat state's buffers: views made inside torch.cond
-        return numerics.telemetry_metrics(grads, held, loss_scale, telemetry, active, params_of=params_of)
+        return numerics.telemetry_metrics(grads, held, loss_scale, telemetry, active, applied, params_of=params_of)
 
     return probe
+
+
+def _carry(opt_state: Any, new_opt_state: Any, params: Any, storage: Any) -> tuple[Any, Any]:
+    """``(carry, carry_of)``: what the lost-update meter reads of a bfloat16 master-weight wrapper that is the whole
+    optimizer: the compensations before and after the step (``kahan_summation``, held as the storage holds them;
+    ``carry_of`` makes the parameters' tree of them), ``"stochastic"`` (``stochastic_rounding``), or None (another
+    optimizer, or a wrapper inside a group: not measured)."""
+    if isinstance(opt_state, optim.KahanSummationState):
+        old, carry_of = storage.held(opt_state.compensation)
+        new, _ = storage.held(new_opt_state.compensation)
+        if _tree.tree_structure(carry_of(old)) == _tree.tree_structure(storage.tree(params)):
+            return (old, new), carry_of
+    if isinstance(opt_state, optim.StochasticRoundingState):
+        return "stochastic", None
+    return None, None
 
 
 def nonfinite_leaf_name(params: Any, index: int | torch.Tensor) -> str | None:

@@ -231,13 +231,26 @@ def update(
     leaf, and carry the updates in the buffers of ``grads``, which must not be read after. The values returned
     are the same, bit for bit. Elsewhere ``finite`` is not used.
     """
+    new_params, new_opt_state, _ = _update(optimizer, grads, opt_state, params, layout, finite)
+    return new_params, new_opt_state
+
+
+def _update(
+    optimizer: GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    layout: SingleProcess,
+    finite: torch.Tensor | None,
+) -> tuple[Any, Any, Any]:
+    """:func:`update`, and the updates it applied (for :class:`StepRecord`: the lost-update meter reads them)."""
     _check_update_args(optimizer, grads, opt_state, params)
     donation = _inplace.bound(finite, grads)  # None outside a donating eager step: pure
     updates, new_opt_state = _scope.within(
         layout, _inplace.within, donation, _inplace.call, optimizer, grads, opt_state, params
     )
     new_params = _inplace.within(donation, apply_updates, params, updates)
-    return layout.finish_params(new_params), new_opt_state
+    return layout.finish_params(new_params), new_opt_state, updates
 
 
 def commit(state: TrainState, finite: torch.Tensor, params: Any, opt_state: Any, buffers: Any = None) -> TrainState:
@@ -292,7 +305,9 @@ def _scale_on(loss_scale: LossScale, device: torch.device) -> torch.Tensor:
 
 class StepRecord(NamedTuple):
     """One step as :func:`run` ran it, for probes: the state before and after, the gradients (parameters'
-    dtypes), the :class:`Verdict`, the last micro-batch's aux, the layout and the metrics so far."""
+    dtypes), the :class:`Verdict`, the last micro-batch's aux, the layout, the metrics so far, and the updates
+    the optimizer returned (held as the parameters are: ``state.storage.held(record.updates)`` gives the
+    tensors and the function that makes the parameters' tree of them)."""
 
     state: TrainState
     new_state: TrainState
@@ -301,6 +316,7 @@ class StepRecord(NamedTuple):
     aux: Any
     layout: SingleProcess
     metrics: dict
+    updates: Any = None
 
 
 def run(
@@ -340,10 +356,9 @@ def run(
     )
     grads = cast_like(g.grads, whole)
     verdict = check(grads, g.loss, layout)
-    new_params, new_opt_state = storage.update(
-        update, optimizer, grads, state.opt_state, state.params, layout, verdict.finite
+    new_params, new_opt_state, updates = storage.update(
+        _update, optimizer, grads, state.opt_state, state.params, layout, verdict.finite
     )
     new_state = commit(state, verdict.finite, new_params, new_opt_state, g.buffers)
-    return StepRecord(
-        state, new_state, grads, verdict, g.aux, layout, metrics(state, new_state, g.loss, verdict, new_opt_state)
-    )
+    step_metrics = metrics(state, new_state, g.loss, verdict, new_opt_state)
+    return StepRecord(state, new_state, grads, verdict, g.aux, layout, step_metrics, updates)

@@ -135,7 +135,8 @@ class TrainState:
     def __post_init__(self) -> None:
         if self.layout is None:  # a state built by hand or loaded without ``like``: the layout its fields describe
             object.__setattr__(self, "layout", _layout.of_fields(self.shard, self.data_parallel, self.policy))
-        if _scope.step_plan() is None and self.params is not None:  # on the host: a flat state holds its views
+        on_host = _scope.step_plan() is None and not _scope.compiling()  # not in a step body, not traced
+        if on_host and self.params is not None:  # a flat state holds its views
             adopted = self.storage.adopt(self.params, self.opt_state)
             if adopted is not None:  # tensors given in other memory (loaded, replaced): copied into new buffers
                 object.__setattr__(self, "params", adopted[0])

@@ -109,7 +109,8 @@ class PerLeaf:
         layout: Any,
         finite: Any,
     ) -> tuple[Any, Any]:
-        """``stage(optimizer, grads, opt_state, params, layout, finite)``: :func:`funcamp.train.update`, leaf by leaf."""
+        """``stage(optimizer, grads, opt_state, params, layout, finite)``, leaf by leaf: ``(params, opt_state,
+        updates)`` (the optimizer stage of :mod:`funcamp.train._stages`, with the updates it applied)."""
         return stage(optimizer, grads, opt_state, params, layout, finite)
 
     def lay_out(self, params: Any, optimizer: GradientTransformation) -> tuple[Any, Any]:
