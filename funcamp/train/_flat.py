@@ -41,6 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from funcamp import _tree
 from funcamp.optim import GradientTransformation
 from funcamp.optim import _flat as _flat_opt
+from funcamp.passes import tags
 
 __all__ = ["Flat", "FlatParams", "layout"]
 
@@ -195,7 +196,11 @@ class Flat:
                 cursor = off + self.numels[i]
             if g.numel > cursor:
                 parts.append(leaves[g.members[-1]].new_zeros(g.numel - cursor))
-            out[g.key] = torch.cat(parts) if len(parts) > 1 else parts[0].clone()  # never a view of a gradient
+            if len(parts) == 1:
+                out[g.key] = parts[0].clone()  # never a view of a gradient
+                continue
+            with tags.flat_gradients():  # written into as the backward makes them (funcamp.passes.flat_gradients)
+                out[g.key] = torch.cat(parts)
         return out
 
     def update(
