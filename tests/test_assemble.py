@@ -111,3 +111,24 @@ def test_composed_step_keeps_a_functions_backward_and_its_plan(compile):
     assert torch.equal(a.params["w"], b.params["w"])
     assert composed.plan.compiled is compile and not composed.plan.donate
     assert "storage flat" in composed.plan_for(a)
+
+
+def test_the_plan_is_logged_once_and_says_why_a_state_is_per_leaf(caplog):
+    """One INFO line on ``funcamp.train`` at the first call with a plan, none at the next; a state kept leaf by
+    leaf says why (a transformation of one's own is not known to be elementwise). Planted: the line logged at
+    every call (``_log_once`` without its cache): two lines."""
+
+    def own(updates, state, params=None):
+        return {k: -0.1 * u for k, u in updates.items()}, state
+
+    optimizer = optim.GradientTransformation(lambda p: (), own)
+    params = {"w": torch.ones(3, 7)}  # a shape of its own: the line is new to this process
+    state = fa.TrainState.create(params, optimizer)
+    step = fa.make_train_step(lambda p, x: (p["w"] @ x).sum(), optimizer, compile=False, max_consecutive_skips=2)
+    with caplog.at_level("INFO", logger="funcamp.train"):
+        state, _ = step(state, torch.ones(7))
+        state, _ = step(state, torch.ones(7))
+    lines = [r.getMessage() for r in caplog.records if r.name == "funcamp.train"]
+    assert len(lines) == 1, lines
+    assert "step: eager, probes skip_limit" in lines[0] and "storage per leaf (" in lines[0]
+    assert "not marked elementwise" in lines[0] and lines[0].endswith(step.plan_for(state))
