@@ -263,10 +263,14 @@ def test_flat_step_under_inductor_is_bitwise_the_leaf_by_leaf_step(monkeypatch):
                 runs[flat] = ({k: v.clone() for k, v in state.params.items()}, metrics)
         (got, got_m), (ref, ref_m) = runs[True], runs[False]
         scatter, convert = torch.ops.aten.slice_scatter.default, torch.ops.prims.convert_element_type.default
-        buffers = {n for g in graphs for n in g.nodes if n.target is scatter and not any(u.target is scatter for u in n.users)}
+        buffers = {
+            n for g in graphs for n in g.nodes if n.target is scatter and not any(u.target is scatter for u in n.users)
+        }
         buffers |= {u for n in buffers for u in n.users if u.target is convert}
         assert buffers, "the flat step's gradients were written into their buffers"
-        sliced = [n for g in graphs for n in g.nodes if n.target is torch.ops.aten.slice.Tensor and n.args[0] in buffers]
+        sliced = [
+            n for g in graphs for n in g.nodes if n.target is torch.ops.aten.slice.Tensor and n.args[0] in buffers
+        ]
         assert not [n for n in sliced if n.users], "a member's norm reads a slice of the buffer"
         _assert_bitwise(got, ref, "params")
         _assert_bitwise(got_m["grad_norm"], ref_m["grad_norm"], "grad_norm")

@@ -12,7 +12,8 @@ node that makes it (``slice_scatter``, which inductor's reinplacing turns into a
 gradient can be freed at once), the buffer made when the first gradient exists (gated: :mod:`funcamp.passes.gates`)
 and zero where the ``cat`` held padding. A slice of the buffer that is exactly one gradient's part (the norm a clip
 takes of each member, :mod:`funcamp.train._flat`) reads that gradient instead, the same values: inductor would
-otherwise evaluate the whole chain of writes for each element of each slice. Where every gradient reaches the ``cat`` as the cast of a narrower tensor
+otherwise evaluate the whole chain of writes for each element of each slice. Where every gradient reaches the
+``cat`` as the cast of a narrower tensor
 (``convert_element_type``, the backward of a parameter's cast to the compute dtype), the buffer holds the narrower
 values and is cast once, after it is full: the cast is fused into the update that reads it. The values the
 update reads are the ``cat``'s, bit for bit (the same elements; a cast is elementwise).

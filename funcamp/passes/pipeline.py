@@ -6,7 +6,8 @@
 (what the checkpointed regions recompute), ``remat_budget`` (what a memory budget keeps of it), ``sharded_gathers``
 (the sharded parameters' gathers, recomputed too), ``recompute`` (the copies), then the rest of
 ``sharded_gathers`` (unused gathers dropped, the others moved to their user), ``casts_at_use``,
-``late_constructors`` and ``flat_gradients`` (a flat state's gradients written into their buffer as they are made). The loop (:func:`run`) skips the passes switched off and records the graph's node count
+``late_constructors`` and ``flat_gradients`` (a flat state's gradients written into their buffer as they are made).
+The loop (:func:`run`) skips the passes switched off and records the graph's node count
 around each pass (:class:`~funcamp.passes._context.PassCount`; logged at debug level on the ``funcamp.passes``
 logger), as torchtitan's ``apply_graph_passes`` and inductor's ``GraphTransformObserver`` do. The rules each pass
 keeps are in ``funcamp/passes/README.md``.

@@ -144,7 +144,9 @@ def assemble(
       tensor([0.9000, 0.9000])
     """
     if not callable(body):
-        raise TypeError(f"assemble: body must be callable, (state, batch) -> (new_state, metrics); got {type(body).__name__}")
+        raise TypeError(
+            f"assemble: body must be callable, (state, batch) -> (new_state, metrics); got {type(body).__name__}"
+        )
     if prepare is not None and not callable(prepare):
         raise TypeError(f"assemble: prepare must be None or callable, got {type(prepare).__name__}")
     plan = StepPlan(compile, (backend or "inductor") if compile else None, donate, tuple(probes))
