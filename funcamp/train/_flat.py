@@ -585,7 +585,8 @@ def _groups(leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Reco
             at = _aligned(at, dtype.itemsize, block)
             offsets.append(at)
             at += leaves[i].numel()
-        groups.append(Group(f"flat{n:04d}", device, dtype, tuple(members), tuple(offsets), _aligned(at, 1, block)))
+        numel = -(-at // block) * block  # a whole number of blocks
+        groups.append(Group(f"flat{n:04d}", device, dtype, tuple(members), tuple(offsets), numel))
     return groups
 
 
