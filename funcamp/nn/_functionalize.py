@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from funcamp import quant
+from funcamp import _scope, quant
 from funcamp.nn import _deferred, _remat, _scan, _store, _use, _wrappers
 from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
 from funcamp.nn._reductions import buffer_reductions
@@ -291,7 +291,7 @@ class _Apply:
         # A tied buffer is the same fresh tensor under every name. Parameters are not bound here: each
         # module binds its own when first called (funcamp.nn._use), from ``params`` pushed below.
         tensors = _fresh_buffers(plan, state, dtypes)
-        eager = not torch.compiler.is_compiling()
+        eager = not _scope.compiling()
         call = None
         if eager:  # a checkpointed region's recompute runs with these tensors
             call = _remat._Call(

@@ -59,7 +59,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from funcamp import passes
+from funcamp import _scope, passes
 
 __all__ = ["Remat", "RematBudgetWarning", "RematInactiveWarning"]
 
@@ -469,7 +469,7 @@ def wrap_forward(module: nn.Module, budget: float = 0.0) -> None:
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if torch.compiler.is_compiling():  # tagged for the compiled step's recompute pass (funcamp.passes)
+        if _scope.compiling():  # tagged for the compiled step's recompute pass (funcamp.passes)
             with passes.remat_region(region, budget):
                 return forward(*args, **kwargs)
         if budget == 1.0:  # eager: keep every activation, as the compiled pass does at this budget

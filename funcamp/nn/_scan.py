@@ -11,8 +11,9 @@ keeps one leaf per layer and name (``blocks.3.attn.qkv.weight``), so optimizer s
 groups, ``load_into`` and every name a user sees stay per layer; the stack's backward hands each layer's
 gradient back to its own leaf.
 
-Only under ``torch.compile`` (``torch.compiler.is_compiling()``): eagerly the layers run one after the other as
-written, so the compiled step's gradients can be compared with the eager step's. On torch 2.13 a scan can be
+Only in a compiled step (``funcamp._scope.compiling()``: the step's plan, or ``torch.compile`` tracing): eagerly
+the layers run one after the other as written, so the compiled step's gradients can be compared with the eager
+step's. On torch 2.13 a scan can be
 differentiated inside ``torch.compile`` by Dynamo-traced ``torch.autograd.grad`` (the compiled train step's
 route, :mod:`funcamp._dynamo_autograd`), not by ``torch.func`` transforms ("Expected FakeTensor").
 
@@ -230,7 +231,7 @@ def install(skeleton: nn.Module, names: Sequence[str], uses: _use.Uses) -> None:
             forward = run.forward
 
             def sequential(x: Any, scanned: _Scanned = scanned, forward: Any = forward) -> Any:
-                return scanned(x) if torch.compiler.is_compiling() else forward(x)
+                return scanned(x) if _scope.compiling() else forward(x)
 
             run.forward = sequential
         else:
@@ -248,7 +249,7 @@ class _ScannedList(nn.ModuleList):
     _funcamp_scanned: _Scanned
 
     def __iter__(self) -> Any:
-        if torch.compiler.is_compiling():
+        if _scope.compiling():
             return iter([self._funcamp_scanned] if self._funcamp_scanned.keys else [])
         return super().__iter__()
 

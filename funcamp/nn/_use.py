@@ -213,12 +213,12 @@ def bind_at_call(module: nn.Module, slots: list[tuple[nn.Module, str, str]], use
     forward = module.forward
 
     def pre_hook(module: nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling():  # apply_fn bound every use up front (see the module docstring)
+        if not _scope.compiling():  # apply_fn bound every use up front (see the module docstring)
             uses.bind(slots)
 
     @functools.wraps(forward)
     def bound(*args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
+        if not _scope.compiling():
             uses.bind(slots)
         return forward(*args, **kwargs)
 
