@@ -664,8 +664,8 @@ class _BlockMatmul(torch.autograd.Function):
                 grad_w = (g.t().to(torch.float32) @ x.to(torch.float32)).to(w_dtype)
             else:
                 block = recipe.block_size
-                gt = _blocks._pad_rows(g, block).t().contiguous()
-                xt = _blocks._pad_rows(x, block).t().contiguous()
+                gt = _blocks.pad_rows(g, block).t().contiguous()
+                xt = _blocks.pad_rows(x, block).t().contiguous()
                 grad_w = _block_mm(gt, xt, recipe, ("grad", "input"), w_dtype)
         return grad_x, grad_w, None, None
 

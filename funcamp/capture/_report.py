@@ -74,6 +74,7 @@ class CaptureReport(NamedTuple):
 
 
 def node_frame(n: Any) -> str:
+    """The source line that made the traced node ``n`` (from its recorded stack), as ``file:line in fn``."""
     trace = n.meta.get("stack_trace") or ""
     frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
     return _pick(frames) or "(no source recorded)"
@@ -106,8 +107,10 @@ def _short(line: str) -> str:
 
 
 def user_frame(stack: traceback.StackSummary) -> str:
+    """The line of ``stack`` that did it: the last frame outside torch and this package, as ``file:line in fn``."""
     return _pick([f'File "{f.filename}", line {f.lineno}, in {f.name}' for f in stack])
 
 
 def error_frame(error: BaseException) -> str:
+    """The line that raised ``error`` (the last frame of its traceback outside torch and this package)."""
     return user_frame(traceback.extract_tb(error.__traceback__))

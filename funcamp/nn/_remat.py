@@ -140,7 +140,7 @@ class RematInactiveWarning(UserWarning):
     """A checkpointed region ran without recomputation (torch.func transforms cannot checkpoint)."""
 
 
-class _Call:
+class Call:
     """What a recompute needs from one ``apply_fn`` call: the module copy and the tensors it ran with.
 
     ``params`` makes the call's trainable tensors current again (a context): the recomputed modules make
@@ -165,7 +165,7 @@ class _Call:
         self.mode = mode  # the call's per-op precision (funcamp.ops.OpPolicies), re-entered to recompute
         self.start = {name: (t, t._version) for name, t in (start or {}).items()}
 
-    def region(self) -> _Call:
+    def region(self) -> Call:
         """This call as a checkpointed region starting now must see it again when it is recomputed.
 
         Buffers the forward has changed so far are taken as they are now: a reassigned one (the fp8
@@ -206,13 +206,13 @@ class _Call:
                 fresh[name] = again[id(tensor)]
             return fresh
 
-        return _Call(self.skeleton, self.params, make_buffers, self.mode)
+        return Call(self.skeleton, self.params, make_buffers, self.mode)
 
     @contextlib.contextmanager
     def bound(self) -> Iterator[None]:
         buffers = self.make_buffers()
         # A region nested in this one (recomputed inside it) starts from what this recompute changes.
-        token = _CALL.set(_Call(self.skeleton, self.params, self.make_buffers, self.mode, buffers))
+        token = _CALL.set(Call(self.skeleton, self.params, self.make_buffers, self.mode, buffers))
         try:
             with (
                 self.params(),
@@ -224,11 +224,11 @@ class _Call:
             _CALL.reset(token)
 
 
-_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("funcamp_nn_call", default=None)
+_CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("funcamp_nn_call", default=None)
 
 
 @contextlib.contextmanager
-def inside(call: _Call) -> Iterator[None]:
+def inside(call: Call) -> Iterator[None]:
     """Mark the forward of one ``apply_fn`` call (eager only: not traced by ``torch.compile``)."""
     token = _CALL.set(call)
     try:

@@ -41,7 +41,7 @@ from torch import nn
 
 from funcamp import _scope
 from funcamp.nn import _use
-from funcamp.nn._plan import _Plan
+from funcamp.nn._plan import Plan
 
 __all__ = ["ScanLike", "check", "install", "select"]
 
@@ -89,7 +89,7 @@ def select(module: nn.Module, scan: ScanLike) -> list[str]:
 def check(
     module: nn.Module,
     name: str,
-    plan: _Plan,
+    plan: Plan,
     *,
     frozen: Any,
     int8: Any,
@@ -168,7 +168,7 @@ def check(
                 refuse(f"the buffer {prefix}.{bname} differs from {base}.{bname}")
 
 
-def _signature(layer: nn.Module, plan: _Plan, prefix: str, forward_dtypes: Any) -> dict[str, Any]:
+def _signature(layer: nn.Module, plan: Plan, prefix: str, forward_dtypes: Any) -> dict[str, Any]:
     """What must be equal across a run's layers: classes, plain attributes, tensors' metadata, policies."""
     modules = [
         (

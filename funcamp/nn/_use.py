@@ -51,7 +51,7 @@ class Uses:
     by first name; ``int8``: the names stored in int8; ``forward_dtypes``: the dtype each name (tied
     uses under each of theirs) enters the forward in; ``aliases``: further name -> first name. A call
     (:meth:`push` to :meth:`pop`: ``apply_fn``'s forward, and each checkpointed region's recompute, see
-    :class:`funcamp.nn._remat._Call`) holds the trainable tensors, the uses made so far and the slots
+    :class:`funcamp.nn._remat.Call`) holds the trainable tensors, the uses made so far and the slots
     bound so far, which :meth:`pop` puts back.
     """
 
