@@ -150,7 +150,7 @@ def _as_compiled(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Callabl
 @contextlib.contextmanager
 def _all_frames() -> Iterator[None]:
     """Within: ``make_fx(record_stack_traces=True)`` keeps every frame of each node's stack (by default it keeps
-    those of ``forward`` methods only); :func:`_pick` takes the last one outside torch."""
+    those of ``forward`` methods only); :func:`funcamp.capture._report.node_frame` takes the last one outside torch."""
     from torch.fx.experimental.proxy_tensor import PythonKeyTracer
 
     saved = PythonKeyTracer.__dict__.get("_filter_traceback_frames")
