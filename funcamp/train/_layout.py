@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from funcamp import _at_use, _tree, parallel, sharding
+from funcamp import _at_use, _scope, _tree, parallel, sharding
 from funcamp.policy import Policy, get_policy
 
 __all__ = ["BuildLayout", "DataParallel", "Sharded", "SingleProcess", "StageLayout", "layout_from", "of_fields"]
