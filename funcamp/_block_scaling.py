@@ -174,6 +174,33 @@ def nvfp4_values(
 # --- the three matmuls -----------------------------------------------------------------------------
 
 
+#: The random signs of the Hadamard transform of nvfp4's weight-gradient operands: a constant (seeded), 16 of them.
+_HADAMARD_SIGNS = tuple(
+    float(v) for v in (torch.randint(0, 2, (NVFP4_BLOCK,), generator=torch.Generator().manual_seed(0x5EED)) * 2 - 1)
+)
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    """Sylvester's ``n x n`` Hadamard matrix (``n`` a power of two), entries +-1, float32."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(R, C)`` (C a multiple of 16) with each block of 16 consecutive elements of a row multiplied by
+    ``H = hadamard(16) diag(s) / 4`` (orthogonal: ``H H^T = I``; ``s`` the fixed random signs), in float32.
+
+    For two operands transformed alike, ``(a H)(b H)^T = a b^T``: the product is unchanged but for rounding, and a
+    block cast after it sees each outlier spread over its block (TransformerEngine's random Hadamard transform of
+    NVFP4's weight-gradient operands)."""
+    n = NVFP4_BLOCK
+    h = _hadamard(n).to(t.device) * torch.tensor(_HADAMARD_SIGNS, device=t.device)[None, :] / 4.0
+    rows, cols = t.shape
+    return (t.to(torch.float32).reshape(rows, cols // n, n) @ h).reshape(rows, cols)
+
+
 def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     """Zero rows up to a multiple of the block: the weight gradient contracts the token dimension, whatever
     its size. Zeros change no block's amax and add nothing to a product."""

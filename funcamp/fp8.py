@@ -202,6 +202,12 @@ class Recipe:
       weight_2d_blocks: ``nvfp4`` only (default True there, as TransformerEngine): one scale per 16 x 16 tile
         of the weight, so that the forward (blocks along ``in_features``) and the input gradient (along
         ``out_features``) use the same quantized weight; False: 1 x 16 blocks along each matmul's contraction.
+      random_hadamard: ``nvfp4`` only (default True there, as TransformerEngine's ``NVFP4BlockScaling``): the
+        weight gradient's two operands, ``g^T`` and ``x^T``, are multiplied along their contraction (the tokens),
+        each block of 16 by the same orthogonal matrix ``H = hadamard(16) diag(s) / 4`` (``s`` a fixed vector of
+        random signs) before they are cast: ``(g^T H)(H^T x) = g^T x``, exact but for rounding, and the casts see
+        outliers spread over their block (TransformerEngine's random Hadamard transform). The signs are a
+        constant of the recipe (seeded), not a draw: remat and replays see the same ones.
     Raises:
       ValueError: if a field is outside the values above, or set for a scaling it does not apply to.
     """
@@ -216,6 +222,7 @@ class Recipe:
     wgrad_with_hp: bool = False
     stochastic_rounding: bool | None = None
     weight_2d_blocks: bool | None = None
+    random_hadamard: bool | None = None
 
     def __post_init__(self) -> None:
         if self.scaling not in _SCALINGS:
@@ -226,6 +233,7 @@ class Recipe:
             "scale_rounding": "rceil" if self.scaling == "mxfp8" else None,
             "stochastic_rounding": nvfp4,
             "weight_2d_blocks": nvfp4,
+            "random_hadamard": nvfp4,
         }
         for name, value in defaults.items():
             if getattr(self, name) is None:
@@ -255,14 +263,21 @@ class Recipe:
             ("wgrad_with_hp", block or not self.wgrad_with_hp),
             ("stochastic_rounding", nvfp4 or not self.stochastic_rounding),
             ("weight_2d_blocks", nvfp4 or not self.weight_2d_blocks),
+            ("random_hadamard", nvfp4 or not self.random_hadamard),
         ):
             if not ok:
                 raise ValueError(
                     f"Recipe: {name}={getattr(self, name)!r} does not apply to scaling {self.scaling!r} "
-                    "(scale_rounding: mxfp8; wgrad_with_hp: mxfp8 and nvfp4; stochastic_rounding and "
-                    "weight_2d_blocks: nvfp4; round_scales_to_power_of_2: not the block-scaled recipes)"
+                    "(scale_rounding: mxfp8; wgrad_with_hp: mxfp8 and nvfp4; stochastic_rounding, weight_2d_blocks and "
+                    "random_hadamard: nvfp4; round_scales_to_power_of_2: not the block-scaled recipes)"
                 )
-        for name in ("wgrad_with_hp", "stochastic_rounding", "weight_2d_blocks", "round_scales_to_power_of_2"):
+        for name in (
+            "wgrad_with_hp",
+            "stochastic_rounding",
+            "weight_2d_blocks",
+            "random_hadamard",
+            "round_scales_to_power_of_2",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Recipe: {name} must be a bool, got {getattr(self, name)!r}")
 
@@ -666,6 +681,8 @@ class _BlockMatmul(torch.autograd.Function):
                 block = recipe.block_size
                 gt = _blocks.pad_rows(g, block).t().contiguous()
                 xt = _blocks.pad_rows(x, block).t().contiguous()
+                if recipe.random_hadamard:  # (g^T H)(x^T H)^T = g^T x: each block of 16 tokens rotated alike
+                    gt, xt = _blocks.hadamard_rows(gt), _blocks.hadamard_rows(xt)
                 grad_w = _block_mm(gt, xt, recipe, ("grad", "input"), w_dtype)
         return grad_x, grad_w, None, None
 

@@ -10,6 +10,7 @@ absent, as tests/test_fp8.py's torchao test. The emulation warning is silenced h
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -167,8 +168,9 @@ def test_nvfp4_cast_bitwise_torchao(tensor_scale):
 
 
 def test_nvfp4_matmuls_equal_torchao_casts():
-    """Without stochastic rounding and 2-D weight tiles, each matmul is the float32 product of the operands
-    ``to_nvfp4`` casts along its contraction dimension (with their per-tensor scales)."""
+    """Without stochastic rounding, 2-D weight tiles and the Hadamard transform, each matmul is the float32 product
+    of the operands ``to_nvfp4`` casts along its contraction dimension (with their per-tensor scales); with the
+    transform, the weight gradient is the product of the casts of the rotated operands."""
     nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
 
     def cast(t):
@@ -177,10 +179,39 @@ def test_nvfp4_matmuls_equal_torchao_casts():
         return nv.NVFP4Tensor.to_nvfp4(t, per_tensor_scale=pts).dequantize(torch.float32)
 
     x, w, g = spanning(48, 64, seed=12, binades=8), spanning(32, 64, seed=13, binades=8), spanning(48, 32, seed=14)
-    recipe = fp8.Recipe("nvfp4", stochastic_rounding=False, weight_2d_blocks=False)
+    recipe = fp8.Recipe("nvfp4", stochastic_rounding=False, weight_2d_blocks=False, random_hadamard=False)
     got = three(lambda a, b: fp8.fp8_linear(a, b, recipe=recipe), x, w, g)
     ref = (cast(x) @ cast(w).t(), cast(g) @ cast(w.t()).t(), cast(g.t()) @ cast(x.t()).t())
     assert_close_to_largest(got, ref, tol=1e-6)
+    rotated = dataclasses.replace(recipe, random_hadamard=True)
+    got = three(lambda a, b: fp8.fp8_linear(a, b, recipe=rotated), x, w, g)
+    gt, xt = blocks.hadamard_rows(g.t().contiguous()), blocks.hadamard_rows(x.t().contiguous())
+    assert_close_to_largest(got, (*ref[:2], cast(gt) @ cast(xt).t()), tol=1e-6)
+
+
+def test_hadamard_transform_keeps_the_product_and_is_applied():
+    """``hadamard_rows`` is orthogonal per block of 16 (the product of two operands rotated alike is theirs, to
+    float32 round-off); the nvfp4 weight gradient with it is another cast of the same product (it differs from the
+    one without, and stays within the format's error of the float32 gradient). Planted: the signs applied to one
+    operand only: the product changes. (No claim of a smaller error here: on a single huge outlier per block both
+    casts lose the block's small values; TransformerEngine's case for it is statistical.)"""
+    a, b = spanning(8, 64, seed=20, binades=6), spanning(12, 64, seed=21, binades=6)
+    exact = a @ b.t()
+    assert (blocks.hadamard_rows(a) @ blocks.hadamard_rows(b).t() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    gen = torch.Generator().manual_seed(22)
+    x, g, w = (
+        torch.randn(256, 64, generator=gen),
+        torch.randn(256, 32, generator=gen),
+        torch.randn(32, 64, generator=gen),
+    )
+    grads = {}
+    for rotate in (False, True):
+        recipe = fp8.Recipe("nvfp4", stochastic_rounding=False, random_hadamard=rotate)
+        grads[rotate] = three(lambda p, q, recipe=recipe: fp8.fp8_linear(p, q, recipe=recipe), x, w, g)[2]
+    reference = g.t() @ x
+    assert not torch.equal(grads[True], grads[False])
+    for got in grads.values():
+        assert float((got - reference).norm() / reference.norm()) < 0.2  # e2m1: 2 mantissa bits
 
 
 def test_nvfp4_weight_tiles_cast_the_same_both_ways():

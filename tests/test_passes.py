@@ -167,3 +167,33 @@ def test_the_switch_is_part_of_the_cache_key(tmp_path, monkeypatch: pytest.Monke
         assert [hits(""), hits(""), hits(",".join(passes.NAMES)), hits("casts_at_use")] == [0, 1, 0, 0]
     finally:
         torch._dynamo.reset()
+
+
+def test_flat_gradients_keeps_the_graph_in_order_for_adjacent_gradients() -> None:
+    """``flat_gradients`` on a hand-made graph whose gradients come one after the other (no node between them, as
+    a model's last views before the ``cat``): every node it adds follows what it reads (``graph.lint()``), the
+    ``cat`` is gone, and the buffer's values are the ``cat``'s. (Planted: a new node's place taken as half a
+    node after its anchor, which summed to a whole node after two gradients: the second gradient's flatten was
+    put before the gradient; lint fails.)"""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from funcamp.passes import flat_gradients
+    from funcamp.passes.tags import _FLAT_GRADS
+
+    def step(a, b, c):
+        x, y, z = a * 2, b * 3, c * 4
+        flat = x.reshape(-1), y.reshape(-1), z.reshape(-1)  # three gradients one after the other
+        return torch.cat(flat) + 1
+
+    args = (torch.randn(2, 3), torch.randn(4), torch.randn(3, 2))
+    gm = make_fx(step, tracing_mode="fake")(*args)
+    cat = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default)
+    cat.meta["custom"] = {_FLAT_GRADS: True}
+    for n in gm.graph.nodes:  # the fake values the pass reads
+        if n.op == "call_function" or n.op == "placeholder":
+            assert "val" in n.meta
+    assert flat_gradients._flat_gradients(gm.graph) == 1
+    gm.graph.lint()
+    assert not any(n.target is torch.ops.aten.cat.default for n in gm.graph.nodes)
+    gm.recompile()
+    assert torch.equal(gm(*args), step(*args))

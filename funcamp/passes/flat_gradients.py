@@ -82,13 +82,13 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
         )
         zeros.meta["val"], zeros.meta["custom"] = value, dict(_tags(first))
         last = _call(graph, _aten.where.self, flag, zeros, zeros)
-    order[last] = order[first] + 0.5  # the new nodes' places: after ``first``, before the node after it
+    order[last] = order[first]  # a new node's place: that of the node of the graph it follows
     for off, n, src in chosen:
         anchor = src if order[src] > order[last] else last
         with graph.inserting_before(anchor.next):
             flat = _call(graph, _aten.reshape.default, src, [n])
             last = _call(graph, _aten.slice_scatter.default, last, flat, 0, off, off + n)
-        order[last] = order[anchor] + 0.5  # after its anchor, before the next node of the graph
+        order[last] = order[anchor]  # after its anchor (a node of the graph, or one placed after it)
     with graph.inserting_before(cat):
         result = _call(graph, _prims.convert_element_type.default, last, out.dtype) if narrow else last
     cat.replace_all_uses_with(result)
