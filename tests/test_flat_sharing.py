@@ -353,6 +353,32 @@ def test_pickling_a_flat_state_writes_each_buffer_once(big_state):
         assert big._base is not None and big.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
 
 
+def test_a_flat_checkpoint_loaded_into_a_per_leaf_state_shares_no_memory(big_state, tmp_path, monkeypatch):
+    """A checkpoint of a flat state (each buffer saved whole, the leaves views of it) loaded into a state kept leaf
+    by leaf (``FUNCAMP_FLAT=off``; a transformation that is not elementwise) gives each leaf its own memory, as
+    ``like``'s: a compiled step with telemetry runs on it. Found by the differential tester (``storage=
+    "alternate"``): the loaded leaves were views of one storage and the telemetry's ``torch.cond`` refused them
+    ("Encountered aliasing during higher order op tracing"); fixed in ``funcamp.checkpoint`` (``_decode_tensor``).
+    Without the fix: fails."""
+    fa.checkpoint.save(tmp_path / "flat", big_state)
+    optimizer = optim.sgd(1e-2, momentum=0.9)
+    with monkeypatch.context() as m:
+        m.setenv("FUNCAMP_FLAT", "off")
+        like = fa.TrainState.create(_tree.tree_map(torch.zeros_like, big_state.params), optimizer)
+    loaded = fa.checkpoint.load(tmp_path / "flat", like=like)
+    assert loaded.storage.kind == "per leaf"
+    _assert_bitwise((loaded.params, loaded.opt_state), (big_state.params, big_state.opt_state), "loaded")
+    leaves = _tree.tree_leaves((loaded.params, loaded.opt_state))
+    assert all(x.untyped_storage().nbytes() == x.nbytes for x in leaves if x.ndim), "each leaf its own memory"
+    torch._dynamo.reset()
+    # (a loss linear in the parameters would not do: its gradients, expansions of one tensor, alias each other, and
+    # torch.cond refuses them whatever the storage: a separate, older fault)
+    loss = lambda p, b: (p["big"].square().sum() + p["head"].square().sum()) * b  # noqa: E731
+    step = fa.make_train_step(loss, optimizer, backend=BACKEND, telemetry=1)
+    new, metrics = step(loaded, torch.tensor(1.0))
+    assert bool(metrics["grads_finite"])
+
+
 # --- class 4: masks are evaluated on what the parameters are, or refused ----------------------------------------
 
 
