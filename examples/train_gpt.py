@@ -28,7 +28,8 @@ the same compiled graph and shown in TensorBoard under ``numerics/``.
 ``--fp8 tensorwise|rowwise|delayed|mxfp8|nvfp4`` runs every Linear but the first and the last in fp8
 (``funcamp.fp8.convert``; the delayed recipe's amax histories are buffers that the train state carries
 and checkpoints; ``mxfp8`` and ``nvfp4`` are the block-scaled recipes, run as their exact float32
-emulation, said once, on every device but one whose ``torch._scaled_mm`` takes their block scales). ``--master-weights bfloat16|bfloat16-kahan|bfloat16-sr`` stores the parameters in
+emulation, said once, on every device but one whose ``torch._scaled_mm`` takes their block scales).
+``--master-weights bfloat16|bfloat16-kahan|bfloat16-sr`` stores the parameters in
 bfloat16 (LayerNorms stay float32) and wraps the optimizer in ``optim.kahan_summation`` or
 ``optim.stochastic_rounding``; ``--moment-dtype bfloat16`` halves AdamW's state, ``--moment-dtype int8|int4``
 keeps it block-quantized (torchao's AdamW8bit / AdamW4bit: about 0.25x / 0.13x of float32 moments).

@@ -174,7 +174,7 @@ def nvfp4_values(
 # --- the three matmuls -----------------------------------------------------------------------------
 
 
-def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     """Zero rows up to a multiple of the block: the weight gradient contracts the token dimension, whatever
     its size. Zeros change no block's amax and add nothing to a product."""
     extra = -t.shape[0] % multiple

@@ -108,9 +108,13 @@ def step_plan() -> Any:
 
 
 def compiling() -> bool:
-    """Whether the code runs in a compiled step, as it is traced: the assembled step's plan decides (made once,
-    when the step was built); outside every assembled step (a model called under the user's own
-    ``torch.compile``), whether ``torch.compile`` is tracing. The one compiled-or-eager question funcamp's
-    modules ask (``docs/internals.md`` lists who asks)."""
-    plan = _STEP.current()
-    return torch.compiler.is_compiling() if plan is None else plan.compiled
+    """Whether the code runs in a compiled step, as it is traced: the one compiled-or-eager question funcamp's
+    modules ask (``docs/internals.md``, "Compiled and eager", lists who asks and why).
+
+    Within the body of a step that :func:`funcamp.train.assemble` built compiled (a compiled :func:`in_step`
+    plan, at any depth), True: the plan decided it once, when the step was built, and ``funcamp.capture``
+    traces a step under its compiled plan the same way, without ``torch.compile``. Elsewhere (outside every
+    assembled step, or in an eager step's body), whether ``torch.compile`` is tracing: a model called under the
+    user's own ``torch.compile``, also inside an eager step, takes the compiled branches as it always has.
+    """
+    return any(plan.compiled for plan in _STEP._stack) or torch.compiler.is_compiling()

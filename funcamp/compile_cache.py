@@ -321,7 +321,7 @@ def _install_kernels(kernels: list[tuple[str, int, str]], blob: bytes) -> int:
     """Write the carried libraries into this process's inductor cache where missing; how many were written."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    from funcamp.checkpoint._atomic import _replace_atomically
+    from funcamp.checkpoint._atomic import replace_atomically
 
     root, offset, written = Path(cache_dir()), 0, 0
     for name, n, sha in kernels:
@@ -330,7 +330,7 @@ def _install_kernels(kernels: list[tuple[str, int, str]], blob: bytes) -> int:
         if target.exists() or hashlib.sha256(data).hexdigest() != sha:
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        _replace_atomically(str(target), lambda f, data=data: f.write(data), "wb")
+        replace_atomically(str(target), lambda f, data=data: f.write(data), "wb")
         target.chmod(0o755)  # as inductor leaves its libraries
         written += 1
     return written
@@ -405,7 +405,7 @@ def save(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
     Raises:
       OSError: if the directory cannot be made or the file cannot be written.
     """
-    from funcamp.checkpoint._atomic import _replace_atomically
+    from funcamp.checkpoint._atomic import replace_atomically
 
     file = Path(file)
     untrusted = _untrusted(file)
@@ -441,7 +441,7 @@ def save(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
         f.write(json.dumps(header, sort_keys=True, separators=(",", ":")).encode() + b"\n")
         f.write(payload)
 
-    _replace_atomically(str(file), write, "wb")
+    replace_atomically(str(file), write, "wb")
     return CacheResult("saved", str(file), count)
 
 

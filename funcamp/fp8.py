@@ -114,6 +114,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from funcamp import _block_scaling as _blocks
+from funcamp import _scope
 from funcamp.formats import get_format
 from funcamp.policy import keep_in_float32
 
@@ -579,7 +580,7 @@ _announced: set[str] = set()  # the recipes whose emulation was announced (once 
 def _announce_emulation(recipe: Recipe, device: torch.device) -> None:
     """Say once per recipe and process that ``recipe`` runs its float32 emulation on ``device``. Not while
     compiling (it runs at ``convert`` and at the first eager call)."""
-    if torch.compiler.is_compiling() or recipe.scaling in _announced:  # traced: constant True, the set unread
+    if _scope.compiling() or recipe.scaling in _announced:  # traced: constant True, the set unread
         return
     _announced.add(recipe.scaling)
     if recipe.scaling == "nvfp4":
@@ -663,8 +664,8 @@ class _BlockMatmul(torch.autograd.Function):
                 grad_w = (g.t().to(torch.float32) @ x.to(torch.float32)).to(w_dtype)
             else:
                 block = recipe.block_size
-                gt = _blocks._pad_rows(g, block).t().contiguous()
-                xt = _blocks._pad_rows(x, block).t().contiguous()
+                gt = _blocks.pad_rows(g, block).t().contiguous()
+                xt = _blocks.pad_rows(x, block).t().contiguous()
                 grad_w = _block_mm(gt, xt, recipe, ("grad", "input"), w_dtype)
         return grad_x, grad_w, None, None
 

@@ -200,9 +200,12 @@ def _autograd_route(
 def _plain_autograd_suffices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Not traced by Dynamo, outside any torch.func transform, and no input is part of an outer autograd graph.
 
-    Dynamo's trace only: ``funcamp.capture.check`` traces the eager step with ``make_fx`` under torch's compiling
-    flag, and there plain autograd is what the compiled step differentiates with (a ``scan=`` run has no
-    torch.func rule)."""
+    The route fork, named: torch.func where Dynamo traces (a ``grad_and_value`` under the user's own
+    ``torch.compile``) or a transform encloses the call, plain autograd elsewhere. A step that
+    ``funcamp.train.assemble`` built compiled never asks (its plan gives the stages the traced-autograd route,
+    ``funcamp._dynamo_autograd.route``, as it does under ``funcamp.capture.check``, whose ``make_fx`` trace is
+    not Dynamo's). It asks Dynamo itself, not :func:`funcamp._scope.compiling`: the question is which
+    differentiation the tracer in use can trace."""
     if torch.compiler.is_dynamo_compiling() or torch._C._functorch.maybe_current_level() is not None:
         return False
     return not any(isinstance(x, torch.Tensor) and x.requires_grad for x in torch_pytree.tree_leaves((args, kwargs)))

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from funcamp import _tree
+from funcamp import _scope, _tree
 
 __all__ = [
     "DynamicLossScale",
@@ -54,7 +54,7 @@ def _initial_value(x: Any) -> float | None:
         type(x) is not torch.Tensor
         or x.device.type != "cpu"
         or x.requires_grad
-        or torch.compiler.is_compiling()
+        or _scope.compiling()
         or torch._C._functorch.is_functorch_wrapped_tensor(x)
         or x.dtype != torch.float32
         or x.ndim != 0
@@ -73,7 +73,7 @@ def _initial_count(x: Any) -> int | None:
     if (
         type(x) is not torch.Tensor
         or x.device.type != "cpu"
-        or torch.compiler.is_compiling()
+        or _scope.compiling()
         or torch._C._functorch.is_functorch_wrapped_tensor(x)
         or x.dtype != torch.int32
         or x.ndim != 0

@@ -73,7 +73,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcamp import _tree, formats
+from funcamp import _scope, _tree, formats
 
 __all__ = [
     "FORMATS",
@@ -461,7 +461,7 @@ def telemetry_metrics(
 
     if active is None:
         values, flag = compute(*operands), torch.ones((), dtype=torch.bool, device=scale.device)
-    elif torch.compiler.is_compiling():
+    elif _scope.compiling():  # one graph whatever the step
         values, flag = torch.cond(active, compute, skip, operands), active
     else:
         values, flag = (compute(*operands) if bool(active) else skip(*operands)), active

@@ -21,7 +21,6 @@ Each rank saves ``OUT/rank<r>.pt``. Importing this module has no side effects (p
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import sys
 from typing import Any

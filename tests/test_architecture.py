@@ -15,9 +15,9 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "funcamp"
 
 #: The modules outside funcamp.train allowed to import from it, the tools over the step: the top package (the
-#: public names), funcamp.debug (reruns the loss with the step's calling convention) and funcamp.capture (CUDA
-#: graph capture of a built step, with its state and donation).
-TRAIN_IMPORTERS = {"funcamp", "funcamp.debug", "funcamp.capture"}
+#: public names), funcamp.debug (reruns the loss with the step's calling convention) and funcamp.capture's check
+#: (it traces a built step's body within its plan made compiled).
+TRAIN_IMPORTERS = {"funcamp", "funcamp.debug", "funcamp.capture._check"}
 
 
 def import_graph(root: pathlib.Path) -> dict[str, set[str]]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import funcamp as fa
-from funcamp import capture, optim
+from funcamp import _scope, capture, optim
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the differential tester's configurations
@@ -114,12 +114,48 @@ def test_cpu_counter_in_a_device_state_is_found_by_path():
 
 
 def test_check_leaves_torch_as_it_was():
-    """The check swaps torch's default generator (for torch.random's functions) and sets the compiling flag only
-    while it traces: after it, both are torch's own and Dynamo still folds is_compiling() in a compiled function."""
+    """The check swaps torch's default generator (for torch.random's functions) only while it traces, and never
+    sets torch's compiling flag: after it, the generator is torch's own and Dynamo still folds is_compiling() in
+    a compiled function."""
     assert "rng state" in report_for(PLANTED["rng state"]).kinds()
     assert torch.random.default_generator is torch.default_generator and not torch.compiler.is_compiling()
     fn = torch.compile(lambda x: x + 1 if torch.compiler.is_compiling() else x, fullgraph=True, backend="eager")
     assert float(fn(torch.zeros(()))) == 1.0
+
+
+def _seen_by(seen):
+    def loss_fn(p, b):
+        seen.append((torch.compiler.is_compiling(), _scope.compiling(), _scope.step_plan()))
+        return mse(p, b)
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-built", "compile-built"])
+def test_check_traces_the_body_under_its_plan_made_compiled(compile):
+    """A step is traced as it is built compiled: its body within its plan with ``compiled=True`` (funcamp's
+    question, ``_scope.compiling()``, answers True), torch's own flag untouched, the step's own plan unchanged;
+    its host-side checks run on the given arguments (swapped ones are refused as a call refuses them). Planted:
+    tracing within ``step.plan`` as it is (eager) fails the first assertion for the eager-built step."""
+    seen = []
+    step = fa.make_train_step(_seen_by(seen), OPT, compile=compile)
+    assert capture.check(step, state(), BATCH).ok
+    assert seen and all(not flag and ours and plan.compiled for flag, ours, plan in seen), seen
+    assert step.plan.compiled is compile
+    with pytest.raises(TypeError, match="arguments are swapped"):
+        capture.check(step, BATCH, state())
+    with pytest.raises(TypeError, match="checked as check\\(step, state, batch\\)"):
+        capture.check(step, state())
+
+
+def test_check_traces_another_callable_as_a_compiled_body():
+    """A callable that is not a ``Step`` is traced as the body of a compiled step: the funcamp code it calls (here
+    an eager-built step's body and the step itself) takes the compiled branches."""
+    seen = []
+    step = fa.make_train_step(_seen_by(seen), OPT, compile=False)
+    assert capture.check(lambda s, b: step.body(s, b), state(), BATCH).ok
+    assert capture.check(lambda s, b: step(s, b), state(), BATCH).ok
+    assert len(seen) == 2 and all(not flag and ours for flag, ours, _ in seen), seen
 
 
 def test_telemetry_cond_is_found():

@@ -2,7 +2,7 @@
 compiled train step.
 
 Under ``torch.compile``, Dynamo runs optree through its Python pytree polyfill; funcamp walks the trees
-of a train step (dicts, lists, tuples, NamedTuples, None) itself while tracing (``_tree._fast_flatten``),
+of a train step (dicts, lists, tuples, NamedTuples, None) itself while tracing (``_tree._fast.flatten``),
 and hands anything else to optree. These tests hold that walk to optree's results, eager and traced.
 Speed is measured by benchmarks/bench_first_step.py, not here.
 """
@@ -51,21 +51,21 @@ def _same_tree(x: object, y: object) -> bool:
 
 @pytest.mark.parametrize("tree", _trees(), ids=range(len(_trees())))
 def test_fast_flatten_matches_optree(tree: object) -> None:
-    flat = _tree._fast_flatten(tree, (), strict=True)
+    flat = _tree._fast.flatten(tree, (), strict=True)
     assert flat is not None
     leaves, rest_leaves, skeleton = flat
     expected = optree.tree_leaves(tree, namespace=_tree.NAMESPACE)
     assert len(leaves) == len(expected) and all(a is b for a, b in zip(leaves, expected))
     assert rest_leaves == []
-    rebuilt = _tree._fast_unflatten(skeleton, leaves)
+    rebuilt = _tree._fast.unflatten(skeleton, leaves)
     assert _same_tree(rebuilt, optree.tree_unflatten(optree.tree_structure(tree, namespace=_tree.NAMESPACE), leaves))
     assert _same_tree(rebuilt, tree)
 
 
 def test_fast_unflatten_refuses_extra_leaves() -> None:
-    _, _, skeleton = _tree._fast_flatten({"a": torch.zeros(1)}, (), strict=True)
+    _, _, skeleton = _tree._fast.flatten({"a": torch.zeros(1)}, (), strict=True)
     with pytest.raises(ValueError, match="more leaves"):
-        _tree._fast_unflatten(skeleton, [torch.zeros(1), torch.zeros(1)])
+        _tree._fast.unflatten(skeleton, [torch.zeros(1), torch.zeros(1)])
 
 
 @pytest.mark.parametrize(
@@ -82,8 +82,8 @@ def test_fast_unflatten_refuses_extra_leaves() -> None:
     ids=["int-keys", "OrderedDict", "defaultdict", "deque", "registered-dataclass", "object", "structseq"],
 )
 def test_fast_flatten_hands_other_nodes_to_optree(tree: object) -> None:
-    assert _tree._fast_flatten(tree, (), strict=True) is None
-    assert _tree._fast_flatten([tree], (), strict=True) is None
+    assert _tree._fast.flatten(tree, (), strict=True) is None
+    assert _tree._fast.flatten([tree], (), strict=True) is None
 
 
 def test_fast_flatten_registered_namedtuple_goes_to_optree() -> None:
@@ -96,8 +96,8 @@ def test_fast_flatten_registered_namedtuple_goes_to_optree() -> None:
             Custom, lambda c: ((c.x,), c.y), lambda y, children: Custom(children[0], y), namespace=_tree.NAMESPACE
         )
     try:
-        assert _tree._fast_flatten(Custom(torch.zeros(1), "meta"), (), strict=True) is None
-        assert _tree._fast_flatten(Pair(torch.zeros(1), "leaf"), (), strict=True) is not None
+        assert _tree._fast.flatten(Custom(torch.zeros(1), "meta"), (), strict=True) is None
+        assert _tree._fast.flatten(Pair(torch.zeros(1), "leaf"), (), strict=True) is not None
     finally:
         optree.unregister_pytree_node(Custom, namespace=_tree.NAMESPACE)
 
@@ -105,14 +105,14 @@ def test_fast_flatten_registered_namedtuple_goes_to_optree() -> None:
 def test_fast_flatten_with_rest_trees() -> None:
     t = torch.zeros(2)
     a, b = {"w": t, "b": [t, None]}, {"b": [t + 1, None], "w": t + 2}
-    leaves, (rest,), _ = _tree._fast_flatten(a, (b,), strict=True)
+    leaves, (rest,), _ = _tree._fast.flatten(a, (b,), strict=True)
     assert rest == optree.tree_leaves(b, namespace=_tree.NAMESPACE) and len(leaves) == 2
     # Up to the first tree's leaves (optree.tree_map's rule): a leaf may face a subtree, unless strict.
     deeper = {"w": (t, t), "b": [t, None]}
-    assert _tree._fast_flatten(a, (deeper,), strict=False) is not None
-    assert _tree._fast_flatten(a, (deeper,), strict=True) is None
+    assert _tree._fast.flatten(a, (deeper,), strict=False) is not None
+    assert _tree._fast.flatten(a, (deeper,), strict=True) is None
     for other in ({"w": t}, {"w": t, "b": (t, None)}, {"w": t, "b": [t, t]}, {"w": t, "c": [t, None]}):
-        assert _tree._fast_flatten(a, (other,), strict=False) is None, other
+        assert _tree._fast.flatten(a, (other,), strict=False) is None, other
 
 
 # --- traced: the fast path is taken, and gives what optree gives ------------------------------------------
@@ -157,7 +157,7 @@ def test_traced_tree_functions_equal_eager() -> None:
 
 
 @pytest.mark.skipif(
-    not _tree._DYNAMO_COMPARES_SPECS,
+    not _tree._structure._DYNAMO_COMPARES_SPECS,
     reason="torch < 2.13: Dynamo cannot compare treespecs, so a traced call compares leaf counts only",
 )
 def test_traced_structure_errors_still_raised() -> None:

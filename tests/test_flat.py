@@ -221,3 +221,70 @@ def test_warm_cache_never_serves_a_graph_compiled_under_other_aliasing(tmp_path,
         new, metrics = fa.make_train_step(loss, optimizer, has_aux=True, donate=True)(warm, batch)
         assert not torch.equal(new.opt_state[1].mu["w"].abs().sum(), expected), "the step moved the moment"
         torch.testing.assert_close(metrics["aux"], expected, rtol=1e-6, atol=0, msg=kind)
+
+
+@pytest.mark.slow
+def test_flat_step_under_inductor_is_bitwise_the_leaf_by_leaf_step(monkeypatch):
+    """Under inductor (where funcamp's graph passes run: funcamp.passes.flat_gradients writes each gradient into its
+    group's buffer as the backward makes it, in bfloat16 where it was computed in bfloat16), clip + AdamW with a
+    decay mask, a loss scale and odd sizes, donating: the flat step is bitwise the per-leaf one (one thread: two
+    split a reduction by the kernel it is fused into), and the clip's norm of each member reads its gradient, not
+    a slice of the buffer (which inductor would compute through every write into it). Planted: a gradient
+    scattered one element off: the parameters differ; the slices left on the buffer: the graph check fails."""
+    from funcamp.passes import pipeline
+
+    graphs = []
+    run = pipeline.run
+
+    def keep(graph, *args, **kwargs):
+        ctx = run(graph, *args, **kwargs)
+        graphs.append(graph)
+        return ctx
+
+    monkeypatch.setattr(pipeline, "run", keep)
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # the passes run: no graph from a cache
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
+        apply_fn, params = fa.nn.functionalize(model, "params=float32,compute=bfloat16,output=float32")
+        decay = {k: v.ndim >= 2 for k, v in params.items()}
+        optimizer = optim.chain(optim.clip_by_global_norm(1e-2), optim.adamw(1e-2, weight_decay=0.1, mask=decay))
+
+        def loss(p, batch):
+            return torch.nn.functional.cross_entropy(apply_fn(p, batch[0]), batch[1])
+
+        g = torch.Generator().manual_seed(2)
+        batches = [(torch.randn(9, 7, generator=g), torch.randint(0, 5, (9,), generator=g)) for _ in range(3)]
+        runs = {}
+        for flat in (True, False):
+            with monkeypatch.context() as m:
+                if not flat:
+                    m.setenv("FUNCAMP_FLAT", "off")
+                torch._dynamo.reset()
+                state = fa.TrainState.create(
+                    {k: v.clone() for k, v in params.items()}, optimizer, loss_scale=fa.DynamicLossScale(2.0**10)
+                )
+                assert state.storage.kind == ("flat" if flat else "per leaf")
+                step = fa.make_train_step(loss, optimizer, donate=True)
+                for batch in batches:
+                    state, metrics = step(state, batch)
+                runs[flat] = ({k: v.clone() for k, v in state.params.items()}, metrics)
+        (got, got_m), (ref, ref_m) = runs[True], runs[False]
+        scatter, convert = torch.ops.aten.slice_scatter.default, torch.ops.prims.convert_element_type.default
+        buffers = {
+            n for g in graphs for n in g.nodes if n.target is scatter and not any(u.target is scatter for u in n.users)
+        }
+        buffers |= {u for n in buffers for u in n.users if u.target is convert}
+        assert buffers, "the flat step's gradients were written into their buffers"
+        sliced = [
+            n for g in graphs for n in g.nodes if n.target is torch.ops.aten.slice.Tensor and n.args[0] in buffers
+        ]
+        assert not [n for n in sliced if n.users], "a member's norm reads a slice of the buffer"
+        _assert_bitwise(got, ref, "params")
+        _assert_bitwise(got_m["grad_norm"], ref_m["grad_norm"], "grad_norm")
+    finally:
+        torch.set_num_threads(threads)

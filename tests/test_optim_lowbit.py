@@ -281,14 +281,48 @@ def test_train_step_compiled_and_donating_equal_eager(eager_state, compile, dona
         assert torch.equal(state.params[k], eager_state.params[k]), k
 
 
-def test_quantized_transform_is_not_marked_elementwise():
+def test_quantized_moments_run_over_flat_buffers_bitwise(monkeypatch):
+    """Blockwise, not elementwise: a flat state keeps quantized and float32-moment parameters in different buffers
+    and starts every quantized parameter at a block boundary, so each parameter's blocks, codes and scales are its
+    own: 3 compiled donating steps (aot_eager) with a decay mask and odd sizes are bitwise the per-leaf state's,
+    codes and scales included (two quantized parameters share a buffer: ``b`` and ``f``). Planted: the quantize
+    decision not recorded (small parameters quantized within a buffer): fails. (The block alignment is implied
+    by the grouping: a buffer's parameters are all quantized, each a whole number of blocks.)"""
     from funcamp.optim import _flat
 
-    opt = optim.adamw(1e-3, moment_dtype="int4")
-    assert not _flat.runs_flat(opt) and _flat.runs_flat(optim.adamw(1e-3, moment_dtype=torch.bfloat16))
-    adam = optim.scale_by_adam(moment_dtype="int4")
-    assert _moments.flat_requirement(adam) == _moments.FlatRequirement(block_size=128, min_numel=4096)
-    assert _moments.flat_requirement(optim.scale_by_adam()) is None
+    opt = optim.adamw(
+        1e-2, moment_dtype="int8", weight_decay=0.1, mask=lambda p: {k: v.ndim >= 2 for k, v in p.items()}
+    )
+    assert _flat.runs_flat(opt) and _moments.flat_requirement(optim.scale_by_adam(moment_dtype="int4")) == (128, 4096)
+    g = torch.Generator().manual_seed(3)
+    params = {
+        "a": torch.randn(33, 128, generator=g),
+        "b": torch.randn(4096, generator=g),
+        "c": torch.randn(7, generator=g),
+    }
+    params |= {
+        "d": torch.randn(20, 256, generator=g),
+        "e": torch.randn(4100, generator=g),
+        "f": torch.randn(8192, generator=g),
+    }
+
+    def loss(p, batch):
+        return sum((p[k] * batch[k]).sum() for k in p)
+
+    batches = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(3)]
+    runs = {}
+    for flat in (True, False):
+        with monkeypatch.context() as m:
+            if not flat:
+                m.setenv("FUNCAMP_FLAT", "off")
+            torch._dynamo.reset()
+            state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, opt)
+            assert state.storage.kind == ("flat" if flat else "per leaf"), state.storage
+            step = fa.make_train_step(loss, opt, backend="aot_eager", donate=True)
+            for batch in batches:
+                state, _ = step(state, batch)
+            runs[flat] = [x.clone() for x in _tree.tree_leaves((state.params, state.opt_state))]
+    assert all(torch.equal(x, y) for x, y in zip(runs[True], runs[False], strict=True))
 
 
 def test_skipped_step_keeps_the_quantized_state(eager_state):

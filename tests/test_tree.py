@@ -203,7 +203,9 @@ def traced_checks():
     formulas, run by ATen); each test makes one call, so one compile each."""
     torch._dynamo.reset()
     flags = torch.compile(_tree.finite_flags, fullgraph=True, backend="aot_eager")
-    magnitudes = torch.compile(lambda xs: [_tree._max_magnitude(x) for x in xs], fullgraph=True, backend="aot_eager")
+    magnitudes = torch.compile(
+        lambda xs: [_tree._numerics._max_magnitude(x) for x in xs], fullgraph=True, backend="aot_eager"
+    )
     return flags, magnitudes
 
 
@@ -236,5 +238,5 @@ def test_max_magnitude_traced_equals_eager(traced_checks):
             xs.append(x.to(dtype))
     xs.append(torch.tensor([1.0, math.nan, -5.0]))
     for x, got in zip(xs, traced(xs), strict=True):
-        eager = _tree._max_magnitude(x)
+        eager = _tree._numerics._max_magnitude(x)
         assert got.dtype == eager.dtype and torch.equal(got.abs(), eager.abs()) or (got.isnan() and eager.isnan()), x

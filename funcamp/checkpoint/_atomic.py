@@ -12,7 +12,7 @@ import tempfile
 from typing import Any
 
 
-def _replace_atomically(path: str, write: Any, mode: str) -> None:
+def replace_atomically(path: str, write: Any, mode: str) -> None:
     """Write a temporary file beside ``path`` with ``write(file)``, fsync it, rename it over ``path`` with
     ``os.replace`` and fsync the directory: a reader sees the old file or the new one, never a part.
 
@@ -33,7 +33,7 @@ def _replace_atomically(path: str, write: Any, mode: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def _host() -> str:
@@ -66,7 +66,8 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Flush ``directory``'s entries to disk (a rename made durable); nothing where a directory cannot be opened."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # Windows cannot open directories

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from funcamp._errors import DonatedStateError
-from funcamp.checkpoint._atomic import _replace_atomically
+from funcamp.checkpoint._atomic import replace_atomically
 
 FORMAT = "funcamp.checkpoint"
 
@@ -27,7 +27,7 @@ VERSION = 1
 _SCALARS = (bool, int, float, str, type(None))
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 class CheckpointError(ValueError):
@@ -42,11 +42,13 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint's structure, a shape or a dtype differs from ``like``; the message says where."""
 
 
-def _is_namedtuple(x: Any) -> bool:
+def is_namedtuple(x: Any) -> bool:
+    """Whether ``x`` is a NamedTuple (a tuple whose type has ``_fields``)."""
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def _type_name(cls: type) -> str:
+def type_name(cls: type) -> str:
+    """``module.QualName`` of ``cls``, as a checkpoint records a type."""
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -81,7 +83,9 @@ def _saved_whole(state: Any) -> set[Any]:
     return {key for key, (nbytes, saved, n) in covered.items() if saved >= nbytes - 64 * n}
 
 
-def _encode(x: Any, path: str, whole: set[Any] | None = None) -> Any:
+def encode(x: Any, path: str, whole: set[Any] | None = None) -> Any:
+    """``x`` as the checkpoint file holds it (tensors detached, containers and types as tagged dicts); ``path``
+    names it in errors."""
     if isinstance(x, torch.Tensor):
         if type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
             raise TypeError(
@@ -95,21 +99,21 @@ def _encode(x: Any, path: str, whole: set[Any] | None = None) -> Any:
     if isinstance(x, torch.dtype):
         return {"$": "dtype", "name": str(x).removeprefix("torch.")}
     if isinstance(x, dict):
-        return {"$": "dict", "items": [[k, _encode(v, _join(path, k), whole)] for k, v in x.items()]}
-    if _is_namedtuple(x):
-        fields = {f: _encode(getattr(x, f), _join(path, f), whole) for f in type(x)._fields}
-        return {"$": "namedtuple", "type": _type_name(type(x)), "fields": fields}
+        return {"$": "dict", "items": [[k, encode(v, join(path, k), whole)] for k, v in x.items()]}
+    if is_namedtuple(x):
+        fields = {f: encode(getattr(x, f), join(path, f), whole) for f in type(x)._fields}
+        return {"$": "namedtuple", "type": type_name(type(x)), "fields": fields}
     if isinstance(x, (list, tuple)):
         kind = "list" if isinstance(x, list) else "tuple"
-        return {"$": kind, "items": [_encode(v, _join(path, i), whole) for i, v in enumerate(x)]}
+        return {"$": kind, "items": [encode(v, join(path, i), whole) for i, v in enumerate(x)]}
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         if getattr(x, "_funcamp_donated", False):  # funcamp.train._donate.mark_donated
             raise DonatedStateError(
                 f"funcamp.checkpoint.save: {path or 'the state'} was donated to a train step built with donate=True, "
                 "which wrote the next state into its tensors; save the state that step returned"
             )
-        fields = {f.name: _encode(getattr(x, f.name), _join(path, f.name), whole) for f in _saved_fields(x)}
-        return {"$": "dataclass", "type": _type_name(type(x)), "fields": fields}
+        fields = {f.name: encode(getattr(x, f.name), join(path, f.name), whole) for f in _saved_fields(x)}
+        return {"$": "dataclass", "type": type_name(type(x)), "fields": fields}
     raise TypeError(
         f"funcamp.checkpoint.save: cannot save {path or 'the state'} of type {type(x).__name__}; a checkpoint holds "
         "tensors, None, bool/int/float/str, torch dtypes, dicts, lists, tuples, NamedTuples and dataclasses "
@@ -124,11 +128,12 @@ def _saved_fields(x: Any) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(x) if f.init and not f.metadata.get("funcamp.static")]
 
 
-def _join(path: str, key: Any) -> str:
+def join(path: str, key: Any) -> str:
+    """The dotted path of ``key`` under ``path`` (``key`` alone at the root)."""
     return f"{path}.{key}" if path else str(key)
 
 
-def _check_path(fn: str, path: Any, tree: Any = None) -> None:
+def check_path(fn: str, path: Any, tree: Any = None) -> None:
     """Refuse a ``path`` that is not a path, saying so when the arguments are in ``torch.save``'s order."""
     if isinstance(path, (str, os.PathLike)):
         return
@@ -180,13 +185,13 @@ def save(path: str | os.PathLike[str], state: Any) -> None:
       ...     load(f"{d}/ckpt.pt")["scale"].loss_scale
       tensor(1024.)
     """
-    _check_path("save", path, state)
-    payload = {"format": FORMAT, "version": VERSION, "tree": _encode(state, "", _saved_whole(state))}
+    check_path("save", path, state)
+    payload = {"format": FORMAT, "version": VERSION, "tree": encode(state, "", _saved_whole(state))}
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"funcamp.checkpoint.save: directory {directory!r} of {path!r} does not exist")
-    _replace_atomically(path, lambda f: torch.save(payload, f), "wb")
+    replace_atomically(path, lambda f: torch.save(payload, f), "wb")
 
 
 def load(
@@ -225,7 +230,7 @@ def load(
       CheckpointMismatchError: if the saved tree differs from ``like`` (the message gives the path in
         the tree, e.g. ``state.params.wte.weight``, and what differs).
     """
-    _check_path("load", path)
+    check_path("load", path)
     _check_like("load", like)
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -238,7 +243,7 @@ def load(
         )
         raise CorruptCheckpointError(f"funcamp.checkpoint.load: {path!r} is a directory, {what}")
     payload = _read(path, map_location)
-    return _decode(payload["tree"], like, "", path, like is not None)
+    return decode(payload["tree"], like, "", path, like is not None)
 
 
 def _read(path: str, map_location: Any) -> dict[str, Any]:
@@ -258,7 +263,8 @@ def _read(path: str, map_location: Any) -> dict[str, Any]:
     return payload
 
 
-def _mismatch(file: str, path: str, what: str) -> CheckpointMismatchError:
+def mismatch(file: str, path: str, what: str) -> CheckpointMismatchError:
+    """The error for a checkpoint ``file`` whose entry at ``path`` is not what ``like`` holds (``what`` says how)."""
     return CheckpointMismatchError(f"{file}: {path or 'the root'} {what}")
 
 
@@ -275,21 +281,22 @@ def _like_kind(like: Any) -> str:
         return "tensor"
     if isinstance(like, dict):
         return "dict"
-    if _is_namedtuple(like):
-        return f"namedtuple {_type_name(type(like))}"
+    if is_namedtuple(like):
+        return f"namedtuple {type_name(type(like))}"
     if isinstance(like, (list, tuple)):
         return type(like).__name__
     if dataclasses.is_dataclass(like):
-        return f"dataclass {_type_name(type(like))}"
+        return f"dataclass {type_name(type(like))}"
     return type(like).__name__
 
 
-def _decode(node: Any, like: Any, path: str, file: str, checked: bool) -> Any:
+def decode(node: Any, like: Any, path: str, file: str, checked: bool) -> Any:
+    """The value of the file's ``node`` (the inverse of :func:`encode`), checked against ``like`` where ``checked``."""
     if isinstance(node, torch.Tensor):
         return _decode_tensor(node, like, path, file, checked)
     if not isinstance(node, dict):
         if checked and (isinstance(like, (torch.Tensor, dict, list, tuple)) or dataclasses.is_dataclass(like)):
-            raise _mismatch(file, path, f"is a {_kind(node)} in the checkpoint but a {_like_kind(like)} in like")
+            raise mismatch(file, path, f"is a {_kind(node)} in the checkpoint but a {_like_kind(like)} in like")
         return node
     kind = node.get("$")
     if kind == "dtype":
@@ -307,11 +314,11 @@ def _decode_tensor(node: torch.Tensor, like: Any, path: str, file: str, checked:
     if not checked:
         return node
     if not isinstance(like, torch.Tensor):
-        raise _mismatch(file, path, f"is a tensor in the checkpoint but a {_like_kind(like)} in like")
+        raise mismatch(file, path, f"is a tensor in the checkpoint but a {_like_kind(like)} in like")
     if node.shape != like.shape:
-        raise _mismatch(file, path, f"has shape {tuple(node.shape)} in the checkpoint, {tuple(like.shape)} in like")
+        raise mismatch(file, path, f"has shape {tuple(node.shape)} in the checkpoint, {tuple(like.shape)} in like")
     if node.dtype != like.dtype:
-        raise _mismatch(file, path, f"has dtype {node.dtype} in the checkpoint, {like.dtype} in like")
+        raise mismatch(file, path, f"has dtype {node.dtype} in the checkpoint, {like.dtype} in like")
     out = node.to(like.device)
     if out.untyped_storage().nbytes() > out.nbytes and like.untyped_storage().nbytes() <= like.nbytes:
         # A part of a buffer saved whole (a flat state's) loaded where like's tensor owns its memory (a state kept
@@ -323,56 +330,56 @@ def _decode_tensor(node: torch.Tensor, like: Any, path: str, file: str, checked:
 
 def _decode_dtype(node: dict[str, Any], path: str, file: str) -> torch.dtype:
     name = node.get("name")
-    if name not in _DTYPES:
+    if name not in DTYPES:
         raise CorruptCheckpointError(f"{file}: unknown dtype {name!r} at {path or 'the root'}")
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
 def _decode_dict(node: dict[str, Any], like: Any, path: str, file: str, checked: bool) -> dict[Any, Any]:
     items = node["items"]
     if checked:
         if not isinstance(like, dict):
-            raise _mismatch(file, path, f"is a dict in the checkpoint but a {_like_kind(like)} in like")
+            raise mismatch(file, path, f"is a dict in the checkpoint but a {_like_kind(like)} in like")
         keys = [k for k, _ in items]
         missing = [k for k in like if k not in keys]
         unexpected = [k for k in keys if k not in like]
         if missing or unexpected:
-            raise _mismatch(file, path, f"has other keys than like: missing {missing}, unexpected {unexpected}")
-        out = {k: _decode(v, like[k], _join(path, k), file, True) for k, v in items}
+            raise mismatch(file, path, f"has other keys than like: missing {missing}, unexpected {unexpected}")
+        out = {k: decode(v, like[k], join(path, k), file, True) for k, v in items}
         return type(like)((k, out[k]) for k in like) if type(like) is not dict else {k: out[k] for k in like}
-    return {k: _decode(v, None, _join(path, k), file, False) for k, v in items}
+    return {k: decode(v, None, join(path, k), file, False) for k, v in items}
 
 
 def _decode_sequence(node: dict[str, Any], like: Any, path: str, file: str, checked: bool) -> list[Any] | tuple:
     items, kind = node["items"], node["$"]
     if checked:
-        if _is_namedtuple(like) or not isinstance(like, (list, tuple)) or type(like).__name__ != kind:
-            raise _mismatch(file, path, f"is a {kind} in the checkpoint but a {_like_kind(like)} in like")
+        if is_namedtuple(like) or not isinstance(like, (list, tuple)) or type(like).__name__ != kind:
+            raise mismatch(file, path, f"is a {kind} in the checkpoint but a {_like_kind(like)} in like")
         if len(items) != len(like):
-            raise _mismatch(file, path, f"has {len(items)} entries in the checkpoint, {len(like)} in like")
-        out = [_decode(v, lk, _join(path, i), file, True) for i, (v, lk) in enumerate(zip(items, like))]
+            raise mismatch(file, path, f"has {len(items)} entries in the checkpoint, {len(like)} in like")
+        out = [decode(v, lk, join(path, i), file, True) for i, (v, lk) in enumerate(zip(items, like))]
     else:
-        out = [_decode(v, None, _join(path, i), file, False) for i, v in enumerate(items)]
+        out = [decode(v, None, join(path, i), file, False) for i, v in enumerate(items)]
     return out if kind == "list" else tuple(out)
 
 
 def _decode_object(node: dict[str, Any], like: Any, path: str, file: str, checked: bool) -> Any:
     kind, name, fields = node["$"], node["type"], node["fields"]
     if checked:
-        is_kind = _is_namedtuple(like) if kind == "namedtuple" else dataclasses.is_dataclass(like)
+        is_kind = is_namedtuple(like) if kind == "namedtuple" else dataclasses.is_dataclass(like)
         if not is_kind or type(like).__name__ != name.rsplit(".", 1)[-1]:
-            raise _mismatch(file, path, f"is a {kind} {name} in the checkpoint but a {_like_kind(like)} in like")
+            raise mismatch(file, path, f"is a {kind} {name} in the checkpoint but a {_like_kind(like)} in like")
         cls = type(like)
         expected = list(cls._fields) if kind == "namedtuple" else [f.name for f in _saved_fields(like)]
         if sorted(expected) != sorted(fields):
-            raise _mismatch(file, path, f"has fields {sorted(fields)} in the checkpoint, {sorted(expected)} in like")
-        values = {k: _decode(v, getattr(like, k), _join(path, k), file, True) for k, v in fields.items()}
+            raise mismatch(file, path, f"has fields {sorted(fields)} in the checkpoint, {sorted(expected)} in like")
+        values = {k: decode(v, getattr(like, k), join(path, k), file, True) for k, v in fields.items()}
         if kind == "dataclass":  # the static facts a state carries (not saved) come from like
             static = [f.name for f in dataclasses.fields(like) if f.init and f.metadata.get("funcamp.static")]
             values.update({k: getattr(like, k) for k in static})
     else:
         cls = _funcamp_type(name, kind, path, file)
-        values = {k: _decode(v, None, _join(path, k), file, False) for k, v in fields.items()}
+        values = {k: decode(v, None, join(path, k), file, False) for k, v in fields.items()}
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:

@@ -14,17 +14,17 @@ from typing import Any
 
 import torch
 
-from funcamp.checkpoint._atomic import _fsync_dir, _replace_atomically
+from funcamp.checkpoint._atomic import fsync_dir, replace_atomically
 from funcamp.checkpoint._format import (
-    _DTYPES,
+    DTYPES,
     CorruptCheckpointError,
-    _check_path,
-    _decode,
-    _encode,
-    _is_namedtuple,
-    _join,
-    _mismatch,
-    _type_name,
+    check_path,
+    decode,
+    encode,
+    is_namedtuple,
+    join,
+    mismatch,
+    type_name,
 )
 
 SHARDED_FORMAT = "funcamp.sharded_checkpoint"
@@ -84,18 +84,18 @@ def _split_tensors(
         if node.get("$") == "dict":
             return {
                 "$": "dict",
-                "items": [[k, _split_tensors(v, _join(path, k), layout, tensors, where)] for k, v in node["items"]],
+                "items": [[k, _split_tensors(v, join(path, k), layout, tensors, where)] for k, v in node["items"]],
             }
         if node.get("$") in ("list", "tuple"):
-            items = [_split_tensors(v, _join(path, i), layout, tensors, where) for i, v in enumerate(node["items"])]
+            items = [_split_tensors(v, join(path, i), layout, tensors, where) for i, v in enumerate(node["items"])]
             return {**node, "items": items}
         if node.get("$") in ("namedtuple", "dataclass"):
             fields = {}
             for k, v in node["fields"].items():
                 inner = where
                 if node.get("type") == _TRAIN_STATE and where is None and k in ("params", "opt_state"):
-                    inner = (k, _join(path, k))
-                fields[k] = _split_tensors(v, _join(path, k), layout, tensors, inner)
+                    inner = (k, join(path, k))
+                fields[k] = _split_tensors(v, join(path, k), layout, tensors, inner)
             return {**node, "fields": fields}
     return node
 
@@ -146,11 +146,11 @@ _FROM_LAYOUT: Any = object()
 
 def _states(tree: Any) -> list[Any]:
     """The TrainStates in ``tree`` (dicts, lists and tuples walked), in order."""
-    if _type_name(type(tree)) == _TRAIN_STATE:
+    if type_name(type(tree)) == _TRAIN_STATE:
         return [tree]
     if isinstance(tree, dict):
         return [s for v in tree.values() for s in _states(v)]
-    if isinstance(tree, (list, tuple)) and not _is_namedtuple(tree):
+    if isinstance(tree, (list, tuple)) and not is_namedtuple(tree):
         return [s for v in tree for s in _states(v)]
     return []
 
@@ -253,7 +253,7 @@ def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any = None, *,
 
     import torch.distributed.checkpoint as dcp
 
-    _check_path("save_sharded", path, tree)
+    check_path("save_sharded", path, tree)
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(os.path.dirname(path)):
         raise FileNotFoundError(f"funcamp.checkpoint.save_sharded: the parent directory of {path!r} does not exist")
@@ -277,7 +277,7 @@ def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any = None, *,
     if layout.world_size != size:
         sharding.check_rank(layout, pg, "funcamp.checkpoint.save_sharded")
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _split_tensors(_encode(tree, ""), "", layout, tensors)
+    skeleton = _split_tensors(encode(tree, ""), "", layout, tensors)
     _check_replicated(tensors, pg, layout)
     name = [f"ckpt-{uuid.uuid4().hex[:12]}"]
     if pg is not None:
@@ -302,9 +302,9 @@ def save_sharded(path: str | os.PathLike[str], tree: Any, layout: Any = None, *,
             json.dump(meta, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.replace(tmp, final)
-        _replace_atomically(os.path.join(path, _LATEST), lambda f: f.write(name[0] + "\n"), "w")
+        replace_atomically(os.path.join(path, _LATEST), lambda f: f.write(name[0] + "\n"), "w")
         with open(os.path.join(path, _LATEST)) as f:
             current = f.read().strip()  # another writer may have replaced LATEST since: keep what it names
         for old in os.listdir(path):  # earlier checkpoints, and leftovers of saves interrupted before this one
@@ -363,7 +363,7 @@ def load_sharded(
 
     from funcamp import sharding
 
-    _check_path("load_sharded", path)
+    check_path("load_sharded", path)
     layout = _carried_layout(like, layout, "load_sharded")
     if not isinstance(layout, sharding.ShardLayout):
         raise TypeError(
@@ -381,14 +381,14 @@ def load_sharded(
     saved = sharding.ShardLayout(meta["world_size"], 0, tuple(meta["names"]), tuple(tuple(s) for s in meta["shapes"]))
     if saved.names != layout.names:
         missing, extra = sorted(set(layout.names) - set(saved.names)), sorted(set(saved.names) - set(layout.names))
-        raise _mismatch(directory, "the parameters", f"differ from the layout's: missing {missing}, unexpected {extra}")
+        raise mismatch(directory, "the parameters", f"differ from the layout's: missing {missing}, unexpected {extra}")
     for name, a, b in zip(saved.names, saved.shapes, layout.shapes):
         if a != b:
-            raise _mismatch(
+            raise mismatch(
                 directory, f"parameter {name!r}", f"has whole shape {a} in the checkpoint, {b} in the layout"
             )
     if saved.world_size != layout.world_size and not reshard:
-        raise _mismatch(
+        raise mismatch(
             directory,
             "the checkpoint",
             f"was saved by {saved.world_size} ranks but is loaded on {layout.world_size} (rank {layout.rank}) with "
@@ -406,27 +406,27 @@ def load_sharded(
     with _quiet_single_process():
         dcp.load(wanted, checkpoint_id=directory, process_group=pg, no_dist=pg is None)
     node = _fill(meta["tree"], saved, layout, wanted)
-    return _carrying(_decode(node, like, "", directory, like is not None), layout)
+    return _carrying(decode(node, like, "", directory, like is not None), layout)
 
 
 def _carrying(tree: Any, layout: Any) -> Any:
     """``tree`` with every TrainState in it carrying ``layout`` (its ``params`` are that layout's shards), so
     that a train step built without ``shard=`` trains it sharded."""
-    if _type_name(type(tree)) == _TRAIN_STATE:
+    if type_name(type(tree)) == _TRAIN_STATE:
         return dataclasses.replace(tree, shard=layout)
     if isinstance(tree, dict):
         return {k: _carrying(v, layout) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_carrying(v, layout) for v in tree]
-    if isinstance(tree, tuple) and not _is_namedtuple(tree):
+    if isinstance(tree, tuple) and not is_namedtuple(tree):
         return tuple(_carrying(v, layout) for v in tree)
     return tree
 
 
 def _dtype(name: str, file: str) -> torch.dtype:
-    if name not in _DTYPES:
+    if name not in DTYPES:
         raise CorruptCheckpointError(f"{file}: unknown dtype {name!r}")
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
 def _overlap(saved: Any, layout: Any, i: int) -> tuple[int, int, range]:

@@ -1,7 +1,7 @@
 """``functionalize``: a plan of small parts assembled, and the one ``apply_fn`` it returns.
 
 The parts, in the order they apply: the ``fp8=`` part of the policy string converts the model
-(:func:`_with_fp8`); :class:`funcamp.nn._plan._Plan` says which policy each module and tensor follows;
+(:func:`_with_fp8`); :class:`funcamp.nn._plan.Plan` says which policy each module and tensor follows;
 :mod:`funcamp.nn._store` copies what ``apply_fn`` is made from (trainable masters, frozen or int8
 tensors, buffers); :mod:`funcamp.nn._wrappers` builds the module copy with its per-module wrappers
 (each parameter made into its forward tensor where its module uses it, :mod:`funcamp.nn._use`; the
@@ -20,11 +20,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from funcamp import quant
+from funcamp import _scope, quant
 from funcamp.nn import _deferred, _remat, _scan, _store, _use, _wrappers
-from funcamp.nn._plan import _HALF, ModulePolicies, PolicyLike, _check_module, _Plan
+from funcamp.nn._plan import HALF, ModulePolicies, Plan, PolicyLike, check_module
 from funcamp.nn._reductions import buffer_reductions
-from funcamp.nn._store import Trainable, _sample
+from funcamp.nn._store import Trainable, sample
 from funcamp.ops import OpRule
 from funcamp.policy import Policy, _split_fp8, get_policy
 
@@ -209,10 +209,10 @@ def functionalize(
       >>> sorted(params), sorted(apply_fn.frozen), apply_fn.frozen["0.weight"].dtype
       (['2.bias', '2.weight'], ['0.bias', '0.weight', '1.bias', '1.weight'], torch.bfloat16)
     """
-    _check_module(module)
+    check_module(module)
     module, policy, module_policies = _with_fp8(module, policy, module_policies, with_buffers)
     policy = get_policy(policy)
-    plan = _Plan(module, policy, module_policies)
+    plan = Plan(module, policy, module_policies)
     explicit = _explicit(with_buffers, module, plan)
     chosen = _store.trainable_names(module, plan, trainable)
     store = _store.store(module, plan, chosen, _store.int8_names(module, quantize, chosen), autocast)
@@ -264,7 +264,7 @@ class _Apply:
     def __init__(
         self,
         skeleton: nn.Module,
-        plan: _Plan,
+        plan: Plan,
         policy: Policy,
         autocast: bool,
         store: _store.Store,
@@ -291,10 +291,10 @@ class _Apply:
         # A tied buffer is the same fresh tensor under every name. Parameters are not bound here: each
         # module binds its own when first called (funcamp.nn._use), from ``params`` pushed below.
         tensors = _fresh_buffers(plan, state, dtypes)
-        eager = not torch.compiler.is_compiling()
+        eager = not _scope.compiling()
         call = None
         if eager:  # a checkpointed region's recompute runs with these tensors
-            call = _remat._Call(
+            call = _remat.Call(
                 self.skeleton,
                 lambda: _pushed(self.uses, params),
                 lambda: _fresh_buffers(plan, state, dtypes),
@@ -317,7 +317,7 @@ class _Apply:
         """The copy's forward with ``tensors`` (the buffers) bound: under autocast, or on inputs cast."""
         policy = self.policy
         if self.autocast:
-            half = policy.compute_dtype in _HALF
+            half = policy.compute_dtype in HALF
             device = _wrappers.device_type(params, args, kwargs)
             with _wrappers.autocast_on(device, dtype=policy.compute_dtype if half else None, enabled=half):
                 return torch.func.functional_call(self.skeleton, tensors, tuple(args), kwargs, tie_weights=False)
@@ -325,7 +325,7 @@ class _Apply:
         return torch.func.functional_call(self.skeleton, tensors, args, kwargs, tie_weights=False)
 
 
-def _explicit(with_buffers: bool | None, module: nn.Module, plan: _Plan) -> bool:
+def _explicit(with_buffers: bool | None, module: nn.Module, plan: Plan) -> bool:
     """Whether ``apply_fn`` takes and returns the buffers; ``with_buffers=None`` on a model with them warns."""
     if with_buffers is not None:
         if not isinstance(with_buffers, bool):
@@ -333,7 +333,7 @@ def _explicit(with_buffers: bool | None, module: nn.Module, plan: _Plan) -> bool
         return with_buffers
     if plan.buffers:
         warnings.warn(
-            f"functionalize: {type(module).__name__} has persistent buffers ({_sample(plan.buffers)}), so without "
+            f"functionalize: {type(module).__name__} has persistent buffers ({sample(plan.buffers)}), so without "
             "with_buffers this returns three values, (apply_fn, params, buffers), with apply_fn(params, buffers, "
             "*args) -> (out, new_buffers); pass with_buffers=True for that form (or with_buffers=False to hold the "
             "buffers as constants). The number of values is to follow the arguments, not the model: a future "
@@ -392,7 +392,7 @@ def _pushed(uses: _use.Uses, params: Mapping[str, torch.Tensor]) -> Iterator[Non
         uses.pop()
 
 
-def _describe(apply_fn: Any, store: _store.Store, plan: _Plan, remat: list[str]) -> None:
+def _describe(apply_fn: Any, store: _store.Store, plan: Plan, remat: list[str]) -> None:
     """``apply_fn.frozen``, ``.forward_dtypes``, ``.aliases`` (read-only) and ``.remat``."""
     apply_fn.frozen = types.MappingProxyType(store.frozen)
     apply_fn.forward_dtypes = types.MappingProxyType(
@@ -427,7 +427,7 @@ def _check_keys(what: str, got: Mapping[str, Any], expected: list[str], frozen: 
 
 
 def _fresh_buffers(
-    plan: _Plan, state: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]
+    plan: Plan, state: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]
 ) -> dict[str, torch.Tensor]:
     """Buffers as they were when the call began (fresh copies: a recompute must not update them twice)."""
     fresh = {name: _use.to_forward(b, dtypes[name], copy=True) for name, b in state.items()}

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from funcamp import quant
-from funcamp.nn._plan import _aliases
+from funcamp.nn._plan import tied_names
 
 __all__ = ["load_into", "state_dict"]
 
@@ -107,7 +107,7 @@ def state_dict(
     if not isinstance(model, nn.Module):
         raise TypeError(f"funcamp.nn.state_dict: expected a torch.nn.Module, got {type(model).__name__}")
     target = model.state_dict()
-    aliases = {a: f for a, f in _aliases(model).items() if a in target and f in target}
+    aliases = {a: f for a, f in tied_names(model).items() if a in target and f in target}
     given, source = _gather(params, buffers, frozen)
     for name in [n for n in given if n not in target and source[n] == "buffers" and _fp8_state_of_plain(model, n)]:
         del given[name]

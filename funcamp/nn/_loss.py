@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from funcamp import _scope
+
 __all__ = ["linear_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum")
@@ -231,7 +233,7 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device)
         hidden, weight = hidden.to(dtype), weight.to(dtype) if isinstance(weight, torch.Tensor) else weight
     _check(hidden, weight, targets, chunk_size, ignore_index, reduction)
-    if not torch.compiler.is_compiling():
+    if not _scope.compiling():  # a host read: eager only
         _check_targets(targets, weight.shape[0], ignore_index)
     # reshape: torch ops outside the Function, where a tensor subclass such as funcamp.nn's parameter placeholder (a
     # tied head's weight read without calling its module) becomes its tensor with its autograd history; inside, the

@@ -36,7 +36,7 @@ EMBEDDING_TYPES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
 # Normalisation layers of other libraries, recognised by their class name: LlamaRMSNorm, T5LayerNorm,
 # FusedLayerNorm, torchvision's FrozenBatchNorm2d, ...
 _NORM_NAME = re.compile(r"(Layer|RMS|Group|Batch|Instance)Norm(\dd)?$")
-_HALF = (torch.float16, torch.bfloat16)
+HALF = (torch.float16, torch.bfloat16)
 
 
 def float32_lookup(surrounding: Policy) -> Policy:
@@ -80,7 +80,8 @@ def float32_lookup(surrounding: Policy) -> Policy:
     )
 
 
-def _is_default_norm(name: str, module: nn.Module) -> bool:
+def is_default_norm(name: str, module: nn.Module) -> bool:
+    """Whether ``module`` is a normalization layer by default (a torch norm type, or a class named like one)."""
     return isinstance(module, NORM_TYPES) or bool(_NORM_NAME.search(type(module).__name__))
 
 
@@ -123,7 +124,7 @@ def _entries(module_policies: ModulePolicies | None) -> list[tuple[_Matcher, Mod
     user = [(_matcher(k), _check_value(k, v), isinstance(k, str), False) for k, v in (module_policies or {}).items()]
     return [
         *user,
-        (_is_default_norm, keep_in_float32, False, True),
+        (is_default_norm, keep_in_float32, False, True),
         (_is_default_embedding, float32_lookup, False, True),
     ]
 
@@ -139,7 +140,7 @@ def _apply(value: ModulePolicy, surrounding: Policy) -> Policy:
     return policy
 
 
-class _Plan:
+class Plan:
     """Which policy each module and each tensor follows; computed once from the module's structure.
 
     Attributes:
@@ -169,7 +170,7 @@ class _Plan:
         self.params = [name for name, _ in module.named_parameters()]
         self.buffers = [name for name, _ in module.named_buffers() if _is_persistent(module, name)]
         self.tensors = {name: self._tensor_policy(name, patterns) for name in self.params + self.buffers}
-        self.aliases = {a: m for a, m in _aliases(module).items() if m in self.tensors}
+        self.aliases = {a: m for a, m in tied_names(module).items() if m in self.tensors}
         self.alias_policies = {a: self._tensor_policy(a, patterns) for a in self.aliases}
 
     def _tensor_policy(self, name: str, patterns: list[tuple[_Matcher, ModulePolicy]]) -> Policy:
@@ -189,12 +190,12 @@ class _Plan:
     def forward_dtype(self, name: str, autocast: bool) -> torch.dtype:
         """The dtype a floating tensor enters the forward pass in (under autocast, half casts are left to it)."""
         policy = self.alias_policies[name] if name in self.aliases else self.tensors[name]
-        if autocast and policy.compute_dtype in _HALF:
+        if autocast and policy.compute_dtype in HALF:
             return policy.param_dtype
         return policy.compute_dtype
 
 
-def _aliases(module: nn.Module) -> dict[str, str]:
+def tied_names(module: nn.Module) -> dict[str, str]:
     """Every further name of a tied (shared) parameter or buffer, mapped to its first name."""
     first: dict[int, str] = {}
     named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
@@ -230,11 +231,12 @@ def param_policies(
       >>> {k: str(p) for k, p in param_policies(model, "c=bf16").items()}["1.weight"]
       'params=float32,compute=float32,output=bfloat16'
     """
-    _check_module(module)
-    plan = _Plan(module, get_policy(policy), module_policies)
+    check_module(module)
+    plan = Plan(module, get_policy(policy), module_policies)
     return {**plan.tensors, **plan.alias_policies}
 
 
-def _check_module(module: Any) -> None:
+def check_module(module: Any) -> None:
+    """Refuse anything but an ``nn.Module`` (``functionalize``'s argument)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"functionalize: expected a torch.nn.Module, got {type(module).__name__}")

@@ -59,7 +59,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from funcamp import passes
+from funcamp import _scope, passes
 
 __all__ = ["Remat", "RematBudgetWarning", "RematInactiveWarning"]
 
@@ -140,7 +140,7 @@ class RematInactiveWarning(UserWarning):
     """A checkpointed region ran without recomputation (torch.func transforms cannot checkpoint)."""
 
 
-class _Call:
+class Call:
     """What a recompute needs from one ``apply_fn`` call: the module copy and the tensors it ran with.
 
     ``params`` makes the call's trainable tensors current again (a context): the recomputed modules make
@@ -165,7 +165,7 @@ class _Call:
         self.mode = mode  # the call's per-op precision (funcamp.ops.OpPolicies), re-entered to recompute
         self.start = {name: (t, t._version) for name, t in (start or {}).items()}
 
-    def region(self) -> _Call:
+    def region(self) -> Call:
         """This call as a checkpointed region starting now must see it again when it is recomputed.
 
         Buffers the forward has changed so far are taken as they are now: a reassigned one (the fp8
@@ -206,13 +206,13 @@ class _Call:
                 fresh[name] = again[id(tensor)]
             return fresh
 
-        return _Call(self.skeleton, self.params, make_buffers, self.mode)
+        return Call(self.skeleton, self.params, make_buffers, self.mode)
 
     @contextlib.contextmanager
     def bound(self) -> Iterator[None]:
         buffers = self.make_buffers()
         # A region nested in this one (recomputed inside it) starts from what this recompute changes.
-        token = _CALL.set(_Call(self.skeleton, self.params, self.make_buffers, self.mode, buffers))
+        token = _CALL.set(Call(self.skeleton, self.params, self.make_buffers, self.mode, buffers))
         try:
             with (
                 self.params(),
@@ -224,11 +224,11 @@ class _Call:
             _CALL.reset(token)
 
 
-_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("funcamp_nn_call", default=None)
+_CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("funcamp_nn_call", default=None)
 
 
 @contextlib.contextmanager
-def inside(call: _Call) -> Iterator[None]:
+def inside(call: Call) -> Iterator[None]:
     """Mark the forward of one ``apply_fn`` call (eager only: not traced by ``torch.compile``)."""
     token = _CALL.set(call)
     try:
@@ -469,7 +469,7 @@ def wrap_forward(module: nn.Module, budget: float = 0.0) -> None:
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if torch.compiler.is_compiling():  # tagged for the compiled step's recompute pass (funcamp.passes)
+        if _scope.compiling():  # tagged for the compiled step's recompute pass (funcamp.passes)
             with passes.remat_region(region, budget):
                 return forward(*args, **kwargs)
         if budget == 1.0:  # eager: keep every activation, as the compiled pass does at this budget

@@ -11,8 +11,9 @@ keeps one leaf per layer and name (``blocks.3.attn.qkv.weight``), so optimizer s
 groups, ``load_into`` and every name a user sees stay per layer; the stack's backward hands each layer's
 gradient back to its own leaf.
 
-Only under ``torch.compile`` (``torch.compiler.is_compiling()``): eagerly the layers run one after the other as
-written, so the compiled step's gradients can be compared with the eager step's. On torch 2.13 a scan can be
+Only in a compiled step (``funcamp._scope.compiling()``: the step's plan, or ``torch.compile`` tracing): eagerly
+the layers run one after the other as written, so the compiled step's gradients can be compared with the eager
+step's. On torch 2.13 a scan can be
 differentiated inside ``torch.compile`` by Dynamo-traced ``torch.autograd.grad`` (the compiled train step's
 route, :mod:`funcamp._dynamo_autograd`), not by ``torch.func`` transforms ("Expected FakeTensor").
 
@@ -40,7 +41,7 @@ from torch import nn
 
 from funcamp import _scope
 from funcamp.nn import _use
-from funcamp.nn._plan import _Plan
+from funcamp.nn._plan import Plan
 
 __all__ = ["ScanLike", "check", "install", "select"]
 
@@ -88,7 +89,7 @@ def select(module: nn.Module, scan: ScanLike) -> list[str]:
 def check(
     module: nn.Module,
     name: str,
-    plan: _Plan,
+    plan: Plan,
     *,
     frozen: Any,
     int8: Any,
@@ -167,7 +168,7 @@ def check(
                 refuse(f"the buffer {prefix}.{bname} differs from {base}.{bname}")
 
 
-def _signature(layer: nn.Module, plan: _Plan, prefix: str, forward_dtypes: Any) -> dict[str, Any]:
+def _signature(layer: nn.Module, plan: Plan, prefix: str, forward_dtypes: Any) -> dict[str, Any]:
     """What must be equal across a run's layers: classes, plain attributes, tensors' metadata, policies."""
     modules = [
         (
@@ -230,7 +231,7 @@ def install(skeleton: nn.Module, names: Sequence[str], uses: _use.Uses) -> None:
             forward = run.forward
 
             def sequential(x: Any, scanned: _Scanned = scanned, forward: Any = forward) -> Any:
-                return scanned(x) if torch.compiler.is_compiling() else forward(x)
+                return scanned(x) if _scope.compiling() else forward(x)
 
             run.forward = sequential
         else:
@@ -248,7 +249,7 @@ class _ScannedList(nn.ModuleList):
     _funcamp_scanned: _Scanned
 
     def __iter__(self) -> Any:
-        if torch.compiler.is_compiling():
+        if _scope.compiling():
             return iter([self._funcamp_scanned] if self._funcamp_scanned.keys else [])
         return super().__iter__()
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from funcamp import quant
-from funcamp.nn._plan import _HALF, _Plan
+from funcamp.nn._plan import HALF, Plan
 from funcamp.policy import Policy
 
 #: A value of ``trainable``: None (each parameter's ``requires_grad``), True (every parameter), fnmatch
@@ -42,7 +42,7 @@ class Store(NamedTuple):
     forward_dtypes: dict[str, torch.dtype]
 
 
-def store(module: nn.Module, plan: _Plan, chosen: set[str], int8: dict[str, int], autocast: bool) -> Store:
+def store(module: nn.Module, plan: Plan, chosen: set[str], int8: dict[str, int], autocast: bool) -> Store:
     """The :class:`Store` of ``module``: ``chosen`` (first names) trainable, ``int8`` frozen in int8."""
     named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     params = {name: _master(named[name], plan.tensors[name]) for name in plan.params if name in chosen}
@@ -59,7 +59,7 @@ def store(module: nn.Module, plan: _Plan, chosen: set[str], int8: dict[str, int]
     # A frozen tensor enters the forward in its module's compute dtype (stored so, or narrower: see
     # _frozen_dtype), except under autocast in a half module, where it enters as stored.
     for name, t in frozen.items():
-        if name not in int8 and (not t.is_floating_point() or autocast and plan.tensors[name].compute_dtype in _HALF):
+        if name not in int8 and (not t.is_floating_point() or autocast and plan.tensors[name].compute_dtype in HALF):
             forward_dtypes[name] = t.dtype
     # An int8 weight is dequantized into its module's compute dtype (a tied use: into its own module's).
     forward_dtypes.update({name: plan.tensors[name].compute_dtype for name in int8})
@@ -81,7 +81,7 @@ def _prefixes(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
-def trainable_names(module: nn.Module, plan: _Plan, trainable: Trainable) -> set[str]:
+def trainable_names(module: nn.Module, plan: Plan, trainable: Trainable) -> set[str]:
     """The parameters (by first name) that go into ``params``; see ``trainable`` in :func:`functionalize`."""
     tensors = dict(module.named_parameters(remove_duplicate=False))
     names = {name: [name] for name in plan.params}  # first name -> all its names
@@ -106,7 +106,7 @@ def trainable_names(module: nn.Module, plan: _Plan, trainable: Trainable) -> set
         if not chosen:
             raise ValueError(
                 f"functionalize: the trainable predicate selected no parameter of the {len(plan.params)} "
-                f"({_sample(plan.params)}); to freeze the whole model for inference use "
+                f"({sample(plan.params)}); to freeze the whole model for inference use "
                 "model.requires_grad_(False) and trainable=None"
             )
         return chosen
@@ -131,13 +131,14 @@ def trainable_names(module: nn.Module, plan: _Plan, trainable: Trainable) -> set
         if not hits:
             raise ValueError(
                 f"functionalize: trainable pattern {pattern!r} matches no parameter (nor module holding one); "
-                f"parameter names are {_sample(plan.params)}"
+                f"parameter names are {sample(plan.params)}"
             )
         chosen |= hits
     return chosen
 
 
-def _sample(names: list[str], n: int = 6) -> str:
+def sample(names: list[str], n: int = 6) -> str:
+    """The first ``n`` of ``names`` for a message, ``...`` marking more."""
     shown = ", ".join(repr(x) for x in names[:n])
     return f"[{shown}{', ...' if len(names) > n else ''}]"
 
@@ -152,8 +153,8 @@ def _frozen_dtype(tensor: torch.Tensor, policy: Policy, autocast: bool) -> torch
     """
     if not tensor.is_floating_point():
         return tensor.dtype
-    if autocast and policy.compute_dtype in _HALF:
-        return tensor.dtype if tensor.dtype in _HALF else policy.param_dtype
+    if autocast and policy.compute_dtype in HALF:
+        return tensor.dtype if tensor.dtype in HALF else policy.param_dtype
     if policy.param_dtype.itemsize < policy.compute_dtype.itemsize:
         return policy.param_dtype
     return policy.compute_dtype
@@ -172,7 +173,7 @@ def int8_names(module: nn.Module, quantize: Any, chosen: set[str]) -> dict[str, 
     trained = sorted(set(int8) & chosen)
     if trained:
         raise ValueError(
-            f"functionalize: {_sample(trained)} ({len(trained)} tensors) would be stored in int8 and trained; "
+            f"functionalize: {sample(trained)} ({len(trained)} tensors) would be stored in int8 and trained; "
             "int8 weights are frozen. Freeze them (module.requires_grad_(False) on them, or a trainable= "
             "pattern or predicate that leaves them out), or leave them out of quantize (exclude=...)"
         )

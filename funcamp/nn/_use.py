@@ -51,7 +51,7 @@ class Uses:
     by first name; ``int8``: the names stored in int8; ``forward_dtypes``: the dtype each name (tied
     uses under each of theirs) enters the forward in; ``aliases``: further name -> first name. A call
     (:meth:`push` to :meth:`pop`: ``apply_fn``'s forward, and each checkpointed region's recompute, see
-    :class:`funcamp.nn._remat._Call`) holds the trainable tensors, the uses made so far and the slots
+    :class:`funcamp.nn._remat.Call`) holds the trainable tensors, the uses made so far and the slots
     bound so far, which :meth:`pop` puts back.
     """
 
@@ -213,12 +213,12 @@ def bind_at_call(module: nn.Module, slots: list[tuple[nn.Module, str, str]], use
     forward = module.forward
 
     def pre_hook(module: nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling():  # apply_fn bound every use up front (see the module docstring)
+        if not _scope.compiling():  # apply_fn bound every use up front (see the module docstring)
             uses.bind(slots)
 
     @functools.wraps(forward)
     def bound(*args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
+        if not _scope.compiling():
             uses.bind(slots)
         return forward(*args, **kwargs)
 

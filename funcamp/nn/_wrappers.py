@@ -23,7 +23,7 @@ from torch import nn
 from funcamp import ops
 from funcamp.nn import _remat, _use
 from funcamp.nn._copy import copy_structure
-from funcamp.nn._plan import _HALF, _Plan
+from funcamp.nn._plan import HALF, Plan
 from funcamp.ops import OpRule
 from funcamp.policy import Policy
 
@@ -66,7 +66,7 @@ def _wrap_cast(module: nn.Module, policy: Policy, autocast: bool) -> None:
     (inputs are left to it); a full one runs it with autocast off and inputs cast.
     """
     forward = module.forward
-    half = autocast and policy.compute_dtype in _HALF
+    half = autocast and policy.compute_dtype in HALF
 
     @functools.wraps(forward)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -84,7 +84,7 @@ def _wrap_cast(module: nn.Module, policy: Policy, autocast: bool) -> None:
 
 def skeleton(
     module: nn.Module,
-    plan: _Plan,
+    plan: Plan,
     uses: _use.Uses,
     *,
     autocast: bool,
@@ -99,7 +99,7 @@ def skeleton(
     return copied
 
 
-def _copy(module: nn.Module, plan: _Plan, training: bool | None) -> nn.Module:
+def _copy(module: nn.Module, plan: Plan, training: bool | None) -> nn.Module:
     """``module``'s structure, with shape-only placeholders for the tensors ``apply_fn`` passes in.
 
     It does not keep your module's weights alive: persistent buffers become ``meta`` tensors (bound for
@@ -133,7 +133,7 @@ def _bind_uses(copied: nn.Module, uses: _use.Uses) -> None:
     uses.hold(holders)
 
 
-def _casts(copied: nn.Module, plan: _Plan, autocast: bool) -> None:
+def _casts(copied: nn.Module, plan: Plan, autocast: bool) -> None:
     """The input and output casts of each module with a policy of its own (under autocast: yours only)."""
     modules = dict(copied.named_modules(remove_duplicate=False))
     wrapped: set[int] = set()
@@ -168,7 +168,7 @@ def op_mode(
     entered only where the model computes in a half dtype somewhere or rules were given.
     """
     rules = {**({} if autocast else ops.FLOAT32_ACCUMULATION), **(op_policies or {})}
-    any_half = policy.compute_dtype in _HALF or any(d in _HALF for d in forward_dtypes.values())
+    any_half = policy.compute_dtype in HALF or any(d in HALF for d in forward_dtypes.values())
     entered = rules and (op_policies or any_half)
     mode = functools.partial(ops.OpPolicies, rules) if entered else contextlib.nullcontext
     mode()  # check the rules now, not at the first call

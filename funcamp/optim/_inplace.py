@@ -34,8 +34,9 @@ from funcamp import _scope, _tree
 
 __all__ = ["Donation", "bound", "call", "current", "donating", "in_place", "is_in_place", "reuse", "within", "write"]
 
+#: One dynamic scope: an :class:`_Armed` step (a donating eager step, until its update binds it), the
+#: :class:`Donation` of the update running, or None (suspended for a user's transform).
 _SCOPE = _scope.Scope()
-_ARMED = _scope.Scope()
 _IN_PLACE = "_funcamp_in_place"
 
 
@@ -117,10 +118,17 @@ class Donation:
                 self._reusable.pop(id(x), None)
 
 
+class _Armed:
+    """The donated tensors of an eager donating step, until the step's update takes them (:func:`bound`, once)."""
+
+    def __init__(self, donated: list[Any]) -> None:
+        self.donated: list[Any] | None = donated
+
+
 def donating(donated: Iterable[Any], fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` as an eager donating step: ``donated`` (the given state's parameters and optimizer
     state) may be written by the optimizer stage, which binds them with :func:`bound`."""
-    return _ARMED.within([list(donated)], fn, *args, **kwargs)  # a box: the first bound() takes it
+    return _SCOPE.within(_Armed(list(donated)), fn, *args, **kwargs)
 
 
 def bound(finite: torch.Tensor | None, grads: Any) -> Donation | None:
@@ -130,15 +138,18 @@ def bound(finite: torch.Tensor | None, grads: Any) -> Donation | None:
     Once per step: the step's one update takes the donation (an update that the loss itself might run, before
     the step's, would take it instead and leave the step's pure).
     """
-    box = _ARMED.current()
-    if not box or finite is None:
-        return None
-    return Donation(box.pop(), finite, _tree.tree_leaves(grads))
+    armed = _SCOPE.current()
+    if not isinstance(armed, _Armed) or armed.donated is None or finite is None:
+        return None  # no donating step, its donation taken, or a user's transform (suspended: pure)
+    donated, armed.donated = armed.donated, None
+    return Donation(donated, finite, _tree.tree_leaves(grads))
 
 
 def current() -> Donation | None:
-    """The donation of the innermost :func:`within`, or None (no donating eager step, or a user's transform)."""
-    return _SCOPE.current()
+    """The donation of the innermost :func:`within`, or None (no donating eager step, its update not begun, or a
+    user's transform)."""
+    donation = _SCOPE.current()
+    return donation if isinstance(donation, Donation) else None
 
 
 def within(donation: Donation | None, fn: Any, /, *args: Any, **kwargs: Any) -> Any:

@@ -35,14 +35,14 @@ selected, donated, copied and checkpointed as any other. The map itself is stati
 the state (torchao keeps a copy per tensor).
 
 **Flat buffers.** A quantized format is not elementwise (a block's scale is a reduction over 256 elements),
-so ``scale_by_adam`` with one is not marked :func:`funcamp.optim._flat.elementwise` and a compiled step runs
-it leaf by leaf. What a flat storage layout would need to run it over one buffer per group, exactly:
-:meth:`MomentFormat.flat_requirement` -- every leaf starts at a multiple of ``block_size`` elements of the
-buffer and the padding after it to the next multiple is zeros that never change (so no block holds elements
-of two leaves and each leaf's blocks are its own), and the leaves below ``min_numel`` elements or not a
-multiple of ``block_size`` are held apart, with float32 moments (a second buffer per group, or per leaf).
-With that, the codes of a buffer are one 1-D uint8 tensor and the scales one float32 tensor of
-``buffer_numel / block_size``, and the update is one loop over blocks.
+but it is blockwise, and a flat storage layout (:mod:`funcamp.train._flat`) runs it over one buffer per group
+exactly: the decision of each parameter (quantized or float32, :meth:`MomentFormat.quantizes`) is a value the
+layout records as it records a mask's (:func:`funcamp.optim._flat.leaf_values`), so quantized and float32
+parameters are in different buffers; in a quantized buffer every parameter starts at a multiple of
+``block_size`` elements (:meth:`MomentFormat.flat_block_size`) and the padding after it is zeros that never
+change, so no block holds elements of two parameters and each parameter's blocks, codes and scales are its
+own. The codes of a buffer are one 1-D uint8 tensor, the scales one float32 tensor of
+``buffer_numel / block_size``, and the update one loop per buffer.
 
 References:
   Dettmers 2015, "8-Bit Approximations for Parallelism in Deep Learning", arXiv:1511.04561.
@@ -154,13 +154,21 @@ class MomentFormat:
 
     # --- state leaves ------------------------------------------------------------------------------------
 
-    def zeros(self, p: torch.Tensor) -> torch.Tensor | QuantizedMoment:
-        """The initial (zero) moment of parameter ``p``: a tensor, or a :class:`QuantizedMoment`."""
-        if not self.quantizes(p.numel()):
+    def zeros(self, p: torch.Tensor, quantized: bool | None = None) -> torch.Tensor | QuantizedMoment:
+        """The initial (zero) moment of parameter ``p``: a tensor, or a :class:`QuantizedMoment` (``quantized``:
+        the decision :meth:`quantizes` makes, given where a flat buffer holds several parameters)."""
+        if not (self.quantizes(p.numel()) if quantized is None else quantized):
             return torch.zeros_like(p, dtype=self.dtype or _at_least_float32(p.dtype))
         n = p.numel()
-        codes = torch.zeros(n * self.bits // 8, dtype=torch.uint8, device=p.device)
-        return QuantizedMoment(codes, torch.zeros(n // self.block_size, dtype=torch.float32, device=p.device))
+        codes = p.new_zeros(n * self.bits // 8, dtype=torch.uint8)  # made from p: optax-style placeholders follow
+        return QuantizedMoment(codes, p.new_zeros(n // self.block_size, dtype=torch.float32))
+
+    def flat_block_size(self, quantized: Any) -> int:
+        """The element alignment a flat buffer of parameters gives this format's moments (``quantized``: the
+        value :meth:`quantizes` gave its parameters): the block size, so that no block holds two parameters.
+        (Implied where a buffer holds quantized parameters only, each a whole number of blocks; stated here as the
+        contract a layout keeps.)"""
+        return self.block_size if quantized is True else 1
 
     def read(self, m: Any, like: torch.Tensor, signed: bool) -> torch.Tensor:
         """Moment leaf ``m`` as values shaped like ``like`` (a float moment as stored; quantized: float32)."""

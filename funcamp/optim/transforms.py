@@ -123,8 +123,14 @@ def _map_n(
 
 def _zeros(params: Params, fmt: _moments.MomentFormat) -> Updates:
     """Zero moments for ``params`` in format ``fmt``: a tensor shaped like each parameter (in ``fmt``'s dtype, or
-    by default in at least float32: the moment rule), or a block-quantized :class:`funcamp.optim.QuantizedMoment`."""
-    return _tree.tree_map(fmt.zeros, params)
+    by default in at least float32: the moment rule), or a block-quantized :class:`funcamp.optim.QuantizedMoment`.
+    Which parameters are quantized is a value per leaf (:func:`funcamp.optim._flat.leaf_values`), as a mask's:
+    over flat buffers, each buffer's parameters'."""
+    if not fmt.blockwise:
+        return _tree.tree_map(fmt.zeros, params)
+    leaves, spec = _tree.tree_flatten(params)
+    quantized = _flat.leaf_values(fmt, params, lambda: [fmt.quantizes(p.numel()) for p in leaves])
+    return _tree.tree_unflatten(spec, [fmt.zeros(p, q) for p, q in zip(leaves, quantized, strict=True)])
 
 
 def _map_moments(n: int, fn: Callable[..., tuple[Any, ...]], tree: Any, *moments: Any, name: str) -> tuple[Any, ...]:
@@ -226,8 +232,8 @@ def scale_by_adam(
         with fewer than 4096 elements, or a size the block does not divide, keeps float32 moments (torchao's
         rule; torchao keeps them in the parameter's dtype). Quantized moments are updated in float32 from
         their decoded values, ``v`` as torchao's ``lerp``, and the update uses the new moments before they
-        are quantized: torchao's order, with its codes bit for bit. Not elementwise: a compiled step runs
-        it leaf by leaf (:mod:`funcamp.optim._moments`).
+        are quantized: torchao's order, with its codes bit for bit. Blockwise: over flat buffers each
+        parameter's blocks stay its own (:mod:`funcamp.optim._moments`).
     Returns:
       A ``GradientTransformation`` with a ``ScaleByAdamState``; the updates are the ascent direction
       (chain with ``scale_by_learning_rate`` to descend).
@@ -289,8 +295,8 @@ def scale_by_adam(
         return u, ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     result = _inplace.in_place(GradientTransformation(init, update))
-    if fmt.blockwise:  # not elementwise: leaf by leaf (what a flat layout would need: fmt.flat_requirement())
-        return _moments.mark_blockwise(result, fmt)
+    if fmt.blockwise:  # blockwise: exact over flat buffers that keep each parameter's blocks its own
+        _moments.mark_blockwise(result, fmt)
     return _flat.elementwise(result)
 
 

@@ -5,8 +5,9 @@
 :class:`~funcamp.passes._context.PassContext` (the graph and the facts the passes fill and read): ``remat_regions``
 (what the checkpointed regions recompute), ``remat_budget`` (what a memory budget keeps of it), ``sharded_gathers``
 (the sharded parameters' gathers, recomputed too), ``recompute`` (the copies), then the rest of
-``sharded_gathers`` (unused gathers dropped, the others moved to their user), ``casts_at_use`` and
-``late_constructors``. The loop (:func:`run`) skips the passes switched off and records the graph's node count
+``sharded_gathers`` (unused gathers dropped, the others moved to their user), ``casts_at_use``,
+``late_constructors`` and ``flat_gradients`` (a flat state's gradients written into their buffer as they are made).
+The loop (:func:`run`) skips the passes switched off and records the graph's node count
 around each pass (:class:`~funcamp.passes._context.PassCount`; logged at debug level on the ``funcamp.passes``
 logger), as torchtitan's ``apply_graph_passes`` and inductor's ``GraphTransformObserver`` do. The rules each pass
 keeps are in ``funcamp/passes/README.md``.
@@ -27,6 +28,7 @@ import torch
 
 from funcamp.passes import (
     casts_at_use,
+    flat_gradients,
     late_constructors,
     recompute,
     remat_budget,
@@ -51,6 +53,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassContext], None]], ...] = (
     (sharded_gathers.NAME, sharded_gathers.regather),
     (casts_at_use.NAME, casts_at_use.run),
     (late_constructors.NAME, late_constructors.run),
+    (flat_gradients.NAME, flat_gradients.run),
 )
 
 #: The passes ``FUNCAMP_PASSES_OFF`` takes, in the order they first run.

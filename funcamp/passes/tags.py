@@ -4,7 +4,8 @@
   computation around it (``"backward"``), in :mod:`funcamp.grad`;
 - :func:`remat_region` tags the nodes of a checkpointed module's forward (``functionalize(remat=...)``), with a
   region id and, where above 0, an activation memory budget (:class:`funcamp.nn.Remat`);
-- :func:`gather_region` tags a sharded parameter's all-gather and its casts (:mod:`funcamp._at_use`).
+- :func:`gather_region` tags a sharded parameter's all-gather and its casts (:mod:`funcamp._at_use`);
+- :func:`flat_gradients` tags the concatenation of a flat state's gradients (:mod:`funcamp.train._flat`).
 
 The tags travel with ``torch.fx.traceback.annotate`` to the graph inductor compiles (``node.meta["custom"]``).
 Where torch has no ``annotate`` (before 2.9), or outside a compile, nothing is tagged and the passes do nothing.
@@ -18,10 +19,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["gather_region", "new_region_id", "phase", "remat_region"]
+__all__ = ["flat_gradients", "gather_region", "new_region_id", "phase", "remat_region"]
 
 
 _PHASE, _REMAT, _GATHER = "funcamp_phase", "funcamp_remat", "funcamp_gather"
+_FLAT_GRADS = "funcamp_flat_gradients"
 _BUDGET = "funcamp_remat_budget"  # a region's activation memory budget (funcamp.nn.Remat), where above 0
 _region_ids = itertools.count(1)  # one id per checkpointed module: where one region ends and the next begins
 _made_regions = [False]  # whether this process has made one (RematPass.uuid)
@@ -59,6 +61,11 @@ def remat_region(region: int, budget: float = 0.0) -> Any:
 def gather_region() -> Any:
     """A context that tags the nodes traced inside it as a parameter gather, re-gathered for the backward."""
     return _annotate({_GATHER: True})
+
+
+def flat_gradients() -> Any:
+    """A context that tags the ``cat`` of a flat state's gradients (:mod:`funcamp.passes.flat_gradients`)."""
+    return _annotate({_FLAT_GRADS: True})
 
 
 def _tags(node: torch.fx.Node) -> dict[str, Any]:

@@ -61,10 +61,18 @@ class Step:
 
     Attributes:
       plan: the :class:`StepPlan` it was built with.
+      body: the pure body it runs, ``body(state, batch) -> (new_state, metrics)``.
+      prepare: the host-side checks run before each call, ``prepare(state, batch) -> state`` (None: none).
     """
 
-    def __init__(self, run: Callable[..., Any], plan: StepPlan, body: Callable[..., Any]) -> None:
-        self._run, self.plan, self.body = run, plan, body
+    def __init__(
+        self,
+        run: Callable[..., Any],
+        plan: StepPlan,
+        body: Callable[..., Any],
+        prepare: Callable[[Any, Any], Any] | None = None,
+    ) -> None:
+        self._run, self.plan, self.body, self.prepare = run, plan, body, prepare
         functools.update_wrapper(self, body, updated=())
 
     def __call__(self, state: Any, batch: Any) -> Any:
@@ -144,7 +152,9 @@ def assemble(
       tensor([0.9000, 0.9000])
     """
     if not callable(body):
-        raise TypeError(f"assemble: body must be callable, (state, batch) -> (new_state, metrics); got {type(body).__name__}")
+        raise TypeError(
+            f"assemble: body must be callable, (state, batch) -> (new_state, metrics); got {type(body).__name__}"
+        )
     if prepare is not None and not callable(prepare):
         raise TypeError(f"assemble: prepare must be None or callable, got {type(prepare).__name__}")
     plan = StepPlan(compile, (backend or "inductor") if compile else None, donate, tuple(probes))
@@ -157,7 +167,7 @@ def assemble(
     else:
         run = _donate.eager(planned, _donate.may_update_in_place(body)) if donate else planned
     run = _prepared(run, prepare)
-    return Step(_donate.returning_state(run) if donate else run, plan, body)
+    return Step(_donate.returning_state(run) if donate else run, plan, body, prepare)
 
 
 def _within_plan(body: Callable[..., Any], plan: StepPlan) -> Callable[..., Any]:

@@ -68,6 +68,7 @@ def eager(body: Callable[..., Any], in_place_ok: bool) -> Callable[..., Any]:
     """The eager donating form of ``body``: :func:`in_place` where the body allows it, else :func:`copying`."""
     return in_place(body) if in_place_ok else copying(body)
 
+
 _DONATED = DONATED
 
 

@@ -31,6 +31,8 @@ kept leaf by leaf and says why.
 from __future__ import annotations
 
 import dataclasses
+import math
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import torch
@@ -41,6 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from funcamp import _tree
 from funcamp.optim import GradientTransformation
 from funcamp.optim import _flat as _flat_opt
+from funcamp.passes import tags
 
 __all__ = ["Flat", "FlatParams", "layout"]
 
@@ -115,7 +118,14 @@ class Flat:
 
     def _key(self) -> tuple[Any, ...]:
         s = self.state_map
-        return (self.params_spec, tuple(self.shapes), tuple(self.groups), s.leaf_spec, s.flat_spec, repr(s.flat_sources))
+        return (
+            self.params_spec,
+            tuple(self.shapes),
+            tuple(self.groups),
+            s.leaf_spec,
+            s.flat_spec,
+            repr(s.flat_sources),
+        )
 
     def __eq__(self, other: object) -> bool:
         """Two layouts of the same parameters, groups and optimizer-state correspondence (two states created
@@ -176,7 +186,9 @@ class Flat:
         for g in self.groups:
             buffer = buffers[g.key]
             for i, off in zip(g.members, g.offsets, strict=True):  # an empty placeholder (Kahan's) stays one
-                leaves[i] = buffer if buffer.numel() == 0 else buffer.narrow(0, off, self.numels[i]).view(self.shapes[i])
+                leaves[i] = (
+                    buffer if buffer.numel() == 0 else buffer.narrow(0, off, self.numels[i]).view(self.shapes[i])
+                )
         return leaves
 
     def flat(self, tree: Any) -> dict[str, torch.Tensor]:
@@ -195,7 +207,11 @@ class Flat:
                 cursor = off + self.numels[i]
             if g.numel > cursor:
                 parts.append(leaves[g.members[-1]].new_zeros(g.numel - cursor))
-            out[g.key] = torch.cat(parts) if len(parts) > 1 else parts[0].clone()  # never a view of a gradient
+            if len(parts) == 1:
+                out[g.key] = parts[0].clone()  # never a view of a gradient
+                continue
+            with tags.flat_gradients():  # written into as the backward makes them (funcamp.passes.flat_gradients)
+                out[g.key] = torch.cat(parts)
         return out
 
     def update(
@@ -290,9 +306,9 @@ class Flat:
     def _leaf(self, source: tuple[Any, ...], flat_leaves: list[Any]) -> Any:
         if source[0] != "view":
             return flat_leaves[source[1]]
-        _, j, i = source
+        _, j, i, ratio, shape = source
         g, k = self._group_of[i]
-        return flat_leaves[j].narrow(0, g.offsets[k], self.numels[i]).view(self.shapes[i])
+        return flat_leaves[j].narrow(0, int(g.offsets[k] * ratio), int(self.numels[i] * ratio)).view(shape)
 
     def enter(self, state: Any) -> tuple[Any, Any]:
         """``(flat_state, after)``: ``state`` with :class:`FlatParams` and a flat optimizer state, and what to do
@@ -316,13 +332,14 @@ class Flat:
                 "(TrainState.create); a state changed by hand keeps its storage's structure: build a new one with "
                 "TrainState.create(params, optimizer), or replace tensors leaf for leaf"
             )
-        copies: list[tuple[list[torch.Tensor], torch.Tensor, Group]] = []
+        copies: list[Any] = []
         buffers = {g.key: self._buffer(g, [p_leaves[i] for i in g.members], g.dtype, copies) for g in self.groups}
         flat_leaves = []
         for source in self.state_map.flat_sources:
             if source[0] == "group":
-                g = self.groups[source[1]]
-                flat_leaves.append(self._buffer(g, [s_leaves[t] for t in source[2]], source[3], copies))
+                _, n, ts, dtype, ratio, shapes = source
+                g = self.groups[n]
+                flat_leaves.append(self._buffer(g, [s_leaves[t] for t in ts], dtype, copies, ratio, shapes))
             else:
                 flat_leaves.append(s_leaves[source[1]])
         opt_state = _tree.tree_unflatten(self.state_map.flat_spec, flat_leaves)
@@ -330,49 +347,58 @@ class Flat:
         return flat_state, (lambda: self._write_back(copies)) if copies else _nothing
 
     def _buffer(
-        self, g: Group, tensors: list[Any], dtype: torch.dtype, copies: list[tuple[list[torch.Tensor], torch.Tensor, Group]]
+        self,
+        g: Group,
+        tensors: list[Any],
+        dtype: torch.dtype,
+        copies: list[Any],
+        ratio: Fraction = Fraction(1),
+        shapes: list[tuple[int, ...]] | None = None,
     ) -> torch.Tensor:
-        """Group ``g``'s buffer whose members are ``tensors`` (of ``dtype``): the buffer they are views of, or a
-        new one they are copied into (recorded in ``copies``)."""
-        for t, i in zip(tensors, g.members, strict=True):
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != g.device or t.shape != self.shapes[i]:
+        """Group ``g``'s buffer whose members are ``tensors`` (of ``dtype``, ``ratio`` elements per parameter
+        element, of ``shapes``; default the parameters'): the buffer they are views of, or a new one they are
+        copied into (recorded in ``copies``)."""
+        shapes = shapes or [self.shapes[i] for i in g.members]
+        for t, shape in zip(tensors, shapes, strict=True):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != g.device or tuple(t.shape) != shape:
                 got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise TypeError(
                     f"train_step: a leaf of the state is {got} where its flat storage holds {dtype} "
-                    f"{self.shapes[i]} on {g.device}; replace state tensors only with tensors of the same shape, "
+                    f"{shape} on {g.device}; replace state tensors only with tensors of the same shape, "
                     "dtype and device (or build a new state with TrainState.create)"
                 )
+        numel, offsets = int(g.numel * ratio), [int(off * ratio) for off in g.offsets]
         base = tensors[0]._base
         if (
             base is not None
             and base.ndim == 1
-            and base.shape[0] == g.numel
+            and base.shape[0] == numel
             and base.dtype == dtype
             and base.storage_offset() == 0
             and all(
                 t._base is base and t.storage_offset() == off and t.is_contiguous()
-                for t, off in zip(tensors, g.offsets, strict=True)
+                for t, off in zip(tensors, offsets, strict=True)
             )
         ):
             return base  # the views the state was given (TrainState.create, a step's result)
         storage = tensors[0].untyped_storage()
-        if storage.nbytes() == g.numel * dtype.itemsize and all(
+        if storage.nbytes() == numel * dtype.itemsize and all(
             t.untyped_storage()._cdata == storage._cdata and t.storage_offset() == off and t.is_contiguous()
-            for t, off in zip(tensors, g.offsets, strict=True)
+            for t, off in zip(tensors, offsets, strict=True)
         ):  # tensors on one buffer's memory at its offsets (an unpickled or deep-copied state): a new tensor on it
-            return torch.empty(0, dtype=dtype, device=g.device).set_(storage, 0, (g.numel,), (1,))
-        made = torch.zeros(g.numel, dtype=dtype, device=g.device)
+            return torch.empty(0, dtype=dtype, device=g.device).set_(storage, 0, (numel,), (1,))
+        made = torch.zeros(numel, dtype=dtype, device=g.device)
         with torch.no_grad():
-            for t, i, off in zip(tensors, g.members, g.offsets, strict=True):
-                made.narrow(0, off, self.numels[i]).copy_(t.reshape(-1))
-        copies.append((tensors, made, g))
+            for t, off in zip(tensors, offsets, strict=True):
+                made.narrow(0, off, t.numel()).copy_(t.reshape(-1))
+        copies.append((tensors, made, offsets))
         return made
 
-    def _write_back(self, copies: list[tuple[list[torch.Tensor], torch.Tensor, Group]]) -> None:
+    def _write_back(self, copies: list[Any]) -> None:
         with torch.no_grad():
-            for tensors, made, g in copies:
-                for t, i, off in zip(tensors, g.members, g.offsets, strict=True):
-                    t.copy_(made.narrow(0, off, self.numels[i]).view(self.shapes[i]))
+            for tensors, made, offsets in copies:
+                for t, off in zip(tensors, offsets, strict=True):
+                    t.copy_(made.narrow(0, off, t.numel()).view(t.shape))
 
     def leave(self, flat_state: Any) -> Any:
         """``flat_state`` (a pure compiled step's result) with per-leaf views of its buffers."""
@@ -404,7 +430,9 @@ class _MemberNorms:
         """``(t, s)`` of :func:`funcamp._tree.scaled_global_norm` over the members of each buffer."""
         views: list[torch.Tensor] = []
         for key, leaf in zip(_tree.tree_paths(tree), _tree.tree_leaves(tree), strict=True):
-            members = self._storage.member_views(key.rsplit(".", 1)[-1], leaf) if isinstance(leaf, torch.Tensor) else None
+            members = (
+                self._storage.member_views(key.rsplit(".", 1)[-1], leaf) if isinstance(leaf, torch.Tensor) else None
+            )
             views.extend([leaf] if members is None else members)
         return self._layout.scaled_global_norm(views, fn)
 
@@ -420,8 +448,10 @@ class _MemberNorms:
 # --- building the layout -----------------------------------------------------------------------------------
 
 
-def _aligned(offset: int, itemsize: int) -> int:
-    step = max(1, ALIGN_BYTES // itemsize)
+def _aligned(offset: int, itemsize: int, block: int = 1) -> int:
+    """``offset`` rounded up to a multiple of :data:`ALIGN_BYTES` (in elements of ``itemsize`` bytes) and of ``block``
+    elements."""
+    step = math.lcm(max(1, ALIGN_BYTES // itemsize), block)
     return -(-offset // step) * step
 
 
@@ -451,7 +481,11 @@ class _Tags(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        found = {self.tags[x] for x in torch_pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x in self.tags}
+        found = {
+            self.tags[x]
+            for x in torch_pytree.tree_leaves((args, kwargs))
+            if isinstance(x, torch.Tensor) and x in self.tags
+        }
         if len(found) == 1:
             tag = found.pop()
             for y in torch_pytree.tree_leaves(out):
@@ -460,7 +494,9 @@ class _Tags(TorchFunctionMode):
         return out
 
 
-def _tagged_init(fn: Any, tree: Any, replay: _flat_opt.Replay | None, record: _flat_opt.Recording | None) -> tuple[Any, list[Any]]:
+def _tagged_init(
+    fn: Any, tree: Any, replay: _flat_opt.Replay | None, record: _flat_opt.Recording | None
+) -> tuple[Any, list[Any]]:
     """``(state, tags)``: ``fn(tree)`` (``init`` over meta tensors), and for each of its leaves the index of the leaf of
     ``tree`` it was made from (None: made from none, or from several)."""
     tags = WeakIdKeyDictionary()
@@ -468,9 +504,7 @@ def _tagged_init(fn: Any, tree: Any, replay: _flat_opt.Replay | None, record: _f
     for n, x in enumerate(leaves):
         tags[x] = n
     with _Tags(tags):
-        state = (
-            _flat_opt.replaying(replay, fn, tree) if replay is not None else _flat_opt.recording(record, fn, tree)
-        )
+        state = _flat_opt.replaying(replay, fn, tree) if replay is not None else _flat_opt.recording(record, fn, tree)
     return state, [tags.get(x) if isinstance(x, torch.Tensor) else None for x in _tree.tree_leaves(state)]
 
 
@@ -523,7 +557,9 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
     flat_meta = {g.key: torch.empty(g.numel, dtype=g.dtype, device="meta") for g in groups}
     try:
         flat_state, flat_tags = _tagged_init(optimizer.init, flat_meta, replay, None)
-        _flat_opt.replaying(replay, optimizer.update, _tree.tree_map(torch.empty_like, flat_meta), flat_state, flat_meta)
+        _flat_opt.replaying(
+            replay, optimizer.update, _tree.tree_map(torch.empty_like, flat_meta), flat_state, flat_meta
+        )
     except Exception as e:  # noqa: BLE001
         return f"the optimizer does not run over flat buffers ({type(e).__name__}: {e})"
     state_map = _state_map(leaf_state, leaf_tags, flat_state, flat_tags, leaves, groups)
@@ -539,13 +575,18 @@ def _groups(leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Reco
         values = tuple(record.values[id(spec)].get(name, _ABSENT) for spec in record.specs)
         keyed.setdefault((x.device, x.dtype, values), []).append(i)
     groups = []
-    for n, ((device, dtype, _), members) in enumerate(keyed.items()):
+    for n, ((device, dtype, values), members) in enumerate(keyed.items()):
+        block = 1  # elements every member starts at a multiple of (a blockwise moment format's block size)
+        for spec, value in zip(record.specs, values, strict=True):
+            if hasattr(spec, "flat_block_size"):
+                block = math.lcm(block, spec.flat_block_size(value))
         offsets, at = [], 0
         for i in members:
-            at = _aligned(at, dtype.itemsize)
+            at = _aligned(at, dtype.itemsize, block)
             offsets.append(at)
             at += leaves[i].numel()
-        groups.append(Group(f"flat{n:04d}", device, dtype, tuple(members), tuple(offsets), at))
+        numel = -(-at // block) * block  # a whole number of blocks
+        groups.append(Group(f"flat{n:04d}", device, dtype, tuple(members), tuple(offsets), numel))
     return groups
 
 
@@ -596,9 +637,11 @@ def _state_map(
                 for t in members.values():
                     leaf_sources[t] = ("empty", j)
             else:
-                flat_sources[j] = ("group", n, [members[i] for i in g.members], f_leaves[j].dtype)
+                ratio = kind
+                shapes = [tuple(t_leaves[members[i]].shape) for i in g.members]
+                flat_sources[j] = ("group", n, [members[i] for i in g.members], f_leaves[j].dtype, ratio, shapes)
                 for i, t in members.items():
-                    leaf_sources[t] = ("view", j, i)
+                    leaf_sources[t] = ("view", j, i, ratio, tuple(t_leaves[t].shape))
         for i in g.members:
             seen[i] = len(made)
     if any(len(by_param.get(i, [])) != seen[i] for i in seen):
@@ -606,11 +649,22 @@ def _state_map(
     return _StateMap(t_spec, f_spec, flat_sources, leaf_sources)
 
 
-def _kind(flat: torch.Tensor, g: Group, leaves: list[torch.Tensor], params: list[torch.Tensor]) -> str | None:
-    """``"group"`` (each leaf its parameter's shape, the flat leaf the buffer's, one dtype), ``"empty"`` (all
-    empty) or None."""
+def _kind(flat: torch.Tensor, g: Group, leaves: list[torch.Tensor], params: list[torch.Tensor]) -> Any:
+    """``"empty"`` (all empty), the ratio ``r`` (a :class:`fractions.Fraction`) where each leaf holds ``r`` elements
+    per element of its parameter (1: its parameter's shape, as a moment; a block-quantized moment's codes 1 or
+    1/2, its scales ``1 / block``), the flat leaf ``r`` per element of the buffer and each member's part at ``r``
+    times its offset (whole elements), one dtype; or None."""
     if all(x.shape == (0,) for x in leaves) and flat.shape == (0,):
         return "empty"
-    if flat.shape == (g.numel,) and all(x.shape == p.shape and x.dtype == flat.dtype for x, p in zip(leaves, params, strict=True)):
-        return "group"
-    return None
+    if not params[0].numel() or any(x.dtype != flat.dtype for x in leaves):
+        return None
+    ratio = Fraction(leaves[0].numel(), params[0].numel())
+    total = g.numel * ratio
+    if total.denominator != 1 or tuple(flat.shape) != (int(total),):
+        return None
+    for x, p, off in zip(leaves, params, g.offsets, strict=True):
+        if x.numel() != p.numel() * ratio or (off * ratio).denominator != 1:
+            return None
+        if x.shape != p.shape and x.ndim != 1:  # a moment (the parameter's shape) or a 1-D part (codes, scales)
+            return None
+    return ratio

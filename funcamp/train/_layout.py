@@ -223,6 +223,14 @@ class DataParallel(SingleProcess):
         return _tree.tree_map(torch.clone, grads)
 
 
+def _per_use() -> bool:
+    """Whether a sharded step gathers each shard where it is used and reduce-scatters its gradient in the
+    backward (a compiled step, :func:`funcamp._scope.compiling`: the graph schedules the gathers, and funcamp's
+    pass drops the dead up-front ones), rather than one gather up front and one reduce-scatter per dtype (eager:
+    autograd keeps each gathered weight to the backward anyway, so gathering at each use would save nothing)."""
+    return _scope.compiling()
+
+
 class Sharded(DataParallel):
     """ZeRO-3 / FSDP2-style: the state holds this rank's rows of every parameter (``shard``'s layout).
 
@@ -281,7 +289,7 @@ class Sharded(DataParallel):
     def gather(self, params: Any) -> Any:
         """The parameters to differentiate: compiling, the shards themselves (gathered inside the differentiated
         function, :meth:`around_loss`); eager, the whole parameters, all-gathered once (not differentiated)."""
-        if torch.compiler.is_compiling():
+        if _per_use():
             return params
         return sharding.all_gather_params(params, self.shard, self.group)
 
@@ -295,7 +303,7 @@ class Sharded(DataParallel):
         in its backward. A :class:`funcamp.LossSum`'s micro-batch mean is differentiated times its count
         (each rank's own weight must be applied before the reduction). Eager: as the other layouts.
         """
-        if not torch.compiler.is_compiling():
+        if not _per_use():
             return super().around_loss(fun, loss_scale)
 
         def inner(shards: Any, *rest: Any) -> Any:
@@ -319,12 +327,12 @@ class Sharded(DataParallel):
 
     def weigh(self, grads: Any, count: torch.Tensor) -> Any:
         """Compiling: ``grads`` as they are (weighted in :meth:`around_loss`); eager: as the other layouts."""
-        return grads if torch.compiler.is_compiling() else super().weigh(grads, count)
+        return grads if _per_use() else super().weigh(grads, count)
 
     def reduce_gradients(self, grads: Any, loss_scale: torch.Tensor | None) -> Any:
         """This rank's rows of the mean over ranks, by the same rule as ``mean_gradients`` (compiling: already
         reduce-scattered in the backward, :mod:`funcamp._at_use`; eager: one ``reduce_scatter`` per dtype)."""
-        if torch.compiler.is_compiling():
+        if _per_use():
             return grads
         return sharding.reduce_scatter_gradients(
             grads, self.shard, self.group, self.reduce_dtype, loss_scale=loss_scale

@@ -70,7 +70,11 @@ def telemetry_probe(telemetry: numerics.Telemetry, layout: StageLayout | None = 
             updates, updates_of = storage.held(record.updates)
             new_params, new_of = storage.held(record.new_state.params)
             applied = numerics.AppliedUpdate(
-                record.layout.distinct(updates), new_params, record.verdict.finite, carry, (updates_of, new_of, carry_of)
+                record.layout.distinct(updates),
+                new_params,
+                record.verdict.finite,
+                carry,
+                (updates_of, new_of, carry_of),
             )
         grads = record.layout.distinct(record.grads)
         return numerics.telemetry_metrics(grads, held, loss_scale, telemetry, active, applied, params_of=params_of)

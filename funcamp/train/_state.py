@@ -137,7 +137,13 @@ class TrainState:
             object.__setattr__(self, "layout", _layout.of_fields(self.shard, self.data_parallel, self.policy))
         on_host = _scope.step_plan() is None and not _scope.compiling()  # not in a step body, not traced
         if on_host and self.params is not None:  # a flat state holds its views
-            adopted = self.storage.adopt(self.params, self.opt_state)
+            try:
+                adopted = self.storage.adopt(self.params, self.opt_state)
+            except TypeError as e:  # trees of another structure, shape or dtype than its buffers: kept leaf by leaf
+                object.__setattr__(
+                    self, "storage", _storage.PerLeaf(f"replaced with trees the flat layout cannot hold: {e}")
+                )
+                return
             if adopted is not None:  # tensors given in other memory (loaded, replaced): copied into new buffers
                 object.__setattr__(self, "params", adopted[0])
                 object.__setattr__(self, "opt_state", adopted[1])

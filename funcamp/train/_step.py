@@ -132,7 +132,9 @@ def make_train_step(
 
 def _probes_for(max_consecutive_skips: int | None, has_aux: bool, telemetry: Any) -> dict[str, Any]:
     """The probes the step's keywords ask for, by name (raises as :func:`funcamp.train.skip_limit`)."""
-    probes: dict[str, Any] = {} if max_consecutive_skips is None else {"skip_limit": _probes.skip_limit(max_consecutive_skips)}
+    probes: dict[str, Any] = (
+        {} if max_consecutive_skips is None else {"skip_limit": _probes.skip_limit(max_consecutive_skips)}
+    )
     probes.update({"aux": _probes.aux_probe} if has_aux else {})
     return probes | ({} if telemetry is None else {"telemetry": _probes.telemetry_probe(telemetry)})
 

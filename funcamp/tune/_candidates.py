@@ -17,19 +17,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from funcamp.nn._plan import _is_default_norm
+from funcamp.nn._plan import is_default_norm
 from funcamp.policy import Policy, get_policy
 from funcamp.tune._checks import (
-    _CANDIDATES,
-    _check_candidates,
-    _check_counts,
-    _check_margin,
-    _check_module,
-    _timing_device,
+    CANDIDATES,
+    check_candidates,
+    check_counts,
+    check_margin,
+    check_module,
+    timing_device,
 )
-from funcamp.tune._keys import _cache_path, _label, _machine, _module_signature, _signature, _write_json
+from funcamp.tune._keys import cache_path, label, machine_name, module_signature, tree_signature, write_json
 from funcamp.tune._timing import median_seconds
-from funcamp.tune._units import _candidate_policy, _capture, _rel_error, _Runner, _units
+from funcamp.tune._units import Runner, candidate_policy, capture_inputs, rel_error, units_at_depth
 
 #: Default error bound per candidate dtype: the largest accepted normwise relative error of the output
 #: and of each gradient against float32 on the same inputs. 16 units of roundoff of the dtype
@@ -128,7 +128,7 @@ class TuneResult:
                     (
                         _group_name(row.modules) if i == 0 else "",
                         str(len(row.modules)) if i == 0 else "",
-                        _label(c.dtype),
+                        label(c.dtype),
                         "-" if c.seconds is None else f"{1e3 * c.seconds:.3f}",
                         _num(c.output_error),
                         _num(c.grad_error),
@@ -162,7 +162,7 @@ def _group_name(names: Sequence[str]) -> str:
 def _default_candidates(device: torch.device) -> tuple[torch.dtype, ...]:
     if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         return (torch.float32, torch.float16)
-    return _CANDIDATES
+    return CANDIDATES
 
 
 def _bounds(rtol: float | Mapping[Any, float] | None, candidates: tuple[torch.dtype, ...]) -> dict[torch.dtype, float]:
@@ -214,17 +214,17 @@ def _check_numerics(
     refs: dict[str, tuple[list, list]] = {}
     out: list[TuneCandidate] = []
     for dtype in candidates:
-        policy = _candidate_policy(base, dtype)
+        policy = candidate_policy(base, dtype)
         out_err = grad_err = 0.0
         try:
             for name, module in members:
-                got = _Runner(module, policy, inputs[name], device, False, op_policies).run()
+                got = Runner(module, policy, inputs[name], device, False, op_policies).run()
                 if dtype == torch.float32:
                     refs[name] = got
                     continue
                 ref = refs[name]
-                out_err = max([out_err, *(_rel_error(a, b) for a, b in zip(got[0], ref[0], strict=True))])
-                grad_err = max([grad_err, *(_rel_error(a, b) for a, b in zip(got[1], ref[1], strict=True))])
+                out_err = max([out_err, *(rel_error(a, b) for a, b in zip(got[0], ref[0], strict=True))])
+                grad_err = max([grad_err, *(rel_error(a, b) for a, b in zip(got[1], ref[1], strict=True))])
         except (RuntimeError, NotImplementedError, TypeError) as error:
             if dtype == torch.float32:
                 raise
@@ -263,9 +263,9 @@ def _time_candidates(
         if c.refused.startswith(_RAISED):
             continue
         name, module = members[0]
-        runner = _Runner(module, _candidate_policy(base, c.dtype), inputs[name], device, None, op_policies)
+        runner = Runner(module, candidate_policy(base, c.dtype), inputs[name], device, None, op_policies)
 
-        def run(runner: _Runner = runner) -> Any:  # the module's own training flags
+        def run(runner: Runner = runner) -> Any:  # the module's own training flags
             return runner.run()
 
         run.dtype, run.module = c.dtype, name  # type: ignore[attr-defined]
@@ -386,7 +386,7 @@ def tune_policy(
       >>> sorted(result.module_policies), str(result.module_policies["0"])  # equal times: float32 wins
       (['0', '1', '2'], 'params=float32,compute=float32,output=float32')
     """
-    _check_module(model, "tune_policy")
+    check_module(model, "tune_policy")
     if not isinstance(example_args, (tuple, list)):
         raise TypeError(
             f"tune_policy: example_args must be a tuple of the forward's positional arguments, got "
@@ -394,16 +394,16 @@ def tune_policy(
         )
     kwargs = dict(example_kwargs or {})
     base = get_policy(policy)
-    _check_counts("tune_policy", depth=(depth, 1), rounds=(rounds, 1))
-    _check_margin(margin, "tune_policy")
-    device = _timing_device(model, device, "tune_policy", "pass a model and inputs on a real device")
-    cands = _check_candidates(_default_candidates(device) if candidates is None else candidates)
+    check_counts("tune_policy", depth=(depth, 1), rounds=(rounds, 1))
+    check_margin(margin, "tune_policy")
+    device = timing_device(model, device, "tune_policy", "pass a model and inputs on a real device")
+    cands = check_candidates(_default_candidates(device) if candidates is None else candidates)
     bounds = _bounds(rtol, cands)
-    machine = _machine(device)
+    machine = machine_name(device)
 
-    units = _units(model, depth)
-    inputs = _capture(model, units, tuple(example_args), kwargs)
-    tuned = [(n, m) for n, m in units if n in inputs and not _is_default_norm(n, m)]
+    units = units_at_depth(model, depth)
+    inputs = capture_inputs(model, units, tuple(example_args), kwargs)
+    tuned = [(n, m) for n, m in units if n in inputs and not is_default_norm(n, m)]
     if not tuned:
         raise ValueError(
             f"tune_policy: no unit of {type(model).__name__} at depth {depth} was called by its forward "
@@ -411,25 +411,25 @@ def tune_policy(
         )
     groups: dict[str, list[tuple[str, nn.Module]]] = {}
     for name, module in tuned:
-        key = json.dumps([_module_signature(module), _signature(inputs[name])])
+        key = json.dumps([module_signature(module), tree_signature(inputs[name])])
         groups.setdefault(key, []).append((name, module))
 
     key_doc = {
         "format": _FORMAT,
-        "model": [[n, *_module_signature(m)] for n, m in model.named_modules()],
-        "inputs": _signature((tuple(example_args), kwargs)),
+        "model": [[n, *module_signature(m)] for n, m in model.named_modules()],
+        "inputs": tree_signature((tuple(example_args), kwargs)),
         "device": str(device),
         "machine": machine,
         "torch": torch.__version__,
-        "candidates": [_label(c) for c in cands],
-        "bounds": {_label(k): v for k, v in bounds.items()},
+        "candidates": [label(c) for c in cands],
+        "bounds": {label(k): v for k, v in bounds.items()},
         "policy": str(base),
         "margin": margin,
         "rounds": rounds,
         "depth": depth,
         "op_policies": repr(sorted((repr(k), repr(v)) for k, v in (op_policies or {}).items())),
     }
-    path = _cache_path(cache, key_doc)
+    path = cache_path(cache, key_doc)
     cached = {row.modules: row.candidates for row in _load(path)} if path is not None else {}
 
     # Numerics are checked on the batch at hand on every call, a cache hit included: a verdict measured on
@@ -455,7 +455,7 @@ def tune_policy(
 
 
 def _policies(rows: Sequence[TuneRow], base: Policy) -> dict[str, Policy]:
-    return {name: _candidate_policy(base, row.choice) for row in rows for name in row.modules}
+    return {name: candidate_policy(base, row.choice) for row in rows for name in row.modules}
 
 
 def _save(path: Path, result: TuneResult, key_doc: dict) -> None:
@@ -463,12 +463,12 @@ def _save(path: Path, result: TuneResult, key_doc: dict) -> None:
         {
             "modules": list(r.modules),
             "kind": r.kind,
-            "choice": _label(r.choice),
-            "candidates": [{**dataclasses.asdict(c), "dtype": _label(c.dtype)} for c in r.candidates],
+            "choice": label(r.choice),
+            "candidates": [{**dataclasses.asdict(c), "dtype": label(c.dtype)} for c in r.candidates],
         }
         for r in result.table
     ]
-    _write_json(path, {"key": key_doc, "rows": rows}, "tune_policy")
+    write_json(path, {"key": key_doc, "rows": rows}, "tune_policy")
 
 
 def _load(path: Path) -> list[TuneRow]:

@@ -10,16 +10,17 @@ from typing import Any
 import torch
 from torch import nn
 
-_CANDIDATES = (torch.float32, torch.bfloat16, torch.float16)
+CANDIDATES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_candidates(candidates: Any, fn: str = "tune_policy") -> tuple[torch.dtype, ...]:
+def check_candidates(candidates: Any, fn: str = "tune_policy") -> tuple[torch.dtype, ...]:
+    """The candidate compute dtypes (names or dtypes), float32 first as the reference, each once; refused otherwise."""
     if isinstance(candidates, (str, torch.dtype)) or not isinstance(candidates, Sequence):
         raise TypeError(f"{fn}: candidates must be a list of dtypes, got {candidates!r}")
     out = []
     for c in candidates:
         dtype = getattr(torch, c, None) if isinstance(c, str) else c
-        if dtype not in _CANDIDATES:
+        if dtype not in CANDIDATES:
             raise ValueError(
                 f"{fn}: candidate {c!r} is not a compute dtype funcamp tunes; choose from float32, bfloat16, float16"
             )
@@ -29,24 +30,26 @@ def _check_candidates(candidates: Any, fn: str = "tune_policy") -> tuple[torch.d
     return tuple(dict.fromkeys(out))
 
 
-def _check_module(model: Any, fn: str) -> None:
+def check_module(model: Any, fn: str) -> None:
+    """Refuse a ``model`` that is not an ``nn.Module``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def _check_counts(fn: str, **counts: tuple[Any, int]) -> None:
+def check_counts(fn: str, **counts: tuple[Any, int]) -> None:
     """Each ``name=(value, least)``: ``value`` an int (not a bool) >= ``least``."""
     for name, (value, least) in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{fn}: {name} must be an int >= {least}, got {value!r}")
 
 
-def _check_margin(margin: Any, fn: str) -> None:
+def check_margin(margin: Any, fn: str) -> None:
+    """Refuse a ``margin`` that is not a number >= 0."""
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
         raise ValueError(f"{fn}: margin must be a number >= 0, got {margin!r}")
 
 
-def _timing_device(model: nn.Module, device: Any, fn: str, hint: str) -> torch.device:
+def timing_device(model: nn.Module, device: Any, fn: str, hint: str) -> torch.device:
     """``device``, or that of the model's first parameter (CPU without one); never the meta device."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -18,9 +18,9 @@ from torch import nn
 
 from funcamp import hardware
 from funcamp._version import __version__
-from funcamp.tune._checks import _check_candidates, _check_counts, _check_margin, _check_module, _timing_device
-from funcamp.tune._keys import _cache_path, _label, _module_signature, _signature, _step_machine, _write_json
-from funcamp.tune._timing import StepTiming, _time_steps
+from funcamp.tune._checks import check_candidates, check_counts, check_margin, check_module, timing_device
+from funcamp.tune._keys import cache_path, label, module_signature, step_machine, tree_signature, write_json
+from funcamp.tune._timing import StepTiming, time_steps
 
 _CHOICE_FORMAT = 2  # version of the compute-dtype cache files' layout (2: module settings, facts, `what`)
 
@@ -59,7 +59,7 @@ class ComputeDtypeChoice:
 
     def explain(self) -> str:
         """One line: the dtype, where the choice came from (the facts, a measurement now, the cache file) and why."""
-        head = f"{_label(self.dtype)} compute on {self.machine}"
+        head = f"{label(self.dtype)} compute on {self.machine}"
         if self.source == "capability":
             return f"{head}: {self.reason} (torch's report decides; nothing timed)"
         table = ", ".join(_timing_text(t) for t in self.timings)
@@ -73,8 +73,8 @@ class ComputeDtypeChoice:
 
 def _timing_text(t: StepTiming) -> str:
     if t.seconds is None:
-        return f"{_label(t.dtype)} {t.refused}"
-    text = f"{_label(t.dtype)} {1e3 * t.seconds:.4g} ms"
+        return f"{label(t.dtype)} {t.refused}"
+    text = f"{label(t.dtype)} {1e3 * t.seconds:.4g} ms"
     return text if t.dtype == torch.float32 else f"{text} (median per-round ratio {t.ratio:.3g}x)"
 
 
@@ -100,18 +100,18 @@ def _decide(timings: Sequence[StepTiming], margin: float) -> tuple[torch.dtype, 
         judged.append(dataclasses.replace(t, refused=why))
     winners = [t for t in judged if t.dtype != torch.float32 and not t.refused]
     if not winners:
-        halves = "; ".join(f"{_label(t.dtype)}: {t.refused}" for t in judged if t.dtype != torch.float32)
+        halves = "; ".join(f"{label(t.dtype)}: {t.refused}" for t in judged if t.dtype != torch.float32)
         noisy = any("is wider than the difference" in t.refused for t in judged)
         lead = "float32: no half dtype on a measurement this noisy" if noisy else "float32: no half dtype is faster"
         return torch.float32, f"{lead} ({halves})", tuple(judged)
     best = min(winners, key=lambda t: t.ratio)
     judged = [
-        dataclasses.replace(t, refused=f"slower than {_label(best.dtype)}") if t in winners and t is not best else t
+        dataclasses.replace(t, refused=f"slower than {label(best.dtype)}") if t in winners and t is not best else t
         for t in judged
     ]
     gain, spread = 1 - best.ratio, best.high - best.low
     reason = (
-        f"{_label(best.dtype)}'s step takes {best.ratio:.3g}x float32's (quartiles of the rounds' ratios "
+        f"{label(best.dtype)}'s step takes {best.ratio:.3g}x float32's (quartiles of the rounds' ratios "
         f"{best.low:.3g}-{best.high:.3g}): faster by {gain:.1%}, more than the spread ({spread:.1%}) and the "
         f"margin ({margin:.0%})"
     )
@@ -204,52 +204,52 @@ def choose_compute_dtype(
     fn = "choose_compute_dtype"
     if not callable(make_step):
         raise TypeError(f"{fn}: make_step must be a function dtype -> run, got {type(make_step).__name__}")
-    _check_module(model, fn)
+    check_module(model, fn)
     if key is not None and not isinstance(key, Mapping):
         raise TypeError(f"{fn}: key must be a mapping of JSON values (the step's settings), got {type(key).__name__}")
     try:
         extra = json.loads(json.dumps(dict(key or {}), sort_keys=True))
     except (TypeError, ValueError) as error:
         raise TypeError(f"{fn}: key must hold JSON values only (str, numbers, bools, lists, dicts): {error}") from None
-    _check_counts(fn, rounds=(rounds, 3), warmup=(warmup, 1))
-    _check_margin(margin, fn)
+    check_counts(fn, rounds=(rounds, 3), warmup=(warmup, 1))
+    check_margin(margin, fn)
     if not isinstance(what, str):
         raise TypeError(f"{fn}: what must be a str (what run() runs), got {type(what).__name__}")
-    device = _timing_device(model, device, fn, "pass the device the step runs on")
-    wanted = None if candidates is None else _check_candidates(candidates, fn)
+    device = timing_device(model, device, fn, "pass the device the step runs on")
+    wanted = None if candidates is None else check_candidates(candidates, fn)
     cap = hardware.capability(device)
-    machine = _step_machine(device, cap)
+    machine = step_machine(device, cap)
     if cap.decided is not None:
         return ComputeDtypeChoice(cap.decided, "capability", cap.reason, str(device), machine)
     halves = tuple(d for d in cap.candidates if wanted is None or d in wanted)
     if not halves:
-        asked = ", ".join(_label(d) for d in (wanted or ()) if d != torch.float32) or "none"
+        asked = ", ".join(label(d) for d in (wanted or ()) if d != torch.float32) or "none"
         why = f"no half dtype to measure (asked for: {asked}; {cap.reason})"
         return ComputeDtypeChoice(torch.float32, "capability", why, str(device), machine)
     dtypes = (torch.float32, *halves)
 
     key_doc = {
         "format": _CHOICE_FORMAT,
-        "model": [[n, *_module_signature(m)] for n, m in model.named_modules()],
-        "batch": _signature(example_batch),
+        "model": [[n, *module_signature(m)] for n, m in model.named_modules()],
+        "batch": tree_signature(example_batch),
         "device": str(device),
         "machine": machine,
         "facts": {k: str(v) for k, v in sorted(hardware._cpu_facts().items())} if device.type == "cpu" else None,
         "torch": torch.__version__,
         "funcamp": __version__,  # the step's code is funcamp's
         "what": what,
-        "candidates": [_label(d) for d in dtypes],
+        "candidates": [label(d) for d in dtypes],
         "rounds": rounds,
         "warmup": warmup,
         "margin": float(margin),
         "key": extra,
     }
-    path = _cache_path(cache, key_doc, fn, prefix=_CHOICE_PREFIX)
+    path = cache_path(cache, key_doc, fn, prefix=_CHOICE_PREFIX)
     if path is not None and not retune:
         hit = _load_choice(path, key_doc, dtypes)
         if hit is not None:
             return hit
-    timings = _time_steps(make_step, dtypes, device, rounds, warmup, timer)
+    timings = time_steps(make_step, dtypes, device, rounds, warmup, timer)
     dtype, reason, judged = _decide(timings, float(margin))
     when = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     choice = ComputeDtypeChoice(dtype, "measured", reason, str(device), machine, judged, rounds, path, when, what)
@@ -259,10 +259,10 @@ def choose_compute_dtype(
 
 
 def _save_choice(path: Path, choice: ComputeDtypeChoice, key_doc: dict) -> None:
-    timings = [{**dataclasses.asdict(t), "dtype": _label(t.dtype)} for t in choice.timings]
+    timings = [{**dataclasses.asdict(t), "dtype": label(t.dtype)} for t in choice.timings]
     doc = {
         "key": key_doc,
-        "choice": _label(choice.dtype),
+        "choice": label(choice.dtype),
         "reason": choice.reason,
         "device": choice.device,
         "machine": choice.machine,
@@ -271,7 +271,7 @@ def _save_choice(path: Path, choice: ComputeDtypeChoice, key_doc: dict) -> None:
         "what": choice.what,
         "timings": timings,
     }
-    _write_json(path, doc, "choose_compute_dtype")
+    write_json(path, doc, "choose_compute_dtype")
 
 
 def _load_choice(path: Path, key_doc: dict, dtypes: tuple[torch.dtype, ...]) -> ComputeDtypeChoice | None:

@@ -1,7 +1,7 @@
 """What a measurement is keyed on, and its cache files: :mod:`funcamp.tune`'s keys and cache.
 
-A module's signature (its class, tensors and settings, :func:`_module_signature`), a tree's shapes and dtypes
-(:func:`_signature`), the machine's name, and the cache directory and files (a key document hashed to a file name,
+A module's signature (its class, tensors and settings, :func:`module_signature`), a tree's shapes and dtypes
+(:func:`tree_signature`), the machine's name, and the cache directory and files (a key document hashed to a file name,
 written atomically). :func:`funcamp.tune.tune_policy` and :func:`funcamp.tune.choose_compute_dtype` key their
 caches with these, :func:`funcamp.tune.block_probe` its ``key``.
 """
@@ -31,30 +31,31 @@ from torch import nn
 from funcamp import hardware
 
 
-def _label(dtype: torch.dtype) -> str:
+def label(dtype: torch.dtype) -> str:
+    """``dtype``'s name without ``torch.`` (``bfloat16``)."""
     return str(dtype).removeprefix("torch.")
 
 
-def _signature(tree: Any) -> list:
+def tree_signature(tree: Any) -> list:
     """Shapes and dtypes of the tensors of a tree, and the repr of other leaves (JSON-ready)."""
     leaves, spec = torch_pytree.tree_flatten(tree)
     out: list = [str(spec)]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            out.append([list(leaf.shape), _label(leaf.dtype), leaf.device.type])
+            out.append([list(leaf.shape), label(leaf.dtype), leaf.device.type])
         else:
             out.append(repr(leaf)[:200])
     return out
 
 
-def _module_signature(module: nn.Module) -> list:
+def module_signature(module: nn.Module) -> list:
     """What a module computes with, JSON-ready: its class, its tensors' names, shapes and dtypes, and its own
     settings (:func:`_settings`). Two modules of one class and shapes with other settings (a GELU's
     approximation, a LayerNorm's eps, a dropout's p, training or eval) differ."""
     tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     return [
         f"{type(module).__module__}.{type(module).__qualname__}",
-        [[n, list(t.shape), _label(t.dtype), t.requires_grad] for n, t in tensors],
+        [[n, list(t.shape), label(t.dtype), t.requires_grad] for n, t in tensors],
         _settings(module),
     ]
 
@@ -66,43 +67,43 @@ def _settings(module: nn.Module) -> dict[str, Any]:
     """A module's own settings, JSON-ready and the same in every process: its public non-module attributes
     (``training``, ``approximate``, ``eps``, ``p``, ``inplace``, a config dataclass, ...), its ``extra_repr()``,
     and a digest of its class's ``forward`` code (an edited forward is another computation)."""
-    out = {name: _setting(value, 0) for name, value in sorted(vars(module).items()) if not name.startswith("_")}
+    out = {name: setting_value(value, 0) for name, value in sorted(vars(module).items()) if not name.startswith("_")}
     out["extra_repr()"] = _ADDRESS.sub("", module.extra_repr())
     out["forward"] = _code_digest(getattr(type(module).forward, "__code__", None))
     return out
 
 
-def _setting(value: Any, depth: int) -> Any:
+def setting_value(value: Any, depth: int) -> Any:
     """One attribute's value, JSON-ready and free of memory addresses (see :func:`_settings`)."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else repr(value)
     if isinstance(value, torch.Tensor):
-        return ["tensor", list(value.shape), _label(value.dtype), value.device.type]
+        return ["tensor", list(value.shape), label(value.dtype), value.device.type]
     if isinstance(value, (torch.dtype, torch.device, type, enum.Enum)):
         return str(value)
     if depth >= 4:  # deep enough for any setting; the rest is the type
         return type(value).__qualname__
     if isinstance(value, nn.Module):  # a module held outside _modules (a plain list or dict, an attribute)
-        return ["module", *_module_signature(value)]
+        return ["module", *module_signature(value)]
     if isinstance(value, (list, tuple, set, frozenset, Mapping)) and len(value) > 64:  # a table: its digest
         text = repr(sorted(map(repr, value))) if isinstance(value, (set, frozenset)) else repr(value)  # hash order
         digest = hashlib.sha256(_ADDRESS.sub("", text).encode()).hexdigest()[:16]
         return [type(value).__qualname__, len(value), digest]
     if isinstance(value, (list, tuple, set, frozenset)):
-        items = [_setting(v, depth + 1) for v in value]
+        items = [setting_value(v, depth + 1) for v in value]
         return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
     if isinstance(value, Mapping):
-        return {str(k): _setting(v, depth + 1) for k, v in value.items()}
+        return {str(k): setting_value(v, depth + 1) for k, v in value.items()}
     if dataclasses.is_dataclass(value):
-        return {f.name: _setting(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
+        return {f.name: setting_value(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
     if isinstance(value, functools.partial):
         return [
             "partial",
-            _setting(value.func, depth + 1),
-            _setting(value.args, depth + 1),
-            _setting(value.keywords, depth + 1),
+            setting_value(value.func, depth + 1),
+            setting_value(value.args, depth + 1),
+            setting_value(value.keywords, depth + 1),
         ]
     if inspect.ismethod(value):
         return ["method", value.__func__.__qualname__, _code_digest(getattr(value.__func__, "__code__", None))]
@@ -136,14 +137,16 @@ def default_cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "funcamp") / "tune"
 
 
-def _machine(device: torch.device) -> str:
+def machine_name(device: torch.device) -> str:
+    """The machine ``device`` is on, in words (a CPU: its name, architecture, cores and threads)."""
     report = hardware.probe(device)
     if device.type == "cpu":
         return f"{report.name}, {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
     return report.name
 
 
-def _cache_path(cache: Any, key_doc: dict, fn: str = "tune_policy", prefix: str = "") -> Path | None:
+def cache_path(cache: Any, key_doc: dict, fn: str = "tune_policy", prefix: str = "") -> Path | None:
+    """The cache file of ``key_doc`` under ``cache`` (True: the default directory), or None when caching is off."""
     if cache is False or cache is None:
         return None
     if cache is True:
@@ -156,7 +159,7 @@ def _cache_path(cache: Any, key_doc: dict, fn: str = "tune_policy", prefix: str 
     return directory / f"{prefix}{digest}.json"
 
 
-def _write_json(path: Path, doc: dict, fn: str) -> None:
+def write_json(path: Path, doc: dict, fn: str) -> None:
     """Write ``doc`` to ``path`` atomically (a reader sees the old file or the new one); warn if it cannot."""
     text = json.dumps(doc, indent=1, default=str)
     try:
@@ -173,7 +176,8 @@ def _cpu_model() -> str:
     return hardware._cpuinfo("model name") or platform.processor()
 
 
-def _step_machine(device: torch.device, cap: hardware.Capability) -> str:
+def step_machine(device: torch.device, cap: hardware.Capability) -> str:
+    """The machine a step is timed on, in words (a CPU: its model, architecture, cores and threads)."""
     if device.type == "cpu":
         model = _cpu_model()
         return (

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from funcamp.policy import Policy, get_policy
-from funcamp.tune._checks import _check_module, _timing_device
-from funcamp.tune._keys import _module_signature, _setting
-from funcamp.tune._timing import _synchronize
-from funcamp.tune._units import _candidate_policy, _capture, _Runner
+from funcamp.tune._checks import check_module, timing_device
+from funcamp.tune._keys import module_signature, setting_value
+from funcamp.tune._timing import synchronizer
+from funcamp.tune._units import Runner, candidate_policy, capture_inputs
 
 # The ops a compiled step hands to a library (oneDNN/MKL, cuBLAS, the attention kernels) rather than fusing: what
 # a compute dtype changes most, and what eager timing measures as the compiled step runs them.
@@ -132,10 +132,10 @@ class BlockProbe:
             "measure": "block kernels",
             "block": name,
             "members": len(members),
-            "module": _module_signature(self._module),
+            "module": module_signature(self._module),
             "policy": str(base),
             "op_policies": repr(sorted((repr(k), repr(v)) for k, v in (op_policies or {}).items())),
-            "module_policies": [[_setting(k, 0), _setting(v, 0)] for k, v in self._module_policies.items()],
+            "module_policies": [[setting_value(k, 0), setting_value(v, 0)] for k, v in self._module_policies.items()],
             "min_run_time": min_run_time,
         }
         if not name:
@@ -150,7 +150,7 @@ class BlockProbe:
             if not self.name:
                 self._inputs = (args, kwargs)
             else:
-                seen = _capture(self._model, [(self.name, self._module)], args, kwargs)
+                seen = capture_inputs(self._model, [(self.name, self._module)], args, kwargs)
                 if self.name not in seen:
                     raise ValueError(
                         f"block_probe: {self.name} ({self.kind}) was not called by {type(self._model).__name__}'s "
@@ -160,8 +160,8 @@ class BlockProbe:
         return self._inputs
 
     def _record(self, dtype: torch.dtype) -> _Replay:
-        policy = _candidate_policy(self._base, dtype)
-        runner = _Runner(
+        policy = candidate_policy(self._base, dtype)
+        runner = Runner(
             self._module, policy, self._capture(), self._device, None, self._op_policies, self._module_policies
         )
         return _Replay(dtype, tuple(_record_kernels(runner.run)), max(self.repeat, 1))
@@ -172,7 +172,7 @@ class BlockProbe:
                 f"block_probe: {self.name or 'the model'} ({self.kind}) calls no matmul, "
                 "convolution or attention kernel: nothing a compute dtype would speed up (time the step instead)"
             )
-        sync = _synchronize(self._device)
+        sync = synchronizer(self._device)
         first()
         seconds = []
         for _ in range(3):  # the quickest of three: the machine's load only makes runs longer
@@ -211,7 +211,7 @@ def _repeated_block(model: nn.Module) -> tuple[str, tuple[str, ...]]:
     groups: dict[str, list[tuple[str, nn.Module]]] = {}
     for name, module in model.named_modules():
         if name:
-            groups.setdefault(json.dumps(_module_signature(module), sort_keys=True), []).append((name, module))
+            groups.setdefault(json.dumps(module_signature(module), sort_keys=True), []).append((name, module))
     best: tuple[int, int, tuple[str, ...]] | None = None
     for members in groups.values():
         if len(members) < 2:
@@ -285,7 +285,7 @@ def block_probe(
       3
     """
     fn = "block_probe"
-    _check_module(model, fn)
+    check_module(model, fn)
     if not isinstance(example_args, (tuple, list)):
         raise TypeError(
             f"{fn}: example_args must be a tuple of the forward's positional arguments, got "
@@ -295,7 +295,7 @@ def block_probe(
         raise ValueError(f"{fn}: min_run_time must be a number of seconds > 0, got {min_run_time!r}")
     kwargs = dict(example_kwargs or {})
     base = get_policy(policy)
-    device = _timing_device(model, device, fn, "pass a model and inputs on a real device")
+    device = timing_device(model, device, fn, "pass a model and inputs on a real device")
     name, members = _repeated_block(model)
     example = (tuple(example_args), kwargs)
     return BlockProbe(model, name, members, example, base, device, op_policies, module_policies, float(min_run_time))

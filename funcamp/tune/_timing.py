@@ -1,5 +1,5 @@
 """Timing: one call's median seconds (:func:`median_seconds`), and a step's candidates timed in interleaved
-rounds (:func:`_time_steps`, :class:`StepTiming`).
+rounds (:func:`time_steps`, :class:`StepTiming`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from funcamp.tune._keys import _label
+from funcamp.tune._keys import label
 
 
 def median_seconds(fn: Callable[[], Any], *, min_run_time: float = 0.1) -> float:
@@ -61,7 +61,8 @@ class StepTiming:
     refused: str = ""
 
 
-def _synchronize(device: torch.device) -> Callable[[], None]:
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """A call that waits for ``device``'s queued work (its backend's ``synchronize``; else a no-op)."""
     backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu, torch.cpu
     return getattr(backend, "synchronize", None) or (lambda: None)
 
@@ -71,7 +72,7 @@ def _first_line(error: BaseException) -> str:
     return (text.splitlines()[0] if text else type(error).__name__)[:160]
 
 
-def _time_steps(
+def time_steps(
     make_step: Callable[[torch.dtype], Callable[[], Any]],
     dtypes: tuple[torch.dtype, ...],
     device: torch.device,
@@ -81,7 +82,7 @@ def _time_steps(
 ) -> list[StepTiming]:
     """Build each candidate's step, call it ``warmup`` times (the first compiles), then time it in
     ``rounds`` interleaved rounds, the order rotated each round (A B, B A, ...)."""
-    sync = _synchronize(device)
+    sync = synchronizer(device)
 
     def one_call(fn: Callable[[], Any]) -> float:
         sync()
@@ -108,7 +109,7 @@ def _time_steps(
             continue
         if not callable(fn):
             raise TypeError(
-                f"choose_compute_dtype: make_step({_label(dtype)}) must return a function of no arguments that "
+                f"choose_compute_dtype: make_step({label(dtype)}) must return a function of no arguments that "
                 f"runs one step, got {type(fn).__name__}"
             )
         fn.dtype = dtype  # type: ignore[attr-defined]  # for a timer that wants to know (tests)

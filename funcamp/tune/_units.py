@@ -1,6 +1,6 @@
-"""A model's units and one of them run alone: the submodules measured (:func:`_units`), the inputs each receives
-in one forward (:func:`_capture`), one module under one policy forward and backward (:class:`_Runner`), and the
-error against float32 (:func:`_rel_error`). Shared by :func:`funcamp.tune.tune_policy` and
+"""A model's units and one of them run alone: the submodules measured (:func:`units_at_depth`), the inputs each receives
+in one forward (:func:`capture_inputs`), one module under one policy forward and backward (:class:`Runner`), and the
+error against float32 (:func:`rel_error`). Shared by :func:`funcamp.tune.tune_policy` and
 :func:`funcamp.tune.block_probe`.
 """
 
@@ -20,7 +20,7 @@ from funcamp.policy import Policy
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
-def _units(model: nn.Module, depth: int) -> list[tuple[str, nn.Module]]:
+def units_at_depth(model: nn.Module, depth: int) -> list[tuple[str, nn.Module]]:
     """Submodules ``depth`` levels below the root (containers do not count as a level), or leaves above."""
     out: list[tuple[str, nn.Module]] = []
 
@@ -38,7 +38,7 @@ def _units(model: nn.Module, depth: int) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _capture(model: nn.Module, units: list[tuple[str, nn.Module]], args: tuple, kwargs: dict) -> dict[str, Any]:
+def capture_inputs(model: nn.Module, units: list[tuple[str, nn.Module]], args: tuple, kwargs: dict) -> dict[str, Any]:
     """The ``(args, kwargs)`` each unit is first called with during one forward of ``model`` (no grad).
 
     The model's buffers come back as they were (the same tensors, the same values): a forward may update
@@ -76,7 +76,7 @@ def _floating(tree: Any) -> list[torch.Tensor]:
     return [x for x in torch_pytree.tree_leaves(tree) if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
 
-def _rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     """``||x - ref|| / ||ref||`` in float64; inf when either is not finite (no oracle, no verdict)."""
     x, ref = x.double(), ref.double()
     if not (torch.isfinite(x).all() and torch.isfinite(ref).all()):
@@ -88,7 +88,7 @@ def _rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float(num / den)
 
 
-class _Runner:
+class Runner:
     """One module under one policy: ``run()`` = forward + backward on its captured inputs."""
 
     def __init__(
@@ -139,5 +139,6 @@ class _Runner:
         return [o.detach() for o in outs], list(grads)
 
 
-def _candidate_policy(base: Policy, dtype: torch.dtype) -> Policy:
+def candidate_policy(base: Policy, dtype: torch.dtype) -> Policy:
+    """``base`` with compute and output in ``dtype`` (parameters and reductions kept)."""
     return Policy(base.param_dtype, dtype, dtype, base.reduce_dtype)

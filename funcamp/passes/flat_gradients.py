@@ -1,0 +1,111 @@
+"""Sub-pass ``flat_gradients``: a flat state's gradients written into their buffer as the backward makes them.
+
+A state with flat storage (:mod:`funcamp.train._flat`) runs its optimizer over one buffer per group, so the step
+concatenates the gradients (a ``cat`` tagged by :func:`funcamp.passes.tags.flat_gradients`). As traced, that
+``cat`` comes after the whole backward and the finite check: inductor copies every gradient into the buffer at
+the end, when all of them exist, so the step holds every gradient twice (8 x Linear(2048, 2048) with AdamW and
+bfloat16 compute: 192 MB over the state at rest against 64 MB leaf by leaf). And a gradient computed in bfloat16
+and cast to the float32 parameter's dtype is copied as float32: twice its bytes.
+
+This pass rewrites each tagged ``cat`` as a buffer the gradients are written into one by one, each right after the
+node that makes it (``slice_scatter``, which inductor's reinplacing turns into a copy into the buffer: the
+gradient can be freed at once), the buffer made when the first gradient exists (gated: :mod:`funcamp.passes.gates`)
+and zero where the ``cat`` held padding. A slice of the buffer that is exactly one gradient's part (the norm a clip
+takes of each member, :mod:`funcamp.train._flat`) reads that gradient instead, the same values: inductor would
+otherwise evaluate the whole chain of writes for each element of each slice. Where every gradient reaches the
+``cat`` as the cast of a narrower tensor
+(``convert_element_type``, the backward of a parameter's cast to the compute dtype), the buffer holds the narrower
+values and is cast once, after it is full: the cast is fused into the update that reads it. The values the
+update reads are the ``cat``'s, bit for bit (the same elements; a cast is elementwise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from funcamp.passes._context import PassContext
+from funcamp.passes.gates import _call, _flag
+from funcamp.passes.tags import _FLAT_GRADS, _tags
+
+NAME = "flat_gradients"
+
+_aten, _prims = torch.ops.aten, torch.ops.prims
+_FLATTENS = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
+_ZEROS = (_aten.full.default, _aten.zeros.default, _aten.new_zeros.default)
+
+
+def _source(node: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, bool]:
+    """``(source, narrowed)``: the tensor a ``cat`` input is a flattening and a cast to ``dtype`` of (``narrowed``),
+    or the input itself."""
+    inner = node.args[0] if node.target in _FLATTENS and isinstance(node.args[0], torch.fx.Node) else node
+    if inner.target is _prims.convert_element_type.default and inner.args[1] == dtype:
+        src = inner.args[0]
+        if isinstance(src, torch.fx.Node) and src.meta["val"].dtype.itemsize < dtype.itemsize:
+            return src, True
+    return node, False
+
+
+def _is_zeros(node: torch.fx.Node) -> bool:
+    if node.target not in _ZEROS:
+        return False
+    value = node.args[1] if node.target is _aten.full.default else 0
+    return value == 0
+
+
+def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
+    inputs = cat.args[0]
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    out = cat.meta["val"]
+    if dim != 0 or out.ndim != 1 or not all(isinstance(x, torch.fx.Node) for x in inputs):
+        return False
+    parts, at = [], 0  # (offset, numel, node): the non-zero inputs where they go
+    for x in inputs:
+        n = x.meta["val"].numel()
+        if not _is_zeros(x):
+            parts.append((at, n, x))
+        at += n
+    if not parts:
+        return False
+    sources = [_source(x, out.dtype) for _, _, x in parts]
+    narrow = all(ok for _, ok in sources) and len({s.meta["val"].dtype for s, _ in sources}) == 1
+    dtype = sources[0][0].meta["val"].dtype if narrow else out.dtype
+    chosen = [(off, n, s if narrow else x) for (off, n, x), (s, _) in zip(parts, sources, strict=True)]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    chosen.sort(key=lambda part: order[part[2]])
+    first = chosen[0][2]
+    with graph.inserting_before(first.next):  # made once the first gradient exists: the buffer waits for it
+        flag = _flag(graph, first)
+        with out.fake_mode:
+            value = torch.zeros(out.shape, dtype=dtype, device=out.device)
+        zeros = graph.call_function(
+            _aten.full.default, ([out.shape[0]], 0), {"dtype": dtype, "device": out.device, "pin_memory": False}
+        )
+        zeros.meta["val"], zeros.meta["custom"] = value, dict(_tags(first))
+        last = _call(graph, _aten.where.self, flag, zeros, zeros)
+    order[last] = order[first] + 0.5  # the new nodes' places: after ``first``, before the node after it
+    for off, n, src in chosen:
+        anchor = src if order[src] > order[last] else last
+        with graph.inserting_before(anchor.next):
+            flat = _call(graph, _aten.reshape.default, src, [n])
+            last = _call(graph, _aten.slice_scatter.default, last, flat, 0, off, off + n)
+        order[last] = order[anchor] + 0.5  # after its anchor, before the next node of the graph
+    with graph.inserting_before(cat):
+        result = _call(graph, _prims.convert_element_type.default, last, out.dtype) if narrow else last
+    cat.replace_all_uses_with(result)
+    graph.erase_node(cat)
+    whole = {(off, off + n): x for off, n, x in parts}
+    for user in list(result.users):  # a slice that is one gradient's part (a clip's norm of each member): that
+        if user.target is _aten.slice.Tensor and user.args[1:] in [(0, a, b) for a, b in whole]:  # gradient itself
+            user.replace_all_uses_with(whole[tuple(user.args[2:4])])
+    return True
+
+
+def _flat_gradients(graph: torch.fx.Graph) -> int:
+    """Rewrite every tagged gradient ``cat`` (see the module docstring); the number rewritten."""
+    cats = [n for n in graph.nodes if n.target is _aten.cat.default and _tags(n).get(_FLAT_GRADS)]
+    return sum(_rewrite(graph, cat) for cat in cats)
+
+
+def run(ctx: PassContext) -> None:
+    """:func:`_flat_gradients`."""
+    _flat_gradients(ctx.graph)
