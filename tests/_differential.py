@@ -2,7 +2,10 @@
 
 A :class:`Config` picks one value per feature of the step (optimizer chain and wrappers, accumulation, a mean or
 a :class:`funcamp.LossSum`, ``has_aux`` with aux that aliases the state, buffers, frozen and int8 storage, fp8
-recipes, remat and budgets, donation, telemetry, the skip limit, the backend) and a poisoned step or none.
+recipes, remat and budgets, donation, telemetry, the skip limit, the backend; issue 47's storage axes: an aux that
+reads a state tensor through the loss's closure, a state built from a module's detached parameters, a width at
+which no parameter is a multiple of 16 floats, flat or per-leaf storage or the two alternating, a step compiled
+again from a warm inductor cache) and a poisoned step or none.
 :func:`configs` is the hypothesis strategy over them; :func:`check` runs one and raises :class:`Mismatch` with
 every difference it finds. Only public API is used (``funcamp``, ``funcamp.optim``, ``funcamp.nn``), plus
 ``tests/_reference_step.py``, the frozen copy of the step before the stages redesign.
@@ -23,13 +26,23 @@ What is compared (the documented equalities):
   later steps; a donating step returns a state on the given state's tensors and the given state is consumed
   (``TrainState.replace`` raises ``DonatedStateError``); every metric and aux leaf, read after the whole run,
   holds what its step used (compared with ``R``'s).
-* A compiled step does not recompile after its first call (DESIGN.md), over skips and scale changes.
+* A compiled step does not recompile after its first call (DESIGN.md), over skips and scale changes (with
+  ``storage="alternate"``: after its first call on each storage).
+* Storage (docs/internals.md, docs/memory.md): a compiled step over per-leaf storage, and one whose states
+  alternate between the storages (each loaded with ``funcamp.checkpoint`` into a state of the other), are bitwise
+  the same step over the other storage; a state built from a module's parameters leaves them as they were when
+  it is flat (``TrainState.create`` copies), and a donating per-leaf one writes each new state into them.
+* A step compiled again (Dynamo reset) from the caches of the first compile, its closure given a copy instead of
+  the state's own tensor (other input aliasing), is bitwise the first (``warm``, inductor).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import tempfile
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -88,6 +101,15 @@ class Config:
     skips: int | None = None  # max_consecutive_skips
     backend: str = "eager"  # eager, aot_eager, inductor
     poison: tuple | None = None  # None or (step, value): value (inf/nan) in the first micro-batch of that step
+    closure: str | None = None  # None, "param", "moment": the loss's aux reads a state tensor through a closure
+    start: str = "create"  # "create" (functionalize's params, cloned) or "module" (a module's detached parameters)
+    width: int = 16  # the hidden width; 13: no parameter a multiple of 16 floats (padding, alignment); not fp8
+    storage: str = "flat"  # "flat", "leaf" (FUNCAMP_FLAT=off), "alternate" (each step's state loaded into the other)
+    warm: bool = False  # inductor: the step compiled again (Dynamo reset) from the warm caches, bitwise the first
+
+    @property
+    def has_aux(self) -> bool:
+        return self.aux is not None or self.closure is not None
 
     @property
     def with_buffers(self) -> bool:
@@ -109,16 +131,17 @@ class Config:
 
 
 class Net(torch.nn.Module):
-    """A tiny model with every kind of part the features act on (16 wide: fp8's matmul needs multiples of 16)."""
+    """A tiny model with every kind of part the features act on (16 wide: fp8's matmul needs multiples of 16; 13
+    wide, no parameter is a multiple of 16 floats)."""
 
-    def __init__(self, batchnorm: bool):
+    def __init__(self, batchnorm: bool, width: int = 16):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.fc1 = torch.nn.Linear(6, 16)
-        self.norm = torch.nn.BatchNorm1d(16) if batchnorm else torch.nn.LayerNorm(16)
-        self.block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())  # the remat target
-        self.fc2 = torch.nn.Linear(16, 16)  # the frozen / int8 one
-        self.head = torch.nn.Linear(16, 3)
+        self.fc1 = torch.nn.Linear(6, width)
+        self.norm = torch.nn.BatchNorm1d(width) if batchnorm else torch.nn.LayerNorm(width)
+        self.block = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())  # the remat target
+        self.fc2 = torch.nn.Linear(width, width)  # the frozen / int8 one
+        self.head = torch.nn.Linear(width, 3)
         self.temperature = torch.nn.Parameter(torch.tensor(2.0))
         with torch.no_grad():
             for p in self.parameters():
@@ -224,10 +247,11 @@ class Built(NamedTuple):
     params: dict
     buffers: Any
     batches: list
+    holder: dict  # ``holder["t"]``: the state tensor the loss's closure reads (``Config.closure``), set per call
 
 
 def _functional(cfg: Config, remat: Any) -> Any:
-    model = Net(cfg.batchnorm)
+    model = Net(cfg.batchnorm, cfg.width)
     kwargs: dict[str, Any] = {}
     if cfg.frozen or cfg.int8:
         kwargs["trainable"] = lambda name, tensor: not name.startswith("fc2.")
@@ -240,7 +264,7 @@ def _functional(cfg: Config, remat: Any) -> Any:
         return fa.nn.functionalize(model, cfg.policy(), training=True, with_buffers=cfg.with_buffers, **kwargs)
 
 
-def _loss_fn(cfg: Config, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+def _loss_fn(cfg: Config, apply_fn: Callable[..., Any], holder: dict) -> Callable[..., Any]:
     def body(params: dict, buffers: Any, batch: dict) -> Any:
         if cfg.with_buffers:
             logits, new_buffers = apply_fn(params, buffers, batch["x"])
@@ -258,7 +282,11 @@ def _loss_fn(cfg: Config, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
             loss = fa.LossSum(total.to(HALF[cfg.compute]), count * COUNT_FACTOR)
         else:
             loss = torch.nn.functional.cross_entropy(logits, y.clamp(min=0)) + trap
-        out = (loss, _aux(cfg.aux, params, buffers, logits, count)) if cfg.aux else loss
+        aux = _aux(cfg.aux, params, buffers, logits, count) if cfg.aux else None
+        if cfg.closure:  # a state tensor read through the closure, as itself (it aliases the state) and reduced
+            read = holder["t"]
+            aux = {"closure": read, "closure_norm": read.float().square().sum(), **({"aux": aux} if cfg.aux else {})}
+        out = (loss, aux) if cfg.has_aux else loss
         return (out, new_buffers) if cfg.with_buffers else out
 
     if cfg.with_buffers:
@@ -285,21 +313,53 @@ def build(cfg: Config) -> Built:
     plain = made if cfg.remat is None else _functional(cfg, None)
     params = made[1]
     buffers = made[2] if cfg.with_buffers else None
-    return Built(_loss_fn(cfg, made[0]), _loss_fn(cfg, plain[0]), params, buffers, _batches(cfg))
+    holder: dict = {}
+    return Built(
+        _loss_fn(cfg, made[0], holder), _loss_fn(cfg, plain[0], holder), params, buffers, _batches(cfg), holder
+    )
 
 
 def _clone(tree: Any) -> Any:
     return optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree, namespace="funcamp")
 
 
-def fresh_state(cfg: Config, built: Built) -> fa.TrainState:
-    params = _clone(built.params)
-    return fa.TrainState.create(
-        params,
-        build_optimizer(cfg.opt, params),
-        loss_scale=_loss_scale(cfg.loss_scale),
-        buffers=_clone(built.buffers),
-    )
+def fresh_state(cfg: Config, built: Built, storage: str = "flat", params: dict | None = None) -> fa.TrainState:
+    """A new state of ``built``'s parameters (or of ``params``, as given), laid out by ``storage``."""
+    params = _clone(built.params) if params is None else params
+    with _storage(storage):
+        return fa.TrainState.create(
+            params,
+            build_optimizer(cfg.opt, params),
+            loss_scale=_loss_scale(cfg.loss_scale),
+            buffers=_clone(built.buffers),
+        )
+
+
+@contextlib.contextmanager
+def _storage(storage: str) -> Any:
+    """``FUNCAMP_FLAT=off`` while a state is made, for ``storage == "leaf"`` (the environment restored after)."""
+    before = os.environ.get("FUNCAMP_FLAT")
+    if storage == "leaf":
+        os.environ["FUNCAMP_FLAT"] = "off"
+    else:
+        os.environ.pop("FUNCAMP_FLAT", None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("FUNCAMP_FLAT", None)
+        else:
+            os.environ["FUNCAMP_FLAT"] = before
+
+
+def closure_source(cfg: Config, state: fa.TrainState) -> torch.Tensor:
+    """The state tensor the loss's closure reads (``Config.closure``): ``head.weight`` (``"param"``), or the first
+    optimizer-state tensor of a dimension or more (``"moment"``; ``head.weight`` where there is none)."""
+    if cfg.closure == "moment":
+        moments = [x for _, x in _leaves(state.opt_state) if isinstance(x, torch.Tensor) and x.ndim >= 1]
+        if moments:
+            return moments[0]
+    return state.params["head.weight"]
 
 
 # ---------------------------------------------------------------------------------------------- comparison
@@ -385,15 +445,19 @@ def _show(x: torch.Tensor) -> str:
 
 
 def _run(step: Callable[..., Any], state: fa.TrainState, batches: list, *, pure: bool, donate: bool,
-         compiled: bool, problems: list[str], label: str) -> list[tuple[Any, dict]]:  # fmt: skip
-    """Run ``step`` over ``batches``, checking the aliasing rules at every call; the states and metrics."""
+         compiled: bool, problems: list[str], label: str, prepare: Callable[[int, Any], Any] | None = None,
+         recompile_from: int = 1) -> list[tuple[Any, dict]]:  # fmt: skip
+    """Run ``step`` over ``batches``, checking the aliasing rules at every call; the states and metrics.
+    ``prepare(i, state)`` makes the state the ``i``-th call is given (the closure's tensor set, the storage
+    changed); a compiled step may compile before call ``recompile_from`` (once per storage)."""
     history: list[tuple[Any, dict]] = []
     first_state, first_snapshot = state, _clone(state)
     for i, batch in enumerate(batches):
+        state = state if prepare is None else prepare(i, state)
         before_state, before_batch = _clone(state), _clone(batch)
         given = [x for _, x in _leaves(state.params)]
         ptrs = [x.data_ptr() for x in given]
-        if compiled and i > 0:
+        if compiled and i >= recompile_from:
             with torch._dynamo.config.patch(error_on_recompile=True):
                 new, metrics = step(state, batch)
         else:
@@ -402,11 +466,10 @@ def _run(step: Callable[..., Any], state: fa.TrainState, batches: list, *, pure:
         if pure:
             compare(state, before_state, f"{label} step {i}: the input state after the call", None, problems)
         if donate:
-            # The given tensors, written in place; a flat step (funcamp/train/_flat.py) re-points them at its
-            # buffers at the first call, and from then on writes into the same memory.
+            # The given tensors, written in place (a flat state's: the views of its buffers; nothing re-pointed).
             if any(x is not y for (_, x), y in zip(_leaves(new.params), given, strict=True)):
                 problems.append(f"{label} step {i}: the donating step's new params are not the given tensors")
-            elif i > 0 and [x.data_ptr() for _, x in _leaves(new.params)] != ptrs:
+            elif [x.data_ptr() for _, x in _leaves(new.params)] != ptrs:
                 problems.append(f"{label} step {i}: the donating step's new params are not in the given memory")
             try:
                 state.replace(step=state.step)
@@ -433,7 +496,7 @@ def _compare_runs(got: list, want: list, label: str, bound: Any, problems: list[
 
 def _make(cfg: Config, loss_fn: Callable[..., Any], opt_params: dict, *, backend: str, donate: bool) -> Any:
     opt = build_optimizer(cfg.opt, opt_params)
-    kwargs = dict(has_aux=cfg.aux is not None, accumulation_steps=cfg.k, max_consecutive_skips=cfg.skips,
+    kwargs = dict(has_aux=cfg.has_aux, accumulation_steps=cfg.k, max_consecutive_skips=cfg.skips,
                   telemetry=cfg.telemetry)  # fmt: skip
     if backend == "eager":
         return fa.make_train_step(loss_fn, opt, compile=False, donate=donate, **kwargs)
@@ -461,18 +524,25 @@ def _check(cfg: Config) -> dict[str, Any]:
     built = build(cfg)
     problems: list[str] = []
     ref_step = reference.make_train_step(
-        built.loss_fn_plain, build_optimizer(cfg.opt, built.params), has_aux=cfg.aux is not None,
+        built.loss_fn_plain, build_optimizer(cfg.opt, built.params), has_aux=cfg.has_aux,
         accumulation_steps=cfg.k, max_consecutive_skips=cfg.skips, compile=False, telemetry=cfg.telemetry,
     )  # fmt: skip
+    reads = _closure_reads(cfg, built)
     want = _run(ref_step, fresh_state(cfg, built), built.batches, pure=True, donate=False, compiled=False,
-                problems=problems, label="reference")  # fmt: skip
+                problems=problems, label="reference", prepare=reads)  # fmt: skip
     _check_loss_metric(cfg, built, fresh_state(cfg, built), want, problems)
     compiled = cfg.backend != "eager"
     if compiled:
         torch._dynamo.reset()  # each configuration compiles its own step (no recompile limit reached across them)
     step = _make(cfg, built.loss_fn, built.params, backend=cfg.backend, donate=cfg.donate)
-    got = _run(step, fresh_state(cfg, built), built.batches, pure=not cfg.donate, donate=cfg.donate,
-               compiled=compiled, problems=problems, label="step")  # fmt: skip
+    start, module = _start(cfg, built, problems)
+    tmp = tempfile.TemporaryDirectory()  # the checkpoints of storage="alternate"
+    recompile_from = 2 if cfg.storage == "alternate" else 1
+    got = _run(step, start, built.batches, pure=not cfg.donate, donate=cfg.donate, compiled=compiled,
+               problems=problems, label="step", prepare=_step_preparer(cfg, built, reads, tmp.name),
+               recompile_from=recompile_from)  # fmt: skip
+    if module is not None:
+        _check_module(cfg, module, got, problems)
     _compare_runs(got, want, "step vs reference", bound_for(cfg), problems)
     companion = compiled and (cfg.donate or cfg.remat is not None)
     if companion:  # bitwise the same backend's step without donation and remat, where the docs promise it
@@ -483,12 +553,90 @@ def _check(cfg: Config) -> dict[str, Any]:
             torch._dynamo.reset()
             step_c = _make(cfg, plain.loss_fn, plain.params, backend=cfg.backend, donate=False)
             base = _run(step_c, fresh_state(cfg, plain), plain.batches, pure=True, donate=False, compiled=True,
-                        problems=problems, label="companion")  # fmt: skip
+                        problems=problems, label="companion", prepare=_closure_reads(cfg, plain))  # fmt: skip
             _compare_runs(got, base, "step vs the same backend without donate/remat", None, problems)
+    other = None
+    if compiled and cfg.storage != "flat":  # the storage changes no bit: against the other storage's step
+        storage = "flat" if cfg.storage == "leaf" else "leaf"  # (alternate: its flat steps against per-leaf ones)
+        torch._dynamo.reset()
+        step_o = _make(cfg, built.loss_fn, built.params, backend=cfg.backend, donate=cfg.donate)
+        other = _run(step_o, fresh_state(cfg, built, storage), built.batches, pure=not cfg.donate,
+                     donate=cfg.donate, compiled=True, problems=problems, label=f"{storage} companion",
+                     prepare=reads)  # fmt: skip
+        _compare_runs(got, other, f"step ({cfg.storage}) vs the same step over {storage} storage", None, problems)
+    if cfg.warm:  # compiled again from the caches the first compile filled, the closure given a copy this time
+        torch._dynamo.reset()
+        step_w = _make(cfg, built.loss_fn, built.params, backend=cfg.backend, donate=cfg.donate)
+        copies = _step_preparer(cfg, built, _closure_reads(cfg, built, copy=True), tmp.name)
+        first = _start(cfg, built, problems)[0]
+        warm = _run(step_w, first, built.batches, pure=not cfg.donate, donate=cfg.donate, compiled=True,
+                    problems=problems, label="warm", prepare=copies, recompile_from=recompile_from)  # fmt: skip
+        _compare_runs(warm, got, "step compiled from a warm cache vs the first compile", None, problems)
+    tmp.cleanup()
     if problems:
         raise Mismatch(f"{cfg.short()}: {len(problems)} problem(s):\n  " + "\n  ".join(problems[:30]))
     finite = [bool(m["grads_finite"]) for _, m in got]
     return {"finite": finite, "loss": [float(m["loss"]) for _, m in got]}
+
+
+def _closure_reads(cfg: Config, built: Built, copy: bool = False) -> Callable[[int, Any], Any] | None:
+    """The ``prepare`` of :func:`_run` that points the loss's closure at the state's tensor (or a copy of it)."""
+    if cfg.closure is None:
+        return None
+
+    def prepare(i: int, state: Any) -> Any:
+        t = closure_source(cfg, state)
+        built.holder["t"] = t.clone() if copy else t
+        return state
+
+    return prepare
+
+
+def _step_preparer(cfg: Config, built: Built, reads: Any, tmp: str) -> Callable[[int, Any], Any] | None:
+    """The step's ``prepare``: with ``storage="alternate"``, each state after the first saved and loaded
+    (``funcamp.checkpoint``) into a state of the other storage (odd calls per leaf, even ones flat); then the
+    closure's tensor."""
+    if cfg.storage != "alternate":
+        return reads
+
+    def prepare(i: int, state: Any) -> Any:
+        if i > 0:
+            path = os.path.join(tmp, f"state{i}.ckpt")
+            fa.checkpoint.save(path, state)
+            state = fa.checkpoint.load(path, like=fresh_state(cfg, built, "leaf" if i % 2 else "flat"))
+        return state if reads is None else reads(i, state)
+
+    return prepare
+
+
+def _start(cfg: Config, built: Built, problems: list[str]) -> tuple[fa.TrainState, Any]:
+    """The step's first state, and with ``start="module"`` the module it was built from (the module, clones of
+    its parameters, the state's storage kind): ``{name: p.detach()}`` of a :class:`Net` equal to ``built``'s
+    (the pattern ``TrainState.create``'s message suggests)."""
+    first = "leaf" if cfg.storage == "leaf" else "flat"
+    if cfg.start != "module":
+        return fresh_state(cfg, built, first), None
+    module = Net(cfg.batchnorm, cfg.width)
+    with torch.no_grad():
+        for k, x in built.params.items():  # the master dtype functionalize keeps each parameter in
+            module.get_parameter(k).data = module.get_parameter(k).data.to(x.dtype)
+    given = {k: module.get_parameter(k).detach() for k in built.params}
+    compare(given, built.params, "the module's parameters vs functionalize's", None, problems)
+    state = fresh_state(cfg, built, first, params=given)
+    return state, (module, _clone(given), state.storage.kind)
+
+
+def _check_module(cfg: Config, module: Any, got: list, problems: list[str]) -> None:
+    """The module a state was built from (``start="module"``), after the run: a flat state copied its parameters
+    (docs/memory.md), so no step wrote into them; a state kept leaf by leaf held them, and a donating step
+    overwrote them with each new state (with ``storage="alternate"``, the first: the later states are loaded)."""
+    model, initial, kind = module
+    now = {k: model.get_parameter(k).detach() for k in initial}
+    if kind == "per leaf" and cfg.donate:  # leaf by leaf as asked, or for its optimizer (stochastic rounding)
+        last = got[0 if cfg.storage == "alternate" else -1][0].params
+        compare(now, last, "the module after donated per-leaf steps vs the state they made", None, problems)
+    else:
+        compare(now, initial, f"the module after the run ({kind} state) vs before", None, problems)
 
 
 def _check_loss_metric(cfg: Config, built: Built, start: Any, want: list, problems: list[str]) -> None:
@@ -498,13 +646,15 @@ def _check_loss_metric(cfg: Config, built: Built, start: Any, want: list, proble
     for i, batch in enumerate(built.batches):
         state = start if i == 0 else want[i - 1][0]
         buffers, totals, counts, means = state.buffers, [], [], []
+        if cfg.closure:
+            built.holder["t"] = closure_source(cfg, state)
         with torch.no_grad():
             for mb in _micro_batches(batch, cfg.k):
                 if cfg.with_buffers:
                     out, buffers = built.loss_fn_plain(state.params, buffers, mb)
                 else:
                     out = built.loss_fn_plain(state.params, mb)
-                loss = out[0] if cfg.aux else out
+                loss = out[0] if cfg.has_aux else out
                 if cfg.loss == "mean":
                     means.append(loss.double())
                 else:
@@ -537,6 +687,10 @@ def validate(cfg: Config) -> None:
         raise ValueError("bfloat16 masters with bfloat16 compute only")
     if cfg.opt[0] in ("kahan", "sr") and cfg.params != "bfloat16":
         raise ValueError("kahan/sr wrap bfloat16 masters")
+    if cfg.width != 16 and cfg.fp8:
+        raise ValueError("fp8 needs the width 16 (its matmul takes multiples of 16)")
+    if cfg.warm and cfg.backend != "inductor":
+        raise ValueError("warm is inductor's cache")
 
 
 # ---------------------------------------------------------------------------------------------- the space
@@ -582,6 +736,8 @@ def configs(draw: Any, backends: tuple[str, ...] = ("eager", "aot_eager", "induc
         opt = (draw(st.sampled_from(["kahan", "sr"])), opt)
     batchnorm = draw(st.booleans())
     int8 = draw(st.booleans())
+    fp8 = draw(st.sampled_from([None, "tensorwise", "rowwise", "delayed"]))
+    backend = draw(st.sampled_from(backends))
     return Config(
         compute=compute,
         params=params,
@@ -599,11 +755,16 @@ def configs(draw: Any, backends: tuple[str, ...] = ("eager", "aot_eager", "induc
         batchnorm=batchnorm,
         frozen=int8 or draw(st.booleans()),
         int8=int8,
-        fp8=draw(st.sampled_from([None, "tensorwise", "rowwise", "delayed"])),
+        fp8=fp8,
         remat=draw(st.sampled_from([None, 0.0, 0.5, 1.0])),
         donate=draw(st.booleans()),
         telemetry=draw(st.sampled_from([None, 1, 2])),
         skips=draw(st.sampled_from([None, 1])),
-        backend=draw(st.sampled_from(backends)),
+        backend=backend,
         poison=draw(st.sampled_from([None, (1, math.inf), (0, math.nan), (2, -math.inf)])),
+        closure=draw(st.sampled_from([None, "param", "moment"])),
+        start=draw(st.sampled_from(["create", "module"])),
+        width=16 if fp8 else draw(st.sampled_from([16, 13])),
+        storage=draw(st.sampled_from(["flat", "leaf", "alternate"])),
+        warm=backend == "inductor" and draw(st.booleans()),
     )

@@ -4,11 +4,15 @@
 equalities and aliasing rules checked); ``tools/differential.py`` is the long run. Here: a derandomized
 hypothesis sample of eager configurations (seconds each) and a few compiled ones chosen to cover the meetings
 of features where earlier rounds found silent faults (donation x aliasing aux, accumulation x LossSum,
-fp8 delayed state x buffers x skips, int8 x frozen x groups), each compiled with ``aot_eager``.
+fp8 delayed state x buffers x skips, int8 x frozen x groups; issue 47's memory the state shares: a closure, a
+module, odd sizes, per-leaf and flat storage), each compiled with ``aot_eager``.
 
 Planted faults (each run once, then restored): compiled donation without the metrics copy (commit 48cfebd
 undone), a LossSum total divided in bfloat16 (no promotion to float32), the step's params select on
-``grads_finite`` dropped; see the commit messages for which case caught each.
+``grads_finite`` dropped; see the commit messages for which case caught each. The storage axes (issue 47):
+``TrainState.create`` keeping clones of the parameters it is given per leaf (the module's parameters stay
+behind), the donating step's metrics copy dropped (the closure's moment: AOTAutograd fails), the copied-in buffer
+in the parameters' dtype (the tester's own state clones copy in: bfloat16 moments).
 """
 
 from __future__ import annotations
@@ -70,6 +74,20 @@ COMPILED = {
         telemetry=2,
         backend="aot_eager",
         poison=(0, math.nan),
+    ),
+    # issue 47's storage axes: a closure reading an Adam moment (the step's aux, as itself), a state built from a
+    # module's detached parameters, no size a multiple of 16 floats, kept leaf by leaf and donated (the module's
+    # parameters overwritten, as docs/memory.md says), bitwise the same donating step over flat storage (whose
+    # closure reads a view of the donated buffer), with a clip that always clips and a skipped step
+    "closure_module_odd_per_leaf": diff.Config(
+        opt=("clip", 1e-3, ("adamw", ("cosine", 1e-2), 0.1)),
+        closure="moment",
+        start="module",
+        width=13,
+        storage="leaf",
+        donate=True,
+        backend="aot_eager",
+        poison=(1, math.inf),
     ),
 }
 

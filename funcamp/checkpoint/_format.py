@@ -210,7 +210,9 @@ def load(
     containers, and checked against it node by node: the same container kinds, dict keys, fields,
     lengths and class names, and for every tensor the same shape and dtype; each tensor is moved to
     the device of the tensor it replaces. Python values (loss-scale configuration, config dicts)
-    come from the checkpoint, not from ``like``.
+    come from the checkpoint, not from ``like``. A tensor saved as a part of a larger buffer (a flat state's)
+    loaded where ``like``'s tensor owns its memory (a state kept leaf by leaf) is copied out of it, so that the
+    loaded tensors share memory only where ``like``'s do.
 
     Args:
       path: the checkpoint file (``str`` or ``os.PathLike``).
@@ -317,7 +319,13 @@ def _decode_tensor(node: torch.Tensor, like: Any, path: str, file: str, checked:
         raise mismatch(file, path, f"has shape {tuple(node.shape)} in the checkpoint, {tuple(like.shape)} in like")
     if node.dtype != like.dtype:
         raise mismatch(file, path, f"has dtype {node.dtype} in the checkpoint, {like.dtype} in like")
-    return node.to(like.device)
+    out = node.to(like.device)
+    if out.untyped_storage().nbytes() > out.nbytes and like.untyped_storage().nbytes() <= like.nbytes:
+        # A part of a buffer saved whole (a flat state's) loaded where like's tensor owns its memory (a state kept
+        # leaf by leaf): its own copy, as like's, so that the leaves share no memory (a step's torch.cond refuses
+        # operands that alias)
+        out = out.clone()
+    return out
 
 
 def _decode_dtype(node: dict[str, Any], path: str, file: str) -> torch.dtype:

@@ -131,18 +131,30 @@ def leaf_values(spec: Any, tree: Any, evaluate: Callable[[], list[Any]]) -> list
 
 
 class _StateTensorsOnly(torch.overrides.TorchFunctionMode):
-    """While a layout records a mask's values: refuse a mask callable that reads ``requires_grad``.
+    """While a layout records a mask's values: refuse a mask callable that reads ``requires_grad`` or the device.
 
     A mask or label callable is evaluated on the state's parameters, which are tensors of the state (detached:
     ``requires_grad`` is False in every step), not on the module's ``nn.Parameter``s; a rule such as nanoGPT's
     ``p.requires_grad and p.ndim >= 2`` would select nothing, silently. Select by name or by ``ndim`` instead.
+    The layout records on shape-only (meta) stand-ins: a callable that reads the device (``p.device``,
+    ``p.is_cpu``...) would record the stand-in's, so it is refused here too, and the state is kept leaf by leaf
+    (where the callable sees the parameters themselves), with this reason.
     """
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__self__", None) is torch.Tensor.requires_grad:  # the attribute's getter
+        owner = getattr(func, "__self__", None)  # an attribute's getter: its descriptor
+        if owner is torch.Tensor.requires_grad:
             raise TypeError(
                 "funcamp.optim: a mask or label callable read p.requires_grad; it is given the train state's "
                 "parameters, which are plain tensors (requires_grad False in every step), not the module's "
                 "nn.Parameters. Select by name (a dict of bools) or by shape (p.ndim >= 2) instead"
             )
+        if func is torch.Tensor.get_device or any(owner is d for d in _DEVICE_READS):
+            raise TypeError(
+                "funcamp.optim: a mask or label callable read the parameters' device, which the flat layout's "
+                "shape-only stand-ins do not have"
+            )
         return func(*args, **(kwargs or {}))
+
+
+_DEVICE_READS = (torch.Tensor.device, torch.Tensor.is_cpu, torch.Tensor.is_cuda, torch.Tensor.is_meta)
