@@ -10,7 +10,10 @@ UTF-8 text file. The first 90% of the bytes train, the last 10% validate.
 The model is a plain ``nn.Module`` (``examples/gpt.py``); ``funcamp.nn.functionalize`` makes it a pure
 function of float32 master parameters that computes in the policy's half dtype; the whole train step
 (loss scaling, gradients, finite check, clipping, AdamW, skip on overflow, loss-scale update) is one
-``torch.compile`` graph. Default (``--policy auto``): float32 params and outputs, computing in the dtype
+``torch.compile`` graph, which writes each new state into the tensors of the one it is given (donation: the job
+never reads a state after its step; ``--no-donate`` runs the pure step, the same numbers). The header's second
+line is the configuration as the step decided it (compiled or eager, donation, the flat storage), the loss and
+whether the layers are scanned. Default (``--policy auto``): float32 params and outputs, computing in the dtype
 ``funcamp.tune.choose_compute_dtype`` finds faster for this model: torch's report decides where it can
 (bfloat16 on Ampere+ GPUs, float16 with a dynamic loss scale on older ones, float32 on CPUs without oneDNN
 half kernels, such as AVX2-only ones); elsewhere (AVX-512 and AMX CPUs) one decoder block's forward+backward
