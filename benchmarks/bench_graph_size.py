@@ -103,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tag", default="", help="suffix of the JSON file names (e.g. _before)")
     p.add_argument("--top", type=int, default=25, help="rows of the attribution tables (default: 25)")
     p.add_argument("--dump", default=None, metavar="DIR", help="also write every graph and output code to DIR")
+    p.add_argument("--summarize", default=None, metavar="JSON", help="measure nothing: report a saved result again")
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one variant in this process
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -156,7 +157,9 @@ def _origin(node: Any) -> str:
     for path, line, function in reversed(_FRAME.findall(trace)):
         if f"{os.sep}torch{os.sep}" in path and "site-packages" in path:
             continue
-        if "(*args, **kwargs)" in linecache.getline(path, int(line)) and "_cast" not in linecache.getline(path, int(line)):
+        if "(*args, **kwargs)" in linecache.getline(path, int(line)) and "_cast" not in linecache.getline(
+            path, int(line)
+        ):
             continue
         return f"{_short(path)}:{function}"
     return "torch"
@@ -232,7 +235,13 @@ class Recorder:
 
         def inner(inner_compile: Any) -> Any:
             def compile_inner(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-                kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+                kind = (
+                    "backward"
+                    if kwargs.get("is_backward")
+                    else "inference"
+                    if kwargs.get("is_inference")
+                    else "forward"
+                )
                 self.aot.append({**_graph_record(gm, kind), "part": self.part})
                 self._write(f"aot_{kind}", gm)
                 return inner_compile(gm, example_inputs, **kwargs)
@@ -278,7 +287,9 @@ class Recorder:
             mock.patch.object(compile_fx_module, "compile_fx", compile_fx),
             mock.patch.object(GraphLowering, "save_output_code", save_output_code),
             mock.patch.object(symbolic_convert.InstructionTranslatorBase, "step", counting_step),
-            mock.patch.object(symbolic_convert.InliningInstructionTranslator, "inline_call", classmethod(counting_inline_call)),
+            mock.patch.object(
+                symbolic_convert.InliningInstructionTranslator, "inline_call", classmethod(counting_inline_call)
+            ),
         ):
             yield self
 
@@ -308,7 +319,8 @@ class Recorder:
 # --- the variants, each in its own process -------------------------------------------------------------------
 
 
-def _job_args(model: str, layers: int | None, extra: list[str]) -> Any:
+def _job_args(model: str, extra: list[str]) -> Any:
+    """``(train_gpt, its parsed arguments)`` for ``model`` with the fixed policy and no loss scale."""
     sys.path.insert(0, str(ROOT / "examples"))
     import train_gpt
 
@@ -317,6 +329,7 @@ def _job_args(model: str, layers: int | None, extra: list[str]) -> Any:
 
 
 def _model(train_gpt: Any, jargs: Any, layers: int | None) -> Any:
+    """The GPT of the job's arguments (byte vocabulary), ``layers`` deep if given, seeded as the job seeds it."""
     import torch
 
     cfg = train_gpt.config_for(jargs.model, vocab_size=256, block_size=jargs.block_size, n_layer=layers)
@@ -326,6 +339,7 @@ def _model(train_gpt: Any, jargs: Any, layers: int | None) -> Any:
 
 
 def _batch(train_gpt: Any, jargs: Any) -> dict[str, Any]:
+    """The job's first training batch."""
     data, _ = train_gpt.load_corpus(None)
     train, _ = train_gpt.split(data, jargs.block_size)
     return train_gpt.get_batch(train, 1, batch_size=jargs.batch_size, block_size=jargs.block_size, seed=jargs.seed)
@@ -360,6 +374,7 @@ def _torch_step(jargs: Any, model: Any) -> tuple[Any, Any]:
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    """In this fresh process: build ``args.run``, run its first step under the :class:`Recorder`, return the record."""
     import torch
 
     import funcamp as fa
@@ -367,12 +382,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     extra = ["--no-donate"] if args.run == "funcamp_pure" else []
-    train_gpt, jargs = _job_args(args.model, args.layers, extra)
+    train_gpt, jargs = _job_args(args.model, extra)
     model = _model(train_gpt, jargs, args.layers)
     batch = _batch(train_gpt, jargs)
     recorder = Recorder(args.dump)
     plan = None
-    t0 = time.perf_counter()
     with recorder.recording():
         if args.run == "torch":
             model_step, optimizer_step = _torch_step(jargs, model)
@@ -387,9 +401,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             state = run.state
             plan = run.train_step.plan_for(state)
             run.train_step(state, batch)
-    seconds = time.perf_counter() - t0
     out = recorder.record()
-    out.update(variant=args.run, model=args.model, layers=args.layers, first_step_s=seconds, plan=plan)
+    out.update(variant=args.run, model=args.model, layers=args.layers, plan=plan)
     return out
 
 
@@ -418,6 +431,30 @@ def spawn(variant: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
         if proc.returncode != 0:
             raise RuntimeError(f"{variant} on {model} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
         return json.loads(out.read_text())
+
+
+#: What a node of funcamp's step is for, by where it was made (:func:`_origin`), first match wins: the extras of
+#: docs/benchmarks.md. torch's graphs are split by part instead (the model's forward and backward, the optimizer).
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("model: forward, backward, loss", ("examples/", "funcamp/grad.py:run")),
+    ("casts of parameter uses, module inputs and outputs", ("funcamp/nn/", "funcamp/ops.py")),
+    ("finite check, per leaf", ("funcamp/_tree.py:_finite_flag", "funcamp/_tree.py:_stacked_flags")),
+    ("global norm (the grad_norm metric's and the clip's)", ("funcamp/_tree.py",)),
+    ("flat storage: parameter views, the gradient buffer", ("funcamp/train/_flat.py",)),
+    ("optimizer: clip, AdamW, schedule", ("funcamp/optim/",)),
+    ("select of a skipped step, counters, metrics, donation", ("funcamp/train/", "funcamp/loss_scale.py")),
+    ("differentiation: inputs detached for torch.autograd.grad", ("funcamp/grad.py",)),
+    ("no stack trace (Dynamo: autograd switches; post-grad: funcamp's graph passes)", ("(no stack trace)",)),
+)
+
+
+def categorize(origins: dict[str, int]) -> dict[str, int]:
+    """``origins`` (origin -> nodes) summed by :data:`CATEGORIES` (``other`` for the rest)."""
+    out: collections.Counter = collections.Counter()
+    for origin, n in origins.items():
+        label = next((lab for lab, prefixes in CATEGORIES if origin.startswith(prefixes)), "other")
+        out[label] += n
+    return dict(out)
 
 
 def totals(run: dict[str, Any], parts: tuple[str, ...] | None = None) -> dict[str, int]:
@@ -465,7 +502,9 @@ def report(model: str, runs: dict[str, dict[str, Any]], args: argparse.Namespace
         if run.get("plan"):
             print(f"{v}: {run['plan']}")
     ratio = "+ compiled AdamW step" in columns and any(n.startswith("funcamp") for n in names)
-    header = ["phase", *names] + ([f"{n.split()[0]} / torch" for n in names if n.startswith("funcamp")] if ratio else [])
+    header = ["phase", *names] + (
+        [f"{n.split()[0]} / torch" for n in names if n.startswith("funcamp")] if ratio else []
+    )
     print("\n| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for key, label in ROWS:
@@ -475,6 +514,28 @@ def report(model: str, runs: dict[str, dict[str, Any]], args: argparse.Namespace
             cells += [f"{columns[n][key] / ref:.2f}x" if ref else "-" for n in names if n.startswith("funcamp")]
         print(f"| {label} | " + " | ".join(cells) + " |")
     summary: dict[str, Any] = {"columns": columns}
+    funcamps = [v for v in ("funcamp", "funcamp_pure") if v in runs]
+    for phase in ("dynamo", "post_grad"):
+        table: dict[str, dict[str, int]] = {}
+        if "torch" in runs:
+            for part, label in (
+                ("model", "model: forward, backward, loss"),
+                ("optimizer", "optimizer: clip, AdamW, schedule"),
+            ):
+                table.setdefault(label, {})["torch"] = sum(
+                    r["nodes"] for r in runs["torch"][phase] if r["part"] == part
+                )
+        for v in funcamps:
+            for label, n in categorize(_counter(runs[v][phase], "origins")).items():
+                table.setdefault(label, {})[v] = n
+        cols = (["torch"] if "torch" in runs else []) + funcamps
+        print(f"\n{phase.replace('_', '-')} graph nodes by what they are for (funcamp: by origin, torch: by part)")
+        print("\n| what | " + " | ".join(cols) + " |")
+        print("|---|" + "---:|" * len(cols))
+        for label, _ in (*CATEGORIES, ("other", ())):
+            if label in table:
+                print(f"| {label} | " + " | ".join(f"{table[label].get(c, 0):,}" for c in cols) + " |")
+        summary[f"{phase}_by_category"] = table
     for v in ("funcamp", "funcamp_pure"):
         if v not in runs:
             continue
@@ -494,7 +555,8 @@ def report(model: str, runs: dict[str, dict[str, Any]], args: argparse.Namespace
         summary[f"{v}_traced_by_function"] = dict(by_function)
         for phase in ("dynamo", "post_grad"):
             origins = _counter(runs[v][phase], "origins")
-            print(f"\n{v}: {phase.replace('_', '-')} graph nodes by origin (innermost frame outside torch), top {args.top}")
+            where = phase.replace("_", "-")
+            print(f"\n{v}: {where} graph nodes by origin (innermost frame outside torch), top {args.top}")
             for origin, n in origins.most_common(args.top):
                 print(f"  {n:6d}  {origin}")
             summary[f"{v}_{phase}_origins"] = dict(origins)
@@ -521,6 +583,13 @@ def main(argv: list[str] | None = None) -> None:
         result = run_one(args)
         Path(args.out).write_text(json.dumps(result))
         return
+    if args.summarize:
+        saved = json.loads(Path(args.summarize).read_text())
+        runs = saved["runs"]
+        first = next(iter(runs.values()))
+        args.layers = first.get("layers")
+        report(first["model"], runs, args)
+        return
     for model in args.models:
         runs = {}
         for v in args.variants:
@@ -534,7 +603,8 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(
             json.dumps(
                 {
-                    "command": "python benchmarks/bench_graph_size.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "command": "python benchmarks/bench_graph_size.py "
+                    + " ".join(argv if argv is not None else sys.argv[1:]),
                     "machine": machine(),
                     "summary": summary,
                     "runs": runs,

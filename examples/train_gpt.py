@@ -534,7 +534,8 @@ def make_optimizer(args: argparse.Namespace, decay_mask: dict[str, bool]) -> opt
 
 
 #: The loss, as the header names it. funcamp.nn.linear_cross_entropy (the head's logits a chunk at a time) is not
-#: used: on this job's byte vocabulary the logits are small, and in the compiled step it was not leaner (docs/main-job.md).
+#: used: with this job's byte vocabulary the logits are small, and in its compiled step it was not leaner
+#: (docs/main-job.md).
 LOSS = "loss: cross-entropy of the whole logits (float32)"
 
 
