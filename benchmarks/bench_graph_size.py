@@ -226,8 +226,11 @@ class Recorder:
 
     @contextlib.contextmanager
     def recording(self) -> Any:
+        """Within: every graph compiled (the FX graph and AOTAutograd caches off: a graph served from a cache is
+        neither lowered nor counted) and recorded."""
         from unittest import mock
 
+        import torch
         import torch._inductor.compile_fx as compile_fx_module
         from torch._inductor.graph import GraphLowering
 
@@ -284,6 +287,8 @@ class Recorder:
             return inline_call(cls, *args, **kwargs)
 
         with (
+            torch._inductor.config.patch(fx_graph_cache=False),
+            torch._functorch.config.patch(enable_autograd_cache=False),
             mock.patch.object(compile_fx_module, "compile_fx", compile_fx),
             mock.patch.object(GraphLowering, "save_output_code", save_output_code),
             mock.patch.object(symbolic_convert.InstructionTranslatorBase, "step", counting_step),
