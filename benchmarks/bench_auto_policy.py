@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +38,12 @@ import train_gpt  # noqa: E402
 from gpt import GPT, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
+
+
+def _next_state(run: Any, box: list, batch: dict) -> None:
+    """One step of ``run``'s train step on the state in ``box``, which then holds the next one (the main job's step
+    donates the state it is given: a state is never passed twice)."""
+    box[0], _ = run.train_step(box[0], batch)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -73,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
             run = train_gpt.build_run(
                 args, train_gpt.auto_policy_for(dtype, args.master_weights), model, device, distributed=False
             )
-        fn = functools.partial(run.train_step, run.state, batch)
+        fn = functools.partial(_next_state, run, [run.state], batch)  # the job's step: it donates each state
         start = time.perf_counter()
         fn()
         sync()

@@ -14,13 +14,19 @@ hyperparameters and, for the mixed-precision variants, the same dynamic loss sca
 3. ``amp_compile``: variant 2 with ``torch.compile(model)``; optimizer and scaler outside, as users do.
 4. ``funcamp_eager``: ``funcamp.nn.functionalize`` + ``funcamp.make_train_step(compile=False)``.
 5. ``funcamp_compile``: the same step compiled whole (``fullgraph=True``).
+
+Variants 4-6 run funcamp's step as the main job (``examples/train_gpt.py``) runs it: donating
+(``make_train_step(donate=True)``: each step writes the next state into the tensors of the one it is given; the
+benchmark never reuses a state), the loss on the whole logits; ``--no-donate`` runs them as pure steps
+(``make_train_step``'s default). Each one's plan (compiled or eager, donation, storage) is printed and recorded.
 6. ``funcamp_tuned``: variant 5 with the ``module_policies`` map of :func:`funcamp.tune.tune_policy`, measured on
    this device for this model and batch shape (base policy float32; each attention, MLP, embedding and the LM
    head in the dtype that was fastest among those accurate enough). The tuning table is printed.
 
 Two more, on request (``--variants``; not in the default six):
 
-7. ``funcamp_donate``: variant 5 with ``donate=True`` (the next state written into the given one's tensors).
+7. ``funcamp_donate``: variant 5 with ``donate=True`` (the next state written into the given one's tensors),
+   whatever ``--donate`` says.
 8. ``funcamp_graph``: variant 7 replayed as one CUDA graph (:func:`funcamp.capture.cuda_graph`; on a machine
    without CUDA it warns once and runs variant 7: the harness is tested on the CPU, the speed only on a GPU).
 
@@ -159,6 +165,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16"], help="compute dtype (default bf16)")
     p.add_argument("--loss-scale", default="dynamic", choices=["dynamic", "none"], help="GradScaler / funcamp scale")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of variants 3 and 5")
+    p.add_argument(
+        "--donate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="variants 4-6 donate each state to the next step (make_train_step(donate=True)), as the main job\n"
+        "does; --no-donate: pure steps, make_train_step's default (default: on)",
+    )
     p.add_argument(
         "--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, of variants 1-8 (default: 1-6)"
     )
@@ -310,11 +323,12 @@ class FuncampStep:
         *,
         compile: bool,
         tuned: bool = False,
-        donate: bool = False,
+        donate: bool | None = None,
         graph: bool = False,
         scan: str | None = None,
     ) -> None:
         self.tune = None
+        donate = args.donate if donate is None else donate  # the main job's default, unless the variant says
         if tuned:
             policy = fa.get_policy("params=float32,compute=float32,output=float32")
             example = make_batches(
@@ -357,6 +371,7 @@ class FuncampStep:
             scale = fa.NoOpLossScale()
         self.state = fa.TrainState.create(params, opt, loss_scale=scale)
         self.step = fa.make_train_step(loss_fn, opt, compile=compile, backend=args.backend, donate=donate or graph)
+        self.plan = self.step.plan_for(self.state)  # compiled or eager, donation, storage: the table's note
         if graph:  # variant 8: the donating step replayed as one CUDA graph (uncaptured, with a warning, on a CPU)
             self.step = fa.capture.cuda_graph(self.step)
         self.optimizer_kind = "funcamp.optim.adamw"
@@ -386,7 +401,7 @@ def build_variant(name: str, base: GPT, args: argparse.Namespace) -> TorchStep |
         args,
         compile=name in COMPILED,
         tuned=name == "funcamp_tuned",
-        donate=name == "funcamp_donate",
+        donate=True if name == "funcamp_donate" else None,  # None: --donate's
         graph=name == "funcamp_graph",
     )
 
@@ -592,6 +607,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     out += ["--warmup", str(args.warmup), "--probe-steps", str(args.probe_steps), "--seed", str(args.seed)]
     out += ["--check-recompiles", str(args.check_recompiles), "--check-config", args.check_config]
     out += ["--check-backend", args.check_backend]
+    out += [] if args.donate else ["--no-donate"]
     if args.threads:
         out += ["--threads", str(args.threads)]
     if args.block_size:
@@ -783,6 +799,9 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
     if any(name in COMPILED for name in args.variants):
         torch.compile(lambda x: x * 2, backend=args.backend)(torch.ones(2, device=device))
     for r in runners:
+        if getattr(r.step, "plan", None):
+            print(f"{r.name}: {r.step.plan}", flush=True)
+    for r in runners:
         print(f"warm-up {r.name} ...", end=" ", flush=True)
         r.first_call_s = r.run(1, first=True)[0]
         if args.warmup > 1:
@@ -813,6 +832,7 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
             "optimizer": r.step.optimizer_kind,
             "tune": getattr(r.step, "tune", None),
             "capture": getattr(r.step, "capture", None),
+            "plan": getattr(r.step, "plan", None),
         }
         if args.peak_tflops:
             row["mfu"] = 6 * n_params * row["tokens_per_s"] / (args.peak_tflops * 1e12)
@@ -1000,6 +1020,9 @@ def markdown(result: dict[str, Any]) -> str:
             cells.append(_fmt(100 * r["mfu"], ".1f") + "%")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", result["loss_check"]]
+    plans = [f"{name}: {r['plan']}" for name, r in rows.items() if r.get("plan")]
+    if plans:
+        lines += ["", "funcamp's plans (`step.plan_for(state)`): " + "; ".join(f"`{p}`" for p in plans) + "."]
     lines += _first_step_note(cfg, rows) + _targets(rows) + _capture_targets(rows) + _tuned_note(rows)
     probed = next((r for r in rows.values() if r.get("memory_method")), None)
     if probed:

@@ -10,7 +10,10 @@ UTF-8 text file. The first 90% of the bytes train, the last 10% validate.
 The model is a plain ``nn.Module`` (``examples/gpt.py``); ``funcamp.nn.functionalize`` makes it a pure
 function of float32 master parameters that computes in the policy's half dtype; the whole train step
 (loss scaling, gradients, finite check, clipping, AdamW, skip on overflow, loss-scale update) is one
-``torch.compile`` graph. Default (``--policy auto``): float32 params and outputs, computing in the dtype
+``torch.compile`` graph, which writes each new state into the tensors of the one it is given (donation: the job
+never reads a state after its step; ``--no-donate`` runs the pure step, the same numbers). The header's second
+line is the configuration as the step decided it (compiled or eager, donation, the flat storage), the loss and
+whether the layers are scanned. Default (``--policy auto``): float32 params and outputs, computing in the dtype
 ``funcamp.tune.choose_compute_dtype`` finds faster for this model: torch's report decides where it can
 (bfloat16 on Ampere+ GPUs, float16 with a dynamic loss scale on older ones, float32 on CPUs without oneDNN
 half kernels, such as AVX2-only ones); elsewhere (AVX-512 and AMX CPUs) one decoder block's forward+backward
@@ -64,6 +67,7 @@ sharded directories written with ``torch.distributed.checkpoint`` (``funcamp.che
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import os
 import sys
@@ -180,6 +184,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale-period", type=int, default=2000, help="finite steps before the dynamic scale grows")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the step")
+    p.add_argument(
+        "--donate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write each step's new state into the old state's tensors (make_train_step(donate=True)): this job\n"
+        "never reuses an old state, so it holds one state, not two; the numbers are the same bit for bit\n"
+        "(--no-donate: a pure step that returns a new state) (default: on)",
+    )
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
     p.add_argument("--logdir", default="runs/gpt", help="TensorBoard directory (default: runs/gpt)")
     p.add_argument("--log-every", type=int, default=10, help="steps per logging interval (default: 10)")
@@ -360,6 +372,7 @@ def build_run(
         compile=args.compile,
         backend=args.backend,
         telemetry=args.telemetry_every or None,  # numerics/... metrics every N steps, in the same graph
+        donate=args.donate,  # the loop below never reads a state after passing it to the step
     )
     return SimpleNamespace(
         policy=policy,
@@ -520,6 +533,18 @@ def make_optimizer(args: argparse.Namespace, decay_mask: dict[str, bool]) -> opt
     return optimizer
 
 
+#: The loss, as the header names it. funcamp.nn.linear_cross_entropy (the head's logits a chunk at a time) is not
+#: used: with this job's byte vocabulary the logits are small, and in its compiled step it was not leaner
+#: (docs/main-job.md).
+LOSS = "loss: cross-entropy of the whole logits (float32)"
+
+
+def layers_line(apply_fn: Any) -> str:
+    """How the decoder blocks are compiled: unrolled (each traced and compiled), or scanned (one compiled for all)."""
+    scanned = getattr(apply_fn, "scan", ())
+    return f"layers: scanned ({', '.join(scanned)})" if scanned else "layers: unrolled (no scan)"
+
+
 def make_loss_fn(apply_fn: Any, stateful: bool = False) -> Any:
     """``loss_fn(params, batch) -> loss``; ``stateful`` (``--fp8 delayed``, whose amax histories are
     buffers): ``loss_fn(params, buffers, batch) -> (loss, new_buffers)``. A bool, not the buffers: a
@@ -582,6 +607,18 @@ def generate(
     return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
 
 
+def replay_state(state: Any, donate: bool) -> Any:
+    """``replay(new_state)``: the state ``funcamp.debug.locate_from_state`` replays a failed (skipped) step from.
+
+    Undonated, the state before the step itself. Donated, the step writes into the state it is given, so this
+    keeps a copy of its loss scale only (0-d tensors) and takes the parameters and buffers from the new state,
+    where a skipped step kept them unchanged, bit for bit."""
+    if not donate:
+        return lambda new_state: state
+    loss_scale = copy.deepcopy(state.loss_scale)
+    return lambda new_state: SimpleNamespace(params=new_state.params, buffers=new_state.buffers, loss_scale=loss_scale)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -611,6 +648,7 @@ _COMPILE_CACHE_KEYS = (
     "shard",
     "threads",
     "seed",
+    "donate",
 )
 
 
@@ -756,6 +794,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{'compiled (' + args.backend + ')' if args.compile else 'eager'} | steps {start}->{args.steps}",
             flush=True,
         )
+        # What runs, as the step decided it: compiled or eager, donation, probes, the process layout and the
+        # storage (flat buffers, or leaf by leaf and why); the loss; the layers unrolled or scanned.
+        print(f"{train_step.plan_for(state)} | {LOSS} | {layers_line(apply_fn)}", flush=True)
         if choice is not None:
             again = " (--retune measures again)" if choice.source != "capability" else ""
             print(f"policy auto: {choice.explain()}{again}", flush=True)
@@ -810,7 +851,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bar.write(str(loaded))
     for step in range(start + 1, end + 1):
         batch = train_batch(step)
-        prev_state = state  # a reference (steps never mutate a state): replayed if the run fails on skips
+        # Replayed if the run fails on skips. A pure step never changes its input: the state itself. A donating step
+        # consumes it, but a skipped step keeps the parameters and buffers bit for bit, so the replay reads them in
+        # the new state, with the loss scale this step used (copied: the step writes the next one into it).
+        replay_from = replay_state(state, args.donate)
         state, metrics = train_step(state, batch)
         if t_first is None:
             sync(device)
@@ -831,7 +875,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 # raises SkippedStepsError naming the first bad parameter and, from an eager replay of
                 # this step, the first op that made a NaN or inf (funcamp.debug)
                 # (--shard: the state holds shards, which the eager replay cannot run the model on)
-                replay = None if layout else functools.partial(locate_from_state, loss_fn, prev_state, batch)
+                replay = None if layout else functools.partial(locate_from_state, loss_fn, replay_from(state), batch)
                 fa.check_skips(metrics, state.params, replay=replay)
             history["train_loss"].append((step, written["train/loss"]))
             history["loss_scale"].append((step, written["amp/loss_scale"]))

@@ -208,6 +208,9 @@ class OpPolicies(TorchFunctionMode):
 
     def __init__(self, rules: Mapping[Any, OpRule | None]) -> None:
         super().__init__()
+        if type(rules) is _Checked:  # an earlier instance's rules (checked_rules): the same rules, not checked again
+            self.rules = rules
+            return
         if not isinstance(rules, Mapping):
             raise TypeError(f"OpPolicies: rules must be a mapping {{op: rule}}, got {type(rules).__name__}")
         self.rules: dict[str, OpRule] = {}
@@ -244,6 +247,21 @@ class OpPolicies(TorchFunctionMode):
         return _cast(out, back)
 
 
+class _Checked(dict):
+    """Rules by op name that :class:`OpPolicies` has checked (:func:`checked_rules`)."""
+
+
+def checked_rules(rules: Mapping[Any, OpRule | None]) -> Mapping[str, OpRule]:
+    """``rules`` checked once, by op name, for entering :class:`OpPolicies` again and again without checking them
+    each time: a mode entered in every forward (``funcamp.nn.functionalize``'s, :func:`with_op_policies`) is
+    traced by ``torch.compile`` with the forward, and the checks it would run there make no graph node.
+
+    Raises:
+      as :class:`OpPolicies`.
+    """
+    return _Checked(OpPolicies(rules).rules)
+
+
 def with_op_policies(fn: Callable[..., Any], rules: Mapping[Any, OpRule]) -> Callable[..., Any]:
     """``fn`` run under :class:`OpPolicies` ``(rules)``: the same arguments and results, per-op dtypes.
 
@@ -257,10 +275,10 @@ def with_op_policies(fn: Callable[..., Any], rules: Mapping[Any, OpRule]) -> Cal
     """
     if not callable(fn):
         raise TypeError(f"with_op_policies: fn must be callable, got {type(fn).__name__}")
-    OpPolicies(rules)  # check the rules now, not at the first call
+    checked = checked_rules(rules)  # checked now, not at the first call, nor at each
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with OpPolicies(rules):
+        with OpPolicies(checked):
             return fn(*args, **kwargs)
 
     wrapped.__wrapped__ = fn  # type: ignore[attr-defined]

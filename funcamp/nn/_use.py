@@ -186,7 +186,10 @@ def to_forward(tensor: torch.Tensor, dtype: torch.dtype, copy: bool = False) -> 
     """``tensor`` in ``dtype`` if it is floating (a new tensor with ``copy``), else as it is (cloned with ``copy``)."""
     if not tensor.is_floating_point():
         return tensor.clone() if copy else tensor
-    return tensor.to(dtype, copy=True) if copy else tensor.to(dtype)
+    if copy:
+        return tensor.to(dtype, copy=True)
+    # ``to`` of the dtype a tensor has returns it: no call, so that a compiled step's graph holds no such node
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def slots(skeleton: nn.Module) -> list[tuple[nn.Module, str, str]]:

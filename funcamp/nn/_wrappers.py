@@ -170,6 +170,6 @@ def op_mode(
     rules = {**({} if autocast else ops.FLOAT32_ACCUMULATION), **(op_policies or {})}
     any_half = policy.compute_dtype in HALF or any(d in HALF for d in forward_dtypes.values())
     entered = rules and (op_policies or any_half)
-    mode = functools.partial(ops.OpPolicies, rules) if entered else contextlib.nullcontext
-    mode()  # check the rules now, not at the first call
-    return mode
+    if not entered:
+        return contextlib.nullcontext
+    return functools.partial(ops.OpPolicies, ops.checked_rules(rules))  # checked now, not in each (traced) forward

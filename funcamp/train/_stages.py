@@ -194,8 +194,9 @@ def gradients(
 
 
 def cast_like(grads: Any, params: Any) -> Any:
-    """``grads`` cast to the dtypes of ``params`` (the same structure), leaf by leaf."""
-    return _tree.tree_map(lambda g, p: g.to(p.dtype), grads, params)
+    """``grads`` cast to the dtypes of ``params`` (the same structure), leaf by leaf; a gradient already in its
+    parameter's dtype is itself (no ``to`` call: nothing for a compiled step's graph to hold)."""
+    return _tree.tree_map(lambda g, p: g if g.dtype == p.dtype else g.to(p.dtype), grads, params)
 
 
 def check(grads: Any, loss: torch.Tensor, layout: SingleProcess = _ONE_PROCESS) -> Verdict:
