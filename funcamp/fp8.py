@@ -1068,10 +1068,10 @@ def auto_filter_small_kn(
       TypeError: if ``exclude`` is a string or holds a non-string (a list of strings is expected).
 
     Example:
-      >>> model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 64))
-      >>> keep = auto_filter_small_kn("mxfp8")
+      >>> model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 64), nn.Linear(64, 64))
+      >>> keep = auto_filter_small_kn("mxfp8")  # small: K <= 1024 and N <= 1024
       >>> [keep(m, name) for name, m in model.named_children()]
-      [True, False]
+      [True, True, False]
     """
     r = get_recipe(recipe)
     names = () if isinstance(exclude, str) else tuple(exclude)

@@ -121,8 +121,11 @@ def test_the_plan_is_logged_once_and_says_why_a_state_is_per_leaf(caplog):
     def own(updates, state, params=None):
         return {k: -0.1 * u for k, u in updates.items()}, state
 
+    from funcamp.train import _assemble
+
+    _assemble._log_once.cache_clear()  # another test of this process may have logged the same line
     optimizer = optim.GradientTransformation(lambda p: (), own)
-    params = {"w": torch.ones(3, 7)}  # a shape of its own: the line is new to this process
+    params = {"w": torch.ones(3, 7)}
     state = fa.TrainState.create(params, optimizer)
     step = fa.make_train_step(lambda p, x: (p["w"] @ x).sum(), optimizer, compile=False, max_consecutive_skips=2)
     with caplog.at_level("INFO", logger="funcamp.train"):
