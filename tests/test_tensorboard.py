@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -103,6 +104,9 @@ def test_purge_step_hides_events_after_the_checkpoint(tmp_path):
     with TensorBoardLogger(tmp_path, log_every=1) as logger:
         for i in range(1, 6):
             logger.log({"loss": float(i)}, step=i)
+    # TensorBoard orders a run's event files by name: the second's time, then a counter of the process, whose
+    # "10" sorts before "9" (a long test process makes many writers): a second between the two files orders them.
+    time.sleep(1.1)
     with TensorBoardLogger(tmp_path, log_every=1, purge_step=4) as logger:  # resumed from step 3
         for i in range(4, 7):
             logger.log({"loss": 10.0 * i}, step=i)
