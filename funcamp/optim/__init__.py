@@ -10,6 +10,7 @@ a NamedTuple of tensors (step counts are 0-d int32 tensors), so a whole train st
 ``fullgraph=True`` and does not recompile as the step count or the learning rate changes.
 """
 
+from funcamp.optim._flat import elementwise
 from funcamp.optim._moments import MomentFormat, QuantizedMoment, moment_format
 from funcamp.optim.aliases import adam, adamw, lion, sgd
 from funcamp.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
@@ -65,6 +66,7 @@ __all__ = [
     "clip_by_global_norm",
     "constant",
     "cosine_decay",
+    "elementwise",
     "identity",
     "kahan_summation",
     "learning_rate",

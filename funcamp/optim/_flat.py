@@ -36,13 +36,30 @@ _SCOPE = _scope.Scope()  # a Recording while a layout is built, a Replay while t
 
 
 def elementwise(transform: Any, *inner: Any) -> Any:
-    """Mark ``transform`` as one that may run over flat buffers, if each of ``inner`` may; returns it.
+    """Declare that ``transform`` may run over flat buffers (if each of ``inner`` may); returns it.
 
-    For funcamp's own transformations only: each element of an update is computed from the same element of
-    the updates, parameters and state leaves (given their dtypes), from 0-d state (counts, rates), from the
-    global norm of the updates, and from the values its masks give the leaf through :func:`leaf_values`.
-    A combinator (``chain``, ``masked``, ``multi_transform``, the bfloat16 master wrappers) passes its inner
-    transformations: it is marked only when every one of them is.
+    ``funcamp.optim.elementwise``. A state with flat storage (``TrainState.create``, :mod:`funcamp.train._flat`)
+    runs its optimizer over one 1-D buffer per group of parameters instead of leaf by leaf; it does so only when
+    every transformation of the optimizer is declared elementwise, and keeps the state leaf by leaf otherwise
+    (``state.storage.reason`` says so). Declare your own transformation when it holds: each element of its
+    updates is computed from the same element of the updates, parameters and state leaves (given their
+    dtypes), from 0-d state (counts, rates) and from global norms it asks the step's layout for
+    (``funcamp._scope.current().scaled_global_norm``); it reads no shape, name or position of a leaf, and a
+    state leaf it makes from a parameter is made from it (``zeros_like(p)``, ``p.new_zeros(...)``) so that the
+    layout can match it to the parameter. A wrong declaration gives wrong numbers: compare with
+    ``FUNCAMP_FLAT=off`` (bitwise for an elementwise transformation). funcamp's own transformations are
+    declared; a combinator (``chain``, ``masked``, ``multi_transform``, the bfloat16 master wrappers) is declared
+    only when each of its ``inner`` transformations is.
+
+    Example:
+      >>> import torch
+      >>> from funcamp import optim
+      >>> def update(updates, state, params=None):
+      ...     return {k: torch.sign(u) for k, u in updates.items()}, state
+      >>> sign = optim.elementwise(optim.GradientTransformation(lambda params: (), update))
+      >>> import funcamp as fa
+      >>> fa.TrainState.create({"w": torch.ones(3)}, optim.chain(sign, optim.sgd(0.1))).storage.kind
+      'flat'
     """
     if all(runs_flat(t) for t in inner):
         setattr(transform.update, _FLAT, True)
