@@ -11,6 +11,8 @@ batches, each compiled (``--backend``, default inductor) and warmed up first:
 2. ``funcamp``: ``functionalize`` + ``make_train_step`` compiled whole, no telemetry.
 3. ``funcamp_t10``: the same with ``telemetry=10`` (metrics every 10th step, ``torch.cond`` in the graph).
 4. ``funcamp_t1``: ``telemetry=1`` (every step: the cost of one active step).
+5. ``funcamp_t1_nometer``: ``Telemetry(every=1, lost_updates=False)``: the same without the lost-update meter
+   (its cost is ``funcamp_t1`` against this one).
 
 Timing: ``--rounds`` rounds; each runs ``--steps`` (a multiple of 10, so each round of ``funcamp_t10``
 has the same share of active steps) steps of every variant in turn, the order rotated each round, every
@@ -43,9 +45,10 @@ from gpt import GPT, SIZES, config_for  # noqa: E402
 
 import funcamp as fa  # noqa: E402
 from funcamp import optim  # noqa: E402
+from funcamp.numerics import Telemetry  # noqa: E402
 
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
-VARIANTS = ("amp_compile", "funcamp", "funcamp_t10", "funcamp_t1")
+VARIANTS = ("amp_compile", "funcamp", "funcamp_t10", "funcamp_t1", "funcamp_t1_nometer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: half_dtype")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (default: all four)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (default: all)")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps per variant, the first call included")
     p.add_argument("--steps", type=int, default=10, help="steps per variant per round (a multiple of 10)")
     p.add_argument("--rounds", type=int, default=15, help="timed rounds")
@@ -99,7 +102,7 @@ class AmpStep(TorchStep):
 class FuncampStep:
     """``functionalize`` + ``TrainState`` + ``make_train_step`` compiled whole, with ``telemetry``."""
 
-    def __init__(self, model: GPT, dtype: torch.dtype, backend: str, telemetry: int | None) -> None:
+    def __init__(self, model: GPT, dtype: torch.dtype, backend: str, telemetry: int | Telemetry | None) -> None:
         policy = fa.get_policy(f"params=float32,compute={str(dtype).removeprefix('torch.')},output=float32")
         apply_fn, params = fa.nn.functionalize(model, policy)
 
@@ -125,7 +128,12 @@ class FuncampStep:
 def build(name: str, model: GPT, dtype: torch.dtype, backend: str) -> Any:
     if name == "amp_compile":
         return AmpStep(copy.deepcopy(model), dtype, backend)
-    telemetry = {"funcamp": None, "funcamp_t10": 10, "funcamp_t1": 1}[name]
+    telemetry = {
+        "funcamp": None,
+        "funcamp_t10": 10,
+        "funcamp_t1": 1,
+        "funcamp_t1_nometer": Telemetry(every=1, lost_updates=False),
+    }[name]
     return FuncampStep(copy.deepcopy(model), dtype, backend, telemetry)
 
 
