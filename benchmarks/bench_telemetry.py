@@ -114,7 +114,7 @@ class FuncampStep:
         scale = fa.DynamicLossScale(2.0**16, backoff_factor=0.5) if dtype == torch.float16 else None
         self.state = fa.TrainState.create(params, opt, loss_scale=scale)
         self.step = fa.make_train_step(loss_fn, opt, backend=backend, telemetry=telemetry)
-        self.every = telemetry
+        self.every = getattr(telemetry, "every", telemetry)
 
     def active_next(self) -> bool:
         """Whether the next call computes the telemetry (a host read of the step count, outside the timing)."""
