@@ -8,15 +8,17 @@ bfloat16 compute: 192 MB over the state at rest against 64 MB leaf by leaf). And
 and cast to the float32 parameter's dtype is copied as float32: twice its bytes.
 
 This pass rewrites each tagged ``cat`` as a buffer the gradients are written into one by one, each right after the
-node that makes it (``slice_scatter``, which inductor's reinplacing turns into a copy into the buffer: the
-gradient can be freed at once), the buffer made when the first gradient exists (gated: :mod:`funcamp.passes.gates`)
-and zero where the ``cat`` held padding. A slice of the buffer that is exactly one gradient's part (the norm a clip
-takes of each member, :mod:`funcamp.train._flat`) reads that gradient instead, the same values: inductor would
-otherwise evaluate the whole chain of writes for each element of each slice. Where every gradient reaches the
-``cat`` as the cast of a narrower tensor
-(``convert_element_type``, the backward of a parameter's cast to the compute dtype), the buffer holds the narrower
-values and is cast once, after it is full: the cast is fused into the update that reads it. The values the
-update reads are the ``cat``'s, bit for bit (the same elements; a cast is elementwise).
+node that makes it (``as_strided_scatter``, which inductor's reinplacing always turns into a copy into the buffer:
+the gradient can be freed at once; a ``slice_scatter`` it keeps functional when its input is not realized, and a
+chain of them becomes one pointwise ``where`` per element over every part: on 96 parameters of 131,072 bfloat16
+elements, 561 ms against 19 ms for the ``cat``, and a GPT-2 124M step 5.25x torch.amp's), the buffer made when the
+first gradient exists (gated: :mod:`funcamp.passes.gates`) and zero where the ``cat`` held padding. A slice of the
+buffer that is exactly one gradient's part (the norm a clip takes of each member, :mod:`funcamp.train._flat`) reads
+that gradient instead, the same values: inductor would otherwise evaluate the whole chain of writes for each element
+of each slice. Where every gradient reaches the ``cat`` as the cast of a narrower tensor (``convert_element_type``,
+the backward of a parameter's cast to the compute dtype), the buffer holds the narrower values and is cast once,
+after it is full: the cast is fused into the update that reads it. The values the update reads are the ``cat``'s,
+bit for bit (the same elements; a cast is elementwise).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
         anchor = src if order[src] > order[last] else last
         with graph.inserting_before(anchor.next):
             flat = _call(graph, _aten.reshape.default, src, [n])
-            last = _call(graph, _aten.slice_scatter.default, last, flat, 0, off, off + n)
+            last = _call(graph, _aten.as_strided_scatter.default, last, flat, [n], [1], off)
         order[last] = order[anchor]  # after its anchor (a node of the graph, or one placed after it)
     with graph.inserting_before(cat):
         result = _call(graph, _prims.convert_element_type.default, last, out.dtype) if narrow else last

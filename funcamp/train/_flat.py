@@ -519,7 +519,10 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
     values) and over the buffers (checking the result).
     """
     if not _flat_opt.runs_flat(optimizer):
-        return "the optimizer holds a transformation not marked elementwise (declare it with funcamp.optim.elementwise if it is)"
+        return (
+            "the optimizer holds a transformation not marked elementwise "
+            "(declare it with funcamp.optim.elementwise if it is)"
+        )
     paths, leaves, _ = _tree.tree_flatten_with_path(params)
     if not leaves:
         return "no parameters"
