@@ -107,6 +107,26 @@ def test_flat_step_is_bitwise_the_leaf_by_leaf_step(name, monkeypatch):
         assert sorted(got.params) == sorted(_PARAMS) and all(got.params[k].shape == v.shape for k, v in _PARAMS.items())
 
 
+@pytest.mark.parametrize("name", ["clip_adamw_mask_schedule", "labels_sgd_nesterov_lion", "kahan_adam"])
+def test_flat_buffers_split_at_the_cpu_cap_keep_the_numbers(name, monkeypatch):
+    """On a CPU no buffer holds more than ``CPU_BUFFER_BYTES`` of parameters unless one parameter does (glibc
+    recycles blocks under its mmap threshold: docs/memory.md): with the cap at one byte each parameter has its own
+    buffer, the plan says so, and pure and donating steps stay bitwise the leaf-by-leaf step's. (Planted: the cap
+    applied to ``cuda`` instead of ``cpu``: the buffer count fails.)"""
+    optimizer = OPTIMIZERS[name]()
+    ref, ref_metrics = _run(optimizer, flat=False, donate=False, monkeypatch=monkeypatch)
+    monkeypatch.setattr(_flat, "CPU_BUFFER_BYTES", 1)
+    built = _flat.layout(_PARAMS, optimizer)
+    assert isinstance(built, _flat.Flat) and len(built.groups) == len(_PARAMS), built
+    assert "split at 0 MiB on a CPU" in built.describe()
+    for donate in (False, True):
+        got, metrics = _run(optimizer, flat=True, donate=donate, monkeypatch=monkeypatch)
+        assert len({p._base.data_ptr() for p in got.params.values()}) == len(_PARAMS)
+        _assert_bitwise(got.params, ref.params, (name, donate, "params"))
+        _assert_bitwise(got.opt_state, ref.opt_state, (name, donate, "opt_state"))
+        _assert_bitwise(metrics, ref_metrics, (name, donate, "metrics"))
+
+
 def test_flat_state_is_views_of_one_buffer_and_calls_copy_nothing(monkeypatch, tmp_path):
     """TrainState.create lays the buffers out: the state's tensors are views of one buffer per group, equal to the
     given parameters; the calls take those buffers as they are (donating: the same memory each step, no copy)

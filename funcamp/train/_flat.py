@@ -61,6 +61,7 @@ class Group(NamedTuple):
     members: tuple[int, ...]  # parameter leaf indices
     offsets: tuple[int, ...]  # each member's first element in the buffer (aligned to ALIGN_BYTES)
     numel: int  # the buffer's length, padding included
+    split: bool = False  # one of several buffers of the same device, dtype and mask values (CPU_BUFFER_BYTES)
 
 
 @_tree.dataclass
@@ -160,7 +161,8 @@ class Flat:
     def describe(self) -> str:
         """One line for the step's plan: the buffers and their sizes."""
         sizes = ", ".join(f"{g.dtype} x {len(g.members)} ({g.numel:,})" for g in self.groups)
-        return f"flat: {len(self.shapes)} parameters in {len(self.groups)} buffers: {sizes}"
+        cap = f" (split at {CPU_BUFFER_BYTES >> 20} MiB on a CPU)" if any(g.split for g in self.groups) else ""
+        return f"flat: {len(self.shapes)} parameters in {len(self.groups)} buffers{cap}: {sizes}"
 
     # --- inside the step ---------------------------------------------------------------------------------
 
@@ -571,14 +573,34 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
     return Flat(params, groups, replay, state_map, optimizer)
 
 
+#: On a CPU no flat buffer holds more than this many bytes of parameters, unless one parameter alone does: glibc's
+#: ``malloc`` serves a block over its mmap threshold (at most 32 MiB) with a fresh ``mmap`` and unmaps it when freed,
+#: so an undonated step's new state in larger buffers page-faults on every step (GPT-2 124M, 4 x 256, bfloat16: 148
+#: parameters in 1 buffer, the undonated step 1.19x torch.amp's; in 62 buffers of at most 8 MiB, 1.09x; the donated
+#: step 0.96x and 0.99x; docs/memory.md). On other devices, whose allocators keep freed blocks, a group is one buffer.
+CPU_BUFFER_BYTES = 8 << 20
+
+
 def _groups(leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Recording) -> list[Group]:
-    """The parameters grouped by device, dtype and the values every mask gave them, in leaf order."""
+    """The parameters grouped by device, dtype and the values every mask gave them, in leaf order; on a CPU each
+    group split, in leaf order, into buffers of at most :data:`CPU_BUFFER_BYTES`."""
     keyed: dict[Any, list[int]] = {}
     for i, (x, name) in enumerate(zip(leaves, names, strict=True)):
         values = tuple(record.values[id(spec)].get(name, _ABSENT) for spec in record.specs)
         keyed.setdefault((x.device, x.dtype, values), []).append(i)
+    pieces = []
+    for key, members in keyed.items():
+        parts, size = [[]], 0
+        for i in members:
+            nbytes = leaves[i].numel() * key[1].itemsize
+            if key[0].type == "cpu" and parts[-1] and size + nbytes > CPU_BUFFER_BYTES:
+                parts.append([])
+                size = 0
+            parts[-1].append(i)
+            size += nbytes
+        pieces += [(key, part, len(parts) > 1) for part in parts]
     groups = []
-    for n, ((device, dtype, values), members) in enumerate(keyed.items()):
+    for n, ((device, dtype, values), members, split) in enumerate(pieces):
         block = 1  # elements every member starts at a multiple of (a blockwise moment format's block size)
         for spec, value in zip(record.specs, values, strict=True):
             if hasattr(spec, "flat_block_size"):
@@ -589,7 +611,7 @@ def _groups(leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Reco
             offsets.append(at)
             at += leaves[i].numel()
         numel = -(-at // block) * block  # a whole number of blocks
-        groups.append(Group(f"flat{n:04d}", device, dtype, tuple(members), tuple(offsets), numel))
+        groups.append(Group(f"flat{n:04d}", device, dtype, tuple(members), tuple(offsets), numel, split))
     return groups
 
 

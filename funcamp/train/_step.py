@@ -72,9 +72,10 @@ def make_train_step(
       telemetry: None (off), an int N (:class:`funcamp.numerics.Telemetry` ``(every=N)``) or a ``Telemetry``.
       donate: write the next state into the given state's tensors, bitwise the pure step's; the given state
         is consumed (using it again raises :class:`funcamp.train.DonatedStateError`). Default False: each step
-        allocates a new state, and on a CPU with glibc every buffer over 32 MiB is a fresh ``mmap`` whose pages
-        fault on first write (GPT-2 124M: the undonated step 1.24x the donated one; equal with
-        ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184`` set before Python starts: docs/memory.md).
+        allocates a new state, and on a CPU with glibc every block over 32 MiB is a fresh ``mmap`` whose pages
+        fault on first write (flat buffers are split at 8 MiB on a CPU; GPT-2 124M's undonated step is still
+        1.10x the donated one, its embedding one block; equal with ``MALLOC_MMAP_MAX_=0
+        MALLOC_TRIM_THRESHOLD_=17179869184`` set before Python starts: docs/memory.md).
       **moved: ``data_parallel=``, ``policy=`` and ``shard=``, deprecated (``DeprecationWarning``): the state
         carries them (``TrainState.create(params, optimizer, data_parallel=..., policy=..., shard=...)``, which
         checks the parameters and the layout across the ranks) and the step runs each state under the layout it
