@@ -57,8 +57,9 @@ OPTIMIZERS = {
 }
 
 
-def _run(optimizer, *, flat, donate, monkeypatch):
-    """Four steps (the third non-finite) of the compiled step; the final state and each step's metrics."""
+def _run(optimizer, *, flat, donate, monkeypatch, step_optimizer=None):
+    """Four steps (the third non-finite) of the compiled step (of ``step_optimizer``, default the state's
+    ``optimizer``); the final state and each step's metrics."""
     torch._dynamo.reset()
     with monkeypatch.context() as m:
         if not flat:
@@ -67,7 +68,7 @@ def _run(optimizer, *, flat, donate, monkeypatch):
             {k: v.clone() for k, v in _PARAMS.items()}, optimizer, loss_scale=fa.DynamicLossScale(2.0**15)
         )
         assert state.storage.kind == ("flat" if flat else "per leaf")
-        step = fa.make_train_step(_loss, optimizer, backend=BACKEND, donate=donate)
+        step = fa.make_train_step(_loss, step_optimizer or optimizer, backend=BACKEND, donate=donate)
         metrics = []
         for batch in _batches():
             state, out = step(state, batch)
@@ -111,16 +112,18 @@ def test_flat_step_is_bitwise_the_leaf_by_leaf_step(name, monkeypatch):
 def test_flat_buffers_split_at_the_cpu_cap_keep_the_numbers(name, monkeypatch):
     """On a CPU no buffer holds more than ``CPU_BUFFER_BYTES`` of parameters unless one parameter does (glibc
     recycles blocks under its mmap threshold: docs/memory.md): with the cap at one byte each parameter has its own
-    buffer, the plan says so, and pure and donating steps stay bitwise the leaf-by-leaf step's. (Planted: the cap
-    applied to ``cuda`` instead of ``cpu``: the buffer count fails.)"""
+    buffer, the plan says so, and pure and donating steps stay bitwise the leaf-by-leaf step's, also with a step
+    built from another optimizer object of the same configuration (admitted by laying out the state's meta
+    stand-ins on the parameters' devices). (Planted: the cap applied to ``cuda`` instead of ``cpu``: the buffer
+    count fails; the stand-ins grouped on their meta device: the other optimizer is refused.)"""
     optimizer = OPTIMIZERS[name]()
     ref, ref_metrics = _run(optimizer, flat=False, donate=False, monkeypatch=monkeypatch)
     monkeypatch.setattr(_flat, "CPU_BUFFER_BYTES", 1)
     built = _flat.layout(_PARAMS, optimizer)
     assert isinstance(built, _flat.Flat) and len(built.groups) == len(_PARAMS), built
     assert "split at 0 MiB on a CPU" in built.describe()
-    for donate in (False, True):
-        got, metrics = _run(optimizer, flat=True, donate=donate, monkeypatch=monkeypatch)
+    for donate, other in ((False, None), (True, None), (False, OPTIMIZERS[name]())):
+        got, metrics = _run(optimizer, flat=True, donate=donate, monkeypatch=monkeypatch, step_optimizer=other)
         assert len({p._base.data_ptr() for p in got.params.values()}) == len(_PARAMS)
         _assert_bitwise(got.params, ref.params, (name, donate, "params"))
         _assert_bitwise(got.opt_state, ref.opt_state, (name, donate, "opt_state"))

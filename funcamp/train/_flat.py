@@ -147,7 +147,8 @@ class Flat:
         """
         if any(optimizer is known for known in self._admitted):
             return
-        built = layout(self._stand_ins, optimizer, devices=[g.device for g in self.groups])
+        devices = [self._group_of[i][0].device for i in range(len(self.shapes))]
+        built = layout(self._stand_ins, optimizer, devices=devices)
         if isinstance(built, str) or built._key() != self._key():
             why = built if isinstance(built, str) else "its masks or labels group the parameters otherwise"
             raise TypeError(
@@ -513,7 +514,8 @@ def _tagged_init(
 def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torch.device] | None = None) -> Flat | str:
     """The flat storage of ``params`` under ``optimizer``, or the reason they must be kept leaf by leaf.
 
-    ``devices``: the groups' devices, for meta ``params`` (:meth:`Flat.admit`); default the parameters' own.
+    ``devices``: each parameter's device, for meta ``params`` (:meth:`Flat.admit`; the grouping and the CPU's
+    buffer size read them); default the parameters' own.
     Leaf by leaf when the optimizer holds a transformation that is not marked elementwise (a user's own, one
     that reads shapes), a parameter is not a plain dense floating tensor, the optimizer's masks depend on more
     than the leaves (a spec gave one leaf two values), or its state does not correspond leaf for leaf between
@@ -545,9 +547,7 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
         return f"the optimizer does not run on shape-only tensors ({type(e).__name__}: {e})"
     if not record.consistent:
         return "a mask or label of the optimizer gave one parameter two values"
-    groups = _groups(leaves, names, record)
-    if devices is not None:
-        groups = [g._replace(device=d) for g, d in zip(groups, devices, strict=False)]
+    groups = _groups(leaves, names, record, devices or [x.device for x in leaves])
     replay = _flat_opt.Replay(
         {
             id(spec): {
@@ -581,13 +581,15 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
 CPU_BUFFER_BYTES = 8 << 20
 
 
-def _groups(leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Recording) -> list[Group]:
+def _groups(
+    leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Recording, devices: list[torch.device]
+) -> list[Group]:
     """The parameters grouped by device, dtype and the values every mask gave them, in leaf order; on a CPU each
     group split, in leaf order, into buffers of at most :data:`CPU_BUFFER_BYTES`."""
     keyed: dict[Any, list[int]] = {}
-    for i, (x, name) in enumerate(zip(leaves, names, strict=True)):
+    for i, (x, name, device) in enumerate(zip(leaves, names, devices, strict=True)):
         values = tuple(record.values[id(spec)].get(name, _ABSENT) for spec in record.specs)
-        keyed.setdefault((x.device, x.dtype, values), []).append(i)
+        keyed.setdefault((device, x.dtype, values), []).append(i)
     pieces = []
     for key, members in keyed.items():
         parts, size = [[]], 0
