@@ -41,6 +41,7 @@ import pickle
 
 import pytest
 import torch
+from test_flat import _assert_bitwise
 
 import funcamp as fa
 from funcamp import _tree, optim
@@ -82,17 +83,6 @@ def _clip_adamw():
     return optim.chain(optim.clip_by_global_norm(0.05), optim.adamw(1e-2, weight_decay=0.1, mask=_by_ndim))
 
 
-def _bits(x):
-    return x.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _assert_bitwise(got, want, where):
-    lg, sg = _tree.tree_flatten(got)
-    lw, sw = _tree.tree_flatten(want)
-    assert sg == sw, where
-    for i, (x, y) in enumerate(zip(lg, lw, strict=True)):
-        assert x.dtype == y.dtype and x.shape == y.shape, (where, i, x.dtype, y.dtype)
-        assert torch.equal(_bits(x), _bits(y)), (where, i)
 
 
 def _step(optimizer, *, compile=True, donate=False):

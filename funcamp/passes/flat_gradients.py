@@ -20,10 +20,12 @@ cast is fused into the update that reads it. The values the update reads are the
 elements; a cast is elementwise).
 
 Memory: inductor may still fuse a write into a later kernel (on a CPU it fuses them into the update at the end of
-the step), so the gradients can live beside the buffer until then: on 8 x Linear(2048, 2048) with AdamW the compiled
-donating step adds 128 MB over the state at rest, against 64 MB leaf by leaf (and 136 MB for torch's compiled
-in-place AdamW). Making each gradient's producer wait for the previous write (a gate) brought it to 120 MB but moved
-the embedding gradient's zeros before the logits die (tests/test_remat.py), so it is not done.
+the step), so the gradients of a buffer's members can live beside it until then: with 8 x Linear(2048, 2048) in one
+buffer per group the compiled donating step with AdamW added 128 MB over the state at rest, against 64 MB leaf by
+leaf (136 MB for torch's compiled in-place AdamW); on a CPU, where each of those weights is a buffer of its own
+(``funcamp.train._flat.CPU_BUFFER_BYTES``), 64 MB. Making each gradient's producer wait for the previous write (a
+gate) brought the one-buffer case to 120 MB but moved the embedding gradient's zeros before the logits die
+(tests/test_remat.py), so it is not done.
 """
 
 from __future__ import annotations
