@@ -83,8 +83,6 @@ def _clip_adamw():
     return optim.chain(optim.clip_by_global_norm(0.05), optim.adamw(1e-2, weight_decay=0.1, mask=_by_ndim))
 
 
-
-
 def _step(optimizer, *, compile=True, donate=False):
     torch._dynamo.reset()
     if compile:
