@@ -29,6 +29,8 @@ Two more, on request (``--variants``; not in the default six):
    whatever ``--donate`` says.
 8. ``funcamp_graph``: variant 7 replayed as one CUDA graph (:func:`funcamp.capture.cuda_graph`; on a machine
    without CUDA it warns once and runs variant 7: the harness is tested on the CPU, the speed only on a GPU).
+9. ``funcamp_donate_off``: variant 7 compiled with the graph passes ``--passes-off`` names switched off
+   (``FUNCAMP_PASSES_OFF``; default ``scalars_once``): a pass's effect on speed, in the same rounds as the rest.
 
 Timing: one process; each variant is warmed up (its first call, compile included, is timed on its own),
 then ``--rounds`` rounds run ``--steps`` steps of every variant in turn, the order rotated each round; a
@@ -82,9 +84,9 @@ from funcamp.nn import functionalize  # noqa: E402
 from funcamp.tune import tune_policy  # noqa: E402
 
 DEFAULT_VARIANTS = ("fp32_eager", "amp_eager", "amp_compile", "funcamp_eager", "funcamp_compile", "funcamp_tuned")
-VARIANTS = (*DEFAULT_VARIANTS, "funcamp_donate", "funcamp_graph")
+VARIANTS = (*DEFAULT_VARIANTS, "funcamp_donate", "funcamp_graph", "funcamp_donate_off")
 #: Variants whose step is compiled (graphs and recompiles are counted for these).
-COMPILED = ("amp_compile", "funcamp_compile", "funcamp_tuned", "funcamp_donate", "funcamp_graph")
+COMPILED = ("amp_compile", "funcamp_compile", "funcamp_tuned", "funcamp_donate", "funcamp_graph", "funcamp_donate_off")
 #: Dense bf16 peak of an H100/H200 SXM (TFLOP/s), the default denominator of MFU (``--peak-tflops``).
 H100_BF16_DENSE_TFLOPS = 989.0
 #: Per-config defaults: (batch size, device) -> sequences per step.
@@ -173,7 +175,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "does; --no-donate: pure steps, make_train_step's default (default: on)",
     )
     p.add_argument(
-        "--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, of variants 1-8 (default: 1-6)"
+        "--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, of variants 1-9 (default: 1-6)"
+    )
+    p.add_argument(
+        "--passes-off", default="scalars_once", help="graph passes variant 9 compiles without (FUNCAMP_PASSES_OFF)"
     )
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per variant, the first call included")
     p.add_argument("--steps", type=int, default=None, help="steps per variant per timed round (CPU 2, CUDA 10)")
@@ -326,8 +331,9 @@ class FuncampStep:
         donate: bool | None = None,
         graph: bool = False,
         scan: str | None = None,
+        passes_off: str | None = None,
     ) -> None:
-        self.tune = None
+        self.tune, self.passes_off = None, passes_off
         donate = args.donate if donate is None else donate  # the main job's default, unless the variant says
         if tuned:
             policy = fa.get_policy("params=float32,compute=float32,output=float32")
@@ -384,7 +390,18 @@ class FuncampStep:
         return {"replays": self.step.replays, "uncaptured_because": self.step.reason}
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        self.state, metrics = self.step(self.state, batch)
+        if self.passes_off is None:
+            self.state, metrics = self.step(self.state, batch)
+            return metrics["loss"]
+        before = os.environ.get("FUNCAMP_PASSES_OFF")  # read at each compile, so around every call
+        os.environ["FUNCAMP_PASSES_OFF"] = self.passes_off
+        try:
+            self.state, metrics = self.step(self.state, batch)
+        finally:
+            if before is None:
+                del os.environ["FUNCAMP_PASSES_OFF"]
+            else:
+                os.environ["FUNCAMP_PASSES_OFF"] = before
         return metrics["loss"]
 
 
@@ -401,8 +418,9 @@ def build_variant(name: str, base: GPT, args: argparse.Namespace) -> TorchStep |
         args,
         compile=name in COMPILED,
         tuned=name == "funcamp_tuned",
-        donate=True if name == "funcamp_donate" else None,  # None: --donate's
+        donate=True if name in ("funcamp_donate", "funcamp_donate_off") else None,  # None: --donate's
         graph=name == "funcamp_graph",
+        passes_off=args.passes_off if name == "funcamp_donate_off" else None,
     )
 
 
@@ -868,6 +886,7 @@ LABELS = {
     "funcamp_tuned": "6 funcamp tuned policy, compiled step",
     "funcamp_donate": "7 funcamp compiled step, donate=True",
     "funcamp_graph": "8 funcamp compiled step, donate=True, CUDA graph",
+    "funcamp_donate_off": "9 funcamp compiled step, donate=True, passes off: {passes_off}",
 }
 
 
@@ -999,7 +1018,7 @@ def markdown(result: dict[str, Any]) -> str:
     for name, r in rows.items():
         lo, hi = r["spread_ms"]
         cells = [
-            LABELS[name].format(opt=r["optimizer"]),
+            LABELS[name].format(opt=r["optimizer"], passes_off=cfg.get("passes_off")),
             _fmt(r["ms_per_step"], ".1f"),
             f"{lo:.1f}-{hi:.1f}",
             _fmt(r["cpu_ms_per_step"], ".1f"),

@@ -5,7 +5,8 @@ inductor hands :class:`funcamp.passes.RematPass` (then stops the compile: no cod
 holds every kind of node a pass moves or copies: checkpointed regions (every :class:`Block`), dropout draws,
 parameters' casts made at their use, a sharded parameter's gather (:class:`Gathered`), a large backward
 constructor (the embedding's gradient) and, in each region, an op whose copy reads two inputs of different sizes
-(:class:`Shift`: the activation and a bias; the copy waits on the smaller one).
+(:class:`Shift`: the activation and a bias; the copy waits on the smaller one); the learning rate is a cosine
+schedule's scalar, which the embedding's update reads (``scalars_once`` stores it).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def trace() -> torch.fx.Graph:
     model = Net(gathered=True).train()
     apply_fn, params = fa.nn.functionalize(model, "p=f32,c=bf16,o=f32", remat=Block, module_policies=shift)
     loss_fn = lambda p, x: apply_fn(p, x).float().square().mean()  # noqa: E731
-    opt = optim.sgd(0.1)
+    opt = optim.sgd(optim.cosine_decay(0.1, 10))  # the schedule's scalar, read by the embedding's update: scalars_once
     step = fa.make_train_step(loss_fn, opt)
     torch._dynamo.reset()
     call = passes.RematPass.__call__

@@ -315,6 +315,12 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
 HALF = Remat(Fp8Block, budget=0.5)  # every block checkpointed, half of its recomputed activation bytes kept
 
 
+def _remat_made(ctx) -> int:
+    """The nodes the remat passes added to a graph (``pipeline.run``'s context): the writes of ``flat_gradients``
+    and the stored scalars of ``scalars_once`` left out."""
+    return sum(c.after - c.before for c in ctx.counts if c.name not in ("flat_gradients", "scalars_once"))
+
+
 @pytest.fixture(scope="module")
 def inductor_runs():
     """DeepNet (dropout on, fp8 delayed) trained 2 AdamW steps by the inductor-compiled step, without remat,
@@ -341,8 +347,7 @@ def inductor_runs():
 
     def counting(self, graph):
         pre.append(_copy_graph(graph))
-        ctx = pipeline.run(graph)  # what RematPass runs; the nodes the remat passes add (not flat_gradients')
-        made.append(sum(c.after - c.before for c in ctx.counts if c.name != "flat_gradients"))
+        made.append(_remat_made(pipeline.run(graph)))  # what RematPass runs; the nodes the remat passes add
 
     runs = {}
     x = [torch.randn(ROWS, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
@@ -514,8 +519,7 @@ def test_budget_monotone_in_what_is_recomputed(inductor_runs):
         assert kept <= recompute
         bases = {n for n in kept if not remat_budget._is_view(n)}
         kept_bytes.append(sum(remat_budget._nbytes(n) for n in bases))
-        ctx = pipeline.run(graph)  # the copies the remat passes make (flat_gradients' writes left out)
-        copies.append(sum(c.after - c.before for c in ctx.counts if c.name != "flat_gradients"))
+        copies.append(_remat_made(pipeline.run(graph)))  # the copies the remat passes make
         tagged = _with_budget(inductor_runs[HALF]["pre"], 1.0)  # every candidate's bytes: what budget 1 keeps
         everything = remat_budget._kept(tagged, remat_regions._recomputed(tagged))
         totals.append(sum(remat_budget._nbytes(n) for n in everything if not remat_budget._is_view(n)))

@@ -12,7 +12,10 @@ passes fill and read), one file each:
   unused ones dropped, the rest moved to their user;
 - ``casts_at_use`` (:mod:`~funcamp.passes.casts_at_use`): the parameters' casts made at their first use;
 - ``late_constructors`` (:mod:`~funcamp.passes.late_constructors`): a large backward constructor waits for the
-  gradient.
+  gradient;
+- ``flat_gradients`` (:mod:`~funcamp.passes.flat_gradients`): a flat state's gradients written into their buffer;
+- ``scalars_once`` (:mod:`~funcamp.passes.scalars_once`): on a CPU, the step's scalars stored once rather than
+  computed in every loop that reads them.
 
 The copies are made by the ``recompute`` step (:mod:`funcamp.passes.recompute`, between ``sharded_gathers``'
 selection and its regather) and wait through :mod:`funcamp.passes.gates`. Every pass

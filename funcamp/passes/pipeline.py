@@ -6,7 +6,8 @@
 (what the checkpointed regions recompute), ``remat_budget`` (what a memory budget keeps of it), ``sharded_gathers``
 (the sharded parameters' gathers, recomputed too), ``recompute`` (the copies), then the rest of
 ``sharded_gathers`` (unused gathers dropped, the others moved to their user), ``casts_at_use``,
-``late_constructors`` and ``flat_gradients`` (a flat state's gradients written into their buffer as they are made).
+``late_constructors``, ``flat_gradients`` (a flat state's gradients written into their buffer as they are made)
+and ``scalars_once`` (a step's scalars stored once rather than computed in every loop that reads them).
 The loop (:func:`run`) skips the passes switched off and records the graph's node count
 around each pass (:class:`~funcamp.passes._context.PassCount`; logged at debug level on the ``funcamp.passes``
 logger), as torchtitan's ``apply_graph_passes`` and inductor's ``GraphTransformObserver`` do. The rules each pass
@@ -33,6 +34,7 @@ from funcamp.passes import (
     recompute,
     remat_budget,
     remat_regions,
+    scalars_once,
     sharded_gathers,
     tags,
 )
@@ -54,6 +56,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassContext], None]], ...] = (
     (casts_at_use.NAME, casts_at_use.run),
     (late_constructors.NAME, late_constructors.run),
     (flat_gradients.NAME, flat_gradients.run),
+    (scalars_once.NAME, scalars_once.run),
 )
 
 #: The passes ``FUNCAMP_PASSES_OFF`` takes, in the order they first run.
