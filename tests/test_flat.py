@@ -108,6 +108,26 @@ def test_flat_step_is_bitwise_the_leaf_by_leaf_step(name, monkeypatch):
         assert sorted(got.params) == sorted(_PARAMS) and all(got.params[k].shape == v.shape for k, v in _PARAMS.items())
 
 
+def test_the_plan_lists_a_few_buffers_and_sums_up_many(monkeypatch):
+    """The storage's plan line lists each buffer (dtype, members, elements) up to ``_LISTED`` of them; past that,
+    per dtype, the count, the elements in all and the smallest and largest buffer (GPT-2 124M's 62 buffers
+    made a line of 4,000 characters). One buffer is "1 buffer"."""
+    optimizer = optim.adamw(1e-3)
+    built = _flat.layout({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, optimizer)
+    one = built.describe()  # a buffer's elements count its padding
+    assert one == f"flat: 2 parameters in 1 buffer: torch.float32 x 2 ({built.groups[0].numel})", one
+    monkeypatch.setattr(_flat, "CPU_BUFFER_BYTES", 1)  # one buffer per parameter
+    params = {f"w{i}": torch.zeros(100 * (i + 1), 3) for i in range(_flat._LISTED + 1)}
+    built = _flat.layout(params, optimizer)
+    sizes = [g.numel for g in built.groups]
+    assert len(sizes) == _flat._LISTED + 1 and min(sizes) >= 300 and max(sizes) < 3000, sizes
+    many = built.describe()
+    summary = f"{_flat._LISTED + 1} buffers, {sum(sizes):,} elements ({min(sizes):,} to {max(sizes):,} each)"
+    assert many.endswith(f"torch.float32: {summary}") and " x 1 (" not in many, many
+    few = _flat.layout(dict(list(params.items())[: _flat._LISTED]), optimizer).describe()
+    assert few.count("torch.float32 x 1 (") == _flat._LISTED, few
+
+
 @pytest.mark.parametrize("name", ["clip_adamw_mask_schedule", "labels_sgd_nesterov_lion", "kahan_adam"])
 def test_flat_buffers_split_at_the_cpu_cap_keep_the_numbers(name, monkeypatch):
     """On a CPU no buffer holds more than ``CPU_BUFFER_BYTES`` of parameters unless one parameter does (glibc

@@ -160,10 +160,22 @@ class Flat:
         self._admitted.append(optimizer)
 
     def describe(self) -> str:
-        """One line for the step's plan: the buffers and their sizes."""
-        sizes = ", ".join(f"{g.dtype} x {len(g.members)} ({g.numel:,})" for g in self.groups)
+        """One line for the step's plan: the buffers and their sizes (each buffer's dtype, members and elements;
+        past :data:`_LISTED` buffers, per dtype: the count, the elements in all and the smallest and largest)."""
+        if len(self.groups) <= _LISTED:
+            sizes = ", ".join(f"{g.dtype} x {len(g.members)} ({g.numel:,})" for g in self.groups)
+        else:
+            by_dtype: dict[torch.dtype, list[Group]] = {}
+            for g in self.groups:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            sizes = ", ".join(
+                f"{dtype}: {len(gs)} buffers, {sum(g.numel for g in gs):,} elements "
+                f"({min(g.numel for g in gs):,} to {max(g.numel for g in gs):,} each)"
+                for dtype, gs in by_dtype.items()
+            )
         cap = f" (split at {CPU_BUFFER_BYTES >> 20} MiB on a CPU)" if any(g.split for g in self.groups) else ""
-        return f"flat: {len(self.shapes)} parameters in {len(self.groups)} buffers{cap}: {sizes}"
+        n = len(self.groups)
+        return f"flat: {len(self.shapes)} parameters in {n} buffer{'s' if n != 1 else ''}{cap}: {sizes}"
 
     # --- inside the step ---------------------------------------------------------------------------------
 
@@ -579,6 +591,9 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
 #: parameters in 1 buffer, the undonated step 1.19x torch.amp's; in 62 buffers of at most 8 MiB, 1.09x; the donated
 #: step 0.96x and 0.99x; docs/memory.md). On other devices, whose allocators keep freed blocks, a group is one buffer.
 CPU_BUFFER_BYTES = 8 << 20
+
+#: The plan lists each buffer up to this many; past it, a summary per dtype (GPT-2 124M has 62 on a CPU).
+_LISTED = 8
 
 
 def _groups(
