@@ -91,6 +91,16 @@ class CausalSelfAttention(nn.Module):
         return F.dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)), p, self.training)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU, ``F.gelu(x, approximate="tanh")``, written as ``x * sigmoid(2z)`` (``0.5 * (1 + tanh(z))`` is
+    ``sigmoid(2z)``), in float32 and cast back: the same function to float32 round-off (4.8e-7 at most on
+    N(0, 1) inputs), but on a CPU inductor's vectorized ``tanh`` costs 2.6x the sigmoid's ``exp``: compiled,
+    forward and backward over 4096 x 512 float32 take 9.8 ms in the tanh form and 3.7 ms in this one (quiet Xeon,
+    2 threads), a fifth of the main job's step."""
+    h = x.float()
+    return (h * torch.sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h))).to(x.dtype)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -99,7 +109,7 @@ class MLP(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")), self.dropout, self.training)
+        return F.dropout(self.proj(gelu_tanh(self.fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):
