@@ -108,6 +108,45 @@ def test_flat_step_is_bitwise_the_leaf_by_leaf_step(name, monkeypatch):
         assert sorted(got.params) == sorted(_PARAMS) and all(got.params[k].shape == v.shape for k, v in _PARAMS.items())
 
 
+def test_the_finite_check_reads_the_gradient_buffer_not_the_gradients(monkeypatch):
+    """Compiled flat (AdamW, no clip): the finite check and the gradient norm read each member's view of the
+    group's gradient buffer, so a gradient is read only on its way into the buffer (a ``cat`` input, through views
+    and casts) and dies once written (funcamp.passes.flat_gradients), rather than living to the end of the backward
+    for the check's second pass. (Planted: the check on the gradients as the backward gives them, as before
+    ``ParamStorage.gradients``: the casts feed the ``abs`` of the check too.)"""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.graph)
+        return gm.forward
+
+    torch._dynamo.reset()
+    optimizer = optim.adamw(1e-2)
+    state = fa.TrainState.create({k: v.clone() for k, v in _PARAMS.items()}, optimizer)
+    assert state.storage.kind == "flat"
+    step = fa.make_train_step(_loss, optimizer, backend=aot_autograd(fw_compiler=record))
+    step(state, _batches()[0])
+    aten, prims = torch.ops.aten, torch.ops.prims
+    passing = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, prims.convert_element_type.default}
+    cats = [n for g in graphs for n in g.nodes if n.target is aten.cat.default]
+    assert cats, "the gradients are concatenated into a buffer per group"
+    sources = []  # (cat, the tensor each input is a view or cast of)
+    for cat in cats:
+        for x in cat.args[0]:
+            while x.target in passing:
+                x = x.args[0]
+            sources.append((cat, x))
+
+    def only_into(node, cat):  # every use of node goes, through views and casts, into cat
+        return all(u is cat or (u.target in passing and only_into(u, cat)) for u in node.users)
+
+    stray = [(src.name, [u.name for u in src.users]) for cat, src in sources if not only_into(src, cat)]
+    stray = [s for s in stray if not s[0].startswith(("full", "zeros"))]  # padding
+    assert len(sources) >= len(_PARAMS) and not stray, stray
+
+
 def test_the_plan_lists_a_few_buffers_and_sums_up_many(monkeypatch):
     """The storage's plan line lists each buffer (dtype, members, elements) up to ``_LISTED`` of them; past that,
     per dtype, the count, the elements in all and the smallest and largest buffer (GPT-2 124M's 62 buffers

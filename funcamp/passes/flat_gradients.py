@@ -19,13 +19,16 @@ parameter's cast to the compute dtype), the buffer holds the narrower values and
 cast is fused into the update that reads it. The values the update reads are the ``cat``'s, bit for bit (the same
 elements; a cast is elementwise).
 
-Memory: inductor may still fuse a write into a later kernel (on a CPU it fuses them into the update at the end of
-the step), so the gradients of a buffer's members can live beside it until then: with 8 x Linear(2048, 2048) in one
-buffer per group the compiled donating step with AdamW added 128 MB over the state at rest, against 64 MB leaf by
-leaf (136 MB for torch's compiled in-place AdamW); on a CPU, where each of those weights is a buffer of its own
-(``funcamp.train._flat.CPU_BUFFER_BYTES``), 64 MB. Making each gradient's producer wait for the previous write (a
-gate) brought the one-buffer case to 120 MB but moved the embedding gradient's zeros before the logits die
-(tests/test_remat.py), so it is not done.
+Memory: the finite check and the norms read each member's view of the buffer
+(:meth:`funcamp.train._flat.Flat.gradients`), so a gradient is read only on its way into the buffer. Where a group
+holds many parameters, inductor's peak-memory reordering (``torch._inductor.config.reorder_for_peak_memory``) may
+still schedule the writes after the last gradient: its estimate of the step's peak sits in the update, where both
+orders tie (8 x Linear(2048, 2048) in one buffer: 469,991,466 bytes as placed here, 469,991,465 reordered), so the
+gradients of a buffer's members live beside it until then. That probe, compiled and donating with AdamW, adds
+128.3 MB over the state at rest in one buffer per group (80.5 MB with the reordering off, which costs remat most of
+its saving: GPT small 33.0 -> 77.4 MB, so it stays on), against 64.1 MB leaf by leaf and 136.1 MB for torch's
+compiled in-place AdamW; on a CPU, where each of those weights is a buffer of its own
+(``funcamp.train._flat.CPU_BUFFER_BYTES``), 64.1 MB.
 """
 
 from __future__ import annotations

@@ -196,6 +196,13 @@ class Flat:
             return params, lambda buffers: self._rebuild(self._views(buffers))
         return params, lambda tree: tree
 
+    def gradients(self, grads: Any, params: Any) -> Any:
+        """The gradients as the update reads them: for :class:`FlatParams` (compiled), the gradients written into
+        one buffer per group (:meth:`flat`), held as :class:`FlatParams`, so that the finite check reads each
+        member's view of the buffer (:meth:`tree`) rather than the gradients, which then die as they are
+        written (funcamp.passes.flat_gradients); ``grads`` as they are otherwise."""
+        return FlatParams(self.flat(grads), self) if isinstance(params, FlatParams) else grads
+
     def _views(self, buffers: dict[str, torch.Tensor]) -> list[Any]:
         leaves: list[Any] = [None] * len(self.shapes)
         for g in self.groups:
@@ -246,8 +253,9 @@ class Flat:
         if not isinstance(params, FlatParams):
             return stage(optimizer, grads, opt_state, params, layout, finite)
         norms = _MemberNorms(layout, self)
+        flat = grads.buffers if isinstance(grads, FlatParams) else self.flat(grads)  # (gradients(): made once)
         new, new_state, updates = _flat_opt.replaying(
-            self.replay, stage, optimizer, self.flat(grads), opt_state, params.buffers, norms, None
+            self.replay, stage, optimizer, flat, opt_state, params.buffers, norms, None
         )
         return FlatParams(new, self), new_state, FlatParams(updates, self)
 

@@ -355,11 +355,14 @@ def run(
         buffer_reductions=state.buffer_reductions,
         route=route,
     )
-    grads = cast_like(g.grads, whole)
-    verdict = check(grads, g.loss, layout)
+    per_leaf = cast_like(g.grads, whole)
+    # Flat (compiled): the gradients written into their buffers once; the check reads each member's view of them.
+    # The record keeps the per-leaf gradients: probes may hand them to torch.cond, whose operands must not alias.
+    grads = storage.gradients(per_leaf, state.params)
+    verdict = check(storage.tree(grads), g.loss, layout)
     new_params, new_opt_state, updates = storage.update(
         _update, optimizer, grads, state.opt_state, state.params, layout, verdict.finite
     )
     new_state = commit(state, verdict.finite, new_params, new_opt_state, g.buffers)
     step_metrics = metrics(state, new_state, g.loss, verdict, new_opt_state)
-    return StepRecord(state, new_state, grads, verdict, g.aux, layout, step_metrics, updates)
+    return StepRecord(state, new_state, per_leaf, verdict, g.aux, layout, step_metrics, updates)

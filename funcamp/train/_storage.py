@@ -48,6 +48,7 @@ class ParamStorage(Protocol):
 
     def tree(self, params: Any) -> Any: ...
     def held(self, params: Any) -> tuple[Any, Callable[[Any], Any]]: ...
+    def gradients(self, grads: Any, params: Any) -> Any: ...
     def update(
         self,
         stage: Callable[..., tuple[Any, Any]],
@@ -99,6 +100,11 @@ class PerLeaf:
     def held(self, params: Any) -> tuple[Any, Callable[[Any], Any]]:
         """``(params, identity)``: the tensors that hold the parameters, and the tree from them."""
         return params, _identity
+
+    def gradients(self, grads: Any, params: Any) -> Any:
+        """The gradients as the update reads them: ``grads`` as they are."""
+        del params
+        return grads
 
     def update(
         self,
