@@ -33,14 +33,14 @@ SWITCH = "FUNCAMP_FLAT"
 class ParamStorage(Protocol):
     """How a state holds its parameters and optimizer state; what the stages ask of it.
 
-    Inside the step (traced): :meth:`tree` (the parameter tree the loss sees) and :meth:`update` (the optimizer
-    stage over the storage). On the host: :meth:`lay_out` (a new state's tensors placed in the storage),
-    :meth:`admit` (a step's optimizer checked
-    against the one the storage was laid out for), :meth:`adopt` (tensors given to a state in other memory,
-    copied into its storage: a loaded or replaced state),
-    :meth:`enter` (the state as the compiled step takes it) and :meth:`leave` (the compiled step's result as the
-    user sees it). ``kind`` names it (``"per leaf"``, ``"flat"``); ``reason``, for a per-leaf storage chosen
-    where flat buffers were asked for, why.
+    Inside the step (traced): :meth:`tree` (the parameter tree the loss sees), :meth:`gradients` (the gradients as
+    the update reads them: flat, one buffer per group, whose members' views the finite check reads) and
+    :meth:`update` (the optimizer stage over the storage). On the host: :meth:`lay_out` (a new state's tensors
+    placed in the storage), :meth:`admit` (a step's optimizer checked against the one the storage was laid out
+    for), :meth:`adopt` (tensors given to a state in other memory, copied into its storage: a loaded or replaced
+    state), :meth:`enter` (the state as the compiled step takes it) and :meth:`leave` (the compiled step's result
+    as the user sees it). ``kind`` names it (``"per leaf"``, ``"flat"``); ``reason``, for a per-leaf storage
+    chosen where flat buffers were asked for, why.
     """
 
     kind: str
