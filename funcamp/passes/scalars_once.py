@@ -39,16 +39,24 @@ def _scalar(node: torch.fx.Node) -> bool:
     val = node.meta.get("val")
     return (
         isinstance(val, torch.Tensor)
-        and val.numel() == 1
+        and _numel(val) == 1
         and val.dtype in _DTYPES
         and val.device.type == "cpu"
         and not val.requires_grad
     )
 
 
+def _numel(val: torch.Tensor) -> int | None:
+    """The element count where it is a plain int; ``None`` for a symbolic one (a dynamic shape: asking it would
+    add a guard after the graph's guards were made)."""
+    n = val.numel()
+    return n if isinstance(n, int) else None
+
+
 def _large(node: torch.fx.Node) -> bool:
     val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.numel() >= _LARGE
+    n = _numel(val) if isinstance(val, torch.Tensor) else None
+    return n is not None and n >= _LARGE
 
 
 def _stored(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
