@@ -56,14 +56,15 @@ def _gateable(node: torch.fx.Node) -> bool:
     return hasattr(val, "fake_mode") and val.numel() > 0 and not val.is_complex()
 
 
-def _call(graph: torch.fx.Graph, op: Any, *args: Any, phase: str = "backward") -> torch.fx.Node:
-    """A new node of ``op`` at the graph's insertion point, tagged ``phase``, with the fake value later passes
-    read."""
+def _call(graph: torch.fx.Graph, op: Any, *args: Any, phase: str | None = "backward") -> torch.fx.Node:
+    """A new node of ``op`` at the graph's insertion point, tagged ``phase`` (``None``: untagged, as the
+    optimizer's nodes are), with the fake value later passes read."""
     node = graph.call_function(op, args)
     vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
     with vals[0].fake_mode:
         node.meta["val"] = op(*vals)
-    node.meta["custom"] = {_PHASE: phase}
+    if phase is not None:
+        node.meta["custom"] = {_PHASE: phase}
     return node
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from funcamp.passes._context import PassContext
-from funcamp.passes.tags import _tags
+from funcamp.passes.gates import _call
+from funcamp.passes.tags import _PHASE, _tags
 
 NAME = "scalars_once"
 
@@ -61,31 +62,13 @@ def _large(node: torch.fx.Node) -> bool:
 
 def _stored(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     """``node``'s value through ``amax(expand(view(node, [1]), [2]), [0])`` (viewed back to its shape), inserted
-    after it and tagged as it is."""
-    aten = torch.ops.aten
-    val = node.meta["val"]
-    made: list[torch.fx.Node] = []
-
-    def call(op, *args):
-        out = graph.call_function(op, args)
-        vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-        with val.fake_mode:
-            out.meta["val"] = op(*vals)
-        if "custom" in node.meta:
-            out.meta["custom"] = dict(_tags(node))
-        made.append(out)
-        return out
-
-    with graph.inserting_after(node):
-        one = call(aten.view.default, node, [1])
-    with graph.inserting_after(one):
-        pair = call(aten.expand.default, one, [2])
-    with graph.inserting_after(pair):
-        kept = call(aten.amax.default, pair, [0])
-    if val.dim() == 0:
-        return kept
-    with graph.inserting_after(kept):
-        return call(aten.view.default, kept, list(val.shape))
+    after it with its phase tag."""
+    aten, val, phase = torch.ops.aten, node.meta["val"], _tags(node).get(_PHASE)
+    with graph.inserting_before(node.next):
+        one = _call(graph, aten.view.default, node, [1], phase=phase)
+        pair = _call(graph, aten.expand.default, one, [2], phase=phase)
+        kept = _call(graph, aten.amax.default, pair, [0], phase=phase)
+        return kept if val.dim() == 0 else _call(graph, aten.view.default, kept, list(val.shape), phase=phase)
 
 
 def _scalars_once(graph: torch.fx.Graph) -> int:
