@@ -105,9 +105,14 @@ class GeluTanh(torch.autograd.Function):
     state at rest against 74 MB)."""
 
     @staticmethod
+    def _gate(h: torch.Tensor) -> torch.Tensor:
+        """``sigmoid(2z)``, ``z = sqrt(2 / pi) * (h + 0.044715 * h**3)``, of float32 ``h``."""
+        return torch.sigmoid(_GELU_K * (h + _GELU_C * h * h * h))
+
+    @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        return (h * torch.sigmoid(_GELU_K * (h + _GELU_C * h * h * h))).to(x.dtype)
+        return (h * GeluTanh._gate(h)).to(x.dtype)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
@@ -117,7 +122,7 @@ class GeluTanh(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
         h = x.float()
-        s = torch.sigmoid(_GELU_K * (h + _GELU_C * h * h * h))
+        s = GeluTanh._gate(h)
         slope = s + h * s * (1.0 - s) * (_GELU_K * (1.0 + 3.0 * _GELU_C * h * h))
         return (grad.float() * slope).to(x.dtype)
 

@@ -247,15 +247,15 @@ class Flat:
         finite: Any,
     ) -> tuple[Any, Any]:
         """The optimizer stage (``stage``, :mod:`funcamp.train._stages`'): over the buffers for :class:`FlatParams`
-        (the gradients concatenated, each mask and label giving a buffer its leaves' value, the global norm taken
-        over the members' views), leaf by leaf over the views otherwise (eager, in place when donating).
-        Returns ``(params, opt_state, updates)``, the updates held as the parameters (:class:`FlatParams`)."""
+        (``grads`` as :meth:`gradients` made them, the gradients concatenated; each mask and label giving a buffer
+        its leaves' value, the global norm taken over the members' views), leaf by leaf over the views otherwise
+        (eager, in place when donating). Returns ``(params, opt_state, updates)``, the updates held as the
+        parameters (:class:`FlatParams`)."""
         if not isinstance(params, FlatParams):
             return stage(optimizer, grads, opt_state, params, layout, finite)
         norms = _MemberNorms(layout, self)
-        flat = grads.buffers if isinstance(grads, FlatParams) else self.flat(grads)  # (gradients(): made once)
         new, new_state, updates = _flat_opt.replaying(
-            self.replay, stage, optimizer, flat, opt_state, params.buffers, norms, None
+            self.replay, stage, optimizer, grads.buffers, opt_state, params.buffers, norms, None
         )
         return FlatParams(new, self), new_state, FlatParams(updates, self)
 
