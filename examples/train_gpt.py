@@ -342,7 +342,11 @@ def build_run(
     ``--shard``); False builds this process's step alone (no collective), as ``--policy auto`` times it."""
     stateful = args.fp8 == "delayed"  # its amax histories and scales are buffers, carried by the state
     functional = fa.nn.functionalize(
-        model, policy, module_policies=fp8.MODULE_POLICIES if args.fp8 else None, with_buffers=stateful
+        model,
+        policy,
+        module_policies=fp8.MODULE_POLICIES if args.fp8 else None,
+        with_buffers=stateful,
+        scan=None if args.shard else "auto",  # a scan holds every layer gathered at once: not under --shard
     )
     apply_fn, params = functional.apply_fn, functional.params  # float32 masters (or --master-weights)
     buffers = functional.buffers if stateful else None
@@ -540,9 +544,12 @@ LOSS = "loss: cross-entropy of the whole logits (float32)"
 
 
 def layers_line(apply_fn: Any) -> str:
-    """How the decoder blocks are compiled: unrolled (each traced and compiled), or scanned (one compiled for all)."""
-    scanned = getattr(apply_fn, "scan", ())
-    return f"layers: scanned ({', '.join(scanned)})" if scanned else "layers: unrolled (no scan)"
+    """How the decoder blocks are compiled: scanned (one compiled for all) or unrolled (each traced and compiled),
+    as ``functionalize(scan="auto")`` decided, with its reason in short."""
+    report = dict(getattr(apply_fn, "scan_report", {}))
+    if not report:
+        return "layers: unrolled (no scan)"
+    return "layers: " + "; ".join(f"{name} {decided.split(' (')[0]}" for name, decided in report.items())
 
 
 def make_loss_fn(apply_fn: Any, stateful: bool = False) -> Any:

@@ -12,6 +12,7 @@ call. The module you pass is never changed, nor kept alive.
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -27,6 +28,8 @@ from funcamp.nn._reductions import buffer_reductions
 from funcamp.nn._store import Trainable, sample
 from funcamp.ops import OpRule
 from funcamp.policy import Policy, _split_fp8, get_policy
+
+_log = logging.getLogger("funcamp.nn")
 
 __all__ = ["Functional", "FunctionalWithBuffers", "functionalize"]
 
@@ -150,7 +153,12 @@ def functionalize(
         block is traced and compiled once; eagerly they run as written. ``params`` keeps one leaf per layer.
         A ``ModuleList`` must be applied as ``for block in blocks: x = block(x, *same_args)``. Differentiable
         inside ``torch.compile`` by Dynamo-traced ``torch.autograd.grad`` (the compiled train step's route), not
-        by ``torch.func`` transforms. See :mod:`funcamp.nn._scan` and docs/module.md.
+        by ``torch.func`` transforms. A ``ModuleList``'s use is read from the source of the modules above it
+        (:mod:`funcamp.nn._scan_contract`): a loop that does anything else per layer is refused, never computed
+        otherwise. ``"auto"``: every run of two or more modules of one class that passes these checks and
+        :func:`funcamp.nn._scan.rule` (at least :data:`funcamp.nn._scan.AUTO_MIN_LAYERS` layers, on a CPU) is
+        scanned; the others stay unrolled, and why is in ``apply_fn.scan_report`` and one ``funcamp.nn`` log
+        line each. See :mod:`funcamp.nn._scan` and docs/module.md.
     Returns:
       :class:`Functional` ``(apply_fn, params)`` or :class:`FunctionalWithBuffers` ``(apply_fn, params,
       buffers)`` (named tuples), see above. ``apply_fn.frozen`` is a
@@ -160,7 +168,9 @@ def functionalize(
       ``apply_fn.forward_dtypes`` the dtype each parameter and buffer enters the forward in, by name
       (tied uses under each name, listed in ``apply_fn.aliases``), from which
       :func:`funcamp.memory.memory_report` ``(params, apply_fn=apply_fn)`` counts the compute copies;
-      ``apply_fn.remat`` the qualified names of the checkpointed modules (a tuple, empty without ``remat``).
+      ``apply_fn.remat`` the qualified names of the checkpointed modules (a tuple, empty without ``remat``);
+      ``apply_fn.scan`` those of the scanned runs (a tuple) and ``apply_fn.scan_report`` a read-only
+      ``{run: "scanned: ..." or "unrolled: <why>"}`` of what ``scan=`` decided.
     Raises:
       TypeError: if ``module`` is not an ``nn.Module``, ``module_policies`` is malformed, or the module
         cannot be deep-copied.
@@ -181,8 +191,10 @@ def functionalize(
       ValueError: if a ``remat`` type or pattern matches no submodule, or its predicate chooses none, or
         ``remat="auto"`` (not offered, see :class:`funcamp.nn.Remat`).
       TypeError, ValueError: from :class:`funcamp.nn.Remat` for a budget that is not a number in ``[0, 1]``.
-      TypeError: if ``scan`` is not None, a str or a list of str, or names a module that is not a ``ModuleList``
-        or ``Sequential``.
+      TypeError: if ``scan`` is not None, ``"auto"``, a str or a list of str, or names a module that is not a
+        ``ModuleList`` or ``Sequential``.
+      ValueError: if a named ``ModuleList`` is used, in the code of the modules above it, other than as
+        ``for layer in <run>: x = layer(x, <same further arguments>)``, or that code cannot be read.
       ValueError: if a ``scan`` pattern matches no submodule, or the run's layers differ (class, shapes, dtypes,
         policies, plain attributes, buffers) or hold what a scan does not support yet (hooks, persistent
         buffers, frozen or int8 or tied tensors, fp8 layers, ``remat`` on or around it, ``autocast=True``);
@@ -220,9 +232,10 @@ def functionalize(
     _remat.install()
     uses = _use.Uses(store.frozen, store.int8, store.forward_dtypes, plan.aliases)
     budgets = dict.fromkeys(remat_names, _remat.budget(remat))
-    scan_names = _scan.select(module, scan)
-    for name in scan_names:
-        _scan.check(
+    scan_names, scan_report = _scan.choose(
+        module,
+        scan,
+        lambda name: _scan.check(
             module,
             name,
             plan,
@@ -231,7 +244,11 @@ def functionalize(
             forward_dtypes=store.forward_dtypes,
             remat=remat_names,
             autocast=autocast,
-        )
+        ),
+    )
+    if scan == "auto":
+        for name, decided in scan_report.items():
+            _log.info("functionalize(scan='auto'): %s %s", name, decided)
     skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=budgets)
     if not scan_names:  # a scanned run refuses hooks (they would run the first layer's for every layer)
         _deferred.install(skeleton)  # transformers' first-forward hooks, installed under a lock Dynamo cannot enter
@@ -245,7 +262,7 @@ def functionalize(
         ) -> tuple[Any, dict[str, torch.Tensor]]:
             return run(params, buffers, args, kwargs)
 
-        _describe(apply_fn, store, plan, remat_names)
+        _describe(apply_fn, store, plan, remat_names, scan_report)
         apply_fn.buffer_reductions = buffer_reductions(module, plan.buffers)  # type: ignore[attr-defined]
         return FunctionalWithBuffers(apply_fn, store.params, store.buffers)
 
@@ -254,7 +271,7 @@ def functionalize(
     def apply_fn(params: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
         return run(params, constants, args, kwargs)[0]  # the buffers as constants
 
-    _describe(apply_fn, store, plan, remat_names)
+    _describe(apply_fn, store, plan, remat_names, scan_report)
     return Functional(apply_fn, store.params)
 
 
@@ -392,14 +409,17 @@ def _pushed(uses: _use.Uses, params: Mapping[str, torch.Tensor]) -> Iterator[Non
         uses.pop()
 
 
-def _describe(apply_fn: Any, store: _store.Store, plan: Plan, remat: list[str]) -> None:
-    """``apply_fn.frozen``, ``.forward_dtypes``, ``.aliases`` (read-only) and ``.remat``."""
+def _describe(apply_fn: Any, store: _store.Store, plan: Plan, remat: list[str], scan: Mapping[str, str]) -> None:
+    """``apply_fn.frozen``, ``.forward_dtypes``, ``.aliases``, ``.scan_report`` (read-only), ``.remat`` and
+    ``.scan``."""
     apply_fn.frozen = types.MappingProxyType(store.frozen)
     apply_fn.forward_dtypes = types.MappingProxyType(
         {name: store.forward_dtypes[name] for name in [*plan.params, *plan.buffers, *plan.aliases]}
     )
     apply_fn.aliases = types.MappingProxyType(dict(plan.aliases))
     apply_fn.remat = tuple(remat)
+    apply_fn.scan = tuple(name for name, decided in scan.items() if decided.startswith("scanned"))
+    apply_fn.scan_report = types.MappingProxyType(dict(scan))
 
 
 def _check_keys(what: str, got: Mapping[str, Any], expected: list[str], frozen: Iterable[str] = ()) -> None:
