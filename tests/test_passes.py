@@ -25,7 +25,7 @@ from torch._inductor.utils import run_and_get_code
 
 import funcamp as fa
 from funcamp import optim, passes
-from funcamp.passes import pipeline, scalars_once
+from funcamp.passes import cse, pipeline, scalars_once
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,8 @@ def test_switches_turn_each_sub_pass_off(traced: torch.fx.Graph, monkeypatch: py
 def test_pipeline_counts_the_nodes_around_each_pass(traced: torch.fx.Graph, monkeypatch: pytest.MonkeyPatch) -> None:
     """``pipeline.run`` runs :data:`PIPELINE` in order and records the node count around each pass: the counts
     chain (one pass's after is the next one's before), the selections add nothing, the copies and the waits
-    add nodes; a pass switched off is not run and not counted. (Planted: the loop skipping a pass that is on.)"""
+    add nodes, ``cse`` only removes; a pass switched off is not run and not counted. (Planted: the loop skipping a
+    pass that is on.)"""
     graph = case.copy(traced, 0.5)
     ctx = pipeline.run(graph)
     assert [(c.name, c.step) for c in ctx.counts] == [(n, p.__name__) for n, p in pipeline.PIPELINE]
@@ -98,7 +99,8 @@ def test_pipeline_counts_the_nodes_around_each_pass(traced: torch.fx.Graph, monk
     assert all(a.after == b.before for a, b in zip(ctx.counts, ctx.counts[1:]))
     grew = {c.name for c in ctx.counts if c.after > c.before}
     assert grew == {"recompute", "casts_at_use", "late_constructors", "flat_gradients", "scalars_once"}, ctx.counts
-    assert all(c.after >= c.before for c in ctx.counts if c.step != "regather")
+    assert all(c.after >= c.before for c in ctx.counts if c.step != "regather" and c.name != "cse")
+    assert ctx.counts[0].name == "cse" and ctx.counts[0].after <= ctx.counts[0].before
     assert ctx.recompute and ctx.gathers and ctx.param_uses  # (no bernoulli draw: inductor draws from seeds)
     monkeypatch.setenv("FUNCAMP_PASSES_OFF", "remat_budget,late_constructors")
     ctx = pipeline.run(case.copy(traced, 0.5))
@@ -255,3 +257,70 @@ def test_scalars_once_takes_the_step_scalars_out_of_the_loops(monkeypatch: pytes
     for k in params:
         assert torch.equal(runs[True][0][k], runs[False][0][k]), k
     assert torch.equal(runs[True][1], runs[False][1])
+
+
+def test_cse_merges_equal_pure_nodes_only() -> None:
+    """``cse`` on a hand-made graph: two equal ``abs`` and two equal ``amax`` of it become one each; random draws,
+    uninitialized memory, in-place ops and nodes of other tags stay as many as they were."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4)
+    a1, a2 = g.call_function(aten.abs.default, (x,)), g.call_function(aten.abs.default, (x,))
+    m1, m2 = g.call_function(aten.amax.default, (a1, [0])), g.call_function(aten.amax.default, (a2, [0]))
+    r1, r2 = (g.call_function(aten.rand.default, ([4],)) for _ in range(2))
+    e1, e2 = (g.call_function(aten.empty.memory_format, ([4],)) for _ in range(2))
+    i1, i2 = (g.call_function(aten.add_.Tensor, (x, 1)) for _ in range(2))
+    f1, f2 = (g.call_function(aten.neg.default, (x,)) for _ in range(2))
+    f1.meta["custom"], f2.meta["custom"] = {"funcamp_phase": "forward"}, {"funcamp_phase": "backward"}
+    g.output((m1, m2, r1, r2, e1, e2, i1, i2, f1, f2))
+    assert cse._cse(g) == 2
+    kinds = [str(n.target) for n in g.nodes if n.op == "call_function"]
+    assert kinds.count("aten.abs.default") == 1 and kinds.count("aten.amax.default") == 1
+    for op in ("aten.rand.default", "aten.empty.memory_format", "aten.add_.Tensor", "aten.neg.default"):
+        assert kinds.count(op) == 2, op
+
+
+@pytest.mark.slow
+def test_cse_takes_the_check_and_clip_norm_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finite check's gradient norm and ``clip_by_global_norm``'s are one expression (a flat state's clip reads
+    the parameters' views in tree order, as the check does), which ``cse`` computes once: one ``amax(abs(g))``
+    per gradient, and the step bitwise the step without ``cse`` and the per-leaf step (``FUNCAMP_FLAT=off``).
+    Planted: without ``cse`` the graph holds them three times (the flag, the check's norm, the clip's)."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    graphs: list[torch.fx.Graph] = []
+    run = pipeline.run
+    monkeypatch.setattr(pipeline, "run", lambda graph: (run(graph), graphs.append(graph))[0])
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(64, 64, generator=g) / 8, "w2": torch.randn(64, 64, generator=g) / 8}
+    params["b"] = torch.randn(64, generator=g)
+    batch = torch.randn(16, 64, generator=g)
+
+    def loss(p, x):
+        return ((x @ p["w1"]).tanh() @ p["w2"] + p["b"]).square().mean()
+
+    optimizer = optim.chain(optim.clip_by_global_norm(0.01), optim.adamw(1e-2, weight_decay=0.1))
+    runs = {}
+    for name, env in (("cse", {}), ("off", {"FUNCAMP_PASSES_OFF": cse.NAME}), ("per_leaf", {"FUNCAMP_FLAT": "off"})):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            torch._dynamo.reset()
+            state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+            step = fa.make_train_step(loss, optimizer)
+            for _ in range(2):
+                state, metrics = step(state, batch)
+        maxima = [
+            n
+            for n in graphs[-1].nodes
+            if n.target == torch.ops.aten.amax.default and n.args[0].target == torch.ops.aten.abs.default
+        ]
+        runs[name] = (state.params, metrics, len(maxima))
+    assert runs["cse"][2] == runs["per_leaf"][2] == len(params) and runs["off"][2] == 3 * len(params), runs
+    assert runs["cse"][1]["grad_norm"] > 0.01  # the clip acts
+    for other in ("off", "per_leaf"):
+        for k in params:
+            assert torch.equal(runs["cse"][0][k], runs[other][0][k]), (other, k)
+        for k in ("loss", "grad_norm"):
+            assert torch.equal(runs["cse"][1][k], runs[other][1][k]), (other, k)

@@ -30,9 +30,9 @@ class PassContext:
       graph: the post-grad graph inductor hands the pass; changed in place.
       off: the passes switched off (``FUNCAMP_PASSES_OFF``).
       param_uses: the parameters' forward casts and views that only one region reads, each mapped to that region
-        (:func:`funcamp.passes.remat_regions._param_uses`): filled at creation where ``remat_regions`` or
-        ``casts_at_use`` runs (both read it; it tags the casts with their region's budget, which ``remat_budget``
-        reads), else empty.
+        (:func:`funcamp.passes.remat_regions._param_uses`): None until the first pass that reads it
+        (``remat_regions`` or ``casts_at_use``, through :func:`funcamp.passes.remat_regions.param_uses`) finds it,
+        after ``cse``; finding it tags the casts with their region's budget, which ``remat_budget`` reads.
       recompute: the nodes whose backward uses read a copy; ``remat_regions`` fills it, ``remat_budget`` takes
         out what a budget keeps, ``recompute`` reads it.
       draws: the regions' dropout draws, kept as bools (``remat_regions``; read by ``recompute``).
@@ -42,7 +42,7 @@ class PassContext:
 
     graph: torch.fx.Graph
     off: frozenset[str]
-    param_uses: dict[torch.fx.Node, int] = dataclasses.field(default_factory=dict)
+    param_uses: dict[torch.fx.Node, int] | None = None
     recompute: set[torch.fx.Node] = dataclasses.field(default_factory=set)
     draws: set[torch.fx.Node] = dataclasses.field(default_factory=set)
     gathers: set[torch.fx.Node] = dataclasses.field(default_factory=set)

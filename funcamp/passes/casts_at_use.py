@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from funcamp.passes import remat_regions
 from funcamp.passes._context import PassContext
 from funcamp.passes._graph import _VIEWS, _is_input, _sink
 from funcamp.passes.gates import _call, _flag, _gateable
@@ -68,5 +69,5 @@ def _casts_at_use(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int]) -
 
 
 def run(ctx: PassContext) -> None:
-    """:func:`_casts_at_use` of ``ctx.param_uses``."""
-    _casts_at_use(ctx.graph, ctx.param_uses)
+    """:func:`_casts_at_use` of the parameters' uses (:func:`funcamp.passes.remat_regions.param_uses`)."""
+    _casts_at_use(ctx.graph, remat_regions.param_uses(ctx))

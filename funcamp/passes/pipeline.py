@@ -29,6 +29,7 @@ import torch
 
 from funcamp.passes import (
     casts_at_use,
+    cse,
     flat_gradients,
     late_constructors,
     recompute,
@@ -48,6 +49,7 @@ _LOG = logging.getLogger("funcamp.passes")
 #: the pass's switch; ``sharded_gathers`` has two steps (it selects before the copies, regathers after them) and
 #: ``recompute`` none (it copies what the passes before it chose).
 PIPELINE: tuple[tuple[str, Callable[[PassContext], None]], ...] = (
+    (cse.NAME, cse.run),
     (remat_regions.NAME, remat_regions.run),
     (remat_budget.NAME, remat_budget.run),
     (sharded_gathers.NAME, sharded_gathers.select),
@@ -78,11 +80,8 @@ def switched_off() -> frozenset[str]:
 
 
 def context(graph: torch.fx.Graph, off: frozenset[str]) -> PassContext:
-    """A new context for ``graph``: ``param_uses`` found first where a pass that reads it runs."""
-    ctx = PassContext(graph, off)
-    if remat_regions.NAME not in off or casts_at_use.NAME not in off:
-        ctx.param_uses = remat_regions._param_uses(graph)
-    return ctx
+    """A new context for ``graph`` (``param_uses`` is found by the first pass that reads it, after ``cse``)."""
+    return PassContext(graph, off)
 
 
 def run(graph: torch.fx.Graph) -> PassContext:

@@ -120,7 +120,15 @@ def _recomputed(graph: torch.fx.Graph, param_uses: dict[torch.fx.Node, int] | No
     return {n for n in region if not leaves(n)}
 
 
+def param_uses(ctx: PassContext) -> dict[torch.fx.Node, int]:
+    """``ctx.param_uses``, found (:func:`_param_uses`) by the first pass that asks: after ``cse``, which may merge
+    two casts of one parameter."""
+    if ctx.param_uses is None:
+        ctx.param_uses = _param_uses(ctx.graph)
+    return ctx.param_uses
+
+
 def run(ctx: PassContext) -> None:
-    """Fill ``ctx.recompute`` (:func:`_recomputed`, with ``ctx.param_uses``) and ``ctx.draws`` (:func:`_draws`)."""
-    ctx.recompute = _recomputed(ctx.graph, ctx.param_uses)
+    """Fill ``ctx.recompute`` (:func:`_recomputed`, with :func:`param_uses`) and ``ctx.draws`` (:func:`_draws`)."""
+    ctx.recompute = _recomputed(ctx.graph, param_uses(ctx))
     ctx.draws = _draws(ctx.graph)

@@ -259,6 +259,13 @@ class Flat:
         )
         return FlatParams(new, self), new_state, FlatParams(updates, self)
 
+    def holds_buffers(self, tree: dict[str, Any]) -> bool:
+        """Whether ``tree`` is one buffer of this storage's size per group, by group key (in group order)."""
+        return list(tree) == [g.key for g in self.groups] and all(
+            isinstance(b, torch.Tensor) and b.ndim == 1 and b.shape[0] == g.numel
+            for g, b in zip(self.groups, tree.values(), strict=True)
+        )
+
     def member_views(self, key: str, buffer: torch.Tensor) -> list[torch.Tensor] | None:
         """The members' views of ``buffer`` if ``key`` is one of this storage's groups and ``buffer`` its size."""
         g = next((g for g in self.groups if g.key == key), None)
@@ -450,7 +457,12 @@ class _MemberNorms:
         self._layout, self._storage = layout, storage
 
     def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(t, s)`` of :func:`funcamp._tree.scaled_global_norm` over the members of each buffer."""
+        """``(t, s)`` of :func:`funcamp._tree.scaled_global_norm` over the members of each buffer: for a tree of
+        this storage's buffers (the updates a clip sees), the parameters' views in tree order, as the finite check
+        takes its norm of the gradients (:meth:`Flat.tree`), so that both are one expression that the ``cse``
+        graph pass computes once, and the norm is the per-leaf step's bit for bit."""
+        if isinstance(tree, dict) and self._storage.holds_buffers(tree):
+            return self._layout.scaled_global_norm(self._storage._views(tree), fn)
         views: list[torch.Tensor] = []
         for key, leaf in zip(_tree.tree_paths(tree), _tree.tree_leaves(tree), strict=True):
             members = (

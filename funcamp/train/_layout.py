@@ -140,7 +140,8 @@ class SingleProcess:
 
         ``funcamp.optim.clip_by_global_norm`` asks the layout of the step it runs in (``funcamp._scope``). The
         finite check's norm and a clip's of the same gradients are the same expression over the same tensors:
-        the compiled step computes it once (AOTAutograd's common-subexpression elimination).
+        the compiled step computes it once (the ``cse`` graph pass, :mod:`funcamp.passes.cse`; AOTAutograd merges
+        common subexpressions only in training graphs, and the step is an inference graph).
         """
         return _tree.scaled_global_norm(tree, fn)
 

@@ -1,0 +1,84 @@
+"""Sub-pass ``cse``: one node for each value the step computes twice the same way.
+
+The step's graph is an inference graph (Dynamo traced the backward into it), and AOTAutograd merges common
+subexpressions only in the graphs its partitioner makes for training, so a value the step asks for twice is
+computed twice: the finite check's gradient norm and ``clip_by_global_norm``'s (each two reductions per gradient),
+a gradient's ``max |g|`` for its finite flag and for the norm's scale, a mask built twice. :func:`_cse` keeps the
+first of two nodes that call the same ATen operator on the same arguments with the same funcamp tags, and points
+the second one's users at it.
+
+Only what gives equal values, bit for bit: ATen operators (``OpOverload``) without a mutable argument, without
+torch's ``nondeterministic_seeded`` or ``nondeterministic_bitwise`` tags (random draws, scatter-adds whose order
+is not fixed) and not a constructor of uninitialized memory (``empty`` and its kin, whose bits are not a value).
+A node is merged only with one of equal tags (``node.meta["custom"]``: the forward and backward phases, remat
+regions, the flat gradients' concatenation), so the passes after it see every region as it was traced, and a
+forward value is never kept alive for a backward that recomputed it on purpose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from funcamp.passes._context import PassContext
+
+NAME = "cse"
+
+_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
+_TAGS = ("nondeterministic_seeded", "nondeterministic_bitwise")
+_NONDETERMINISTIC = tuple(getattr(torch.Tag, name) for name in _TAGS if hasattr(torch.Tag, name))
+
+
+def _mergeable(node: torch.fx.Node) -> bool:
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        return False
+    if op._schema.is_mutable or any(t in op.tags for t in _NONDETERMINISTIC):
+        return False
+    return op._schema.name.split("::")[-1] not in _UNINITIALIZED
+
+
+def _key(value: Any) -> Any:
+    """A hashable form of a node's argument (nodes as themselves: a merged node's users already point at the
+    kept one); raises TypeError for what cannot be hashed (the node is then left alone)."""
+    if isinstance(value, torch.fx.Node):
+        return ("node", value)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((k, _key(v)) for k, v in value.items())))
+    if isinstance(value, slice):
+        return ("slice", _key(value.start), _key(value.stop), _key(value.step))
+    if isinstance(value, float) and value != value:  # NaN: equal to itself here (the same constant)
+        return ("nan",)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)):
+        raise TypeError("symbolic or tensor constant")
+    hash(value)
+    return (type(value).__name__, value)
+
+
+def _cse(graph: torch.fx.Graph) -> int:
+    """Merge every node into the first equal one (see the module); return how many were removed."""
+    seen: dict[Any, torch.fx.Node] = {}
+    removed = 0
+    for node in list(graph.nodes):
+        if not _mergeable(node):
+            continue
+        try:
+            tags = tuple(sorted((node.meta.get("custom") or {}).items()))
+            key = (node.target, _key(node.args), _key(node.kwargs), _key(tags))
+        except TypeError:
+            continue
+        kept = seen.setdefault(key, node)
+        if kept is node:
+            continue
+        node.replace_all_uses_with(kept)
+        graph.erase_node(node)
+        removed += 1
+    return removed
+
+
+def run(ctx: PassContext) -> None:
+    """:func:`_cse`."""
+    _cse(ctx.graph)
