@@ -192,6 +192,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "never reuses an old state, so it holds one state, not two; the numbers are the same bit for bit\n"
         "(--no-donate: a pure step that returns a new state) (default: on)",
     )
+    p.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a CPU under Linux's C library: serve large blocks from the heap and keep what is freed\n"
+        "(mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB, the MALLOC_MMAP_MAX_/MALLOC_TRIM_THRESHOLD_ of\n"
+        "docs/memory.md): each step's temporaries reuse pages instead of faulting fresh ones in; this\n"
+        "process's resident size then does not shrink after its peak (default: on)",
+    )
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
     p.add_argument("--logdir", default="runs/gpt", help="TensorBoard directory (default: runs/gpt)")
     p.add_argument("--log-every", type=int, default=10, help="steps per logging interval (default: 10)")
@@ -543,6 +552,28 @@ def make_optimizer(args: argparse.Namespace, decay_mask: dict[str, bool]) -> opt
 LOSS = "loss: cross-entropy of the whole logits (float32)"
 
 
+def keep_freed_memory() -> str:
+    """Tell the C library to serve large blocks from its heap and keep what is freed, for this process.
+
+    glibc maps every block above its mmap threshold afresh and unmaps it when freed, so each step's large
+    temporaries fault their pages in again (docs/memory.md, "The undonated step and the allocator"). The same
+    settings as ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` before Python starts, made with ``mallopt`` (the
+    trim threshold a C int: 2 GiB). Returns what the header prints: what was set, or why nothing was.
+    """
+    if not sys.platform.startswith("linux"):
+        return "as it comes (not Linux)"
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return "as it comes (no glibc mallopt)"
+    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
+    if mallopt(m_mmap_max, 0) != 1 or mallopt(m_trim_threshold, (1 << 31) - 1) != 1:
+        return "as it comes (mallopt refused)"
+    return "freed memory kept (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB; --no-keep-freed-memory)"
+
+
 def layers_line(apply_fn: Any) -> str:
     """How the decoder blocks are compiled: scanned (one compiled for all) or unrolled (each traced and compiled),
     as ``functionalize(scan="auto")`` decided, with its reason in short."""
@@ -683,6 +714,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, world_size, device = distributed_info(resolve_device(args.device))
+    allocator = keep_freed_memory() if args.keep_freed_memory and device.type == "cpu" else "as it comes"
     is_main = rank == 0
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
@@ -803,7 +835,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         # What runs, as the step decided it: compiled or eager, donation, probes, the process layout and the
         # storage (flat buffers, or leaf by leaf and why); the loss; the layers unrolled or scanned.
-        print(f"{train_step.plan_for(state)} | {LOSS} | {layers_line(apply_fn)}", flush=True)
+        print(f"{train_step.plan_for(state)} | {LOSS} | {layers_line(apply_fn)} | allocator: {allocator}", flush=True)
         if choice is not None:
             again = " (--retune measures again)" if choice.source != "capability" else ""
             print(f"policy auto: {choice.explain()}{again}", flush=True)

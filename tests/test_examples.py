@@ -82,6 +82,11 @@ def test_end_of_run_lines_name_the_mode_and_the_readme_command(default_run, tmp_
     # One step: the first is not timed (it compiles), so there is no rate to print; it says so, not "nan".
     assert "nan" not in eager_out.lower() and "tokens/s not measured" in eager_out, eager_out
     assert one_step["tokens_per_second"] is None
+    # The allocator line: kept by default on a CPU under glibc (the job's own setting), as it comes when asked.
+    kept = "allocator: freed memory kept (mallopt" if sys.platform.startswith("linux") else "allocator: as it comes"
+    assert kept in compiled_out, compiled_out
+    train_gpt.main([*TINY, "--steps", "1", "--no-compile", "--no-keep-freed-memory", "--logdir", str(tmp_path / "a")])
+    assert "allocator: as it comes" in capsys.readouterr().out
 
 
 def test_default_run_logs_every_tag_once_per_interval(default_run):

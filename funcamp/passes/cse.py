@@ -7,7 +7,9 @@ a gradient's ``max |g|`` for its finite flag and for the norm's scale, a mask bu
 first of two nodes that call the same ATen operator on the same arguments with the same funcamp tags, and points
 the second one's users at it.
 
-Only what gives equal values, bit for bit: ATen operators (``OpOverload``) without a mutable argument, without
+Only what gives equal values, bit for bit, and only where merging costs no memory the step meant to save: ATen and
+prims operators (not collectives: a sharded step gathers a parameter again at each use; not custom ops), and
+neither a node tagged as a gather's (``funcamp_gather``) nor one with a mutable argument, nor one with
 torch's ``nondeterministic_seeded`` or ``nondeterministic_bitwise`` tags (random draws, scatter-adds whose order
 is not fixed) and not a constructor of uninitialized memory (``empty`` and its kin, whose bits are not a value).
 A node is merged only with one of equal tags (``node.meta["custom"]``: the forward and backward phases, remat
@@ -22,19 +24,25 @@ from typing import Any
 import torch
 
 from funcamp.passes._context import PassContext
+from funcamp.passes.tags import _GATHER
 
 NAME = "cse"
 
 _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"})
+#: ATen and prims only: not collectives (``_c10d_functional``: a sharded step gathers a parameter at each use, so
+#: that no rank holds every gathered parameter at once), not custom ops (whose side effects the schema may not say).
+_NAMESPACES = frozenset({"aten", "prims"})
 _TAGS = ("nondeterministic_seeded", "nondeterministic_bitwise")
 _NONDETERMINISTIC = tuple(getattr(torch.Tag, name) for name in _TAGS if hasattr(torch.Tag, name))
 
 
 def _mergeable(node: torch.fx.Node) -> bool:
     op = node.target
-    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op.namespace not in _NAMESPACES:
         return False
     if op._schema.is_mutable or any(t in op.tags for t in _NONDETERMINISTIC):
+        return False
+    if _GATHER in (node.meta.get("custom") or {}):  # a sharded parameter gathered again for each use, on purpose
         return False
     return op._schema.name.split("::")[-1] not in _UNINITIALIZED
 
