@@ -292,3 +292,32 @@ def test_auto_leaves_other_runs_unrolled_with_the_reason(model, why, monkeypatch
 def test_without_scan_nothing_is_reported():
     apply_fn, _ = fa.nn.functionalize(_Deep(8), POLICY)
     assert apply_fn.scan == () and dict(apply_fn.scan_report) == {}
+
+
+class _ByName(_Plain):
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        for other in getattr(self, "blocks"):  # noqa: B009 - the point: a use by name
+            x = other(x) + x
+        return x
+
+
+class _Shared(nn.Module):
+    """The run registered twice: under ``blocks`` and inside a child that loops over it its own way."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Layer() for _ in range(3))
+        self.child = nn.Module()
+        self.child.layers = self.blocks
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_uses_the_check_cannot_follow_are_refused():
+    assert "names 'blocks' in a string" in violation(_ByName(), "blocks")
+    assert "registered under several names (blocks, child.layers)" in violation(_Shared(), "blocks")

@@ -30,6 +30,10 @@ def violation(module: nn.Module, name: str) -> str | None:
     """``None`` when every use of the ``ModuleList`` at ``name`` in the code above it is a loop of the contract;
     else one sentence saying where and how the code differs (or that it could not be read)."""
     parts = name.split(".")
+    run = module.get_submodule(name)
+    paths = [n for n, m in module.named_modules(remove_duplicate=False) if m is run]
+    if len(paths) > 1:
+        return f"the run is registered under several names ({', '.join(paths)}); the code using the others is not read"
     loops = 0
     for depth in range(len(parts)):
         owner_name = ".".join(parts[:depth])
@@ -115,6 +119,8 @@ def _uses(fn: ast.AST, self_name: str, chain: list[str]) -> tuple[int, str | Non
             parents[child] = node
     loops = 0
     for node in ast.walk(fn):
+        if isinstance(node, ast.Constant) and node.value == chain[-1]:
+            return 0, f"names {chain[-1]!r} in a string (getattr, __dict__, _modules?): a use the check cannot follow"
         if not _is_chain(node, self_name, chain):
             continue
         up = parents.get(node)
