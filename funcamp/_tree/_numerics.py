@@ -253,11 +253,26 @@ def _needs_scale(dtype: torch.dtype, acc: torch.dtype) -> bool:
     """Whether a sum of squares of ``dtype`` values in ``acc`` can overflow or underflow.
 
     Not for float16 and float8 in float32, nor float32 and bfloat16 in float64: their largest square
-    times 2**64 elements and their smallest normal square stay inside ``acc``'s normal range.
+    times 2**64 elements and their smallest normal square stay inside ``acc``'s normal range. A lookup in a table
+    made at import (:data:`_SCALED`): a compiled step asks it for every leaf twice, and Dynamo would otherwise
+    trace the ``finfo`` arithmetic each time.
     """
+    known = _SCALED.get((dtype, acc))
+    return _scale_needed(dtype, acc) if known is None else known
+
+
+def _scale_needed(dtype: torch.dtype, acc: torch.dtype) -> bool:
     info, acc_info = torch.finfo(dtype), torch.finfo(acc)
     bound = math.sqrt(acc_info.max) * 2.0**-32  # (max * 2**32)**2 == max**2 * 2**64, without overflow
     return info.max > bound or info.smallest_normal < math.sqrt(acc_info.smallest_normal)
+
+
+#: :func:`_needs_scale` in float32 and float64 for the floating dtypes a norm sums (float8 read as float32).
+_SCALED = {
+    (d, acc): _scale_needed(d, acc)
+    for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    for acc in (torch.float32, torch.float64)
+}
 
 
 def _max_magnitude(x: torch.Tensor) -> torch.Tensor:
@@ -336,15 +351,16 @@ def scaled_global_norm(tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor
         device = _first_tensor_device(tree_leaves(tree))
         return torch.zeros((), dtype=acc, device=device), torch.ones((), dtype=acc, device=device)
     # Pass 1: the max magnitude of each leaf that needs a scale, the unscaled norm of each other one.
-    first = [
-        _max_magnitude(x).to(acc) if _needs_scale(x.dtype, acc) else torch.linalg.vector_norm(x, dtype=acc)
-        for x in leaves
-    ]
+    needs: dict[torch.dtype, bool] = {}  # once per dtype, not per leaf; in leaf order (a set's order varies by run)
+    for x in leaves:
+        if x.dtype not in needs:
+            needs[x.dtype] = _needs_scale(x.dtype, acc)
+    first = [_max_magnitude(x).to(acc) if needs[x.dtype] else torch.linalg.vector_norm(x, dtype=acc) for x in leaves]
     scale = _pow2_scale(torch.stack(first).amax())
-    scales = {x.dtype: scale.to(x.dtype) for x in leaves if _needs_scale(x.dtype, acc)}  # exact: same exponent range
+    scales = {d: scale.to(d) for d, scaled in needs.items() if scaled}  # exact: the same exponent range
     # Pass 2: the scaled norm of each leaf that needs a scale; the others' norms times the scale.
     norms = [
-        torch.linalg.vector_norm(x * scales[x.dtype], dtype=acc) if _needs_scale(x.dtype, acc) else n * scale
+        torch.linalg.vector_norm(x * scales[x.dtype], dtype=acc) if needs[x.dtype] else n * scale
         for x, n in zip(leaves, first, strict=True)
     ]
     return torch.linalg.vector_norm(torch.stack(norms)), scale
