@@ -153,7 +153,8 @@ def test_refuses_differing_attributes_and_hooks():
     net = _Net([_Res(), _Res()])
     net.blocks[1].scale = 2.0
     net.blocks[0].scale = 1.0
-    with pytest.raises(ValueError, match="differs from blocks.0 in its modules"):
+    differs = r"differs from blocks.0 in module \(the layer itself\)'s attribute scale: 2.0 vs 1.0"
+    with pytest.raises(ValueError, match=differs):
         fa.nn.functionalize(net, POLICY, scan="blocks")
     net = _Net([_Res(), _Res()])
     net.blocks[1].lin.register_forward_hook(lambda m, i, o: o)

@@ -162,7 +162,7 @@ def test_loops_of_the_contract_are_accepted(cls, name):
         (_Enumerate, "with the target '\\(i, block\\)'|enumerate"),
         (_PerLayerArgument, "passing 'masks\\[block.fc.in_features\\]'"),
         (_OtherInput, r"doing 'x = block\(h\)'"),
-        (_LoopVariableAfter, "uses the loop variable 'block' outside the loop"),
+        (_LoopVariableAfter, "reads the loop variable 'block' after the loop"),
         (_Comprehension, "other than as 'for layer in self.blocks"),
         (_Indexed, "no loop 'for layer in self.blocks"),
         (_HelperResidual, r"_HelperResidual.body loops over self.blocks doing 'x = x \+ block\(x\)'"),
@@ -321,3 +321,123 @@ class _Shared(nn.Module):
 def test_uses_the_check_cannot_follow_are_refused():
     assert "names 'blocks' in a string" in violation(_ByName(), "blocks")
     assert "registered under several names (blocks, child.layers)" in violation(_Shared(), "blocks")
+
+
+# Found by trying to break the check (each was accepted, and computed otherwise, before the check read these paths).
+
+
+class _ResidualBase(_Plain):
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+class _ThroughSuper(_ResidualBase):
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return super().forward(x)
+
+
+def _residual_helper(model, x):
+    for block in model.blocks:
+        x = x + block(x)
+    return x
+
+
+class _ThroughFunction(_Plain):
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return _residual_helper(self, x)
+
+
+class _Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Layer() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _ThroughAlias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _Body()
+
+    def forward(self, x):
+        x = self.body(x)
+        body = self.body
+        for block in body.blocks:
+            x = x + block(x)
+        return x
+
+
+class _ThroughType(_Plain):
+    def tail(self, x):
+        for block in self.blocks:
+            x = x * block(x)
+        return x
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return type(self).tail(self, x)
+
+
+class _LambdaForward(_Plain):
+    forward = lambda self, x: x  # noqa: E731 - the point: not a def
+
+
+class _ReusedName(_Plain):
+    def forward(self, x):
+        for block in self.blocks[:1]:
+            x = block(x)
+        x = x * 2
+        for block in self.blocks[1:]:
+            x = block(x, self.blocks[-1].fc.in_features)
+        return x
+
+
+@pytest.mark.parametrize(
+    "cls, message",
+    [
+        (_ThroughSuper, r"_ResidualBase.forward loops over self.blocks doing 'x = x \+ block\(x\)'"),
+        (_ThroughFunction, r"_residual_helper loops over model.blocks doing 'x = x \+ block\(x\)'"),
+        (_ThroughAlias, "uses self.body other than by calling it or reading another attribute"),
+        (_ThroughType, r"hands self to type\(self\).tail, which the check cannot read"),
+        (_LambdaForward, "is not a def"),
+    ],
+    ids=["super", "function", "alias", "type", "lambda"],
+)
+def test_code_reached_other_ways_is_read_or_refused(cls, message):
+    name = "body.blocks" if cls is _ThroughAlias else "blocks"
+    why = violation(cls(), name)
+    assert why is not None and __import__("re").search(message, why), why
+
+
+def test_a_name_reused_by_two_loops_and_a_negative_index_are_accepted():
+    assert violation(_ReusedName(), "blocks") is None
+
+
+def test_a_differing_layer_is_named_in_a_few_words():
+    model = _Plain()
+    model.blocks[2].fc.extra = 7
+    with pytest.raises(ValueError, match=r"blocks\.2 differs from blocks\.0 in module fc's attribute extra: 7 vs None"):
+        fa.nn.functionalize(model, POLICY, scan="blocks")
+
+
+class _UnderAutocast(_Plain):
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for block in self.blocks:
+                x = block(x)
+        return x
+
+
+def test_a_loop_under_autocast_is_refused_before_it_fails_to_compile():
+    assert "under autocast" in violation(_UnderAutocast(), "blocks")

@@ -21,7 +21,9 @@ The contract of a ``ModuleList``: the forward applies every layer once, in order
 output, with the same further arguments (``for block in self.blocks: x = block(x, mask)``), and does nothing
 else per layer. Under compile the loop runs once, over one object that applies the whole run; a slice of the
 list (``for layer in self.layers[: config.num_hidden_layers]``, Hugging Face's Llama loop) applies exactly the
-sliced layers as one scan (a slice of a ``Sequential`` runs its layers one after the other). The contract is
+sliced layers as one scan (a slice of a ``Sequential`` runs its layers one after the other; Hugging Face's Llama
+and Mistral layers each hold their own index, ``self_attn.layer_idx``, so their runs are refused as differing).
+The contract is
 read from the source of the modules above the run (:mod:`funcamp.nn._scan_contract`). What can be checked is
 checked when ``functionalize`` is called, and refused with the run's name: a loop that is not the contract's,
 layers of different classes, shapes, dtypes, policies or plain attributes (the scan runs the first layer's Python
@@ -234,14 +236,9 @@ def check(
             refuse(f"{persistent[0]} is a persistent buffer; buffers a scanned run updates are not supported yet")
         theirs = _signature(layer, plan, prefix, forward_dtypes)
         if theirs != signature:
-            what = (
-                next(k for k in signature if signature[k] != theirs.get(k))
-                if theirs.keys() == signature.keys()
-                else "structure"
-            )
             refuse(
-                f"{prefix} differs from {base} in its {what}: {theirs.get(what)!r} vs {signature.get(what)!r}; "
-                "a scan runs the first layer's code on every layer's tensors"
+                f"{prefix} differs from {base} in {_difference(theirs, signature)}; a scan runs the first layer's "
+                "code on every layer's tensors"
             )
         for bname, b in layer.named_buffers():
             other = first.get_buffer(bname)
@@ -268,6 +265,36 @@ def _signature(layer: nn.Module, plan: Plan, prefix: str, forward_dtypes: Any) -
     ]
     buffers = [(rel, tuple(b.shape), b.dtype) for rel, b in layer.named_buffers()]
     return {"modules": modules, "parameters": params, "buffers": buffers}
+
+
+_FIELDS = {
+    "modules": ("name", "class", "training flag", "attributes", "policy", "own policy"),
+    "parameters": ("name", "shape", "dtype", "forward dtype", "policy"),
+    "buffers": ("name", "shape", "dtype"),
+}
+
+
+def _difference(theirs: dict[str, Any], first: dict[str, Any]) -> str:
+    """The first place two :func:`_signature` differ, in a few words: which submodule, parameter or buffer, which
+    field (for plain attributes, which attribute), and both values."""
+    for kind, fields in _FIELDS.items():
+        a, b = theirs[kind], first[kind]
+        if len(a) != len(b):
+            return f"its number of {kind}: {len(a)} vs {len(b)}"
+        for x, y in zip(a, b, strict=True):
+            if x == y:
+                continue
+            where = f"{kind[:-1]} {x[0] or '(the layer itself)'}"
+            for field, u, v in zip(fields, x, y, strict=True):
+                if u == v:
+                    continue
+                if field == "attributes":
+                    du, dv = dict(u), dict(v)
+                    key = next((k for k in (*du, *dv) if du.get(k) != dv.get(k)), None)
+                    if key is not None:
+                        return f"{where}'s attribute {key}: {du.get(key)!r} vs {dv.get(key)!r}"
+                return f"{where}'s {field}: {u!r} vs {v!r}"
+    return "structure"
 
 
 def _attributes(module: nn.Module) -> tuple[tuple[str, Any], ...]:
