@@ -193,6 +193,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(--no-donate: a pure step that returns a new state) (default: on)",
     )
     p.add_argument(
+        "--scan",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: functionalize(scan='auto') stacks the decoder blocks and compiles one where its measured rule\n"
+        "says so (8 layers or more on a CPU; not under --shard); off: every block traced and compiled\n"
+        "(default: auto)",
+    )
+    p.add_argument(
         "--keep-freed-memory",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -355,7 +363,7 @@ def build_run(
         policy,
         module_policies=fp8.MODULE_POLICIES if args.fp8 else None,
         with_buffers=stateful,
-        scan=None if args.shard else "auto",  # a scan holds every layer gathered at once: not under --shard
+        scan="auto" if args.scan == "auto" and not args.shard else None,  # a scan holds every layer gathered at once
     )
     apply_fn, params = functional.apply_fn, functional.params  # float32 masters (or --master-weights)
     buffers = functional.buffers if stateful else None
