@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from _storage import storage_kind
 
 import funcamp as fa
 from funcamp import _tree, optim
@@ -57,17 +58,15 @@ OPTIMIZERS = {
 }
 
 
-def _run(optimizer, *, flat, donate, monkeypatch, step_optimizer=None):
+def _run(optimizer, *, flat, donate, step_optimizer=None):
     """Four steps (the third non-finite) of the compiled step (of ``step_optimizer``, default the state's
     ``optimizer``); the final state and each step's metrics."""
     torch._dynamo.reset()
-    with monkeypatch.context() as m:
-        if not flat:
-            m.setenv("FUNCAMP_FLAT", "off")
+    with storage_kind(flat) as kind:
         state = fa.TrainState.create(
             {k: v.clone() for k, v in _PARAMS.items()}, optimizer, loss_scale=fa.DynamicLossScale(2.0**15)
         )
-        assert state.storage.kind == ("flat" if flat else "per leaf")
+        assert state.storage.kind == kind
         step = fa.make_train_step(_loss, step_optimizer or optimizer, backend=BACKEND, donate=donate)
         metrics = []
         for batch in _batches():
@@ -99,9 +98,9 @@ def test_flat_step_is_bitwise_the_leaf_by_leaf_step(name, monkeypatch):
     of the concatenated gradients takes the norm of the per-leaf ones, which the finite check took)."""
     optimizer = OPTIMIZERS[name]()
     assert isinstance(_flat.layout(_PARAMS, optimizer), _flat.Flat), "this optimizer runs flat"
-    ref, ref_metrics = _run(optimizer, flat=False, donate=False, monkeypatch=monkeypatch)
+    ref, ref_metrics = _run(optimizer, flat=False, donate=False)
     for donate in (False, True):
-        got, metrics = _run(optimizer, flat=True, donate=donate, monkeypatch=monkeypatch)
+        got, metrics = _run(optimizer, flat=True, donate=donate)
         _assert_bitwise(got.params, ref.params, (name, donate, "params"))
         _assert_bitwise(got.opt_state, ref.opt_state, (name, donate, "opt_state"))
         _assert_bitwise(metrics, ref_metrics, (name, donate, "metrics"))
@@ -176,13 +175,13 @@ def test_flat_buffers_split_at_the_cpu_cap_keep_the_numbers(name, monkeypatch):
     stand-ins on the parameters' devices). (Planted: the cap applied to ``cuda`` instead of ``cpu``: the buffer
     count fails; the stand-ins grouped on their meta device: the other optimizer is refused.)"""
     optimizer = OPTIMIZERS[name]()
-    ref, ref_metrics = _run(optimizer, flat=False, donate=False, monkeypatch=monkeypatch)
+    ref, ref_metrics = _run(optimizer, flat=False, donate=False)
     monkeypatch.setattr(_flat, "CPU_BUFFER_BYTES", 1)
     built = _flat.layout(_PARAMS, optimizer)
     assert isinstance(built, _flat.Flat) and len(built.groups) == len(_PARAMS), built
     assert "split at 0 MiB on a CPU" in built.describe()
     for donate, other in ((False, None), (True, None), (False, OPTIMIZERS[name]())):
-        got, metrics = _run(optimizer, flat=True, donate=donate, monkeypatch=monkeypatch, step_optimizer=other)
+        got, metrics = _run(optimizer, flat=True, donate=donate, step_optimizer=other)
         assert len({p._base.data_ptr() for p in got.params.values()}) == len(_PARAMS)
         _assert_bitwise(got.params, ref.params, (name, donate, "params"))
         _assert_bitwise(got.opt_state, ref.opt_state, (name, donate, "opt_state"))
@@ -354,14 +353,12 @@ def test_flat_step_under_inductor_is_bitwise_the_leaf_by_leaf_step(monkeypatch):
         batches = [(torch.randn(9, 7, generator=g), torch.randint(0, 5, (9,), generator=g)) for _ in range(3)]
         runs = {}
         for flat in (True, False):
-            with monkeypatch.context() as m:
-                if not flat:
-                    m.setenv("FUNCAMP_FLAT", "off")
+            with storage_kind(flat) as kind:
                 torch._dynamo.reset()
                 state = fa.TrainState.create(
                     {k: v.clone() for k, v in params.items()}, optimizer, loss_scale=fa.DynamicLossScale(2.0**10)
                 )
-                assert state.storage.kind == ("flat" if flat else "per leaf")
+                assert state.storage.kind == kind
                 step = fa.make_train_step(loss, optimizer, donate=True)
                 for batch in batches:
                     state, metrics = step(state, batch)

@@ -41,6 +41,7 @@ import pickle
 
 import pytest
 import torch
+from _storage import storage_kind
 from test_flat import _assert_bitwise
 
 import funcamp as fa
@@ -407,12 +408,10 @@ def test_masks_by_ndim_or_name_decay_alike_everywhere(monkeypatch):
     runs = {}
     for compile in (True, False):
         for flat in (True, False):
-            with monkeypatch.context() as m:
-                if not flat:
-                    m.setenv("FUNCAMP_FLAT", "off")
+            with storage_kind(flat) as kind:
                 optimizer = _masked_everywhere()
                 state = fa.TrainState.create(_params(), optimizer)
-                assert state.storage.kind == ("flat" if flat else "per leaf")
+                assert state.storage.kind == kind
                 if flat:
                     assert len(state.storage.groups) == 4  # {w1}, {w2}, {b1}, {b2, gain}
                 step = _step(optimizer, compile=compile)

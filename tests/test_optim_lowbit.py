@@ -17,6 +17,7 @@ import pickle
 
 import pytest
 import torch
+from _storage import storage_kind
 
 import funcamp as fa
 from funcamp import _tree, checkpoint, optim
@@ -312,12 +313,10 @@ def test_quantized_moments_run_over_flat_buffers_bitwise(monkeypatch):
     batches = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(3)]
     runs = {}
     for flat in (True, False):
-        with monkeypatch.context() as m:
-            if not flat:
-                m.setenv("FUNCAMP_FLAT", "off")
+        with storage_kind(flat) as kind:
             torch._dynamo.reset()
             state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, opt)
-            assert state.storage.kind == ("flat" if flat else "per leaf"), state.storage
+            assert state.storage.kind == kind, state.storage
             step = fa.make_train_step(loss, opt, backend="aot_eager", donate=True)
             for batch in batches:
                 state, _ = step(state, batch)
