@@ -262,7 +262,7 @@ def functionalize(
         ) -> tuple[Any, dict[str, torch.Tensor]]:
             return run(params, buffers, args, kwargs)
 
-        _describe(apply_fn, store, plan, remat_names, scan_report)
+        _describe(apply_fn, store, plan, remat_names, scan_names, scan_report)
         apply_fn.buffer_reductions = buffer_reductions(module, plan.buffers)  # type: ignore[attr-defined]
         return FunctionalWithBuffers(apply_fn, store.params, store.buffers)
 
@@ -271,7 +271,7 @@ def functionalize(
     def apply_fn(params: Mapping[str, torch.Tensor], /, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
         return run(params, constants, args, kwargs)[0]  # the buffers as constants
 
-    _describe(apply_fn, store, plan, remat_names, scan_report)
+    _describe(apply_fn, store, plan, remat_names, scan_names, scan_report)
     return Functional(apply_fn, store.params)
 
 
@@ -409,7 +409,9 @@ def _pushed(uses: _use.Uses, params: Mapping[str, torch.Tensor]) -> Iterator[Non
         uses.pop()
 
 
-def _describe(apply_fn: Any, store: _store.Store, plan: Plan, remat: list[str], scan: Mapping[str, str]) -> None:
+def _describe(
+    apply_fn: Any, store: _store.Store, plan: Plan, remat: list[str], scanned: list[str], scan: Mapping[str, str]
+) -> None:
     """``apply_fn.frozen``, ``.forward_dtypes``, ``.aliases``, ``.scan_report`` (read-only), ``.remat`` and
     ``.scan``."""
     apply_fn.frozen = types.MappingProxyType(store.frozen)
@@ -418,7 +420,7 @@ def _describe(apply_fn: Any, store: _store.Store, plan: Plan, remat: list[str], 
     )
     apply_fn.aliases = types.MappingProxyType(dict(plan.aliases))
     apply_fn.remat = tuple(remat)
-    apply_fn.scan = tuple(name for name, decided in scan.items() if decided.startswith("scanned"))
+    apply_fn.scan = tuple(scanned)
     apply_fn.scan_report = types.MappingProxyType(dict(scan))
 
 

@@ -47,7 +47,7 @@ from funcamp import _scope
 from funcamp.nn import _scan_contract, _use
 from funcamp.nn._plan import Plan
 
-__all__ = ["AUTO_MIN_LAYERS", "ScanLike", "check", "choose", "install", "select"]
+__all__ = ["AUTO_MIN_LAYERS", "Refused", "ScanLike", "check", "choose", "install", "select"]
 
 #: ``scan=``: ``None``, ``"auto"``, or qualified names (fnmatch patterns) of ``ModuleList`` / ``Sequential`` runs.
 ScanLike = str | Sequence[str] | None
@@ -101,6 +101,14 @@ def select(module: nn.Module, scan: ScanLike) -> list[str]:
     return [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
 
 
+class Refused(ValueError):
+    """:func:`check`'s refusal of the run ``name``, for the reason ``why`` (``scan="auto"`` reports ``why``)."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"functionalize: scan={name!r} cannot stack this run: {why}")
+        self.why = why
+
+
 def _runs(module: nn.Module) -> list[str]:
     """The outermost ``ModuleList`` / ``Sequential`` runs of two or more modules of one class, with parameters:
     ``"auto"``'s candidates."""
@@ -121,7 +129,7 @@ def choose(module: nn.Module, scan: ScanLike, check_run: Callable[[str], None]) 
     becomes the reason it is not.
 
     Raises:
-      TypeError, ValueError: from :func:`select` and ``check_run`` for named runs.
+      TypeError, ValueError: from :func:`select`, and ``check_run``'s :class:`Refused`, for named runs.
     """
     names = select(module, scan)
     report: dict[str, str] = {}
@@ -134,8 +142,8 @@ def choose(module: nn.Module, scan: ScanLike, check_run: Callable[[str], None]) 
             continue
         try:
             check_run(name)
-        except ValueError as e:
-            report[name] = f"unrolled: {str(e).split(': ', 2)[-1]}"
+        except Refused as e:
+            report[name] = f"unrolled: {e.why}"
             continue
         why = rule(module, name)
         if why is None:
@@ -186,7 +194,7 @@ def check(
     layers = list(run._modules.items())
 
     def refuse(why: str) -> None:
-        raise ValueError(f"functionalize: scan={name!r} cannot stack this run: {why}")
+        raise Refused(name, why)
 
     if type(run) not in (nn.ModuleList, nn.Sequential):
         overridden = type(run).__iter__ is not nn.ModuleList.__iter__ if isinstance(run, nn.ModuleList) else True
