@@ -262,14 +262,13 @@ class Flat:
     def holds_buffers(self, tree: dict[str, Any]) -> bool:
         """Whether ``tree`` is one buffer of this storage's size per group, by group key (in group order)."""
         return list(tree) == [g.key for g in self.groups] and all(
-            isinstance(b, torch.Tensor) and b.ndim == 1 and b.shape[0] == g.numel
-            for g, b in zip(self.groups, tree.values(), strict=True)
+            _fills(g, b) for g, b in zip(self.groups, tree.values(), strict=True)
         )
 
     def member_views(self, key: str, buffer: torch.Tensor) -> list[torch.Tensor] | None:
         """The members' views of ``buffer`` if ``key`` is one of this storage's groups and ``buffer`` its size."""
         g = next((g for g in self.groups if g.key == key), None)
-        if g is None or buffer.ndim != 1 or buffer.shape[0] != g.numel:
+        if g is None or not _fills(g, buffer):
             return None
         return [buffer.narrow(0, off, self.numels[i]) for i, off in zip(g.members, g.offsets, strict=True)]
 
@@ -446,6 +445,11 @@ class _Trees:
 
     params: Any
     opt_state: Any
+
+
+def _fills(group: Any, buffer: Any) -> bool:
+    """Whether ``buffer`` is a 1-d tensor of ``group``'s size: its buffer, or one shaped like it."""
+    return isinstance(buffer, torch.Tensor) and buffer.ndim == 1 and buffer.shape[0] == group.numel
 
 
 class _MemberNorms:
