@@ -154,7 +154,7 @@ def test_the_plan_lists_a_few_buffers_and_sums_up_many(monkeypatch):
     built = _flat.layout({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, optimizer)
     one = built.describe()  # a buffer's elements count its padding
     assert one == f"flat: 2 parameters in 1 buffer: torch.float32 x 2 ({built.groups[0].numel})", one
-    monkeypatch.setattr(_flat, "CPU_BUFFER_BYTES", 1)  # one buffer per parameter
+    monkeypatch.setattr(_flat, "BUFFER_BYTES", 1)  # one buffer per parameter
     params = {f"w{i}": torch.zeros(100 * (i + 1), 3) for i in range(_flat._LISTED + 1)}
     built = _flat.layout(params, optimizer)
     sizes = [g.numel for g in built.groups]
@@ -167,25 +167,41 @@ def test_the_plan_lists_a_few_buffers_and_sums_up_many(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["clip_adamw_mask_schedule", "labels_sgd_nesterov_lion", "kahan_adam"])
-def test_flat_buffers_split_at_the_cpu_cap_keep_the_numbers(name, monkeypatch):
-    """On a CPU no buffer holds more than ``CPU_BUFFER_BYTES`` of parameters unless one parameter does (glibc
-    recycles blocks under its mmap threshold: docs/memory.md): with the cap at one byte each parameter has its own
-    buffer, the plan says so, and pure and donating steps stay bitwise the leaf-by-leaf step's, also with a step
-    built from another optimizer object of the same configuration (admitted by laying out the state's meta
-    stand-ins on the parameters' devices). (Planted: the cap applied to ``cuda`` instead of ``cpu``: the buffer
-    count fails; the stand-ins grouped on their meta device: the other optimizer is refused.)"""
+def test_flat_buffers_split_at_the_cap_keep_the_numbers(name, monkeypatch):
+    """No buffer holds more than ``BUFFER_BYTES`` of parameters unless one parameter does (the memory a step adds
+    and glibc's mmap threshold: docs/memory.md): with the cap at one byte each parameter has its own buffer, the
+    plan says so, and pure and donating steps stay bitwise the leaf-by-leaf step's, also with a step built from
+    another optimizer object of the same configuration (admitted by laying out the state's meta stand-ins on the
+    parameters' devices). (Planted: the cap applied to ``cuda`` only: the buffer count fails; the stand-ins
+    grouped on their meta device: the other optimizer is refused.)"""
     optimizer = OPTIMIZERS[name]()
     ref, ref_metrics = _run(optimizer, flat=False, donate=False)
-    monkeypatch.setattr(_flat, "CPU_BUFFER_BYTES", 1)
+    monkeypatch.setattr(_flat, "BUFFER_BYTES", 1)
     built = _flat.layout(_PARAMS, optimizer)
     assert isinstance(built, _flat.Flat) and len(built.groups) == len(_PARAMS), built
-    assert "split at 0 MiB on a CPU" in built.describe()
+    assert "split at 0 MiB)" in built.describe()
     for donate, other in ((False, None), (True, None), (False, OPTIMIZERS[name]())):
         got, metrics = _run(optimizer, flat=True, donate=donate, step_optimizer=other)
         assert len({p._base.data_ptr() for p in got.params.values()}) == len(_PARAMS)
         _assert_bitwise(got.params, ref.params, (name, donate, "params"))
         _assert_bitwise(got.opt_state, ref.opt_state, (name, donate, "opt_state"))
         _assert_bitwise(metrics, ref_metrics, (name, donate, "metrics"))
+
+
+def test_buffers_split_at_the_cap_on_every_device():
+    """The cap holds on every device, not only a CPU's (where glibc's mmap threshold asked for it first): a step
+    over one buffer may hold each member's gradient beside the buffer (inductor's peak-memory reordering), so the
+    cap bounds what a flat step adds over the per-leaf step on a GPU too. Laid out on the meta device, 40 MiB of
+    float32 parameters in 8 MiB buffers, a 16 MiB weight alone in its own. (Planted: the cap on a CPU only: one
+    buffer.)"""
+    params = {f"w{i}": torch.empty(1 << 20, device="meta") for i in range(6)}  # 4 MiB each
+    params["big"] = torch.empty(4 << 20, device="meta")  # 16 MiB
+    params["tail"] = torch.empty(1 << 20, device="meta")
+    built = _flat.layout(params, optim.sgd(0.1))
+    assert isinstance(built, _flat.Flat), built
+    assert [len(g.members) for g in built.groups] == [1, 2, 2, 2, 1], built.groups  # leaf order: big, tail, w0..
+    assert all(g.numel * 4 <= _flat.BUFFER_BYTES or len(g.members) == 1 for g in built.groups)
+    assert "5 buffers (split at 8 MiB)" in built.describe(), built.describe()
 
 
 def test_flat_state_is_views_of_one_buffer_and_calls_copy_nothing(monkeypatch, tmp_path):

@@ -20,15 +20,17 @@ cast is fused into the update that reads it. The values the update reads are the
 elements; a cast is elementwise).
 
 Memory: the finite check and the norms read each member's view of the buffer
-(:meth:`funcamp.train._flat.Flat.gradients`), so a gradient is read only on its way into the buffer. Where a group
+(:meth:`funcamp.train._flat.Flat.gradients`), so a gradient is read only on its way into the buffer. Where a buffer
 holds many parameters, inductor's peak-memory reordering (``torch._inductor.config.reorder_for_peak_memory``) may
-still schedule the writes after the last gradient: its estimate of the step's peak sits in the update, where both
-orders tie (8 x Linear(2048, 2048) in one buffer: 469,991,466 bytes as placed here, 469,991,465 reordered), so the
-gradients of a buffer's members live beside it until then. That probe, compiled and donating with AdamW, adds
-128.3 MB over the state at rest in one buffer per group (80.5 MB with the reordering off, which costs remat most of
-its saving: GPT small 33.0 -> 77.4 MB, so it stays on), against 64.1 MB leaf by leaf and 136.1 MB for torch's
-compiled in-place AdamW; on a CPU, where each of those weights is a buffer of its own
-(``funcamp.train._flat.CPU_BUFFER_BYTES``), 64.1 MB.
+still schedule the writes after the last gradient: it counts the update's fused intermediates as allocations
+(the new values a donating step writes straight into its inputs), so its estimate of the step's peak sits in the
+update, where both orders tie (8 x Linear(2048, 2048) in one buffer: 469,991,466 bytes as placed here, 469,991,465
+reordered: a 1-byte scalar computed after the update), and the gradients of a buffer's members live beside it
+until then. That probe, compiled and donating with AdamW, adds 128.3 MB over the state at rest in one buffer per
+group (80.5 MB with the reordering off, which costs remat most of its saving: GPT small 33.0 -> 77.4 MB, so it stays
+on), against 64.1 MB leaf by leaf and 136.1 MB for torch's compiled in-place AdamW. So no buffer holds more than
+``funcamp.train._flat.BUFFER_BYTES`` (8 MiB) of parameters, on every device: each of those weights is a buffer of
+its own, 64.1 MB, and whatever the order a step holds at most one buffer's gradients more than leaf by leaf.
 """
 
 from __future__ import annotations

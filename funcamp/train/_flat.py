@@ -61,7 +61,7 @@ class Group(NamedTuple):
     members: tuple[int, ...]  # parameter leaf indices
     offsets: tuple[int, ...]  # each member's first element in the buffer (aligned to ALIGN_BYTES)
     numel: int  # the buffer's length, padding included
-    split: bool = False  # one of several buffers of the same device, dtype and mask values (CPU_BUFFER_BYTES)
+    split: bool = False  # one of several buffers of the same device, dtype and mask values (BUFFER_BYTES)
 
 
 @_tree.dataclass
@@ -173,7 +173,7 @@ class Flat:
                 f"({min(g.numel for g in gs):,} to {max(g.numel for g in gs):,} each)"
                 for dtype, gs in by_dtype.items()
             )
-        cap = f" (split at {CPU_BUFFER_BYTES >> 20} MiB on a CPU)" if any(g.split for g in self.groups) else ""
+        cap = f" (split at {BUFFER_BYTES >> 20} MiB)" if any(g.split for g in self.groups) else ""
         n = len(self.groups)
         return f"flat: {len(self.shapes)} parameters in {n} buffer{'s' if n != 1 else ''}{cap}: {sizes}"
 
@@ -609,22 +609,28 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
     return Flat(params, groups, replay, state_map, optimizer)
 
 
-#: On a CPU no flat buffer holds more than this many bytes of parameters, unless one parameter alone does: glibc's
-#: ``malloc`` serves a block over its mmap threshold (at most 32 MiB) with a fresh ``mmap`` and unmaps it when freed,
-#: so an undonated step's new state in larger buffers page-faults on every step (GPT-2 124M, 4 x 256, bfloat16: 148
-#: parameters in 1 buffer, the undonated step 1.19x torch.amp's; in 62 buffers of at most 8 MiB, 1.09x; the donated
-#: step 0.96x and 0.99x; docs/memory.md). On other devices, whose allocators keep freed blocks, a group is one buffer.
-CPU_BUFFER_BYTES = 8 << 20
+#: No flat buffer holds more than this many bytes of parameters, unless one parameter alone does; larger groups are
+#: split in leaf order. Two reasons, measured on a CPU. Memory: inductor's peak-memory reordering
+#: (``torch._inductor.config.reorder_for_peak_memory``) counts the update's fused intermediates as allocations, so its
+#: estimate of the step's peak sits in the update whatever the backward's order, and it may schedule a buffer's
+#: gradient writes after the buffer's last gradient: the members' gradients then live beside the buffer, a step adds
+#: up to one buffer's gradients more than the per-leaf step (8 x ``Linear(2048, 2048)``, AdamW, bf16, compiled and
+#: donating: 128.3 MB in one buffer, 64.1 MB split and per leaf; :mod:`funcamp.passes.flat_gradients`), on any device.
+#: Time on a CPU: glibc's ``malloc`` serves a block over its mmap threshold (at most 32 MiB) with a fresh ``mmap`` and
+#: unmaps it when freed, so an undonated step's new state in larger buffers page-faults on every step (GPT-2 124M,
+#: 4 x 256, bfloat16: 148 parameters in 1 buffer, the undonated step 1.19x torch.amp's; in 62 buffers of at most
+#: 8 MiB, 1.09x; the donated step 0.96x and 0.99x; docs/memory.md).
+BUFFER_BYTES = 8 << 20
 
-#: The plan lists each buffer up to this many; past it, a summary per dtype (GPT-2 124M has 62 on a CPU).
+#: The plan lists each buffer up to this many; past it, a summary per dtype (GPT-2 124M has 62).
 _LISTED = 8
 
 
 def _groups(
     leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Recording, devices: list[torch.device]
 ) -> list[Group]:
-    """The parameters grouped by device, dtype and the values every mask gave them, in leaf order; on a CPU each
-    group split, in leaf order, into buffers of at most :data:`CPU_BUFFER_BYTES`."""
+    """The parameters grouped by device, dtype and the values every mask gave them, in leaf order; each group
+    split, in leaf order, into buffers of at most :data:`BUFFER_BYTES`."""
     keyed: dict[Any, list[int]] = {}
     for i, (x, name, device) in enumerate(zip(leaves, names, devices, strict=True)):
         values = tuple(record.values[id(spec)].get(name, _ABSENT) for spec in record.specs)
@@ -634,7 +640,7 @@ def _groups(
         parts, size = [[]], 0
         for i in members:
             nbytes = leaves[i].numel() * key[1].itemsize
-            if key[0].type == "cpu" and parts[-1] and size + nbytes > CPU_BUFFER_BYTES:
+            if parts[-1] and size + nbytes > BUFFER_BYTES:
                 parts.append([])
                 size = 0
             parts[-1].append(i)
