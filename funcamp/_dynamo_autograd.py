@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +34,9 @@ import torch
 
 from funcamp.grad import _autograd_route
 
-__all__ = ["compile", "function_note", "route"]
+__all__ = ["compile", "function_note", "probe_cpu_isas", "route", "wait_for_cpu_isa_probe"]
+
+_log = logging.getLogger("funcamp.train")
 
 #: The compiled step's route (:data:`funcamp.grad._Route`): ``torch.autograd.grad`` on detached inputs.
 route = _autograd_route
@@ -57,6 +61,8 @@ def compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """
     backend = options.pop("backend", "inductor")
     inductor = options.pop("options", None)
+    if backend == "inductor":
+        probe_cpu_isas()
     compiled = torch.compile(_own_frame(fn), backend=_aliasing_aware(backend, inductor), **options)
 
     @functools.wraps(fn)
@@ -68,6 +74,42 @@ def compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
             return compiled(*args, **kwargs)
 
     return call
+
+
+@functools.cache
+def probe_cpu_isas() -> threading.Thread | None:
+    """Start inductor's probe of this CPU's vector instruction sets in a thread, once per process; the thread.
+
+    Before inductor generates its first CPU kernel in a process, it compiles and loads one small C++ program per
+    instruction set the CPU reports (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``: AVX2, AVX-512, AMX, ...),
+    one after the other on the thread that compiles: 8.5 s of the main job's first step on the 2-core Xeon with a
+    cold inductor cache (10 builds of 0.7 s and their loads; about 1.5 s with the programs cached on disk). The
+    probe waits on the C++ compiler, not on Python, so here it runs while Dynamo, AOTAutograd and inductor's
+    lowering trace the step (about 8 s for the main job); inductor then finds the answer cached. Where inductor
+    asks first, both ask: each program is built once (inductor locks it), and the answer is the same. Nothing
+    is started where the list is cached already; a failure in the thread is logged at DEBUG and inductor
+    probes again itself. Differs from ``torch.compile``, which probes when its first kernel needs it.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+        return None
+
+    def probe() -> None:
+        try:
+            cpu_vec_isa.valid_vec_isa_list()
+        except Exception:  # noqa: BLE001 - inductor probes again on its own thread and reports there
+            _log.debug("funcamp: the background probe of the CPU's vector instruction sets failed", exc_info=True)
+
+    thread = threading.Thread(target=probe, name="funcamp-cpu-isa-probe", daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for_cpu_isa_probe() -> None:
+    """Wait for the probe :func:`probe_cpu_isas` started, if it did (its compiler would load a timing)."""
+    if probe_cpu_isas.cache_info().currsize and (thread := probe_cpu_isas()) is not None:
+        thread.join()
 
 
 def _aliasing_aware(backend: Any, inductor_options: dict[str, Any] | None) -> Callable[..., Any]:

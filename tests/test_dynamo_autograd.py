@@ -127,3 +127,44 @@ def test_trace_autograd_ops_is_on_only_while_a_compiled_step_traces(sweep):
     assert all(c["trace_autograd_ops"] for _, recorder, _, _ in sweep for c in recorder.compiles)
     assert TRACE_AUTOGRAD_OPS is False
     assert torch._dynamo.config.trace_autograd_ops is False
+
+
+def test_an_inductor_step_probes_the_cpus_instruction_sets_in_a_thread(monkeypatch):
+    """Building a step for inductor starts inductor's probe of the CPU's vector instruction sets on a thread of
+    its own (8.5 s of the main job's first step on a cold cache, run while Dynamo traces), once per process;
+    another backend starts nothing, and a probe already answered is not started again. (Planted: the call in
+    ``compile`` removed: nothing runs on the thread.)"""
+    import functools
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
+    from funcamp import _dynamo_autograd
+
+    ran_on: list[str] = []
+
+    @functools.cache
+    def fake_probe() -> list:
+        ran_on.append(threading.current_thread().name)
+        return []
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", fake_probe)
+    _dynamo_autograd.probe_cpu_isas.cache_clear()
+    try:
+        model = nn.Linear(3, 2)
+        apply, params = fa.nn.functionalize(model, "params=float32,compute=float32,output=float32")
+
+        def loss_fn(p, batch):
+            return apply(p, batch).square().mean()
+
+        fa.make_train_step(loss_fn, optim.sgd(0.1), backend="aot_eager")
+        assert not _dynamo_autograd.probe_cpu_isas.cache_info().currsize and ran_on == []
+        fa.make_train_step(loss_fn, optim.sgd(0.1))  # inductor: built, never called
+        _dynamo_autograd.wait_for_cpu_isa_probe()
+        assert ran_on == ["funcamp-cpu-isa-probe"], ran_on
+        fa.make_train_step(loss_fn, optim.sgd(0.1))
+        assert ran_on == ["funcamp-cpu-isa-probe"], ran_on  # once per process
+        _dynamo_autograd.probe_cpu_isas.cache_clear()
+        assert _dynamo_autograd.probe_cpu_isas() is None  # answered already (cached): nothing started
+    finally:
+        _dynamo_autograd.probe_cpu_isas.cache_clear()

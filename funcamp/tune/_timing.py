@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from funcamp._dynamo_autograd import wait_for_cpu_isa_probe
 from funcamp.tune._keys import label
 
 
@@ -30,6 +31,7 @@ def median_seconds(fn: Callable[[], Any], *, min_run_time: float = 0.1) -> float
     """
     from torch.utils.benchmark import Timer
 
+    wait_for_cpu_isa_probe()  # a compiled step built before this may have started the compiler in a thread
     timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     return float(timer.blocked_autorange(min_run_time=min_run_time).median)
 
@@ -114,6 +116,7 @@ def time_steps(
             )
         fn.dtype = dtype  # type: ignore[attr-defined]  # for a timer that wants to know (tests)
         runs[dtype] = fn
+    wait_for_cpu_isa_probe()  # the candidates' compiles may have started the compiler in a thread
     samples: dict[torch.dtype, list[float]] = {dtype: [] for dtype in runs}
     order = list(runs)
     for r in range(rounds):
