@@ -188,6 +188,59 @@ def test_flat_buffers_split_at_the_cap_keep_the_numbers(name, monkeypatch):
         _assert_bitwise(metrics, ref_metrics, (name, donate, "metrics"))
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_flags_and_norm_read_from_the_buffers_are_the_leaf_by_leaf_ones(backend):
+    """A flat step's check reads the largest magnitude once per buffer and each member's finite flag from its
+    scaled norm (funcamp._tree.scaled_norms_within); the verdict must be the per-leaf one bit for bit: a member
+    with an infinity or a NaN among finite ones (the first bad member's index, the skip), huge and tiny members
+    beside each other (one scale for all), an empty member, and a clip that acts. (Planted: the flags read as
+    ``isfinite`` of the members' norms before scaling: the huge member overflows, a finite step is skipped.)"""
+    g = torch.Generator().manual_seed(3)
+    params = {"a": torch.randn(4, 4, generator=g), "b": torch.randn(8, generator=g) / 1e3}
+    params["c"] = torch.randn(3, generator=g)  # b small: the huge step's loss stays finite
+    params["empty"] = torch.zeros(0)
+
+    def loss(p, batch):
+        x, y, z = batch
+        return (x @ p["a"]).square().mean() + (p["b"] * y).sum() + (p["c"] * z).sum() + p["empty"].sum()
+
+    def batch(y=None, z=None, scale_y=1.0, scale_z=1.0):
+        x = torch.randn(5, 4, generator=g)
+        y = torch.randn(8, generator=g) * scale_y if y is None else y
+        z = torch.randn(3, generator=g) * scale_z if z is None else z
+        return x, y, z
+
+    inf_y = torch.ones(8)
+    inf_y[3] = float("inf")
+    nan_z = torch.ones(3)
+    nan_z[1] = float("nan")
+    batches = [
+        batch(),
+        batch(y=inf_y),  # b non-finite
+        batch(z=nan_z),  # c non-finite
+        batch(y=inf_y, z=nan_z),  # both: the first is b
+        batch(y=torch.full((8,), 3e38), scale_z=1e-30),  # huge and tiny gradients, finite (the norm is not)
+        batch(scale_y=1e-38),
+    ]
+    optimizer = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(1e-3))
+    out = {}
+    for flat in (True, False):
+        torch._dynamo.reset()
+        with storage_kind(flat) as kind:
+            state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+            assert state.storage.kind == kind
+            step = fa.make_train_step(loss, optimizer, backend=backend)
+            metrics = []
+            for b in batches:
+                state, m = step(state, b)
+                metrics.append(_tree.tree_map(torch.clone, m))
+        out[flat] = (state, metrics)
+    assert [int(m["nonfinite_leaf"]) for m in out[True][1]] == [-1, 1, 2, 1, -1, -1]
+    assert [bool(m["grads_finite"]) for m in out[True][1]] == [True, False, False, False, True, True]
+    _assert_bitwise(out[True][1], out[False][1], "metrics")
+    _assert_bitwise(out[True][0].params, out[False][0].params, "params")
+
+
 def test_buffers_split_at_the_cap_on_every_device():
     """The cap holds on every device, not only a CPU's (where glibc's mmap threshold asked for it first): a step
     over one buffer may hold each member's gradient beside the buffer (inductor's peak-memory reordering), so the

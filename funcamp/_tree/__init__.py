@@ -24,6 +24,7 @@ from funcamp._tree._numerics import (
     norm_dtype,
     norm_of_scaled,
     scaled_global_norm,
+    scaled_norms_within,
     select_tree,
     widened,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "rebuilder",
     "same_structure",
     "scaled_global_norm",
+    "scaled_norms_within",
     "select_tree",
     "tree_bytes",
     "tree_device",

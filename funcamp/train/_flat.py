@@ -236,6 +236,15 @@ class Flat:
                 out[g.key] = torch.cat(parts)
         return out
 
+    def check(self, stage: Any, grads: Any, loss: torch.Tensor, layout: Any) -> Any:
+        """The finite check (``stage``, :mod:`funcamp.train._stages`') of the gradients :meth:`gradients` made:
+        ``stage(views, loss, layout)`` over the members' views (:meth:`tree`), the layout's largest magnitude read
+        from the buffers (:class:`_MemberNorms`); ``stage(grads, loss, layout)`` for per-leaf gradients (eager)."""
+        if not isinstance(grads, FlatParams):
+            return stage(grads, loss, layout)
+        views = self.tree(grads)
+        return stage(views, loss, _MemberNorms(layout, self, (views, grads.buffers)))
+
     def update(
         self,
         stage: Any,
@@ -453,20 +462,41 @@ def _fills(group: Any, buffer: Any) -> bool:
 
 
 class _MemberNorms:
-    """The step's process layout as the optimizer sees it over flat buffers: a global norm of buffers of this
-    storage is taken over their members' views, bitwise the per-leaf norm (padding excluded); everything else is
-    the layout's."""
+    """The step's process layout as the check and the optimizer see it over flat buffers: the global norm of this
+    storage's buffers (the updates a clip sees) or of the members' views the check was handed is taken member by
+    member, in tree order, bitwise the per-leaf norm, its largest magnitude read from the buffers (one reduction
+    per buffer, not one per member: :func:`funcamp._tree.scaled_norms_within`), and each member's finite flag is
+    read from its norm; the check's and a clip's norm are one expression that the ``cse`` graph pass computes
+    once. Everything else is the layout's."""
 
-    def __init__(self, layout: Any, storage: Flat) -> None:
-        self._layout, self._storage = layout, storage
+    def __init__(self, layout: Any, storage: Flat, checked: tuple[Any, dict[str, torch.Tensor]] | None = None) -> None:
+        self._layout, self._storage, self._checked = layout, storage, checked
+
+    def _within(self, buffers: dict[str, torch.Tensor]) -> Any:
+        views = [v for v in self._storage._views(buffers)]
+        return views, _tree.scaled_norms_within(views, list(buffers.values()))
+
+    def stats(self, grads: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layout's ``(finite, flags, grad_norm)``; for the views :meth:`Flat.check` made, a flag per member
+        (``isfinite`` of its scaled norm: exactly whether each element is finite) and the norm from the buffers."""
+        if self._checked is None or grads is not self._checked[0] or not hasattr(self._layout, "agree"):
+            return self._layout.stats(grads, loss)
+        views, within = self._within(self._checked[1])
+        if within is None:
+            return self._layout.stats(grads, loss)
+        norms, t, s = within
+        ones = torch.ones((), dtype=torch.bool, device=t.device)
+        flags = torch.stack([ones if n is None else torch.isfinite(n) for n in norms])
+        return self._layout.agree(flags.all() & torch.isfinite(loss)), flags, _tree.norm_of_scaled(t, s)
 
     def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
         """``(t, s)`` of :func:`funcamp._tree.scaled_global_norm` over the members of each buffer: for a tree of
         this storage's buffers (the updates a clip sees), the parameters' views in tree order, as the finite check
-        takes its norm of the gradients (:meth:`Flat.tree`), so that both are one expression that the ``cse``
+        takes its norm of the gradients (:meth:`Flat.check`), so that both are one expression that the ``cse``
         graph pass computes once, and the norm is the per-leaf step's bit for bit."""
         if isinstance(tree, dict) and self._storage.holds_buffers(tree):
-            return self._layout.scaled_global_norm(self._storage._views(tree), fn)
+            views, within = self._within(tree)
+            return self._layout.scaled_global_norm(views, fn) if within is None else within[1:]
         views: list[torch.Tensor] = []
         for key, leaf in zip(_tree.tree_paths(tree), _tree.tree_leaves(tree), strict=True):
             members = (

@@ -129,9 +129,10 @@ class SingleProcess:
         leaf (1-d bool, tree order), the global L2 norm (:func:`funcamp.global_norm`)."""
         flags = _tree.finite_flags(grads)
         norm = _tree.norm_of_scaled(*self.scaled_global_norm(grads))
-        return self._agree(flags.all() & torch.isfinite(loss)), flags, norm
+        return self.agree(flags.all() & torch.isfinite(loss)), flags, norm
 
-    def _agree(self, finite: torch.Tensor) -> torch.Tensor:
+    def agree(self, finite: torch.Tensor) -> torch.Tensor:
+        """``finite`` as every process agrees on it (one process: as it is)."""
         return finite
 
     def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +209,8 @@ class DataParallel(SingleProcess):
         """The mean of the floating tensor ``x`` over the ranks (one ``all_reduce``)."""
         return parallel.mean_over_ranks(x, self.group)
 
-    def _agree(self, finite: torch.Tensor) -> torch.Tensor:
+    def agree(self, finite: torch.Tensor) -> torch.Tensor:
+        """``finite`` and every other rank's (one ``all_reduce``)."""
         return parallel.all_ranks_true(finite, self.group)
 
     def reduce_buffers(self, buffers: Any, reductions: Any = None) -> Any:

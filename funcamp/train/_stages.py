@@ -359,7 +359,7 @@ def run(
     # Flat (compiled): the gradients written into their buffers once; the check reads each member's view of them.
     # The record keeps the per-leaf gradients: probes may hand them to torch.cond, whose operands must not alias.
     grads = storage.gradients(per_leaf, state.params)
-    verdict = check(storage.tree(grads), g.loss, layout)
+    verdict = storage.check(check, grads, g.loss, layout)
     new_params, new_opt_state, updates = storage.update(
         _update, optimizer, grads, state.opt_state, state.params, layout, verdict.finite
     )

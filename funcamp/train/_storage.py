@@ -34,8 +34,8 @@ class ParamStorage(Protocol):
     """How a state holds its parameters and optimizer state; what the stages ask of it.
 
     Inside the step (traced): :meth:`tree` (the parameter tree the loss sees), :meth:`gradients` (the gradients as
-    the update reads them: flat, one buffer per group, whose members' views the finite check reads) and
-    :meth:`update` (the optimizer stage over the storage). On the host: :meth:`lay_out` (a new state's tensors
+    the update reads them: flat, one buffer per group, whose members' views the finite check reads), :meth:`check`
+    (the finite check over the storage) and :meth:`update` (the optimizer stage over the storage). On the host: :meth:`lay_out` (a new state's tensors
     placed in the storage), :meth:`admit` (a step's optimizer checked against the one the storage was laid out
     for), :meth:`adopt` (tensors given to a state in other memory, copied into its storage: a loaded or replaced
     state), :meth:`enter` (the state as the compiled step takes it) and :meth:`leave` (the compiled step's result
@@ -49,6 +49,7 @@ class ParamStorage(Protocol):
     def tree(self, params: Any) -> Any: ...
     def held(self, params: Any) -> tuple[Any, Callable[[Any], Any]]: ...
     def gradients(self, grads: Any, params: Any) -> Any: ...
+    def check(self, stage: Callable[..., Any], grads: Any, loss: Any, layout: Any) -> Any: ...
     def update(
         self,
         stage: Callable[..., tuple[Any, Any]],
@@ -105,6 +106,10 @@ class PerLeaf:
         """The gradients as the update reads them: ``grads`` as they are."""
         del params
         return grads
+
+    def check(self, stage: Callable[..., Any], grads: Any, loss: Any, layout: Any) -> Any:
+        """The finite check (``stage``, :mod:`funcamp.train._stages`'): ``stage(grads, loss, layout)``."""
+        return stage(grads, loss, layout)
 
     def update(
         self,
