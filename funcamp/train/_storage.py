@@ -35,12 +35,12 @@ class ParamStorage(Protocol):
 
     Inside the step (traced): :meth:`tree` (the parameter tree the loss sees), :meth:`gradients` (the gradients as
     the update reads them: flat, one buffer per group, whose members' views the finite check reads), :meth:`check`
-    (the finite check over the storage) and :meth:`update` (the optimizer stage over the storage). On the host: :meth:`lay_out` (a new state's tensors
-    placed in the storage), :meth:`admit` (a step's optimizer checked against the one the storage was laid out
-    for), :meth:`adopt` (tensors given to a state in other memory, copied into its storage: a loaded or replaced
-    state), :meth:`enter` (the state as the compiled step takes it) and :meth:`leave` (the compiled step's result
-    as the user sees it). ``kind`` names it (``"per leaf"``, ``"flat"``); ``reason``, for a per-leaf storage
-    chosen where flat buffers were asked for, why.
+    (the finite check over the storage) and :meth:`update` (the optimizer stage over the storage). On the host:
+    :meth:`lay_out` (a new state's tensors placed in the storage), :meth:`admit` (a step's optimizer checked
+    against the one the storage was laid out for), :meth:`adopt` (tensors given to a state in other memory, copied
+    into its storage: a loaded or replaced state), :meth:`enter` (the state as the compiled step takes it) and
+    :meth:`leave` (the compiled step's result as the user sees it). ``kind`` names it (``"per leaf"``,
+    ``"flat"``); ``reason``, for a per-leaf storage chosen where flat buffers were asked for, why.
     """
 
     kind: str
