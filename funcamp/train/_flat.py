@@ -242,8 +242,9 @@ class Flat:
         from the buffers (:class:`_MemberNorms`); ``stage(grads, loss, layout)`` for per-leaf gradients (eager)."""
         if not isinstance(grads, FlatParams):
             return stage(grads, loss, layout)
-        views = self.tree(grads)
-        return stage(views, loss, _MemberNorms(layout, self, (views, grads.buffers)))
+        leaves = self._views(grads.buffers)
+        views = self._rebuild(leaves)
+        return stage(views, loss, _MemberNorms(layout, self, (views, leaves, grads.buffers)))
 
     def update(
         self,
@@ -469,19 +470,19 @@ class _MemberNorms:
     read from its norm; the check's and a clip's norm are one expression that the ``cse`` graph pass computes
     once. Everything else is the layout's."""
 
-    def __init__(self, layout: Any, storage: Flat, checked: tuple[Any, dict[str, torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self, layout: Any, storage: Flat, checked: tuple[Any, list[Any], dict[str, Any]] | None = None
+    ) -> None:
+        # checked: the views tree the check is handed, its leaves (tree order) and the gradient buffers
         self._layout, self._storage, self._checked = layout, storage, checked
-
-    def _within(self, buffers: dict[str, torch.Tensor]) -> Any:
-        views = [v for v in self._storage._views(buffers)]
-        return views, _tree.scaled_norms_within(views, list(buffers.values()))
 
     def stats(self, grads: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layout's ``(finite, flags, grad_norm)``; for the views :meth:`Flat.check` made, a flag per member
         (``isfinite`` of its scaled norm: exactly whether each element is finite) and the norm from the buffers."""
         if self._checked is None or grads is not self._checked[0] or not hasattr(self._layout, "agree"):
             return self._layout.stats(grads, loss)
-        views, within = self._within(self._checked[1])
+        _, leaves, buffers = self._checked
+        within = _tree.scaled_norms_within(leaves, list(buffers.values()))
         if within is None:
             return self._layout.stats(grads, loss)
         norms, t, s = within
@@ -495,7 +496,8 @@ class _MemberNorms:
         takes its norm of the gradients (:meth:`Flat.check`), so that both are one expression that the ``cse``
         graph pass computes once, and the norm is the per-leaf step's bit for bit."""
         if isinstance(tree, dict) and self._storage.holds_buffers(tree):
-            views, within = self._within(tree)
+            views = self._storage._views(tree)
+            within = _tree.scaled_norms_within(views, list(tree.values()))
             return self._layout.scaled_global_norm(views, fn) if within is None else within[1:]
         views: list[torch.Tensor] = []
         for key, leaf in zip(_tree.tree_paths(tree), _tree.tree_leaves(tree), strict=True):
