@@ -55,18 +55,20 @@ def compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """``torch.compile(fn, **options)``, traced with ``torch._dynamo.config.trace_autograd_ops`` on.
 
     The setting is patched around each call (a retrace after a guard failure sees it too) and restored after;
-    the calls that do not trace pay one context manager. ``fn`` is compiled as a frame of its own
+    the calls that do not trace pay one context manager. For inductor, the first call starts
+    :func:`probe_cpu_isas`. ``fn`` is compiled as a frame of its own
     (:func:`_own_frame`): building it again in the same process compiles it afresh, never as a recompile of an
     earlier build. Same arguments and errors as ``torch.compile``.
     """
     backend = options.pop("backend", "inductor")
     inductor = options.pop("options", None)
-    if backend == "inductor":
-        probe_cpu_isas()
     compiled = torch.compile(_own_frame(fn), backend=_aliasing_aware(backend, inductor), **options)
+    probe = backend == "inductor"
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if probe:
+            probe_cpu_isas()  # at the first call, once per process: after a compile cache has put its programs
         with (
             torch._dynamo.config.patch(trace_autograd_ops=True),
             torch._functorch.config.patch(**_AS_TORCH_FUNC),
@@ -84,11 +86,15 @@ def probe_cpu_isas() -> threading.Thread | None:
     instruction set the CPU reports (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``: AVX2, AVX-512, AMX, ...),
     one after the other on the thread that compiles: 8.5 s of the main job's first step on the 2-core Xeon with a
     cold inductor cache (10 builds of 0.7 s and their loads; about 1.5 s with the programs cached on disk). The
-    probe waits on the C++ compiler, not on Python, so here it runs while Dynamo, AOTAutograd and inductor's
-    lowering trace the step (about 8 s for the main job); inductor then finds the answer cached. Where inductor
-    asks first, both ask: each program is built once (inductor locks it), and the answer is the same. Nothing
-    is started where the list is cached already; a failure in the thread is logged at DEBUG and inductor
-    probes again itself. Differs from ``torch.compile``, which probes when its first kernel needs it.
+    probe waits on the C++ compiler, not on Python, so here it runs while Dynamo and AOTAutograd trace the
+    step; inductor's code generation waits for it (:func:`_after_probe`: inductor's instruction-set objects
+    change their compiler flags while they check, so two threads must not ask at once) and finds the answer
+    cached. Nothing is started where the list is cached already; a failure in the thread is logged at DEBUG and
+    inductor probes again itself. Differs from ``torch.compile``, which probes when its first kernel needs it.
+
+    Called by the first call of a step compiled for inductor (:func:`compile`), not when it is built: a compile
+    cache loaded in between (:mod:`funcamp.compile_cache`) puts the probe's programs in inductor's cache first,
+    and the probe then only loads them (built alongside, they raced the load and changed the cache's files).
     """
     from torch._inductor import cpu_vec_isa
 
@@ -104,6 +110,19 @@ def probe_cpu_isas() -> threading.Thread | None:
     thread = threading.Thread(target=probe, name="funcamp-cpu-isa-probe", daemon=True)
     thread.start()
     return thread
+
+
+def _after_probe(inner_compile: Callable[..., Any]) -> Callable[..., Any]:
+    """``inner_compile`` (inductor's code generation, after AOTAutograd) once :func:`probe_cpu_isas`' thread is
+    done: inductor's instruction-set objects are not safe to share between threads (``VecAVX512.__bool__``
+    changes its compiler flags while it checks bfloat16 support), and nothing before this asks them."""
+
+    @functools.wraps(inner_compile)
+    def compile_inner(*args: Any, **kwargs: Any) -> Any:
+        wait_for_cpu_isa_probe()
+        return inner_compile(*args, **kwargs)
+
+    return compile_inner
 
 
 def wait_for_cpu_isa_probe() -> None:
@@ -130,9 +149,11 @@ def _aliasing_aware(backend: Any, inductor_options: dict[str, Any] | None) -> Ca
         cache = torch._functorch.config.enable_autograd_cache and not shared
         with torch._functorch.config.patch(enable_autograd_cache=cache):
             if backend == "inductor":
-                from torch._inductor.compile_fx import compile_fx
+                from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-                return compile_fx(gm, example_inputs, config_patches=inductor_options)
+                return compile_fx(
+                    gm, example_inputs, inner_compile=_after_probe(compile_fx_inner), config_patches=inductor_options
+                )
             return (lookup_backend(backend) if isinstance(backend, str) else backend)(gm, example_inputs)
 
     return compile_graph

@@ -130,10 +130,11 @@ def test_trace_autograd_ops_is_on_only_while_a_compiled_step_traces(sweep):
 
 
 def test_an_inductor_step_probes_the_cpus_instruction_sets_in_a_thread(monkeypatch):
-    """Building a step for inductor starts inductor's probe of the CPU's vector instruction sets on a thread of
-    its own (8.5 s of the main job's first step on a cold cache, run while Dynamo traces), once per process;
-    another backend starts nothing, and a probe already answered is not started again. (Planted: the call in
-    ``compile`` removed: nothing runs on the thread.)"""
+    """The first call of a step built for inductor starts inductor's probe of the CPU's vector instruction sets on
+    a thread of its own (8.5 s of the main job's first step on a cold cache, run while Dynamo traces), once per
+    process; building it starts nothing (a compile cache may be loaded before the first call), nor does another
+    backend, and a probe already answered is not started again. (Planted: the call in ``compile`` removed:
+    nothing runs on the thread; the probe started when the step is built: the first assertion fails.)"""
     import functools
     import threading
 
@@ -142,29 +143,74 @@ def test_an_inductor_step_probes_the_cpus_instruction_sets_in_a_thread(monkeypat
     from funcamp import _dynamo_autograd
 
     ran_on: list[str] = []
+    real = cpu_vec_isa.valid_vec_isa_list
 
     @functools.cache
-    def fake_probe() -> list:
+    def recording_probe() -> list:
         ran_on.append(threading.current_thread().name)
-        return []
+        return real()
 
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", fake_probe)
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", recording_probe)
     _dynamo_autograd.probe_cpu_isas.cache_clear()
     try:
         model = nn.Linear(3, 2)
         apply, params = fa.nn.functionalize(model, "params=float32,compute=float32,output=float32")
+        state = fa.TrainState.create(params, optim.sgd(0.1))
 
         def loss_fn(p, batch):
             return apply(p, batch).square().mean()
 
-        fa.make_train_step(loss_fn, optim.sgd(0.1), backend="aot_eager")
+        step = fa.make_train_step(loss_fn, optim.sgd(0.1))  # inductor
         assert not _dynamo_autograd.probe_cpu_isas.cache_info().currsize and ran_on == []
-        fa.make_train_step(loss_fn, optim.sgd(0.1))  # inductor: built, never called
+        with pytest.raises(TypeError):  # a bad batch: raised while tracing, before inductor compiles anything
+            step(state, None)
         _dynamo_autograd.wait_for_cpu_isa_probe()
         assert ran_on == ["funcamp-cpu-isa-probe"], ran_on
-        fa.make_train_step(loss_fn, optim.sgd(0.1))
+        with pytest.raises(TypeError):
+            step(state, None)
         assert ran_on == ["funcamp-cpu-isa-probe"], ran_on  # once per process
         _dynamo_autograd.probe_cpu_isas.cache_clear()
+        with pytest.raises(TypeError):
+            fa.make_train_step(loss_fn, optim.sgd(0.1), backend="aot_eager")(state, None)
+        assert not _dynamo_autograd.probe_cpu_isas.cache_info().currsize  # another backend: nothing
         assert _dynamo_autograd.probe_cpu_isas() is None  # answered already (cached): nothing started
+    finally:
+        _dynamo_autograd.probe_cpu_isas.cache_clear()
+
+
+def test_inductor_generates_code_only_after_the_probe_is_done(monkeypatch):
+    """Inductor's instruction-set objects change their compiler flags while they check (bfloat16 support), so
+    its code generation (``compile_fx_inner``) must not run while the probe's thread does: it waits for it.
+    (Planted: ``_after_probe`` returning ``compile_fx_inner`` as it is: code generation runs first.)"""
+    import functools
+    import threading
+    import time
+
+    from torch._inductor import compile_fx as inductor_compile_fx
+    from torch._inductor import cpu_vec_isa
+
+    from funcamp import _dynamo_autograd
+
+    order: list[str] = []
+    real, real_inner = cpu_vec_isa.valid_vec_isa_list, inductor_compile_fx.compile_fx_inner
+
+    @functools.cache
+    def slow_probe() -> list:
+        if threading.current_thread().name == "funcamp-cpu-isa-probe":
+            time.sleep(1.0)
+            order.append("probe")
+        return real()
+
+    def inner(*args, **kwargs):
+        order.append("codegen")
+        return real_inner(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", slow_probe)
+    monkeypatch.setattr(inductor_compile_fx, "compile_fx_inner", inner)
+    _dynamo_autograd.probe_cpu_isas.cache_clear()
+    try:
+        fn = _dynamo_autograd.compile(lambda x: (x * 2).sum(), backend="inductor", fullgraph=True)
+        assert float(fn(torch.arange(4.0))) == 12.0
+        assert order[:2] == ["probe", "codegen"], order
     finally:
         _dynamo_autograd.probe_cpu_isas.cache_clear()
