@@ -25,12 +25,14 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import threading
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from funcamp.grad import _autograd_route
 
@@ -113,16 +115,50 @@ def probe_cpu_isas() -> threading.Thread | None:
 
 
 def _after_probe(inner_compile: Callable[..., Any]) -> Callable[..., Any]:
-    """``inner_compile`` (inductor's code generation, after AOTAutograd) once :func:`probe_cpu_isas`' thread is
-    done: inductor's instruction-set objects are not safe to share between threads (``VecAVX512.__bool__``
-    changes its compiler flags while it checks bfloat16 support), and nothing before this asks them."""
+    """``inner_compile`` (inductor's caching and code generation, after AOTAutograd), which must not meet
+    :func:`probe_cpu_isas`' thread: inductor's instruction-set objects are not safe to share between threads
+    (``VecAVX512.__bool__`` changes its compiler flags while it checks bfloat16 support). Inductor asks them when
+    it loads a graph from its FX graph cache and when it generates code, after its post-grad passes. So this
+    waits for the thread here where the cache may hold graphs (it is on and its directory is not empty, or a
+    remote cache is on), and otherwise the first post-grad pass does (:class:`_AfterProbe`): the lowering then
+    overlaps the probe too."""
 
     @functools.wraps(inner_compile)
     def compile_inner(*args: Any, **kwargs: Any) -> Any:
-        wait_for_cpu_isa_probe()
+        if _fx_cache_may_hit():
+            wait_for_cpu_isa_probe()
         return inner_compile(*args, **kwargs)
 
     return compile_inner
+
+
+def _fx_cache_may_hit() -> bool:
+    from torch._inductor import config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    if not config.fx_graph_cache:
+        return bool(getattr(config, "fx_graph_remote_cache", False))
+    try:
+        with os.scandir(os.path.join(cache_dir(), "fxgraph")) as entries:
+            return any(True for _ in entries)
+    except OSError:
+        return False
+
+
+class _AfterProbe(CustomGraphPass):
+    """Inductor's ``post_grad_custom_pre_pass``: waits for :func:`probe_cpu_isas`' thread, then runs ``inner``
+    (funcamp's :class:`funcamp.passes.RematPass`, or nothing); its cache key is ``inner``'s."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        wait_for_cpu_isa_probe()
+        if self.inner is not None:
+            self.inner(graph)
+
+    def uuid(self) -> Any:
+        return self.inner.uuid() if self.inner is not None else b"funcamp-after-cpu-isa-probe"
 
 
 def wait_for_cpu_isa_probe() -> None:
@@ -151,8 +187,10 @@ def _aliasing_aware(backend: Any, inductor_options: dict[str, Any] | None) -> Ca
             if backend == "inductor":
                 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+                patches = dict(inductor_options or {})
+                patches["post_grad_custom_pre_pass"] = _AfterProbe(patches.get("post_grad_custom_pre_pass"))
                 return compile_fx(
-                    gm, example_inputs, inner_compile=_after_probe(compile_fx_inner), config_patches=inductor_options
+                    gm, example_inputs, inner_compile=_after_probe(compile_fx_inner), config_patches=patches
                 )
             return (lookup_backend(backend) if isinstance(backend, str) else backend)(gm, example_inputs)
 

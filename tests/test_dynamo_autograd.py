@@ -178,21 +178,28 @@ def test_an_inductor_step_probes_the_cpus_instruction_sets_in_a_thread(monkeypat
         _dynamo_autograd.probe_cpu_isas.cache_clear()
 
 
-def test_inductor_generates_code_only_after_the_probe_is_done(monkeypatch):
+@pytest.mark.parametrize("fx_cache", ["off", "empty", "holds graphs"])
+def test_inductor_generates_code_only_after_the_probe_is_done(monkeypatch, tmp_path, fx_cache):
     """Inductor's instruction-set objects change their compiler flags while they check (bfloat16 support), so
-    its code generation (``compile_fx_inner``) must not run while the probe's thread does: it waits for it.
-    (Planted: ``_after_probe`` returning ``compile_fx_inner`` as it is: code generation runs first.)"""
+    inductor must not ask them while the probe's thread runs: where its FX graph cache may hold the graph, before
+    its inner compile (a hit loads kernels, which asks them), else in the first post-grad pass, before the
+    lowering and the code generation. (Planted: ``_AfterProbe`` not waiting: with the cache off or empty the
+    kernels are generated first; ``_fx_cache_may_hit`` always False: with graphs in the cache the inner compile
+    starts first.)"""
     import functools
     import threading
     import time
 
     from torch._inductor import compile_fx as inductor_compile_fx
+    from torch._inductor import config as inductor_config
     from torch._inductor import cpu_vec_isa
+    from torch._inductor.codegen import cpp
 
     from funcamp import _dynamo_autograd
 
     order: list[str] = []
-    real, real_inner = cpu_vec_isa.valid_vec_isa_list, inductor_compile_fx.compile_fx_inner
+    real, real_inner, real_codegen = cpu_vec_isa.valid_vec_isa_list, inductor_compile_fx.compile_fx_inner, None
+    real_codegen = cpp.CppScheduling.codegen_node
 
     @functools.cache
     def slow_probe() -> list:
@@ -202,15 +209,28 @@ def test_inductor_generates_code_only_after_the_probe_is_done(monkeypatch):
         return real()
 
     def inner(*args, **kwargs):
-        order.append("codegen")
+        order.append("inner compile")
         return real_inner(*args, **kwargs)
+
+    def codegen(self, node):
+        order.append("codegen")
+        return real_codegen(self, node)
 
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", slow_probe)
     monkeypatch.setattr(inductor_compile_fx, "compile_fx_inner", inner)
+    monkeypatch.setattr(cpp.CppScheduling, "codegen_node", codegen)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", fx_cache != "off")
+    monkeypatch.setattr(inductor_config, "fx_graph_remote_cache", False)
+    if fx_cache == "holds graphs":
+        (tmp_path / "fxgraph" / "xx").mkdir(parents=True)
     _dynamo_autograd.probe_cpu_isas.cache_clear()
+    torch._dynamo.reset()
     try:
         fn = _dynamo_autograd.compile(lambda x: (x * 2).sum(), backend="inductor", fullgraph=True)
         assert float(fn(torch.arange(4.0))) == 12.0
-        assert order[:2] == ["probe", "codegen"], order
+        assert order.index("probe") < order.index("codegen"), order
+        if fx_cache == "holds graphs":
+            assert order.index("probe") < order.index("inner compile"), order
     finally:
         _dynamo_autograd.probe_cpu_isas.cache_clear()
