@@ -34,6 +34,11 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+try:  # torch 2.13
+    from torch._inductor.custom_graph_pass import CustomSchedulerPass
+except ImportError:  # an inductor without scheduler passes: the first post-grad pass waits
+    CustomSchedulerPass = None  # type: ignore[assignment, misc]
+
 from funcamp.grad import _autograd_route
 
 __all__ = ["compile", "function_note", "probe_cpu_isas", "route", "wait_for_cpu_isa_probe"]
@@ -120,8 +125,8 @@ def _after_probe(inner_compile: Callable[..., Any]) -> Callable[..., Any]:
     (``VecAVX512.__bool__`` changes its compiler flags while it checks bfloat16 support). Inductor asks them when
     it loads a graph from its FX graph cache and when it generates code, after its post-grad passes. So this
     waits for the thread here where the cache may hold graphs (it is on and its directory is not empty, or a
-    remote cache is on), and otherwise the first post-grad pass does (:class:`_AfterProbe`): the lowering then
-    overlaps the probe too."""
+    remote cache is on), and otherwise the scheduler does, before it fuses (:func:`_wait_before_fusion`): the
+    post-grad passes and the lowering then overlap the probe too."""
 
     @functools.wraps(inner_compile)
     def compile_inner(*args: Any, **kwargs: Any) -> Any:
@@ -145,9 +150,40 @@ def _fx_cache_may_hit() -> bool:
         return False
 
 
+def _wait_before_fusion(options: dict[str, Any]) -> dict[str, Any]:
+    """The inductor option that waits for :func:`probe_cpu_isas`' thread before the scheduler fuses (after the
+    lowering: nothing before the fusion asks the instruction sets): torch 2.13's ``_pre_fusion_custom_pass``,
+    which its FX graph cache key leaves out, wrapping any given one. Where inductor has no such option, the first
+    post-grad pass waits (``post_grad_custom_pre_pass``, wrapping funcamp's :class:`funcamp.passes.RematPass`)."""
+    from torch._inductor import config
+
+    if hasattr(config, "_pre_fusion_custom_pass") and CustomSchedulerPass is not None:
+        return {"_pre_fusion_custom_pass": _BeforeFusion(options.get("_pre_fusion_custom_pass"))}
+    return {"post_grad_custom_pre_pass": _AfterProbe(options.get("post_grad_custom_pre_pass"))}
+
+
+class _BeforeFusion(CustomSchedulerPass or object):  # type: ignore[misc]
+    """Inductor's ``_pre_fusion_custom_pass``: waits for :func:`probe_cpu_isas`' thread, then runs ``inner`` (or
+    nothing); a ``CustomSchedulerPass``, so that inductor's FX graph cache keeps the graph (its key takes the
+    ``uuid``, ``inner``'s or a constant)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, nodes: list[Any]) -> list[Any]:
+        wait_for_cpu_isa_probe()
+        return nodes if self.inner is None else self.inner(nodes)
+
+    def uuid(self) -> Any:
+        if self.inner is None:
+            return b"funcamp-wait-for-cpu-isa-probe"
+        return self.inner.uuid() if hasattr(self.inner, "uuid") else None  # a plain callable: inductor bypasses
+
+
 class _AfterProbe(CustomGraphPass):
-    """Inductor's ``post_grad_custom_pre_pass``: waits for :func:`probe_cpu_isas`' thread, then runs ``inner``
-    (funcamp's :class:`funcamp.passes.RematPass`, or nothing); its cache key is ``inner``'s."""
+    """Inductor's ``post_grad_custom_pre_pass`` where it has no pre-fusion pass: waits for :func:`probe_cpu_isas`'
+    thread, then runs ``inner`` (funcamp's :class:`funcamp.passes.RematPass`, or nothing); its cache key is
+    ``inner``'s."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -187,8 +223,7 @@ def _aliasing_aware(backend: Any, inductor_options: dict[str, Any] | None) -> Ca
             if backend == "inductor":
                 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-                patches = dict(inductor_options or {})
-                patches["post_grad_custom_pre_pass"] = _AfterProbe(patches.get("post_grad_custom_pre_pass"))
+                patches = {**(inductor_options or {}), **_wait_before_fusion(inductor_options or {})}
                 return compile_fx(
                     gm, example_inputs, inner_compile=_after_probe(compile_fx_inner), config_patches=patches
                 )

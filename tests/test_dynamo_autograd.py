@@ -182,10 +182,9 @@ def test_an_inductor_step_probes_the_cpus_instruction_sets_in_a_thread(monkeypat
 def test_inductor_generates_code_only_after_the_probe_is_done(monkeypatch, tmp_path, fx_cache):
     """Inductor's instruction-set objects change their compiler flags while they check (bfloat16 support), so
     inductor must not ask them while the probe's thread runs: where its FX graph cache may hold the graph, before
-    its inner compile (a hit loads kernels, which asks them), else in the first post-grad pass, before the
-    lowering and the code generation. (Planted: ``_AfterProbe`` not waiting: with the cache off or empty the
-    kernels are generated first; ``_fx_cache_may_hit`` always False: with graphs in the cache the inner compile
-    starts first.)"""
+    its inner compile (a hit loads kernels, which asks them), else before the scheduler fuses, after the lowering.
+    (Planted: the pre-fusion pass not waiting: with the cache off or empty the kernels are generated first;
+    ``_fx_cache_may_hit`` always False: with graphs in the cache the inner compile starts first.)"""
     import functools
     import threading
     import time
