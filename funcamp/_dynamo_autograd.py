@@ -107,6 +107,11 @@ def probe_cpu_isas() -> threading.Thread | None:
 
     if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
         return None
+    # Everything the probe imports is imported here, on the calling thread: an import on the thread while Dynamo
+    # imports on this one broke Dynamo's (ModuleNotFoundError for a module that exists: the GPT-2 main job).
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.cpp_builder  # noqa: F401
+    import torch.utils.cpp_extension  # noqa: F401  (setuptools, distutils: the compiler's command line)
 
     def probe() -> None:
         try:

@@ -233,3 +233,27 @@ def test_inductor_generates_code_only_after_the_probe_is_done(monkeypatch, tmp_p
             assert order.index("probe") < order.index("inner compile"), order
     finally:
         _dynamo_autograd.probe_cpu_isas.cache_clear()
+
+
+def test_the_probe_thread_imports_nothing(tmp_path):
+    """The probe's thread must import no module (an import on it while Dynamo imports on the main thread broke
+    Dynamo's: ``ModuleNotFoundError`` for a module that exists): ``probe_cpu_isas`` imports what the probe needs
+    first. In a fresh process on an empty inductor cache (the probe builds every program): no module appears
+    while it runs. (Planted: without the imports, setuptools, distutils and torch.utils.cpp_extension appear.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, funcamp\n"
+        "from funcamp import _dynamo_autograd as d\n"
+        "before = set(sys.modules)\n"
+        "thread = d.probe_cpu_isas()\n"
+        "mid = set(sys.modules)\n"
+        "thread.join()\n"
+        "print(sorted(set(sys.modules) - mid))\n"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
