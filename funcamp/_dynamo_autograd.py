@@ -228,6 +228,8 @@ def _aliasing_aware(backend: Any, inductor_options: dict[str, Any] | None) -> Ca
             if backend == "inductor":
                 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+                if cache and _fx_cache_may_hit():  # a hit in AOTAutograd's cache loads inductor's graph and its
+                    wait_for_cpu_isa_probe()  # kernels with neither the inner compile nor the scheduler: no wait there
                 patches = {**(inductor_options or {}), **_wait_before_fusion(inductor_options or {})}
                 return compile_fx(
                     gm, example_inputs, inner_compile=_after_probe(compile_fx_inner), config_patches=patches
