@@ -163,7 +163,15 @@ def _wait_before_fusion(options: dict[str, Any]) -> dict[str, Any]:
     from torch._inductor import config
 
     if hasattr(config, "_pre_fusion_custom_pass") and CustomSchedulerPass is not None:
-        return {"_pre_fusion_custom_pass": _BeforeFusion(options.get("_pre_fusion_custom_pass"))}
+        given = options.get("_pre_fusion_custom_pass")
+        if given is not None and not isinstance(given, CustomSchedulerPass):  # no uuid: inductor bypasses its cache
+
+            def waits_then_given(nodes: list[Any]) -> list[Any]:  # a plain callable too, so that it still does
+                wait_for_cpu_isa_probe()
+                return given(nodes)
+
+            return {"_pre_fusion_custom_pass": waits_then_given}
+        return {"_pre_fusion_custom_pass": _BeforeFusion(given)}
     return {"post_grad_custom_pre_pass": _AfterProbe(options.get("post_grad_custom_pre_pass"))}
 
 

@@ -318,3 +318,36 @@ def test_a_graph_from_aotautograds_cache_is_loaded_only_after_the_probe_is_done(
     finally:
         _dynamo_autograd.probe_cpu_isas.cache_clear()
         torch._dynamo.reset()
+
+
+def test_a_plain_pre_fusion_pass_given_keeps_inductors_cache_away(monkeypatch, tmp_path):
+    """A ``_pre_fusion_custom_pass`` given as a plain callable (no ``uuid``): inductor bypasses its FX graph cache
+    for it, as torch.compile does; funcamp's wait wrapped around it must not make it cacheable under a key that
+    leaves the callable out (a second callable would then be skipped: the graph of the first loaded)."""
+    from torch._inductor import config as inductor_config
+
+    from funcamp import _dynamo_autograd
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
+    monkeypatch.setattr(inductor_config, "fx_graph_remote_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+    ran: list[str] = []
+
+    def passes(name):
+        def run(nodes):
+            ran.append(name)
+            return nodes
+
+        return run
+
+    try:
+        for name in ("first", "second"):
+            torch._dynamo.reset()
+            options = {"_pre_fusion_custom_pass": passes(name)}
+            fn = _dynamo_autograd.compile(lambda x: (x * 2).sum(), backend="inductor", fullgraph=True, options=options)
+            assert float(fn(torch.arange(4.0))) == 12.0
+        assert ran == ["first", "second"], ran
+    finally:
+        _dynamo_autograd.wait_for_cpu_isa_probe()
+        torch._dynamo.reset()
