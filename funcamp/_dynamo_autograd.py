@@ -163,7 +163,15 @@ def _wait_before_fusion(options: dict[str, Any]) -> dict[str, Any]:
     from torch._inductor import config
 
     if hasattr(config, "_pre_fusion_custom_pass") and CustomSchedulerPass is not None:
-        return {"_pre_fusion_custom_pass": _BeforeFusion(options.get("_pre_fusion_custom_pass"))}
+        given = options.get("_pre_fusion_custom_pass")
+        if given is not None and not isinstance(given, CustomSchedulerPass):  # no uuid: inductor bypasses its cache
+
+            def waits_then_given(nodes: list[Any]) -> list[Any]:  # a plain callable too, so that it still does
+                wait_for_cpu_isa_probe()
+                return given(nodes)
+
+            return {"_pre_fusion_custom_pass": waits_then_given}
+        return {"_pre_fusion_custom_pass": _BeforeFusion(given)}
     return {"post_grad_custom_pre_pass": _AfterProbe(options.get("post_grad_custom_pre_pass"))}
 
 
@@ -228,6 +236,8 @@ def _aliasing_aware(backend: Any, inductor_options: dict[str, Any] | None) -> Ca
             if backend == "inductor":
                 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+                if cache and _fx_cache_may_hit():  # a hit in AOTAutograd's cache loads inductor's graph and its
+                    wait_for_cpu_isa_probe()  # kernels with neither the inner compile nor the scheduler: no wait there
                 patches = {**(inductor_options or {}), **_wait_before_fusion(inductor_options or {})}
                 return compile_fx(
                     gm, example_inputs, inner_compile=_after_probe(compile_fx_inner), config_patches=patches

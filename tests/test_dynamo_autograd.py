@@ -257,3 +257,97 @@ def test_the_probe_thread_imports_nothing(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_a_graph_from_aotautograds_cache_is_loaded_only_after_the_probe_is_done(monkeypatch, tmp_path):
+    """A warm start (the graph compiled before in this cache directory, or put there by a compile cache): a hit
+    in AOTAutograd's cache loads inductor's compiled graph without its inner compile or its scheduler, so neither
+    of the probe's waits runs, and loading the kernels asks the instruction sets on the main thread while the
+    probe's thread asks them too. Nothing of inductor may ask them until the probe is done."""
+    import functools
+    import threading
+    import time
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    from funcamp import _dynamo_autograd
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
+    monkeypatch.setattr(inductor_config, "fx_graph_remote_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+
+    def build():
+        return _dynamo_autograd.compile(lambda x: (x * 2).sum(), backend="inductor", fullgraph=True)
+
+    torch._dynamo.reset()
+    try:
+        assert float(build()(torch.arange(4.0))) == 12.0  # fills the caches
+        _dynamo_autograd.wait_for_cpu_isa_probe()
+        order: list[str] = []
+        real, real_pick = cpu_vec_isa.valid_vec_isa_list, cpu_vec_isa.pick_vec_isa
+
+        @functools.cache
+        def slow_probe() -> list:  # a process that has not probed yet
+            if threading.current_thread().name == "funcamp-cpu-isa-probe":
+                time.sleep(1.0)
+                order.append("probe")
+            return real()
+
+        def asked() -> list:
+            if threading.current_thread().name != "funcamp-cpu-isa-probe":
+                order.append("asked on the main thread")
+            return slow_probe()
+
+        asked.cache_info = slow_probe.cache_info  # probe_cpu_isas reads whether the answer is cached
+
+        def pick(*args, **kwargs):
+            if threading.current_thread().name != "funcamp-cpu-isa-probe":
+                order.append("asked on the main thread")
+            return real_pick(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", asked)
+        monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", pick)
+        _dynamo_autograd.probe_cpu_isas.cache_clear()
+        torch._dynamo.reset()
+        assert float(build()(torch.arange(4.0))) == 12.0
+        _dynamo_autograd.wait_for_cpu_isa_probe()
+        assert "probe" in order and "asked on the main thread" in order, order  # a cache hit that loads kernels
+        assert order.index("probe") < order.index("asked on the main thread"), order
+    finally:
+        _dynamo_autograd.probe_cpu_isas.cache_clear()
+        torch._dynamo.reset()
+
+
+def test_a_plain_pre_fusion_pass_given_keeps_inductors_cache_away(monkeypatch, tmp_path):
+    """A ``_pre_fusion_custom_pass`` given as a plain callable (no ``uuid``): inductor bypasses its FX graph cache
+    for it, as torch.compile does; funcamp's wait wrapped around it must not make it cacheable under a key that
+    leaves the callable out (a second callable would then be skipped: the graph of the first loaded)."""
+    from torch._inductor import config as inductor_config
+
+    from funcamp import _dynamo_autograd
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
+    monkeypatch.setattr(inductor_config, "fx_graph_remote_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+    ran: list[str] = []
+
+    def passes(name):
+        def run(nodes):
+            ran.append(name)
+            return nodes
+
+        return run
+
+    try:
+        for name in ("first", "second"):
+            torch._dynamo.reset()
+            options = {"_pre_fusion_custom_pass": passes(name)}
+            fn = _dynamo_autograd.compile(lambda x: (x * 2).sum(), backend="inductor", fullgraph=True, options=options)
+            assert float(fn(torch.arange(4.0))) == 12.0
+        assert ran == ["first", "second"], ran
+    finally:
+        _dynamo_autograd.wait_for_cpu_isa_probe()
+        torch._dynamo.reset()
