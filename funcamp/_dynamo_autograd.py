@@ -146,8 +146,10 @@ def _fx_cache_may_hit() -> bool:
     from torch._inductor import config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+    if getattr(config, "fx_graph_remote_cache", False):
+        return True
     if not config.fx_graph_cache:
-        return bool(getattr(config, "fx_graph_remote_cache", False))
+        return False
     try:
         with os.scandir(os.path.join(cache_dir(), "fxgraph")) as entries:
             return any(True for _ in entries)

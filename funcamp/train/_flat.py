@@ -479,7 +479,12 @@ class _MemberNorms:
     def stats(self, grads: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layout's ``(finite, flags, grad_norm)``; for the views :meth:`Flat.check` made, a flag per member
         (``isfinite`` of its scaled norm: exactly whether each element is finite) and the norm from the buffers."""
-        if self._checked is None or grads is not self._checked[0] or not hasattr(self._layout, "agree"):
+        if (
+            self._checked is None
+            or grads is not self._checked[0]
+            or not getattr(self._layout, "whole_gradients", False)  # shards: the layout's norm is over every rank's
+            or not hasattr(self._layout, "agree")
+        ):
             return self._layout.stats(grads, loss)
         _, leaves, buffers = self._checked
         within = _tree.scaled_norms_within(leaves, list(buffers.values()))
