@@ -335,7 +335,11 @@ def main_job(args: argparse.Namespace) -> dict[str, Any]:
         cmd = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", str(args.main_job_steps)]
         cmd += ["--threads", str(args.threads), "--logdir", str(Path(tmp) / "runs"), "--quiet"]
         cmd += shlex.split(args.main_job_args)
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "cache-funcamp")}
+        env = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "cache-funcamp"),
+            "FUNCAMP_CACHE_DIR": str(Path(tmp) / "funcamp"),  # cold: no compile-cache file, no tuned policy
+        }
         print(f"main job: {' '.join(cmd[1:])} ...", end=" ", flush=True)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
