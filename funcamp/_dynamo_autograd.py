@@ -32,11 +32,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 try:  # torch 2.13
     from torch._inductor.custom_graph_pass import CustomSchedulerPass
-except ImportError:  # an inductor without scheduler passes: the first post-grad pass waits
+except ImportError:  # an inductor without scheduler passes: the wait comes before compile_fx
     CustomSchedulerPass = None  # type: ignore[assignment, misc]
 
 from funcamp.grad import _autograd_route
@@ -94,8 +93,9 @@ def probe_cpu_isas() -> threading.Thread | None:
     one after the other on the thread that compiles: 8.5 s of the main job's first step on the 2-core Xeon with a
     cold inductor cache (10 builds of 0.7 s and their loads; about 1.5 s with the programs cached on disk). The
     probe waits on the C++ compiler, not on Python, so here it runs while Dynamo and AOTAutograd trace the
-    step; inductor's code generation waits for it (:func:`_after_probe`: inductor's instruction-set objects
-    change their compiler flags while they check, so two threads must not ask at once) and finds the answer
+    step and inductor lowers it; inductor waits for it before it fuses (:func:`_wait_before_fusion`) and, where a
+    cache may hold the graph, before it compiles (:func:`_after_probe`), because its instruction-set objects
+    change their compiler flags while they check, so two threads must not ask at once; it then finds the answer
     cached. Nothing is started where the list is cached already; a failure in the thread is logged at DEBUG and
     inductor probes again itself. Differs from ``torch.compile``, which probes when its first kernel needs it.
 
@@ -157,30 +157,30 @@ def _fx_cache_may_hit() -> bool:
         return False
 
 
-def _wait_before_fusion(options: dict[str, Any]) -> dict[str, Any]:
+def _wait_before_fusion(options: dict[str, Any]) -> dict[str, Any] | None:
     """The inductor option that waits for :func:`probe_cpu_isas`' thread before the scheduler fuses (after the
     lowering: nothing before the fusion asks the instruction sets): torch 2.13's ``_pre_fusion_custom_pass``,
-    which its FX graph cache key leaves out, wrapping any given one. Where inductor has no such option, the first
-    post-grad pass waits (``post_grad_custom_pre_pass``, wrapping funcamp's :class:`funcamp.passes.RematPass`)."""
+    which its FX graph cache key takes by its uuid, wrapping any given one. None where inductor has no such
+    option (the caller then waits before ``compile_fx``)."""
     from torch._inductor import config
 
-    if hasattr(config, "_pre_fusion_custom_pass") and CustomSchedulerPass is not None:
-        given = options.get("_pre_fusion_custom_pass")
-        if given is not None and not isinstance(given, CustomSchedulerPass):  # no uuid: inductor bypasses its cache
+    if not hasattr(config, "_pre_fusion_custom_pass") or CustomSchedulerPass is None:
+        return None
+    given = options.get("_pre_fusion_custom_pass")
+    if given is not None and not isinstance(given, CustomSchedulerPass):  # no uuid: inductor bypasses its cache
 
-            def waits_then_given(nodes: list[Any]) -> list[Any]:  # a plain callable too, so that it still does
-                wait_for_cpu_isa_probe()
-                return given(nodes)
+        def waits_then_given(nodes: list[Any]) -> list[Any]:  # a plain callable too, so that it still does
+            wait_for_cpu_isa_probe()
+            return given(nodes)
 
-            return {"_pre_fusion_custom_pass": waits_then_given}
-        return {"_pre_fusion_custom_pass": _BeforeFusion(given)}
-    return {"post_grad_custom_pre_pass": _AfterProbe(options.get("post_grad_custom_pre_pass"))}
+        return {"_pre_fusion_custom_pass": waits_then_given}
+    return {"_pre_fusion_custom_pass": _BeforeFusion(given)}
 
 
 class _BeforeFusion(CustomSchedulerPass or object):  # type: ignore[misc]
-    """Inductor's ``_pre_fusion_custom_pass``: waits for :func:`probe_cpu_isas`' thread, then runs ``inner`` (or
-    nothing); a ``CustomSchedulerPass``, so that inductor's FX graph cache keeps the graph (its key takes the
-    ``uuid``, ``inner``'s or a constant)."""
+    """Inductor's ``_pre_fusion_custom_pass``: waits for :func:`probe_cpu_isas`' thread, then runs ``inner`` (a
+    ``CustomSchedulerPass`` given, or nothing); a ``CustomSchedulerPass`` itself, so that inductor's FX graph cache
+    keeps the graph (its key takes the ``uuid``, ``inner``'s or a constant)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -190,26 +190,7 @@ class _BeforeFusion(CustomSchedulerPass or object):  # type: ignore[misc]
         return nodes if self.inner is None else self.inner(nodes)
 
     def uuid(self) -> Any:
-        if self.inner is None:
-            return b"funcamp-wait-for-cpu-isa-probe"
-        return self.inner.uuid() if hasattr(self.inner, "uuid") else None  # a plain callable: inductor bypasses
-
-
-class _AfterProbe(CustomGraphPass):
-    """Inductor's ``post_grad_custom_pre_pass`` where it has no pre-fusion pass: waits for :func:`probe_cpu_isas`'
-    thread, then runs ``inner`` (funcamp's :class:`funcamp.passes.RematPass`, or nothing); its cache key is
-    ``inner``'s."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        wait_for_cpu_isa_probe()
-        if self.inner is not None:
-            self.inner(graph)
-
-    def uuid(self) -> Any:
-        return self.inner.uuid() if self.inner is not None else b"funcamp-after-cpu-isa-probe"
+        return b"funcamp-wait-for-cpu-isa-probe" if self.inner is None else self.inner.uuid()
 
 
 def wait_for_cpu_isa_probe() -> None:
@@ -238,9 +219,12 @@ def _aliasing_aware(backend: Any, inductor_options: dict[str, Any] | None) -> Ca
             if backend == "inductor":
                 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-                if cache and _fx_cache_may_hit():  # a hit in AOTAutograd's cache loads inductor's graph and its
-                    wait_for_cpu_isa_probe()  # kernels with neither the inner compile nor the scheduler: no wait there
-                patches = {**(inductor_options or {}), **_wait_before_fusion(inductor_options or {})}
+                before_fusion = _wait_before_fusion(inductor_options or {})
+                # A hit in AOTAutograd's cache loads inductor's graph and its kernels with neither the inner
+                # compile nor the scheduler, so no wait there; an inductor without a pre-fusion pass waits here too.
+                if before_fusion is None or (cache and _fx_cache_may_hit()):
+                    wait_for_cpu_isa_probe()
+                patches = {**(inductor_options or {}), **(before_fusion or {})}
                 return compile_fx(
                     gm, example_inputs, inner_compile=_after_probe(compile_fx_inner), config_patches=patches
                 )
