@@ -241,6 +241,15 @@ def test_flags_and_norm_read_from_the_buffers_are_the_leaf_by_leaf_ones(backend)
     _assert_bitwise(out[True][0].params, out[False][0].params, "params")
 
 
+def test_norms_within_empty_buffers_fall_back():
+    """Every leaf empty (so every buffer): no largest magnitude to read, ``scaled_norms_within`` gives None and the
+    check takes the generic path's ``(0, 1)``. (Planted: the scale taken before the leaves are looked at: stacking
+    no maxima raises.)"""
+    assert _tree.scaled_norms_within([torch.zeros(0)], [torch.zeros(0)]) is None
+    t, s = _tree.scaled_global_norm([torch.zeros(0)])
+    assert float(t) == 0.0 and float(s) == 1.0
+
+
 def test_buffers_split_at_the_cap_on_every_device():
     """The cap holds on every device, not only a CPU's (where glibc's mmap threshold asked for it first): a step
     over one buffer may hold each member's gradient beside the buffer (inductor's peak-memory reordering), so the

@@ -391,10 +391,10 @@ def scaled_norms_within(
     dtypes = {x.dtype for x in (*leaves, *bases)}
     if not all(d.is_floating_point and d.itemsize > 1 and _needs_scale(d, acc) for d in dtypes):
         return None
-    scale = _pow2_scale(torch.stack([_max_magnitude(b).to(acc) for b in bases if b.numel()]).amax())
     present = [x for x in leaves if x.numel()]
-    if not present:
+    if not present:  # every leaf empty (and so every base): scaled_global_norm's (0, 1) path
         return None
+    scale = _pow2_scale(torch.stack([_max_magnitude(b).to(acc) for b in bases if b.numel()]).amax())
     norms = iter(_leaf_norms(present, [None] * len(present), dict.fromkeys(dtypes, True), scale, acc))
     out = [next(norms) if x.numel() else None for x in leaves]
     return out, torch.linalg.vector_norm(torch.stack([n for n in out if n is not None])), scale
