@@ -35,7 +35,14 @@ def _trees() -> list[object]:
         Pair(a={"k": t}, b=[t, "s"]),
         (Pair(1, 2), [Pair(t, None)]),
         {"x": torch.tensor(1, dtype=torch.int32), "w": 3 + 1j, "v": b"raw"},
+        fa.StaticLossScale(2.0),  # funcamp's dataclasses: children in field order, static fields kept
+        [fa.DynamicLossScale(2.0**15, period=7), {"s": fa.NoOpLossScale()}],
+        fa.TrainState.create({"w": t, "b": {"x": t + 1}}, optim.adamw(0.1)),  # static storage and plan
     ]
+
+
+class _Sub(fa.StaticLossScale):
+    pass
 
 
 def _same_tree(x: object, y: object) -> bool:
@@ -46,6 +53,12 @@ def _same_tree(x: object, y: object) -> bool:
         return list(x) == list(y) and all(_same_tree(x[k], y[k]) for k in x)
     if isinstance(x, (list, tuple)):
         return len(x) == len(y) and all(_same_tree(a, b) for a, b in zip(x, y))
+    fields = getattr(type(x), _tree._fast.FIELDS, None)
+    if fields is not None:
+        _, children, statics = fields
+        return all(_same_tree(getattr(x, n), getattr(y, n)) for n in children) and all(
+            getattr(x, n) is getattr(y, n) or getattr(x, n) == getattr(y, n) for n in statics
+        )
     return x is y
 
 
@@ -75,11 +88,11 @@ def test_fast_unflatten_refuses_extra_leaves() -> None:
         collections.OrderedDict(a=torch.zeros(1)),
         collections.defaultdict(list, a=torch.zeros(1)),
         collections.deque([torch.zeros(1)]),
-        fa.StaticLossScale(2.0),  # a dataclass registered in the funcamp namespace
+        _Sub(2.0),  # a subclass of a funcamp dataclass: optree's registry does not know it
         object(),
         torch.return_types.max((torch.zeros(1), torch.zeros(1))),  # structseq
     ],
-    ids=["int-keys", "OrderedDict", "defaultdict", "deque", "registered-dataclass", "object", "structseq"],
+    ids=["int-keys", "OrderedDict", "defaultdict", "deque", "dataclass-subclass", "object", "structseq"],
 )
 def test_fast_flatten_hands_other_nodes_to_optree(tree: object) -> None:
     assert _tree._fast.flatten(tree, (), strict=True) is None
@@ -113,6 +126,21 @@ def test_fast_flatten_with_rest_trees() -> None:
     assert _tree._fast.flatten(a, (deeper,), strict=True) is None
     for other in ({"w": t}, {"w": t, "b": (t, None)}, {"w": t, "b": [t, t]}, {"w": t, "c": [t, None]}):
         assert _tree._fast.flatten(a, (other,), strict=False) is None, other
+
+
+def test_fast_flatten_pairs_dataclasses_by_their_static_fields() -> None:
+    """Two funcamp dataclasses pair up where their static fields are the same object or equal constants; a
+    differing one, another class or a subclass goes to optree (which says how they differ)."""
+    scale = fa.DynamicLossScale(2.0**15, period=7)
+    assert _tree._fast.flatten(scale, (scale.adjust(torch.tensor(True)),), strict=True) is not None
+    assert _tree._fast.flatten(scale, (fa.DynamicLossScale(2.0**15, period=8),), strict=True) is None
+    assert _tree._fast.flatten(scale, (fa.StaticLossScale(2.0),), strict=True) is None
+    static = fa.StaticLossScale(2.0)
+    assert _tree._fast.flatten(static, (_Sub(2.0),), strict=True) is None
+    paths: list[str] = []
+    _tree._fast.skeleton_paths(_tree._fast.flatten({"s": scale}, (), strict=True)[2], (), paths)
+    assert paths == [".".join(map(str, p)) for p in optree.tree_paths({"s": scale}, namespace=_tree.NAMESPACE)]
+    assert paths == ["s.loss_scale", "s.counter", "s.hysteresis_left"], paths
 
 
 # --- traced: the fast path is taken, and gives what optree gives ------------------------------------------
@@ -198,6 +226,37 @@ def test_compiled_train_step_bitwise_equal_to_eager() -> None:
 
 
 # --- the compiled step's inductor options (funcamp.train.inductor_options) --------------------------------
+
+
+def test_inductor_pairs_each_node_with_a_window_of_its_buffer_groups_in_the_step_only(monkeypatch) -> None:
+    """The compiled step's scheduler tries each node against FUSION_PAIR_WINDOW later nodes of a buffer group,
+    not inductor's 64 (the per-parameter nodes reading one scalar cost GPT-2 124M 13 s of pair checks); a
+    torch.compile of the user's own keeps inductor's setting. (Planted: the option left out of
+    inductor_options: 64 in the step.)"""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import scheduler
+
+    from funcamp.train import _assemble
+
+    seen: list[int] = []
+    real = scheduler.Scheduler.get_possible_fusions
+
+    def recording(self, *args, **kwargs):
+        seen.append(inductor_config.max_fusion_buffer_group_pairwise_attempts)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler.Scheduler, "get_possible_fusions", recording)
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    model = torch.nn.Linear(4, 4)
+    apply_fn, params = fa.nn.functionalize(model, fa.get_policy("float32"))
+    opt = optim.sgd(0.1)
+    step = fa.make_train_step(lambda p, b: apply_fn(p, b).square().mean(), opt, backend="inductor")
+    step(fa.TrainState.create(params, opt), torch.ones(2, 4))
+    assert seen and set(seen) == {_assemble.FUSION_PAIR_WINDOW} and _assemble.FUSION_PAIR_WINDOW < 64
+    seen.clear()
+    torch._dynamo.reset()
+    torch.compile(lambda x: (x.sin() + 1).sum(), backend="inductor")(torch.ones(3))
+    assert seen and set(seen) == {inductor_config.max_fusion_buffer_group_pairwise_attempts} == {64}
 
 
 def test_compiled_step_graph_is_cacheable_by_aot_autograd() -> None:

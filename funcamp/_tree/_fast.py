@@ -3,9 +3,9 @@
 Under ``torch.compile``, Dynamo runs optree's functions as a Python re-implementation (the pytree polyfill
 of ``torch._dynamo``) that builds a treespec object per node; tracing that cost 2-6 s of the first train
 step of the benchmark GPT (15 parameters; AMD EPYC, 2 cores). The walk below covers the containers the
-train step holds (dicts of tensors, optimizer states as NamedTuples and tuples, None) with a few
-bytecodes per node, and hands anything else back to optree. It is not a flatten for custom nodes: the
-dataclasses registered in the funcamp namespace still flatten through optree's registry.
+train step holds (dicts of tensors, optimizer states as NamedTuples and tuples, None, and funcamp's own
+dataclasses: :func:`funcamp._tree.dataclass`, whose fields it reads from :data:`FIELDS`) with a few
+bytecodes per node, and hands anything else back to optree. It is not a flatten for other custom nodes.
 
 :func:`traced` is the one question the tree functions ask before they take it.
 """
@@ -33,6 +33,14 @@ def traced() -> bool:
 #: Types that are leaves for optree (never registered as nodes): the fast path flattens only these.
 LEAF_TYPES = (torch.Tensor, int, float, complex, str, bytes)
 
+#: The class attribute :func:`funcamp._tree.dataclass` sets: ``(cls, children, statics)``, the names of the
+#: fields that hold subtrees and of the static ones (in optree's order), ``cls`` itself so that a subclass,
+#: which optree's registry does not know, is not taken for it.
+FIELDS = "_funcamp_tree_fields"
+
+#: Static field values compared by value (others by identity, and the walk hands a differing pair to optree).
+_CONSTANTS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
 
 def is_plain_namedtuple(cls: type) -> bool:
     """A NamedTuple class that optree flattens as a NamedTuple (not a custom node registered for it)."""
@@ -56,7 +64,7 @@ def flatten(tree: Any, rest: tuple[Any, ...], *, strict: bool) -> tuple[list, li
     return None if skeleton is None else (leaves, rest_leaves, skeleton)
 
 
-_LEAF, _NONE, _DICT, _SEQ = 0, 1, 2, 3
+_LEAF, _NONE, _DICT, _SEQ, _DATA = 0, 1, 2, 3, 4
 
 
 def _walk(node: Any, others: list[Any], strict: bool, leaves: list, rest_leaves: list) -> Any:
@@ -126,7 +134,40 @@ def _walk(node: Any, others: list[Any], strict: bool, leaves: list, rest_leaves:
                 return None
             children.append(child)
         return (_SEQ, cls, children)
-    return None
+    fields = getattr(cls, FIELDS, None)
+    if fields is None or fields[0] is not cls:
+        return None
+    return _walk_fields(node, others, strict, leaves, rest_leaves, fields)
+
+
+def _walk_fields(node: Any, others: list[Any], strict: bool, leaves: list, rest_leaves: list, fields: Any) -> Any:
+    """:func:`_walk` of a dataclass of :func:`funcamp._tree.dataclass`: its static fields equal in ``others``
+    (the same object, or equal constants), its children walked in field order."""
+    cls, names, statics = fields
+    aux = []
+    for name in statics:
+        v = getattr(node, name)
+        for o in others:
+            if type(o) is not cls:
+                return None
+            w = getattr(o, name)
+            if w is not v and not (type(w) is type(v) and isinstance(v, _CONSTANTS) and w == v):
+                return None
+        aux.append(v)
+    if not statics:
+        for o in others:
+            if type(o) is not cls:
+                return None
+    children = []
+    for name in names:
+        sub = []
+        for o in others:
+            sub.append(getattr(o, name))
+        child = _walk(getattr(node, name), sub, strict, leaves, rest_leaves)
+        if child is None:
+            return None
+        children.append(child)
+    return (_DATA, cls, tuple(zip(statics, aux)), names, children)
 
 
 def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
@@ -154,6 +195,14 @@ def _build(skeleton: Any, it: Any) -> Any:
         for k in order:
             ordered[k] = built[k]
         return ordered
+    if skeleton[0] == _DATA:
+        _, cls, aux, names, children = skeleton
+        kwargs = {}
+        for name, child in zip(names, children):
+            kwargs[name] = next(it) if child == _LEAF else _build(child, it)
+        for name, v in aux:
+            kwargs[name] = v
+        return cls(**kwargs)
     _, cls, children = skeleton
     items = []
     for child in children:
@@ -171,6 +220,8 @@ def skeleton_paths(skeleton: Any, prefix: tuple[str, ...], out: list[str]) -> No
     if skeleton[0] == _DICT:
         _, keys, _, children = skeleton
         named = zip(keys, children)
+    elif skeleton[0] == _DATA:
+        named = zip(skeleton[3], skeleton[4])
     else:
         named = ((str(i), child) for i, child in enumerate(skeleton[2]))
     for name, child in named:

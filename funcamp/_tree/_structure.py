@@ -6,6 +6,7 @@ traced, where trees of plain containers take the fast path (:mod:`funcamp._tree.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,7 +26,12 @@ def dataclass(cls: type[T]) -> type[T]:
     Flatten and unflatten are derived from the fields: fields made with ``field(pytree_node=False)``
     are static configuration (part of the tree structure), all others are children.
     """
-    return optree.dataclasses.dataclass(cls, frozen=True, namespace=NAMESPACE)
+    out = optree.dataclasses.dataclass(cls, frozen=True, namespace=NAMESPACE)
+    fields = [f for f in dataclasses.fields(out) if f.init]
+    children = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
+    statics = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
+    setattr(out, _fast.FIELDS, (out, children, statics))  # the traced walk's copy of optree's flatten
+    return out
 
 
 field = optree.dataclasses.field
