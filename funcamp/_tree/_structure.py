@@ -107,6 +107,17 @@ def same_structure(spec_a: optree.PyTreeSpec, spec_b: optree.PyTreeSpec, n_a: in
     return spec_a == spec_b
 
 
+def structures_equal(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` have one structure (their optree treespecs are equal).
+
+    While a compiled step traces, trees the fast path walks are compared by that walk (strict: leaf facing
+    leaf); anything else, and every eager call, compares optree's treespecs.
+    """
+    if _fast.traced() and _fast.flatten(a, (b,), strict=True) is not None:
+        return True
+    return tree_structure(a) == tree_structure(b)
+
+
 def tree_paths(tree: Any) -> list[str]:
     """A dotted name for each leaf of ``tree``, in leaf order (``"layer.weight"``, ``"0.bias"``).
 
@@ -280,10 +291,13 @@ def tree_device(tree: Any) -> torch.device:
 def first_non_floating(tree: Any) -> tuple[str, str] | None:
     """``(path, what)`` of the first leaf of ``tree`` that is not a floating tensor, or None.
 
-    ``what`` is the leaf's dtype for a tensor, its type name otherwise; used by error messages.
+    ``what`` is the leaf's dtype for a tensor, its type name otherwise; used by error messages. The paths are
+    made only when such a leaf is found (a compiled step traces one walk of a tree whose leaves all float).
     """
-    for path, leaf in zip(tree_paths(tree), tree_leaves(tree)):
+    leaves = tree_leaves(tree)
+    for i, leaf in enumerate(leaves):
         if not is_floating(leaf):
+            path = tree_paths(tree)[i]
             return path, str(leaf.dtype) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
     return None
 

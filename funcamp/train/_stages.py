@@ -111,9 +111,8 @@ def check_args(
 
 def _check_update_args(optimizer: Any, grads: Any, opt_state: Any, params: Any) -> None:
     check_args("update", optimizer=optimizer)
-    spec = _tree.tree_structure(grads)
-    if _tree.tree_structure(params) != spec:
-        swapped = " (opt_state and params look swapped)" if _tree.tree_structure(opt_state) == spec else ""
+    if not _tree.structures_equal(grads, params):
+        swapped = " (opt_state and params look swapped)" if _tree.structures_equal(grads, opt_state) else ""
         raise TypeError(
             f"update: params must have the structure of grads{swapped}; the order is update(optimizer, grads, "
             "opt_state, params)"
