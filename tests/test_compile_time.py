@@ -128,6 +128,36 @@ def test_fast_flatten_with_rest_trees() -> None:
         assert _tree._fast.flatten(a, (other,), strict=False) is None, other
 
 
+def test_fast_flatten_of_a_dict_of_tensors_with_rest_trees() -> None:
+    """A dict whose values are all plain tensors (parameters, gradients, moments) is walked without a step per key:
+    the same leaves, rest leaves, rebuilt tree and paths as optree's, a missing key or (strict) a subtree facing a
+    leaf handed back, a subtree passed whole when not strict; a tensor subclass takes the per-key walk."""
+    t = torch.zeros(2)
+    a = {"w": t, "b": t + 1, "a": torch.nn.Parameter(t + 2)}  # unsorted keys, a Parameter
+    b = {"b": t + 3, "a": 4, "w": t + 5}
+    leaves, (rest,), skeleton = _tree._fast.flatten(a, (b,), strict=True)
+    assert leaves == optree.tree_leaves(a, namespace=_tree.NAMESPACE) and len(leaves) == 3
+    assert rest == optree.tree_leaves(b, namespace=_tree.NAMESPACE)
+    rebuilt = _tree._fast.unflatten(skeleton, leaves)
+    assert _same_tree(rebuilt, a) and list(rebuilt) == list(a)
+    paths: list[str] = []
+    _tree._fast.skeleton_paths(skeleton, (), paths)
+    assert paths == ["a", "b", "w"]
+    assert _tree._fast.flatten(a, ({"b": t, "a": t, "x": t},), strict=True) is None  # a key missing
+    deeper = {"b": t, "a": (t, t), "w": t}
+    assert _tree._fast.flatten(a, (deeper,), strict=True) is None
+    _, (whole,), _ = _tree._fast.flatten(a, (deeper,), strict=False)
+    assert whole[0] is deeper["a"]  # passed to the map function whole, as optree.tree_map does
+
+    class Sub(torch.Tensor):
+        pass
+
+    c = {"y": t, "x": t.as_subclass(Sub)}
+    leaves, _, skeleton = _tree._fast.flatten(c, (), strict=True)
+    assert leaves == optree.tree_leaves(c, namespace=_tree.NAMESPACE)
+    assert _same_tree(_tree._fast.unflatten(skeleton, leaves), c)
+
+
 def test_fast_flatten_pairs_dataclasses_by_their_static_fields() -> None:
     """Two funcamp dataclasses pair up where their static fields are the same object or equal constants; a
     differing one, another class or a subclass goes to optree (which says how they differ)."""

@@ -65,6 +65,12 @@ def flatten(tree: Any, rest: tuple[Any, ...], *, strict: bool) -> tuple[list, li
 
 
 _LEAF, _NONE, _DICT, _SEQ, _DATA = 0, 1, 2, 3, 4
+#: The children of a dict whose every value is a leaf (one marker, not a list of ``_LEAF``).
+_ALL_LEAVES = -1
+#: Types whose values :func:`_walk` takes for leaves without asking each one (a subclass asks ``isinstance``).
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+#: :data:`LEAF_TYPES` without subclasses (but ``bool``), for the same question of many values at once.
+_PLAIN_LEAF_TYPES = _TENSOR_TYPES | {int, float, complex, str, bytes, bool}
 
 
 def _walk(node: Any, others: list[Any], strict: bool, leaves: list, rest_leaves: list) -> Any:
@@ -91,6 +97,14 @@ def _walk(node: Any, others: list[Any], strict: bool, leaves: list, rest_leaves:
             if type(k) is not str:
                 return None  # optree orders other keys in ways this walk does not copy
         keys = tuple(sorted(order))
+        values = list(map(node.__getitem__, keys))  # no bytecodes per key to trace (Dynamo runs ``map`` itself)
+        if _plain_tensors(values):  # a dict of plain tensors (parameters, gradients, moments): no walk per key
+            subs = _dict_values(others, keys, strict)
+            if subs is not None:
+                leaves.extend(values)
+                for acc, sub in zip(rest_leaves, subs):
+                    acc.extend(sub)
+                return (_DICT, keys, None if order == keys else order, _ALL_LEAVES)
         children = []
         for k in keys:
             sub = []
@@ -140,6 +154,33 @@ def _walk(node: Any, others: list[Any], strict: bool, leaves: list, rest_leaves:
     return _walk_fields(node, others, strict, leaves, rest_leaves, fields)
 
 
+def _dict_values(others: list[Any], keys: tuple[str, ...], strict: bool) -> list[list[Any]] | None:
+    """The values of each dict of ``others`` at ``keys`` (the leaf places of a dict of tensors), or None where one
+    lacks a key (the caller's per-key walk then says None) or, ``strict``, holds a value that is not a plain leaf
+    (the caller's walk asks ``isinstance`` of each)."""
+    subs = []
+    for o in others:
+        for k in keys:
+            if k not in o:
+                return None
+        sub = list(map(o.__getitem__, keys))
+        if strict:
+            for x in sub:
+                if type(x) not in _PLAIN_LEAF_TYPES:
+                    return None
+        subs.append(sub)
+    return subs
+
+
+def _plain_tensors(values: list[Any]) -> bool:
+    """Whether every value is a ``torch.Tensor`` or an ``nn.Parameter`` (not a subclass, which the walk asks
+    ``isinstance`` of)."""
+    for x in values:
+        if type(x) not in _TENSOR_TYPES:
+            return False
+    return True
+
+
 def _walk_fields(node: Any, others: list[Any], strict: bool, leaves: list, rest_leaves: list, fields: Any) -> Any:
     """:func:`_walk` of a dataclass of :func:`funcamp._tree.dataclass`: its static fields equal in ``others``
     (the same object, or equal constants), its children walked in field order."""
@@ -187,8 +228,12 @@ def _build(skeleton: Any, it: Any) -> Any:
     if skeleton[0] == _DICT:
         _, keys, order, children = skeleton
         built = {}
-        for k, child in zip(keys, children):
-            built[k] = next(it) if child == _LEAF else _build(child, it)
+        if children == _ALL_LEAVES:
+            for k in keys:
+                built[k] = next(it)
+        else:
+            for k, child in zip(keys, children):
+                built[k] = next(it) if child == _LEAF else _build(child, it)
         if order is None:
             return built
         ordered = {}
@@ -219,7 +264,7 @@ def skeleton_paths(skeleton: Any, prefix: tuple[str, ...], out: list[str]) -> No
         return
     if skeleton[0] == _DICT:
         _, keys, _, children = skeleton
-        named = zip(keys, children)
+        named = zip(keys, [_LEAF] * len(keys) if children == _ALL_LEAVES else children)
     elif skeleton[0] == _DATA:
         named = zip(skeleton[3], skeleton[4])
     else:
