@@ -250,8 +250,9 @@ def inductor_options() -> dict[str, Any] | None:
     per-parameter work (each gradient's norm and finite flag, each buffer's update) reads the same few scalars
     (the loss scale, the norm's scale, the clip's coefficient, the step's verdict), so every such node is paired
     with 64 others that it cannot fuse with (different sizes): on GPT-2 124M's scanned body those pairs took
-    13.2 of the first step's 80.5 s (a 2-core Xeon, cold). With 16 the fusion takes 4.8 s and leaves 976 nodes
-    against 974 (one group of ten operations fused as three); docs/benchmarks.md.
+    13.2 of the first step's 80.5 s (a 2-core Xeon, cold). With 32 inductor generates the same code, byte for
+    byte, for GPT small's step and GPT-2's body, unrolled and scanned; with 16 it missed fusions on GPT-2 and its
+    steady step was 6% slower (502.9 against 472.4 ms): docs/benchmarks.md.
 
     Let AOTAutograd's cache store the step:
 
@@ -281,7 +282,7 @@ def inductor_options() -> dict[str, Any] | None:
 
 #: How many later nodes sharing a buffer inductor's scheduler tries to fuse each node with (inductor's default:
 #: 64); :func:`inductor_options`.
-FUSION_PAIR_WINDOW = 16
+FUSION_PAIR_WINDOW = 32
 
 
 #: Tensor methods that torch writes in Python and that only compute (no hooks, no autograd or storage
