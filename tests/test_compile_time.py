@@ -226,6 +226,26 @@ def test_traced_structure_errors_still_raised() -> None:
         _compiled(optim.apply_updates)(a, {"w": torch.zeros(2), "v": torch.zeros(2)})
 
 
+def test_traced_grad_flatten_has_torch_pytrees_leaves() -> None:
+    """The differentiated argument is flattened as ``torch.utils._pytree`` does, traced or not: a ``None`` there is a
+    leaf (the eager step fails on it, so must the compiled one), and so is a funcamp dataclass (not registered with
+    torch); the fast walk, which skips ``None`` and opens the dataclass, is taken only where the leaves agree."""
+    from funcamp import grad
+
+    t = torch.zeros(2)
+    for tree in (
+        {"w": t, "b": None},
+        {"w": t, "t": (t + 1, None)},
+        [t, fa.StaticLossScale(2.0)],
+        {"b": t, "a": t + 1, "c": [t, Pair(t, t)]},
+    ):
+        eager = grad._flatten(tree)[0]
+        traced = _compiled(lambda x: grad._flatten(x)[0])(tree)
+        assert len(traced) == len(eager) and all(type(a) is type(b) for a, b in zip(traced, eager)), tree
+        plain = _tree._fast.torch_leaves(_tree._fast.flatten(tree, (), strict=True)[2])
+        assert plain == (isinstance(tree, dict) and "c" in tree)  # the fast walk still takes plain containers
+
+
 # --- the whole train step: compiled equals eager, bitwise -------------------------------------------------
 
 

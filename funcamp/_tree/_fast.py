@@ -255,6 +255,23 @@ def _build(skeleton: Any, it: Any) -> Any:
     return cls(items) if cls is list or cls is tuple else cls(*items)
 
 
+def torch_leaves(skeleton: Any) -> bool:
+    """Whether ``torch.utils._pytree`` flattens the tree of ``skeleton`` (from :func:`flatten`) into the same leaves
+    (in its own order: dict keys as inserted): no ``None`` (a leaf there, skipped here) and no funcamp dataclass
+    (a leaf there: it is registered with optree only). A plain dict of tensors is one step."""
+    if skeleton == _LEAF:
+        return True
+    if skeleton == _NONE or skeleton[0] == _DATA:
+        return False
+    children = skeleton[3] if skeleton[0] == _DICT else skeleton[2]
+    if children == _ALL_LEAVES:
+        return True
+    for child in children:
+        if child != _LEAF and not torch_leaves(child):
+            return False
+    return True
+
+
 def skeleton_paths(skeleton: Any, prefix: tuple[str, ...], out: list[str]) -> None:
     """Append the dotted path of every leaf of ``skeleton`` (from :func:`flatten`) to ``out``."""
     if skeleton == _LEAF:
