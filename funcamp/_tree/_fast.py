@@ -53,9 +53,10 @@ def is_plain_namedtuple(cls: type) -> bool:
 def flatten(tree: Any, rest: tuple[Any, ...], *, strict: bool) -> tuple[list, list[list], Any] | None:
     """``(leaves, rest_leaves, skeleton)`` of ``tree`` and ``rest`` in optree's leaf order, or None.
 
-    None when a node is not a dict with string keys, list, tuple, plain NamedTuple or None, when a leaf
-    is not one of :data:`LEAF_TYPES`, or when a tree of ``rest`` differs from ``tree`` at a node
-    (``strict``: at a leaf too, i.e. the structures must be equal). Dict keys are visited sorted, as
+    None when a node is not a dict with string keys, list, tuple, plain NamedTuple, None or funcamp dataclass
+    (:data:`FIELDS`), when a leaf is not one of :data:`LEAF_TYPES`, or when a tree of ``rest`` differs from
+    ``tree`` at a node (a dataclass's static fields: not the same object nor equal constants; ``strict``: at a
+    leaf too, i.e. the structures must be equal). Dict keys are visited sorted, as
     optree does; :func:`unflatten` rebuilds each dict in its original key order.
     """
     leaves: list[Any] = []
