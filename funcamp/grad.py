@@ -252,13 +252,12 @@ def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     """``(leaves, rebuild)`` of a differentiated argument, walked with ``torch.utils._pytree``; while a compiled
     step traces, a tree of plain containers is walked by :mod:`funcamp._tree`'s fast path instead (the same
     tree rebuilt; torch's pytree under Dynamo is its Python polyfill, 27k traced bytecodes on GPT-2's 148
-    parameters). The fast walk is taken only where torch's pytree has the same leaves (:func:`_fast.torch_leaves`:
-    a ``None`` or a funcamp dataclass is a leaf there, on which the eager step fails, and so must the compiled
-    one)."""
-    flat = _tree._fast.flatten(tree, (), strict=True) if _tree._fast.traced() else None
-    if flat is not None and _tree._fast.torch_leaves(flat[2]):
-        leaves, _, skeleton = flat
-        return leaves, lambda new: _tree._fast.unflatten(skeleton, new)
+    parameters). The fast walk is taken only where torch's pytree has the same leaves
+    (:func:`funcamp._tree.flatten_as_torch`: a ``None`` or a funcamp dataclass is a leaf there, on which the eager
+    step fails, and so must the compiled one)."""
+    fast = _tree.flatten_as_torch(tree)
+    if fast is not None:
+        return fast
     leaves, spec = torch_pytree.tree_flatten(tree)
     return leaves, lambda new: torch_pytree.tree_unflatten(new, spec)
 

@@ -70,6 +70,17 @@ def flatten_same(tree: Any, *rest: Any) -> tuple[list[list[Any]], Callable[[list
     return [leaves, *rest_leaves], lambda new_leaves: _fast.unflatten(skeleton, new_leaves)
 
 
+def flatten_as_torch(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]] | None:
+    """``(leaves, rebuild)`` of ``tree`` by the fast path, while a compiled step traces and only where
+    ``torch.utils._pytree`` gives the same leaves (:func:`funcamp._tree._fast.torch_leaves`: no ``None`` and no
+    funcamp dataclass, leaves there); None otherwise, and the caller walks the tree with torch's pytree."""
+    flat = _fast.flatten(tree, (), strict=True) if _fast.traced() else None
+    if flat is None or not _fast.torch_leaves(flat[2]):
+        return None
+    leaves, _, skeleton = flat
+    return leaves, lambda new: _fast.unflatten(skeleton, new)
+
+
 def tree_leaves(tree: Any) -> list[Any]:
     """Leaves of ``tree`` in optree order (dict keys sorted, ``None`` skipped)."""
     if _fast.traced():
