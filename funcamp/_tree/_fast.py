@@ -107,13 +107,12 @@ def _walk(node: Any, others: list[Any], strict: bool, leaves: list, rest_leaves:
                     acc.extend(sub)
                 return (_DICT, keys, None if order == keys else order, _ALL_LEAVES)
         children = []
-        for k in keys:
+        for k, x in zip(keys, values):
             sub = []
             for o in others:
                 if k not in o:
                     return None
                 sub.append(o[k])
-            x = node[k]
             if isinstance(x, torch.Tensor):  # the common leaf, inline: each call costs Dynamo a frame
                 for acc, y in zip(rest_leaves, sub):
                     if strict and not isinstance(y, LEAF_TYPES):
@@ -186,20 +185,17 @@ def _walk_fields(node: Any, others: list[Any], strict: bool, leaves: list, rest_
     """:func:`_walk` of a dataclass of :func:`funcamp._tree.dataclass`: its static fields equal in ``others``
     (the same object, or equal constants), its children walked in field order."""
     cls, names, statics = fields
+    for o in others:
+        if type(o) is not cls:
+            return None
     aux = []
     for name in statics:
         v = getattr(node, name)
         for o in others:
-            if type(o) is not cls:
-                return None
             w = getattr(o, name)
             if w is not v and not (type(w) is type(v) and isinstance(v, _CONSTANTS) and w == v):
                 return None
         aux.append(v)
-    if not statics:
-        for o in others:
-            if type(o) is not cls:
-                return None
     children = []
     for name in names:
         sub = []
