@@ -29,8 +29,9 @@ What is compared (the documented equalities):
 * A compiled step does not recompile after its first call (DESIGN.md), over skips and scale changes (with
   ``storage="alternate"``: after its first call on each storage).
 * Storage (docs/internals.md, docs/memory.md): a compiled step over per-leaf storage, and one whose states
-  alternate between the storages (each loaded with ``funcamp.checkpoint`` into a state of the other), are bitwise
-  the same step over the other storage; a state built from a module's parameters leaves them as they were when
+  alternate between the storages (each loaded with ``funcamp.checkpoint`` into a state of the other), are the same
+  step over the other storage, bitwise but for the global norm's round-off (:data:`STORAGE_BOUND`: flat storage
+  sums it per row of its buffers); a state built from a module's parameters leaves them as they were when
   it is flat (``TrainState.create`` copies), and a donating per-leaf one writes each new state into them.
 * A step compiled again (Dynamo reset) from the caches of the first compile, its closure given a copy instead of
   the state's own tensor (other input aliasing), is bitwise the first (``warm``, inductor).
@@ -71,6 +72,10 @@ LOSS_RTOL = 2.0**-18
 BOUNDS = {"aot_eager": (1e-5, 1e-6), "inductor": (2e-2, 2e-3)}
 #: In half-precision compute a compiled step rounds at other points than the eager one: the inductor bound.
 HALF_BOUND = (2e-2, 2e-3)
+#: Flat storage sums the global norm per row of its gradient buffers, a per-leaf state per leaf: the same step over
+#: the two storages differs by that round-off where the norm enters (the grad_norm metric, a clip's factor), and is
+#: otherwise bitwise (tests/test_flat.py holds that split).
+STORAGE_BOUND = (1e-5, 1e-7)
 
 
 class Pair(NamedTuple):
@@ -552,18 +557,22 @@ def _check(cfg: Config) -> dict[str, Any]:
             plain = build(dataclasses.replace(cfg, remat=None))
             torch._dynamo.reset()
             step_c = _make(cfg, plain.loss_fn, plain.params, backend=cfg.backend, donate=False)
-            base = _run(step_c, fresh_state(cfg, plain), plain.batches, pure=True, donate=False, compiled=True,
-                        problems=problems, label="companion", prepare=_closure_reads(cfg, plain))  # fmt: skip
-            _compare_runs(got, base, "step vs the same backend without donate/remat", None, problems)
+            storage = "leaf" if cfg.storage == "leaf" else "flat"  # alternate: its odd steps per leaf
+            reads_c = _closure_reads(cfg, plain)
+            base = _run(step_c, fresh_state(cfg, plain, storage), plain.batches, pure=True, donate=False,
+                        compiled=True, problems=problems, label="companion", prepare=reads_c)  # fmt: skip
+            bound = STORAGE_BOUND if cfg.storage == "alternate" else None
+            _compare_runs(got, base, "step vs the same backend without donate/remat", bound, problems)
     other = None
-    if compiled and cfg.storage != "flat":  # the storage changes no bit: against the other storage's step
+    if compiled and cfg.storage != "flat":  # the storage changes only the norm's round-off: against the other's
         storage = "flat" if cfg.storage == "leaf" else "leaf"  # (alternate: its flat steps against per-leaf ones)
         torch._dynamo.reset()
         step_o = _make(cfg, built.loss_fn, built.params, backend=cfg.backend, donate=cfg.donate)
         other = _run(step_o, fresh_state(cfg, built, storage), built.batches, pure=not cfg.donate,
                      donate=cfg.donate, compiled=True, problems=problems, label=f"{storage} companion",
                      prepare=reads)  # fmt: skip
-        _compare_runs(got, other, f"step ({cfg.storage}) vs the same step over {storage} storage", None, problems)
+        _compare_runs(got, other, f"step ({cfg.storage}) vs the same step over {storage} storage", STORAGE_BOUND,
+                      problems)  # fmt: skip
     if cfg.warm:  # compiled again from the caches the first compile filled, the closure given a copy this time
         torch._dynamo.reset()
         step_w = _make(cfg, built.loss_fn, built.params, backend=cfg.backend, donate=cfg.donate)

@@ -295,3 +295,13 @@ def test_public_names_keep_their_module_and_pickle() -> None:
         error = pickle.loads(pickle.dumps(cls("f.pt: the root differs")))
         assert type(error) is cls and str(error) == "f.pt: the root differs"
         assert b"funcamp.checkpoint._" not in pickle.dumps(cls("x"))
+
+
+def test_the_padding_bound_is_the_flat_storages():
+    """``_saved_whole`` takes a storage as saved whole when its tensors cover all but fewer than
+    ``PADDING_ELEMENTS`` elements each: flat storage's row (``funcamp.train._flat.NORM_ROW``), which the checkpoint
+    package (below train) does not import. A larger row would make every flat buffer's tensors saved as clones."""
+    from funcamp.checkpoint import _format
+    from funcamp.train import _flat
+
+    assert _format.PADDING_ELEMENTS == _flat.NORM_ROW

@@ -25,6 +25,7 @@ from funcamp._tree._numerics import (
     norm_of_scaled,
     scaled_global_norm,
     scaled_norms_within,
+    scaled_row_sums,
     select_tree,
     widened,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "structures_equal",
     "scaled_global_norm",
     "scaled_norms_within",
+    "scaled_row_sums",
     "select_tree",
     "tree_bytes",
     "tree_device",

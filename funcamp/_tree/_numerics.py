@@ -400,6 +400,32 @@ def scaled_norms_within(
     return out, torch.linalg.vector_norm(torch.stack([n for n in out if n is not None])), scale
 
 
+def scaled_row_sums(bases: list[torch.Tensor], row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`scaled_global_norm` of the 1-d tensors ``bases`` read as rows of ``row`` elements: ``(sums, s)``,
+    ``sums`` the scaled sum of squares of every row (1-d, the accumulation dtype; the bases' rows in order, empty
+    bases left out), ``s`` the power of two. The norm is ``sqrt(sums.sum()) / s``.
+
+    Every base's length is a multiple of ``row`` (a flat storage's buffers: :data:`funcamp.train._flat.NORM_ROW`).
+    The scale is :func:`scaled_global_norm`'s (the largest magnitude, one reduction per base), so a row's sum is
+    finite exactly when every element of the row is (a scaled square is at most 16); the squares are summed per row
+    and then over the rows, so the norm is the per-leaf one within the accumulation dtype's round-off, not bit for
+    bit. One 2-d reduction per base, where a norm per leaf is one reduction per leaf: a compiled step's check over
+    flat buffers (``funcamp.train._flat._MemberNorms``). None where a base is not a float32, bfloat16 or float64
+    tensor (float16 and float8 are summed unscaled) or every base is empty.
+    """
+    present = [b for b in bases if b.numel()]
+    if not present:
+        return None
+    acc = torch.float64 if any(b.dtype == torch.float64 for b in present) else torch.float32
+    dtypes = {b.dtype for b in present}
+    if not all(d.is_floating_point and d.itemsize > 1 and _needs_scale(d, acc) for d in dtypes):
+        return None
+    scale = _pow2_scale(torch.stack([_max_magnitude(b).to(acc) for b in present]).amax())
+    scales = {d: scale.to(d) for d in dtypes}  # exact: the same exponent range
+    sums = torch.cat([(b * scales[b.dtype]).view(-1, row).to(acc).square().sum(1) for b in present])
+    return sums, scale
+
+
 def global_norm(tree: Any) -> torch.Tensor:
     """The L2 norm of all floating and complex tensor leaves of ``tree`` taken together.
 

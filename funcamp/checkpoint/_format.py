@@ -19,6 +19,9 @@ from funcamp._errors import DonatedStateError
 from funcamp.checkpoint._atomic import replace_atomically
 
 FORMAT = "funcamp.checkpoint"
+#: Flat storage pads each tensor of a buffer by fewer elements than this (``funcamp.train._flat.NORM_ROW``, which the
+#: checkpoint package, below train, does not import; ``tests/test_checkpoint.py`` holds them equal).
+PADDING_ELEMENTS = 256
 
 
 VERSION = 1
@@ -70,17 +73,17 @@ def _memory(x: torch.Tensor) -> tuple[Any, int]:
 
 
 def _saved_whole(state: Any) -> set[Any]:
-    """The storages the tensors of ``state`` cover (but for the alignment padding of a flat buffer, at most 64
-    bytes a tensor): saved as they are, shared. A tensor on a storage it shares with tensors that are not saved
-    (one parameter of a flat state) is cloned instead, so that a file holds only what was asked for and a loaded
-    tensor pins no larger buffer (``torch.save`` writes a view's whole storage)."""
+    """The storages the tensors of ``state`` cover (but for the alignment padding of a flat buffer, less than
+    ``PADDING_ELEMENTS`` elements a tensor): saved as they are, shared. A tensor on a storage it shares with
+    tensors that are not saved (one parameter of a flat state) is cloned instead, so that a file holds only what was
+    asked for and a loaded tensor pins no larger buffer (``torch.save`` writes a view's whole storage)."""
     covered: dict[Any, list[int]] = {}
     for x in _tensors(state):
         if x.numel():
             entry = covered.setdefault(_memory(x), [x.untyped_storage().nbytes(), 0, 0])
             entry[1] += x.numel() * x.element_size()
-            entry[2] += 1
-    return {key for key, (nbytes, saved, n) in covered.items() if saved >= nbytes - 64 * n}
+            entry[2] += PADDING_ELEMENTS * x.element_size()  # the most padding a flat buffer holds before and after it
+    return {key for key, (nbytes, saved, slack) in covered.items() if saved >= nbytes - slack}
 
 
 def encode(x: Any, path: str, whole: set[Any] | None = None) -> Any:
