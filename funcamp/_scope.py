@@ -90,7 +90,8 @@ def within(layout: StepLayout, fn: Callable[..., R], /, *args: Any, **kwargs: An
 
 def current() -> StepLayout | None:
     """The layout of the innermost :func:`within`, or None outside every step."""
-    return _LAYOUT.current()
+    stack = _LAYOUT._stack  # Scope.current, inline: asked for every parameter use and many leaves
+    return stack[-1] if stack else None
 
 
 _STEP = Scope()
@@ -117,4 +118,6 @@ def compiling() -> bool:
     assembled step, or in an eager step's body), whether ``torch.compile`` is tracing: a model called under the
     user's own ``torch.compile``, also inside an eager step, takes the compiled branches as it always has.
     """
-    return any(plan.compiled for plan in _STEP._stack) or torch.compiler.is_compiling()
+    # is_compiling first: a constant while Dynamo traces, which then traces no walk of the stack (every tree
+    # function and parameter use asks)
+    return torch.compiler.is_compiling() or any(plan.compiled for plan in _STEP._stack)

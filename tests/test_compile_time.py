@@ -370,3 +370,26 @@ def test_nested_compile_region_does_not_compose_with_the_steps_gradient():
     step = torch.compile(lambda p, x: torch.func.grad_and_value(loss)(p, x), fullgraph=True, backend="aot_eager")
     with pytest.raises(AssertionError, match="Expected FakeTensor"):
         step(params, x)
+
+
+def test_compute_dtype_table_is_the_promotion() -> None:
+    """``optim.base.compute_dtype`` reads one and two floating dtypes from a table made at import (Dynamo traced
+    the promotions for every buffer in every transformation): the table is the promotion with float32 it stands
+    for, and other dtypes (integers, three at once) still promote. (Planted: bfloat16 alone mapped to
+    bfloat16: fails.)"""
+    from funcamp.optim import base
+
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.uint8]
+
+    def promoted(*ds: torch.dtype) -> torch.dtype:
+        out = torch.float32
+        for d in ds:
+            out = torch.promote_types(out, d)
+        return out
+
+    for a in dtypes:
+        assert base.compute_dtype(a) == promoted(a), a
+        for b in dtypes:
+            assert base.compute_dtype(a, b) == promoted(a, b), (a, b)
+            assert base.compute_dtype(a, b, torch.float64) == torch.float64
+    assert base.compute_dtype() == torch.float32

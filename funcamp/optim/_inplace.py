@@ -148,7 +148,8 @@ def bound(finite: torch.Tensor | None, grads: Any) -> Donation | None:
 def current() -> Donation | None:
     """The donation of the innermost :func:`within`, or None (no donating eager step, its update not begun, or a
     user's transform)."""
-    donation = _SCOPE.current()
+    stack = _SCOPE._stack  # Scope.current, inline: asked for every leaf of every transformation
+    donation = stack[-1] if stack else None
     return donation if isinstance(donation, Donation) else None
 
 

@@ -200,10 +200,22 @@ def _add_leaf(p: Any, u: Any) -> torch.Tensor:
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype arithmetic runs in: the widest of ``dtypes`` and float32."""
+    known = _COMPUTE.get(dtypes)  # one or two floating dtypes: a table made at import (not traced per leaf)
+    if known is not None:
+        return known
     out = torch.float32
     for d in dtypes:
         out = torch.promote_types(out, d)
     return out
+
+
+_FLOATING = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+#: :func:`compute_dtype` of one and of two floating dtypes, made at import: a compiled step asks it for every
+#: buffer in every transformation, and Dynamo would otherwise trace the promotions each time.
+_COMPUTE: dict[tuple[torch.dtype, ...], torch.dtype] = {
+    **{(a,): torch.promote_types(torch.float32, a) for a in _FLOATING},
+    **{(a, b): torch.promote_types(torch.promote_types(torch.float32, a), b) for a in _FLOATING for b in _FLOATING},
+}
 
 
 def empty_init(params: Params) -> EmptyState:

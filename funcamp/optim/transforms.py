@@ -149,6 +149,10 @@ def _map_moments(n: int, fn: Callable[..., tuple[Any, ...]], tree: Any, *moments
             f"{name}: updates and optimizer state must have the same structure ({e}); build the state with "
             "init(params) on parameters shaped like the gradients"
         ) from None
+    fast = _tree.flatten_same(tree)  # while torch.compile traces: one walk for the n trees (outs in leaf order)
+    if fast is not None:
+        rebuild = fast[1]
+        return tuple(rebuild([o[k] for o in outs]) for k in range(n))
     return tuple(_tree.tree_map(lambda i, k=k: outs[i][k], index) for k in range(n))
 
 
@@ -645,6 +649,8 @@ def _find_lr_state(state: Any) -> ScaleByLearningRateState | None:
         return state
     children = state.values() if isinstance(state, dict) else state if isinstance(state, (tuple, list)) else ()
     for child in children:
+        if isinstance(child, torch.Tensor):  # a moment or a count: no state below it (and no call traced per leaf)
+            continue
         found = _find_lr_state(child)
         if found is not None:
             return found
