@@ -305,3 +305,21 @@ def test_the_padding_bound_is_the_flat_storages():
     from funcamp.train import _flat
 
     assert _format.PADDING_ELEMENTS == _flat.NORM_ROW
+
+
+@pytest.mark.parametrize("hidden", [1, 100, 256])
+def test_one_member_of_a_flat_buffer_is_saved_alone(tmp_path, hidden):
+    """Saving one parameter of a flat state writes that parameter, not its buffer: a neighbour of up to a row
+    (``PADDING_ELEMENTS``) must not hide in the saved tensor's padding slack. (Planted: the slack summed per saved
+    tensor (256 elements each), as before: the 256-element ``w`` covers the buffer but for the neighbour, which is
+    written into the file and pins the loaded ``w``'s memory.)"""
+    from funcamp.checkpoint import _format
+
+    state = fa.TrainState.create({"w": torch.randn(256), "secret": torch.full((hidden,), 7.0)}, optim.sgd(0.1))
+    assert state.storage.kind == "flat" and state.params["w"].untyped_storage().nbytes() == 512 * 4
+    path = tmp_path / "w.pt"
+    checkpoint.save(path, {"w": state.params["w"]})
+    loaded = checkpoint.load(path)["w"]
+    assert torch.equal(loaded, state.params["w"])
+    assert loaded.untyped_storage().nbytes() == 256 * 4
+    assert _format._saved_whole({"p": state.params}) != set()  # every member saved: the buffer, whole

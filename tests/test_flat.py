@@ -403,6 +403,44 @@ def test_flat_clip_norm_within_float32_of_float64(monkeypatch):
         assert torch.allclose(state.params[k].double(), v, rtol=0, atol=4 * 2**-24 * float(v.abs().max())), k
 
 
+def _shift(updates, state, params=None):
+    return {k: u + 0.01 for k, u in updates.items()}, state
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param(lambda: optim.elementwise(optim.GradientTransformation(lambda params: (), _shift)), id="f0_not_0"),
+        pytest.param(lambda: optim.scale_by_adam(eps=0.0), id="adam_eps0"),  # the padding's update: 0 / 0
+    ],
+)
+def test_a_clip_after_a_transformation_reads_no_padding(first):
+    """A clip after another elementwise transformation sees updates whose padding need not be zero (``f(0) != 0``,
+    Adam's ``0 / 0`` with ``eps=0``): its norm is the members', the per-leaf step's bitwise, where the check's and a
+    first clip's read the gradient buffers' rows (zeros in the padding). (Planted: the clip's norm read from the
+    rows of any buffers: 20 members' padding of 0.01 each enters the norm, the parameters differ; with eps=0 the
+    NaN padding makes the norm NaN and the clip never acts.)"""
+    g = torch.Generator().manual_seed(0)
+    params = {f"p{i:02d}": torch.randn(3, generator=g) for i in range(20)}
+    batches = [torch.randn(3, generator=g) for _ in range(2)]
+
+    def loss(p, b):
+        return sum((v * b).sum() for v in p.values())
+
+    out = {}
+    for flat in (True, False):
+        torch._dynamo.reset()
+        optimizer = optim.chain(first(), optim.clip_by_global_norm(0.5), optim.sgd(1.0))
+        with storage_kind(flat) as kind:
+            state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+            assert state.storage.kind == kind
+            step = fa.make_train_step(loss, optimizer, backend=BACKEND)
+            for b in batches:
+                state, _ = step(state, b)
+        out[flat] = state.params
+    _assert_bitwise(out[True], out[False], "params")
+
+
 def test_what_runs_leaf_by_leaf():
     """The layout refuses what it cannot replay: a user's transformation, stochastic rounding (its noise is
     drawn per leaf), non-floating or non-dense parameters; a mask callable that reads values (not shapes)."""

@@ -73,17 +73,34 @@ def _memory(x: torch.Tensor) -> tuple[Any, int]:
 
 
 def _saved_whole(state: Any) -> set[Any]:
-    """The storages the tensors of ``state`` cover (but for the alignment padding of a flat buffer, less than
-    ``PADDING_ELEMENTS`` elements a tensor): saved as they are, shared. A tensor on a storage it shares with
-    tensors that are not saved (one parameter of a flat state) is cloned instead, so that a file holds only what was
-    asked for and a loaded tensor pins no larger buffer (``torch.save`` writes a view's whole storage)."""
-    covered: dict[Any, list[int]] = {}
+    """The storages the tensors of ``state`` cover (but for the alignment padding of a flat buffer: gaps of fewer
+    than ``PADDING_ELEMENTS`` elements after a tensor): saved as they are, shared. A tensor on a storage it shares
+    with tensors that are not saved (one parameter of a flat state) is cloned instead, so that a file holds only what
+    was asked for and a loaded tensor pins no larger buffer (``torch.save`` writes a view's whole storage). Each
+    member of a flat buffer starts on a row of ``PADDING_ELEMENTS`` elements, so a member left out leaves a gap of
+    at least a row; a total of padding per tensor would let a member of up to a row hide in the others' slack."""
+    spans: dict[Any, list[Any]] = {}
     for x in _tensors(state):
         if x.numel():
-            entry = covered.setdefault(_memory(x), [x.untyped_storage().nbytes(), 0, 0])
-            entry[1] += x.numel() * x.element_size()
-            entry[2] += PADDING_ELEMENTS * x.element_size()  # the most padding a flat buffer holds before and after it
-    return {key for key, (nbytes, saved, slack) in covered.items() if saved >= nbytes - slack}
+            entry = spans.setdefault(_memory(x), [x.untyped_storage().nbytes(), x.element_size(), []])
+            entry[1] = min(entry[1], x.element_size())
+            extent = 1 + sum((n - 1) * abs(st) for n, st in zip(x.shape, x.stride(), strict=True))
+            if extent != x.numel() or any(st < 0 for st in x.stride()):  # overlapping or gapped: never whole
+                entry[2] = None
+            elif entry[2] is not None:
+                start = x.storage_offset() * x.element_size()
+                entry[2].append((start, start + x.numel() * x.element_size()))
+    whole = set()
+    for key, (nbytes, itemsize, ranges) in spans.items():
+        if ranges is None:
+            continue
+        slack, cursor, ok = PADDING_ELEMENTS * itemsize, 0, True
+        for start, end in sorted(ranges):
+            ok = ok and start - cursor < slack
+            cursor = max(cursor, end)
+        if ok and nbytes - cursor < slack:
+            whole.add(key)
+    return whole
 
 
 def encode(x: Any, path: str, whole: set[Any] | None = None) -> Any:

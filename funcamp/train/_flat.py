@@ -281,7 +281,7 @@ class Flat:
         parameters (:class:`FlatParams`)."""
         if not isinstance(params, FlatParams):
             return stage(optimizer, grads, opt_state, params, layout, finite)
-        norms = _MemberNorms(layout, self)
+        norms = _MemberNorms(layout, self, gradients=grads.buffers)
         new, new_state, updates = _flat_opt.replaying(
             self.replay, stage, optimizer, grads.buffers, opt_state, params.buffers, norms, None
         )
@@ -512,10 +512,16 @@ class _MemberNorms:
     :func:`funcamp._tree.scaled_norms_within`). Everything else is the layout's."""
 
     def __init__(
-        self, layout: Any, storage: Flat, checked: tuple[Any, list[Any], dict[str, Any]] | None = None
+        self,
+        layout: Any,
+        storage: Flat,
+        checked: tuple[Any, list[Any], dict[str, Any]] | None = None,
+        gradients: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        # checked: the views tree the check is handed, its leaves (tree order) and the gradient buffers
+        # checked: the views tree the check is handed, its leaves (tree order) and the gradient buffers;
+        # gradients: the gradient buffers :meth:`Flat.flat` made (zeros in the padding), for the optimizer's norms
         self._layout, self._storage, self._checked = layout, storage, checked
+        self._gradients = gradients if checked is None else checked[2]
 
     def stats(self, grads: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layout's ``(finite, flags, grad_norm)``; for the views :meth:`Flat.check` made, a flag per member
@@ -548,12 +554,19 @@ class _MemberNorms:
         (:meth:`Flat.check`), so that both are one expression that the ``cse`` graph pass computes once (member by
         member for float16 buffers); over each buffer's members otherwise."""
         if isinstance(tree, dict) and self._storage.holds_buffers(tree):
-            rows = self._storage.row_sums(tree)
-            if rows is not None:
-                return rows[0].sum().sqrt(), rows[1]
             views = self._storage._views(tree)
-            within = _tree.scaled_norms_within(views, list(tree.values()))
-            return self._layout.scaled_global_norm(views, fn) if within is None else within[1:]
+            grads = self._gradients
+            # The rows and the buffers' largest magnitudes read the padding: only the gradient buffers are known to
+            # hold zeros there. An update made from them (a transformation before the clip) may not: f(0) != 0, or
+            # Adam's 0 / 0 with eps=0; its norm is the members' (the per-leaf step's, bitwise).
+            if grads is not None and all(tree[k] is grads.get(k) for k in tree):
+                rows = self._storage.row_sums(tree)
+                if rows is not None:
+                    return rows[0].sum().sqrt(), rows[1]
+                within = _tree.scaled_norms_within(views, list(tree.values()))
+                if within is not None:
+                    return within[1:]
+            return self._layout.scaled_global_norm(views, fn)
         views: list[torch.Tensor] = []
         for key, leaf in zip(_tree.tree_paths(tree), _tree.tree_leaves(tree), strict=True):
             members = (
