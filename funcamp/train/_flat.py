@@ -162,7 +162,15 @@ class Flat:
         Raises:
           TypeError: if ``optimizer`` groups the parameters otherwise (another mask or label), or cannot run
             over flat buffers; the message says to build the state with the step's optimizer.
+          TypeError: if the state was pickled by a funcamp that laid buffers out otherwise (members not on rows of
+            :data:`NORM_ROW` elements); the message says how to carry it over.
         """
+        if not hasattr(self, "_row_bounds"):
+            raise TypeError(
+                "train_step: the state's flat storage was laid out by an earlier funcamp (its members do not start on "
+                f"rows of {NORM_ROW} elements); save it with funcamp.checkpoint.save(path, state) and load it with "
+                "funcamp.checkpoint.load(path, like=TrainState.create(params, optimizer)), which lays it out anew"
+            )
         if any(optimizer is known for known in self._admitted):
             return
         devices = [self._group_of[i][0].device for i in range(len(self.shapes))]
@@ -291,8 +299,6 @@ class Flat:
         """``(sums, s)`` of :func:`funcamp._tree.scaled_row_sums` over ``buffers`` (one per group, by key, each its
         group's size: the gradients :meth:`gradients` made, or updates shaped like them), read as rows of
         :data:`NORM_ROW` elements in group order; None where that does not apply (float16 buffers, all empty)."""
-        if getattr(self, "_row_bounds", None) is None:  # a layout pickled before rows (offsets not on rows)
-            return None
         return _tree.scaled_row_sums([buffers[g.key] for g in self.groups], NORM_ROW)
 
     def row_flags(self, sums: torch.Tensor) -> torch.Tensor:
@@ -554,7 +560,6 @@ class _MemberNorms:
         (:meth:`Flat.check`), so that both are one expression that the ``cse`` graph pass computes once (member by
         member for float16 buffers); over each buffer's members otherwise."""
         if isinstance(tree, dict) and self._storage.holds_buffers(tree):
-            views = self._storage._views(tree)
             grads = self._gradients
             # The rows and the buffers' largest magnitudes read the padding: only the gradient buffers are known to
             # hold zeros there. An update made from them (a transformation before the clip) may not: f(0) != 0, or
@@ -563,10 +568,10 @@ class _MemberNorms:
                 rows = self._storage.row_sums(tree)
                 if rows is not None:
                     return rows[0].sum().sqrt(), rows[1]
-                within = _tree.scaled_norms_within(views, list(tree.values()))
+                within = _tree.scaled_norms_within(self._storage._views(tree), list(tree.values()))
                 if within is not None:
                     return within[1:]
-            return self._layout.scaled_global_norm(views, fn)
+            return self._layout.scaled_global_norm(self._storage._views(tree), fn)
         views: list[torch.Tensor] = []
         for key, leaf in zip(_tree.tree_paths(tree), _tree.tree_leaves(tree), strict=True):
             members = (
