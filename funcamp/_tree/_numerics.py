@@ -406,10 +406,11 @@ def scaled_row_sums(bases: list[torch.Tensor], row: int) -> tuple[torch.Tensor, 
     bases left out), ``s`` the power of two. The norm is ``sqrt(sums.sum()) / s``.
 
     Every base's length is a multiple of ``row`` (a flat storage's buffers: :data:`funcamp.train._flat.NORM_ROW`).
-    The scale is :func:`scaled_global_norm`'s (the largest magnitude, one reduction per base), so a row's sum is
-    finite exactly when every element of the row is (a scaled square is at most 16); the squares are summed per row
-    and then over the rows, so the norm is the per-leaf one within the accumulation dtype's round-off, not bit for
-    bit. One 2-d reduction per base, where a norm per leaf is one reduction per leaf: a compiled step's check over
+    The scale is :func:`scaled_global_norm`'s (the largest magnitude's power of two), each row's sum taken at its
+    own row's scale and brought to it exactly, so a row's sum is finite exactly when every element of the row is (a
+    scaled square is at most 16); the squares are summed per row and then over the rows, so the norm is the per-leaf
+    one within the accumulation dtype's round-off, not bit for bit. One 2-d reduction per base (each row read
+    once), where a norm per leaf is one reduction per leaf: a compiled step's check over
     flat buffers (``funcamp.train._flat._MemberNorms``). None where a base is not a float32, bfloat16 or float64
     tensor (float16 and float8 are summed unscaled) or every base is empty.
     """
@@ -420,10 +421,20 @@ def scaled_row_sums(bases: list[torch.Tensor], row: int) -> tuple[torch.Tensor, 
     dtypes = {b.dtype for b in present}
     if not all(d.is_floating_point and d.itemsize > 1 and _needs_scale(d, acc) for d in dtypes):
         return None
-    scale = _pow2_scale(torch.stack([_max_magnitude(b).to(acc) for b in present]).amax())
-    scales = {d: scale.to(d) for d in dtypes}  # exact: the same exponent range
-    sums = torch.cat([(b * scales[b.dtype]).view(-1, row).to(acc).square().sum(1) for b in present])
-    return sums, scale
+    rows = [b.view(-1, row) for b in present]
+    # Each row scaled by the power of two of its own largest magnitude: the max and the sum read the row once, in
+    # one loop over the rows per buffer (the softmax pattern), where a max per buffer was a pass of its own that
+    # inductor fused into the backward's kernels. Then every row's sum is brought to the tree's scale (the
+    # smallest of the rows' scales, the largest magnitude's: the scale a max over the whole tree gives) by the
+    # square of an exact power of two <= 1; a non-finite row has the tree's scale (a NaN or infinite max gives the
+    # smallest scale) and stays non-finite, a row 2**64 times below the largest adds its rounded-off nothing.
+    scales = [_pow2_scale(r.abs().amax(1).to(acc)) for r in rows]
+    sums = torch.cat(
+        [(r * s.to(r.dtype).unsqueeze(1)).to(acc).square().sum(1) for r, s in zip(rows, scales, strict=True)]
+    )
+    scale = torch.cat(scales)
+    least = scale.amin()
+    return sums * (least / scale).square(), least
 
 
 def global_norm(tree: Any) -> torch.Tensor:
