@@ -508,11 +508,12 @@ def _fills(group: Any, buffer: Any) -> bool:
 
 
 class _MemberNorms:
-    """The step's process layout as the check and the optimizer see it over flat buffers: the global norm of this
-    storage's buffers (the updates a clip sees) or of the members' views the check was handed is read from the
-    buffers as rows (:meth:`Flat.row_sums`: the largest magnitude and one 2-d reduction per buffer, not one
-    reduction per member), and each member's finite flag from its rows (:meth:`Flat.row_flags`, exact); the
-    check's and a clip's norm are one expression that the ``cse`` graph pass computes once. The norm sums the
+    """The step's process layout as the check and the optimizer see it over flat buffers: the global norm of the
+    gradient buffers (the updates a first clip sees) or of the members' views the check was handed is read from the
+    buffers as rows (:meth:`Flat.row_sums`: one 2-d reduction per buffer, each row's max and sum, not one reduction
+    per member), and each member's finite flag from its rows (:meth:`Flat.row_flags`, exact); the check's and a
+    clip's norm are one expression that the ``cse`` graph pass computes once. Updates a transformation made (whose
+    padding need not be zero) are normed member by member. The norm sums the
     squares per row where the per-leaf step sums them per leaf: within round-off of it, not bit for bit
     (``tests/test_flat.py``). For float16 buffers, member by member as the per-leaf step (bitwise,
     :func:`funcamp._tree.scaled_norms_within`). Everything else is the layout's."""
