@@ -410,9 +410,9 @@ def scaled_row_sums(bases: list[torch.Tensor], row: int) -> tuple[torch.Tensor, 
     own row's scale and brought to it exactly, so a row's sum is finite exactly when every element of the row is (a
     scaled square is at most 16); the squares are summed per row and then over the rows, so the norm is the per-leaf
     one within the accumulation dtype's round-off, not bit for bit. One 2-d reduction per base (each row read
-    once), where a norm per leaf is one reduction per leaf: a compiled step's check over
-    flat buffers (``funcamp.train._flat._MemberNorms``). None where a base is not a float32, bfloat16 or float64
-    tensor (float16 and float8 are summed unscaled) or every base is empty.
+    once), where a norm per leaf is one reduction per leaf: a compiled step's check over flat buffers
+    (``funcamp.train._flat._MemberNorms``). None where a base is not a float32, bfloat16 or float64 tensor (float16
+    and float8 are summed unscaled) or every base is empty.
     """
     present = [b for b in bases if b.numel()]
     if not present:
