@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as torch_pytree
 
-from funcamp import _tree, passes
+from funcamp import _scope, _tree, passes
 from funcamp.loss_scale import LossScale
 
 __all__ = ["GradAndValue", "grad_and_value"]
@@ -55,6 +55,16 @@ def _check_differentiable(args: tuple[Any, ...], argnums: int | tuple[int, ...])
                 f"grad_and_value: argument {n} is differentiated, so every leaf must be a floating tensor; "
                 f"leaf {bad[0]!r} is {bad[1]}. Pass integer or frozen tensors in another argument."
             )
+        if not _scope.compiling():  # eager (traced, the fast walk refuses a None and torch's pytree meets it)
+            # funcamp's trees take None for an absent entry, torch.func and autograd for a leaf they cannot
+            # differentiate (it failed inside them with a bare AttributeError)
+            nones = [path for path, x in torch_pytree.tree_flatten_with_path(args[n])[0] if x is None]
+            if nones:
+                raise TypeError(
+                    f"grad_and_value: argument {n} is differentiated, and its entry "
+                    f"{torch_pytree.keystr(nones[0])!r} is None, which torch.func cannot differentiate; leave the "
+                    "entry out of the tree (or pass it in another argument)"
+                )
 
 
 def _check_arguments(fun: Any, loss_scale: Any, argnums: Any) -> None:

@@ -230,6 +230,9 @@ CASES = [
          r"with has_aux=True, fun must return a \(loss, aux\) tuple"),
     case("gav-int-param", _gav(good_loss, {**PARAMS, "steps": torch.tensor(3)}, BATCH), TypeError,
          r"argument 0 is differentiated, so every leaf must be a floating tensor; leaf 'steps' is torch.int64"),
+    # None: an absent entry for funcamp's trees, a leaf torch.func cannot differentiate (a bare AttributeError before)
+    case("gav-none-param", _gav(good_loss, {**PARAMS, "frozen": None}, BATCH), TypeError,
+         r"argument 0 is differentiated, and its entry \"\['frozen'\]\" is None, which torch.func cannot"),
     case("gav-number-loss-scale", _gav(good_loss, PARAMS, BATCH, loss_scale=2.0**15), TypeError,
          r"loss_scale must be a funcamp loss scale \(NoOpLossScale, StaticLossScale, DynamicLossScale\), got float"),
     case("gav-not-callable", lambda: fa.grad_and_value("good_loss", LS), TypeError,
@@ -273,6 +276,8 @@ CASES = [
     case("step-int-loss-compiled", _compiled(int_loss), TypeError, r"the loss must be a floating tensor"),
     case("step-int-param", _eager(good_loss, state=STATE.replace(params={**PARAMS, "n": torch.tensor(1)})), TypeError,
          r"every leaf must be a floating tensor; leaf 'n' is torch.int64"),
+    case("step-none-param", _eager(good_loss, state=fa.TrainState.create({**PARAMS, "n": None}, OPT)), TypeError,
+         r"its entry .* is None, which torch.func cannot differentiate; leave the entry out"),
     case("step-batch-does-not-split", _compiled(good_loss, accumulation_steps=3), ValueError,
          r"accumulation_steps=3, every batch leaf must be a tensor whose first dimension is divisible by 3; "
          r"leaf 'x' is \(4, 4\)"),
