@@ -48,7 +48,8 @@ def loss_scale_options(draw: st.DrawFn) -> dict[str, Any]:
         "min_loss_scale": draw(_powers(-126, 20) | st.floats(F32_TINY, 1e6)),
     }
     lo = opts["min_loss_scale"]
-    finite_max = st.floats(lo, F32_MAX) | _powers(math.ceil(math.log2(lo)), 127)
+    # the powers of two from lo's up (log2 rounds: just above 2**-126 it gave -126.0 and a power below lo)
+    finite_max = st.floats(lo, F32_MAX) | _powers(math.ceil(math.log2(lo)), 127).filter(lambda v: v >= lo)
     opts["max_loss_scale"] = draw(st.none() | st.just(math.inf) | finite_max)
     hi = min(opts["max_loss_scale"] or F32_MAX, F32_MAX)
     opts["loss_scale"] = draw(st.floats(lo, hi) | st.sampled_from([lo, hi]))
