@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as torch_pytree
 
-from funcamp import _scope, _tree, passes
+from funcamp import _tree, passes
 from funcamp.loss_scale import LossScale
 
 __all__ = ["GradAndValue", "grad_and_value"]
@@ -55,16 +55,6 @@ def _check_differentiable(args: tuple[Any, ...], argnums: int | tuple[int, ...])
                 f"grad_and_value: argument {n} is differentiated, so every leaf must be a floating tensor; "
                 f"leaf {bad[0]!r} is {bad[1]}. Pass integer or frozen tensors in another argument."
             )
-        if not _scope.compiling():  # eager (traced, the fast walk refuses a None and torch's pytree meets it)
-            # funcamp's trees take None for an absent entry, torch.func and autograd for a leaf they cannot
-            # differentiate (it failed inside them with a bare AttributeError)
-            nones = [path for path, x in torch_pytree.tree_flatten_with_path(args[n])[0] if x is None]
-            if nones:
-                raise TypeError(
-                    f"grad_and_value: argument {n} is differentiated, and its entry "
-                    f"{torch_pytree.keystr(nones[0])!r} is None, which torch.func cannot differentiate; leave the "
-                    "entry out of the tree (or pass it in another argument)"
-                )
 
 
 def _check_arguments(fun: Any, loss_scale: Any, argnums: Any) -> None:
@@ -239,7 +229,7 @@ def _autograd_grad_and_value(
     def run(*args: Any, **kwargs: Any) -> tuple[Any, tuple[torch.Tensor, Any]]:
         args, inputs = list(args), []
         for n in nums:
-            leaves, rebuild = _flatten(args[n])
+            leaves, rebuild = _flatten(args[n], n)
             leaves = [x.detach().requires_grad_() for x in leaves]
             args[n] = rebuild(leaves)
             inputs.append((leaves, rebuild))
@@ -258,17 +248,27 @@ def _autograd_grad_and_value(
     return run
 
 
-def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+def _flatten(tree: Any, n: int) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     """``(leaves, rebuild)`` of a differentiated argument, walked with ``torch.utils._pytree``; while a compiled
     step traces, a tree of plain containers is walked by :mod:`funcamp._tree`'s fast path instead (the same
     tree rebuilt; torch's pytree under Dynamo is its Python polyfill, 27k traced bytecodes on GPT-2's 148
     parameters). The fast walk is taken only where torch's pytree has the same leaves
     (:func:`funcamp._tree.flatten_as_torch`: a ``None`` or a funcamp dataclass is a leaf there, on which the eager
-    step fails, and so must the compiled one)."""
+    step fails, and so must the compiled one).
+
+    Raises:
+      TypeError: if a leaf is None (funcamp's trees take it for an absent entry, autograd cannot differentiate it:
+        it failed inside with a bare AttributeError); the message names the entry of argument ``n``."""
     fast = _tree.flatten_as_torch(tree)
     if fast is not None:
         return fast
     leaves, spec = torch_pytree.tree_flatten(tree)
+    if any(x is None for x in leaves):
+        path = next(p for p, x in torch_pytree.tree_flatten_with_path(tree)[0] if x is None)
+        raise TypeError(
+            f"grad_and_value: argument {n} is differentiated, and its entry {torch_pytree.keystr(path)!r} is None, "
+            "which torch.func cannot differentiate; leave the entry out of the tree (or pass it in another argument)"
+        )
     return leaves, lambda new: torch_pytree.tree_unflatten(new, spec)
 
 
