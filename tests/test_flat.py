@@ -319,11 +319,11 @@ def test_finite_flags_read_from_the_rows_of_the_buffers(backend, monkeypatch):
         assert empty.row_sums(empty.flat({"x": torch.zeros(0)})) is None  # the check's generic path
 
 
-def test_norms_within_empty_buffers_fall_back():
-    """Every leaf empty (so every buffer): no largest magnitude to read, ``scaled_norms_within`` (float16 buffers'
-    path) gives None and the check takes the generic path's ``(0, 1)``. (Planted: the scale taken before the
-    leaves are looked at: stacking no maxima raises.)"""
-    assert _tree.scaled_norms_within([torch.zeros(0)], [torch.zeros(0)]) is None
+def test_rows_of_empty_buffers_fall_back():
+    """Every leaf empty (so every buffer): no row to read, ``scaled_row_sums`` gives None and the check takes the
+    generic path's ``(0, 1)``. (Planted: the rows read before the bases are looked at: no scales to concatenate
+    raises.)"""
+    assert _tree.scaled_row_sums([torch.zeros(0)], _flat.NORM_ROW) is None
     t, s = _tree.scaled_global_norm([torch.zeros(0)])
     assert float(t) == 0.0 and float(s) == 1.0
 

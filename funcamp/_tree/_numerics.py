@@ -372,34 +372,6 @@ def _leaf_norms(
     ]
 
 
-def scaled_norms_within(
-    leaves: list[torch.Tensor], bases: list[torch.Tensor]
-) -> tuple[list[torch.Tensor | None], torch.Tensor, torch.Tensor] | None:
-    """:func:`scaled_global_norm` of the dense floating tensors ``leaves``, its first pass read from ``bases``:
-    ``(norms, t, s)``, ``norms`` the scaled norm of each leaf (None for an empty one), bitwise those of pass 2.
-
-    ``bases`` are 1-d tensors that hold every element of the leaves and only zeros besides (a flat storage's
-    buffers, padding included): the largest magnitude in the tree is the largest in them (a maximum involves no
-    rounding), so one reduction per base replaces one per leaf, and ``s``, each norm and ``t`` are
-    :func:`scaled_global_norm`'s bit for bit. A leaf's norm is finite exactly when every element of the leaf is
-    (a scaled square is at most 16, and a NaN or infinity stays one), so its finite flag is read from it. None
-    where a leaf is not a float32, bfloat16 or float64 dense tensor (float16 and float8 are summed unscaled).
-    """
-    if not leaves or not bases:
-        return None
-    acc = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
-    dtypes = {x.dtype for x in (*leaves, *bases)}
-    if not all(d.is_floating_point and d.itemsize > 1 and _needs_scale(d, acc) for d in dtypes):
-        return None
-    present = [x for x in leaves if x.numel()]
-    if not present:  # every leaf empty (and so every base): scaled_global_norm's (0, 1) path
-        return None
-    scale = _pow2_scale(torch.stack([_max_magnitude(b).to(acc) for b in bases if b.numel()]).amax())
-    norms = iter(_leaf_norms(present, [None] * len(present), dict.fromkeys(dtypes, True), scale, acc))
-    out = [next(norms) if x.numel() else None for x in leaves]
-    return out, torch.linalg.vector_norm(torch.stack([n for n in out if n is not None])), scale
-
-
 def scaled_row_sums(bases: list[torch.Tensor], row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`scaled_global_norm` of the 1-d tensors ``bases`` read as rows of ``row`` elements: ``(sums, s)``,
     ``sums`` the scaled sum of squares of every row (1-d, the accumulation dtype; the bases' rows in order, empty

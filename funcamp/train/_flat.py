@@ -265,13 +265,12 @@ class Flat:
 
     def check(self, stage: Any, grads: Any, loss: torch.Tensor, layout: Any) -> Any:
         """The finite check (``stage``, :mod:`funcamp.train._stages`') of the gradients :meth:`gradients` made:
-        ``stage(views, loss, layout)`` over the members' views (:meth:`tree`), the layout's largest magnitude read
-        from the buffers (:class:`_MemberNorms`); ``stage(grads, loss, layout)`` for per-leaf gradients (eager)."""
+        ``stage(views, loss, layout)`` over the members' views (:meth:`tree`), the norm and flags read from the
+        buffers' rows (:class:`_MemberNorms`); ``stage(grads, loss, layout)`` for per-leaf gradients (eager)."""
         if not isinstance(grads, FlatParams):
             return stage(grads, loss, layout)
-        leaves = self._views(grads.buffers)
-        views = self._rebuild(leaves)
-        return stage(views, loss, _MemberNorms(layout, self, (views, leaves, grads.buffers)))
+        views = self._rebuild(self._views(grads.buffers))
+        return stage(views, loss, _MemberNorms(layout, self, (views, grads.buffers)))
 
     def update(
         self,
@@ -515,25 +514,25 @@ class _MemberNorms:
     per member), and each member's finite flag from its rows (:meth:`Flat.row_flags`, exact); the check's and a
     clip's norm are one expression that the ``cse`` graph pass computes once. Updates a transformation made (whose
     padding need not be zero) are normed member by member. The norm sums the squares per row where the per-leaf
-    step sums them per leaf: within round-off of it, not bit for bit (``tests/test_flat.py``). For float16
-    buffers, member by member as the per-leaf step (bitwise, :func:`funcamp._tree.scaled_norms_within`).
+    step sums them per leaf: within round-off of it, not bit for bit (``tests/test_flat.py``). Where the rows do
+    not apply (float16 buffers, every member empty), the layout's own per-leaf norm and flags of the views.
     Everything else is the layout's."""
 
     def __init__(
         self,
         layout: Any,
         storage: Flat,
-        checked: tuple[Any, list[Any], dict[str, Any]] | None = None,
+        checked: tuple[Any, dict[str, Any]] | None = None,
         gradients: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        # checked: the views tree the check is handed, its leaves (tree order) and the gradient buffers;
+        # checked: the views tree the check is handed and the gradient buffers;
         # gradients: the gradient buffers :meth:`Flat.flat` made (zeros in the padding), for the optimizer's norms
         self._layout, self._storage, self._checked = layout, storage, checked
-        self._gradients = gradients if checked is None else checked[2]
+        self._gradients = gradients if checked is None else checked[1]
 
     def stats(self, grads: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layout's ``(finite, flags, grad_norm)``; for the views :meth:`Flat.check` made, a flag per member
-        (``isfinite`` of its scaled norm: exactly whether each element is finite) and the norm from the buffers."""
+        """The layout's ``(finite, flags, grad_norm)``; for the views :meth:`Flat.check` made, each member's flag
+        and the norm read from the buffers' rows (:meth:`Flat.row_sums`, :meth:`Flat.row_flags`)."""
         if (
             self._checked is None
             or grads is not self._checked[0]
@@ -541,26 +540,19 @@ class _MemberNorms:
             or not hasattr(self._layout, "agree")
         ):
             return self._layout.stats(grads, loss)
-        _, leaves, buffers = self._checked
-        rows = self._storage.row_sums(buffers)
-        if rows is not None:
-            sums, s = rows
-            flags = self._storage.row_flags(sums)
-            t = sums.sum().sqrt()
-            return self._layout.agree(flags.all() & torch.isfinite(loss)), flags, _tree.norm_of_scaled(t, s)
-        within = _tree.scaled_norms_within(leaves, list(buffers.values()))
-        if within is None:
+        rows = self._storage.row_sums(self._checked[1])
+        if rows is None:
             return self._layout.stats(grads, loss)
-        norms, t, s = within
-        ones = torch.ones((), dtype=torch.bool, device=t.device)
-        flags = torch.stack([ones if n is None else torch.isfinite(n) for n in norms])
+        sums, s = rows
+        flags = self._storage.row_flags(sums)
+        t = sums.sum().sqrt()
         return self._layout.agree(flags.all() & torch.isfinite(loss)), flags, _tree.norm_of_scaled(t, s)
 
     def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
         """``(t, s)`` of :func:`funcamp._tree.scaled_global_norm`: for a tree of this storage's buffers (the updates
         a clip sees), read from the buffers' rows as the finite check reads its norm of the gradients
-        (:meth:`Flat.check`), so that both are one expression that the ``cse`` graph pass computes once (member by
-        member for float16 buffers); over each buffer's members otherwise."""
+        (:meth:`Flat.check`), so that both are one expression that the ``cse`` graph pass computes once; over each
+        buffer's members otherwise (the layout's norm of the views)."""
         if isinstance(tree, dict) and self._storage.holds_buffers(tree):
             grads = self._gradients
             # The rows and the buffers' largest magnitudes read the padding: only the gradient buffers are known to
@@ -570,9 +562,6 @@ class _MemberNorms:
                 rows = self._storage.row_sums(tree)
                 if rows is not None:
                     return rows[0].sum().sqrt(), rows[1]
-                within = _tree.scaled_norms_within(self._storage._views(tree), list(tree.values()))
-                if within is not None:
-                    return within[1:]
             return self._layout.scaled_global_norm(self._storage._views(tree), fn)
         views: list[torch.Tensor] = []
         for key, leaf in zip(_tree.tree_paths(tree), _tree.tree_leaves(tree), strict=True):
