@@ -298,8 +298,8 @@ def test_public_names_keep_their_module_and_pickle() -> None:
 
 
 def test_the_padding_bound_is_the_flat_storages():
-    """``_saved_whole`` takes a storage as saved whole when its tensors cover all but fewer than
-    ``PADDING_ELEMENTS`` elements each: flat storage's row (``funcamp.train._flat.NORM_ROW``), which the checkpoint
+    """``_saved_whole`` takes a storage as saved whole when no gap between its saved tensors reaches
+    ``PADDING_ELEMENTS`` elements: flat storage's row (``funcamp.train._flat.NORM_ROW``), which the checkpoint
     package (below train) does not import. A larger row would make every flat buffer's tensors saved as clones."""
     from funcamp.checkpoint import _format
     from funcamp.train import _flat
