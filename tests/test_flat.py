@@ -120,7 +120,14 @@ def _assert_same(got, ref, where, *, clipped):
     if not clipped:
         _assert_bitwise(*trees, (where, "state"))
         return
-    for x, y in zip(_tree.tree_leaves(trees[0]), _tree.tree_leaves(trees[1]), strict=True):
+    _assert_clipped(*trees, where)
+
+
+def _assert_clipped(got, want, where):
+    """``got`` (a flat compiled step's trees) against ``want`` (the per-leaf step's) where a clip acts: floating
+    leaves within the clip's round-off (:data:`CLIPPED_RTOL`: the norm it scales by is summed per row of the buffers
+    there, per leaf here), the others bitwise."""
+    for x, y in zip(_tree.tree_leaves(got), _tree.tree_leaves(want), strict=True):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             torch.testing.assert_close(x, y, rtol=CLIPPED_RTOL, atol=CLIPPED_ATOL, msg=str(where))
         else:

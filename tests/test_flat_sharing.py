@@ -42,7 +42,7 @@ import pickle
 import pytest
 import torch
 from _storage import storage_kind
-from test_flat import CLIPPED_ATOL, CLIPPED_RTOL, _assert_bitwise
+from test_flat import _assert_bitwise, _assert_clipped
 
 import funcamp as fa
 from funcamp import _tree, optim
@@ -106,16 +106,6 @@ def _reference(params, optimizer, batches, monkeypatch, *, compile=False, replac
             state, _ = step(state, batch)
             out.append(_tree.tree_map(torch.clone, (state.params, state.opt_state)))
     return out
-
-
-def _assert_clipped(got, want, where):
-    """``got`` (a flat compiled step's) against ``want`` (the per-leaf reference) where the clip acts: within its
-    round-off (the norm it scales by is summed per row of the buffers there, per leaf here: tests/test_flat.py)."""
-    for x, y in zip(_tree.tree_leaves(got), _tree.tree_leaves(want), strict=True):
-        if x.is_floating_point():
-            torch.testing.assert_close(x, y, rtol=CLIPPED_RTOL, atol=CLIPPED_ATOL, msg=str(where))
-        else:
-            _assert_bitwise(x, y, where)
 
 
 # --- class 2: donation writes into the caller's memory, re-points nothing -------------------------------------
