@@ -335,6 +335,30 @@ def test_rows_of_empty_buffers_fall_back():
     assert float(t) == 0.0 and float(s) == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_row_sums_give_the_norm_across_the_range(dtype):
+    """``scaled_row_sums``' ``sqrt(sums.sum()) / s`` is the norm (``math.hypot`` of the elements, the oracle) within
+    float32's round-off where the squares leave float32's range both ways (the dtype's largest finite value and its
+    smallest subnormal, in rows beside ordinary ones), and a row's sum is finite exactly when its elements are.
+    float16, bfloat16 and float32 rows are summed in float64 unscaled, float64 rows scaled per row. (Planted: the
+    rows summed in float32: bfloat16's and float32's largest squares overflow.)"""
+    row = _flat.NORM_ROW
+    info = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3 * row, generator=g).to(dtype)
+    a[5], a[row + 7] = info.max, info.smallest_normal * info.eps  # the largest finite, the smallest subnormal
+    b = torch.full((row,), info.smallest_normal * info.eps, dtype=dtype)  # a row of subnormals only
+    sums, s = _tree.scaled_row_sums([a, torch.zeros(0, dtype=dtype), b], row)
+    assert sums.shape == (4,) and bool(torch.isfinite(sums).all())
+    got = float(sums.sum().sqrt() / s)
+    want = math.hypot(*(float(x) for x in torch.cat([a, b]).double()))
+    assert got == pytest.approx(want, rel=2**-20), (got, want)
+    a[row + 3] = float("nan")
+    b[-1] = float("-inf")
+    sums, _ = _tree.scaled_row_sums([a, b], row)
+    assert torch.isfinite(sums).tolist() == [True, False, True, False]
+
+
 def test_buffers_split_at_the_cap_on_every_device():
     """The cap holds on every device, not only a CPU's (where glibc's mmap threshold asked for it first): a step
     over one buffer may hold each member's gradient beside the buffer (inductor's peak-memory reordering), so the

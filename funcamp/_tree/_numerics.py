@@ -372,31 +372,41 @@ def _leaf_norms(
     ]
 
 
+#: The dtypes :func:`scaled_row_sums` sums in float64, unscaled.
+_WIDENED = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
 def scaled_row_sums(bases: list[torch.Tensor], row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`scaled_global_norm` of the 1-d tensors ``bases`` read as rows of ``row`` elements: ``(sums, s)``,
-    ``sums`` the scaled sum of squares of every row (1-d, the accumulation dtype; the bases' rows in order, empty
-    bases left out), ``s`` the power of two. The norm is ``sqrt(sums.sum()) / s``.
+    ``sums`` the scaled sum of squares of every row (1-d; the bases' rows in order, empty bases left out), ``s`` a
+    power of two (0-d, ``sums``' dtype). The norm is ``sqrt(sums.sum()) / s``.
 
     Every base's length is a multiple of ``row`` (a flat storage's buffers: :data:`funcamp.train._flat.NORM_ROW`).
-    The scale is :func:`scaled_global_norm`'s (the largest magnitude's power of two), each row's sum taken at its
-    own row's scale and brought to it exactly, so a row's sum is finite exactly when every element of the row is (a
-    scaled square is at most 16); the squares are summed per row and then over the rows, so the norm is the per-leaf
-    one within the accumulation dtype's round-off, not bit for bit. One 2-d reduction per base (each row read
-    once), where a norm per leaf is one reduction per leaf: a compiled step's check over flat buffers
-    (``funcamp.train._flat._MemberNorms``). None where a base is not a float32, bfloat16 or float64 tensor (float16
-    and float8 are summed unscaled) or every base is empty.
+    float16, bfloat16 and float32 bases: each row's squares summed in float64, unscaled (``s`` is 1), where no
+    square of theirs overflows or underflows: one reduction per base that reads each row once, more exact than the
+    per-leaf norm's float32 sum. float64 bases (and every base on MPS, which has no float64): float32 or float64 as
+    :func:`scaled_global_norm` sums them, each row at the power of two of its own largest magnitude (a max per row,
+    then the sum) brought to the tree's scale exactly. Either way a row's sum is finite exactly when every element
+    of the row is, and the squares are summed per row and then over the rows, so the norm is the per-leaf one
+    within float32's round-off, not bit for bit. One 2-d reduction per base where a norm per leaf is one reduction
+    per leaf: a compiled step's check over flat buffers (``funcamp.train._flat._MemberNorms``). None where a base
+    is float8, or float16 on MPS (summed unscaled there by the per-leaf norm), or every base is empty.
     """
     present = [b for b in bases if b.numel()]
     if not present:
         return None
-    acc = torch.float64 if any(b.dtype == torch.float64 for b in present) else torch.float32
     dtypes = {b.dtype for b in present}
+    rows = [b.view(-1, row) for b in present]
+    if dtypes <= _WIDENED and present[0].device.type != "mps":
+        # Their squares stay inside float64's range, unscaled (_needs_scale): each row's sum in float64, one
+        # reduction that reads the row once (no max first, which inductor puts in a loop of its own).
+        sums = torch.cat([r.to(torch.float64).square().sum(1) for r in rows])
+        return sums, sums.new_ones(())
+    acc = torch.float64 if any(b.dtype == torch.float64 for b in present) else torch.float32
     if not all(d.is_floating_point and d.itemsize > 1 and _needs_scale(d, acc) for d in dtypes):
         return None
-    rows = [b.view(-1, row) for b in present]
-    # Each row scaled by the power of two of its own largest magnitude: the max and the sum read the row once, in
-    # one loop over the rows per buffer (the softmax pattern), where a max per buffer was a pass of its own that
-    # inductor fused into the backward's kernels. Then every row's sum is brought to the tree's scale (the
+    # Each row scaled by the power of two of its own largest magnitude (inductor reads the buffer twice on a CPU:
+    # a loop for the rows' maxima, one for the sums). Then every row's sum is brought to the tree's scale (the
     # smallest of the rows' scales, the largest magnitude's: the scale a max over the whole tree gives) by the
     # square of an exact power of two <= 1; a non-finite row has the tree's scale (a NaN or infinite max gives the
     # smallest scale) and stays non-finite, a row 2**64 times below the largest adds its rounded-off nothing.

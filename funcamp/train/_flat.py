@@ -298,7 +298,7 @@ class Flat:
     def row_sums(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(sums, s)`` of :func:`funcamp._tree.scaled_row_sums` over ``buffers`` (one per group, by key: the
         gradient buffers :meth:`gradients` made, zeros in the padding), read as rows of :data:`NORM_ROW` elements in
-        group order; None where that does not apply (float16 buffers, all empty)."""
+        group order; None where that does not apply (float8 buffers, float16 on MPS, all empty)."""
         return _tree.scaled_row_sums([buffers[g.key] for g in self.groups], NORM_ROW)
 
     def row_flags(self, sums: torch.Tensor) -> torch.Tensor:
@@ -510,12 +510,13 @@ def _fills(group: Any, buffer: Any) -> bool:
 class _MemberNorms:
     """The step's process layout as the check and the optimizer see it over flat buffers: the global norm of the
     gradient buffers (the updates a first clip sees) or of the members' views the check was handed is read from the
-    buffers as rows (:meth:`Flat.row_sums`: one 2-d reduction per buffer, each row's max and sum, not one reduction
-    per member), and each member's finite flag from its rows (:meth:`Flat.row_flags`, exact); the check's and a
+    buffers as rows (:meth:`Flat.row_sums`: one 2-d reduction per buffer, each row's sum of squares, not one
+    reduction per member), and each member's finite flag from its rows (:meth:`Flat.row_flags`, exact); the check's and a
     clip's norm are one expression that the ``cse`` graph pass computes once. Updates a transformation made (whose
     padding need not be zero) are normed member by member. The norm sums the squares per row where the per-leaf
     step sums them per leaf: within round-off of it, not bit for bit (``tests/test_flat.py``). Where the rows do
-    not apply (float16 buffers, every member empty), the layout's own per-leaf norm and flags of the views.
+    not apply (float8 buffers, float16 on MPS, every member empty), the layout's own per-leaf norm and flags of the
+    views. Rows of float32, bfloat16 and float16 are summed in float64: the norm is rounded to float32 once.
     Everything else is the layout's."""
 
     def __init__(
@@ -545,8 +546,11 @@ class _MemberNorms:
             return self._layout.stats(grads, loss)
         sums, s = rows
         flags = self._storage.row_flags(sums)
-        t = sums.sum().sqrt()
-        return self._layout.agree(flags.all() & torch.isfinite(loss)), flags, _tree.norm_of_scaled(t, s)
+        norm = _tree.norm_of_scaled(sums.sum().sqrt(), s)
+        if norm.dtype != torch.float32 and not any(g.dtype == torch.float64 for g in self._storage.groups):
+            # summed in float64 (scaled_row_sums); a finite norm past float32's range is clamped to it
+            norm = torch.where(torch.isfinite(norm), norm.clamp(max=torch.finfo(torch.float32).max), norm).float()
+        return self._layout.agree(flags.all() & torch.isfinite(loss)), flags, norm
 
     def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
         """``(t, s)`` of :func:`funcamp._tree.scaled_global_norm`: for a tree of this storage's buffers (the updates
