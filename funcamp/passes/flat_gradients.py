@@ -11,8 +11,10 @@ This pass rewrites each tagged ``cat`` as a buffer the gradients are written int
 after the node that makes it, with ``as_strided_scatter``, which inductor's reinplacing always turns into a copy
 into the buffer. (A ``slice_scatter`` it keeps functional when its input is not realized, and a chain of them became
 one pointwise ``where`` per element over every part: on 96 parameters of 131,072 bfloat16 elements, 561 ms against
-19 ms for the ``cat``; a GPT-2 124M step 5.25x torch.amp's.) The buffer is made when the first gradient exists
-(gated: :mod:`funcamp.passes.gates`) and is zero where the ``cat`` held padding. A slice of the buffer that is one
+19 ms for the ``cat``; a GPT-2 124M step 5.25x torch.amp's.) The buffer is made when the first gradient exists,
+uninitialized: each element is written once, by a gradient or by the zeros the ``cat`` held as padding (gated on
+the first gradient: :mod:`funcamp.passes.gates`); a zero fill first was a pass over the whole buffer of its own
+(GPT-2 124M's body, 16 MiB buffers: 20 ms of a 560 ms step). A slice of the buffer that is one
 gradient's part (the norm a clip takes of each member, :mod:`funcamp.train._flat`) is a view of it. Where every
 gradient reaches the ``cat`` as the cast of a narrower tensor (``convert_element_type``, the backward of a
 parameter's cast to the compute dtype), the buffer holds the narrower values and is cast once, after it is full: the
@@ -72,11 +74,15 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
     out = cat.meta["val"]
     if dim != 0 or out.ndim != 1 or not all(isinstance(x, torch.fx.Node) for x in inputs):
         return False
-    parts, at = [], 0  # (offset, numel, node): the non-zero inputs where they go
+    parts, gaps, at = [], [], 0  # (offset, numel, node): the non-zero inputs where they go; (offset, numel): zeros
     for x in inputs:
         n = x.meta["val"].numel()
         if not _is_zeros(x):
             parts.append((at, n, x))
+        elif gaps and sum(gaps[-1]) == at:
+            gaps[-1] = (gaps[-1][0], gaps[-1][1] + n)
+        elif n:
+            gaps.append((at, n))
         at += n
     if not parts:
         return False
@@ -88,14 +94,25 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
     chosen.sort(key=lambda part: order[part[2]])
     first = chosen[0][2]
     with graph.inserting_before(first.next):  # made once the first gradient exists: the buffer waits for it
-        flag = _flag(graph, first)
         with out.fake_mode:
-            value = torch.zeros(out.shape, dtype=dtype, device=out.device)
-        zeros = graph.call_function(
-            _aten.full.default, ([out.shape[0]], 0), {"dtype": dtype, "device": out.device, "pin_memory": False}
+            value = torch.empty(out.shape, dtype=dtype, device=out.device)
+        # uninitialized: written once, by the gradients and the padding's zeros (a zero fill first was a pass over
+        # the whole buffer of its own); no computation, so inductor allocates it here, not in an earlier kernel
+        last = graph.call_function(
+            _aten.empty.memory_format, ([out.shape[0]],), {"dtype": dtype, "device": out.device, "pin_memory": False}
         )
-        zeros.meta["val"], zeros.meta["custom"] = value, dict(_tags(first))
-        last = _call(graph, _aten.where.self, flag, zeros, zeros)
+        last.meta["val"], last.meta["custom"] = value, dict(_tags(first))
+        if gaps:
+            flag = _flag(graph, first)  # the zeros, which have no input, wait for the gradient (else: the forward)
+            for off, n in gaps:
+                with out.fake_mode:
+                    value = torch.zeros(n, dtype=dtype, device=out.device)
+                zeros = graph.call_function(
+                    _aten.full.default, ([n], 0), {"dtype": dtype, "device": out.device, "pin_memory": False}
+                )
+                zeros.meta["val"], zeros.meta["custom"] = value, dict(_tags(first))
+                gated = _call(graph, _aten.where.self, flag, zeros, zeros)
+                last = _call(graph, _aten.as_strided_scatter.default, last, gated, [n], [1], off)
     order[last] = order[first]  # a new node's place: that of the node of the graph it follows
     for off, n, src in chosen:
         anchor = src if order[src] > order[last] else last
