@@ -511,8 +511,8 @@ class _MemberNorms:
     """The step's process layout as the check and the optimizer see it over flat buffers: the global norm of the
     gradient buffers (the updates a first clip sees) or of the members' views the check was handed is read from the
     buffers as rows (:meth:`Flat.row_sums`: one 2-d reduction per buffer, each row's sum of squares, not one
-    reduction per member), and each member's finite flag from its rows (:meth:`Flat.row_flags`, exact); the check's and a
-    clip's norm are one expression that the ``cse`` graph pass computes once. Updates a transformation made (whose
+    reduction per member), and each member's finite flag from its rows (:meth:`Flat.row_flags`, exact); the check's
+    and a clip's norm are one expression that the ``cse`` graph pass computes once. Updates a transformation made (whose
     padding need not be zero) are normed member by member. The norm sums the squares per row where the per-leaf
     step sums them per leaf: within round-off of it, not bit for bit (``tests/test_flat.py``). Where the rows do
     not apply (float8 buffers, float16 on MPS, every member empty), the layout's own per-leaf norm and flags of the
