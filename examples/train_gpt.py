@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="small", choices=sorted(SIZES), help="model size (default: small)")
     p.add_argument("--block-size", type=int, default=None, help="context length in bytes (default: the model's)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (default: 32)")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps; the schedule's length (default: 400)")
+    p.add_argument("--steps", type=int, default=450, help="optimizer steps; the schedule's length (default: 450)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     p.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: min(50, steps // 10))")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices (default: 0.1)")

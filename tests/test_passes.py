@@ -205,10 +205,10 @@ def test_flat_gradients_keeps_the_graph_in_order_for_adjacent_gradients() -> Non
 
 
 def test_flat_gradients_writes_the_padding_zeros_into_an_uninitialized_buffer() -> None:
-    """The buffer ``flat_gradients`` makes is uninitialized (written once, not zero-filled first): the ``cat``'s
-    padding (zeros before, between and after the gradients, adjacent ones merged) is written into it, so its
-    values are the ``cat``'s even where the memory held NaN. (Planted: the gaps left unwritten: NaN in the
-    padding.)"""
+    """The buffer ``flat_gradients`` makes is uninitialized (written once, not zero-filled first) where the ``cat``
+    has at most ``_GAP_FILLS`` gaps of padding: the zeros (before, between and after the gradients, adjacent ones
+    merged) are written into it, so its values are the ``cat``'s even where the memory held NaN. (Planted: the
+    gaps left unwritten: NaN in the padding.)"""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from funcamp.passes import flat_gradients
@@ -216,7 +216,7 @@ def test_flat_gradients_writes_the_padding_zeros_into_an_uninitialized_buffer() 
 
     def step(a, b):
         x, y = a * 2, b * 3
-        parts = (a.new_zeros(3), x.reshape(-1), a.new_zeros(2), a.new_zeros(4), y.reshape(-1), a.new_zeros(5))
+        parts = (a.new_zeros(3), x.reshape(-1), a.new_zeros(2), a.new_zeros(4), y.reshape(-1))
         return torch.cat(parts) + 1
 
     args = (torch.randn(2, 3), torch.randn(4))
@@ -227,8 +227,33 @@ def test_flat_gradients_writes_the_padding_zeros_into_an_uninitialized_buffer() 
     gm.graph.lint()
     (empty,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.empty.memory_format]
     fills = [n for n in gm.graph.nodes if n.target is torch.ops.aten.full.default and n.args[1] == 0]
-    assert [tuple(n.args[0]) for n in fills] == [(3,), (6,), (5,)], fills  # the gaps, adjacent ones merged
+    assert [tuple(n.args[0]) for n in fills] == [(3,), (6,)], fills  # the gaps, adjacent ones merged
     empty.target = lambda size, **kw: torch.full(size, float("nan"), dtype=kw["dtype"], device=kw["device"])
+    gm.recompile()
+    assert torch.equal(gm(*args), step(*args))
+
+
+def test_flat_gradients_zero_fills_a_buffer_of_many_gaps() -> None:
+    """Past ``_GAP_FILLS`` gaps the buffer is zero-filled whole (one ``full``, gated) rather than a fill per gap, and
+    its values are the ``cat``'s. (Planted: the threshold ignored, a fill per gap: the count fails.)"""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from funcamp.passes import flat_gradients
+    from funcamp.passes.tags import _FLAT_GRADS
+
+    def step(*xs):
+        parts = [p for x in xs for p in (x.reshape(-1) * 2, x.new_zeros(3))]
+        return torch.cat(parts) + 1
+
+    args = tuple(torch.randn(5) for _ in range(flat_gradients._GAP_FILLS + 1))
+    gm = make_fx(step, tracing_mode="fake")(*args)
+    cat = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default)
+    cat.meta["custom"] = {_FLAT_GRADS: True}
+    assert flat_gradients._flat_gradients(gm.graph) == 1
+    gm.graph.lint()
+    fills = [n for n in gm.graph.nodes if n.target is torch.ops.aten.full.default and n.args[1] == 0]
+    assert [tuple(n.args[0]) for n in fills] == [(8 * len(args),)], fills
+    assert not any(n.target is torch.ops.aten.empty.memory_format for n in gm.graph.nodes)
     gm.recompile()
     assert torch.equal(gm(*args), step(*args))
 

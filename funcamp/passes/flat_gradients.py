@@ -94,25 +94,23 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
     chosen.sort(key=lambda part: order[part[2]])
     first = chosen[0][2]
     with graph.inserting_before(first.next):  # made once the first gradient exists: the buffer waits for it
-        with out.fake_mode:
-            value = torch.empty(out.shape, dtype=dtype, device=out.device)
-        # uninitialized: written once, by the gradients and the padding's zeros (a zero fill first was a pass over
-        # the whole buffer of its own); no computation, so inductor allocates it here, not in an earlier kernel
-        last = graph.call_function(
-            _aten.empty.memory_format, ([out.shape[0]],), {"dtype": dtype, "device": out.device, "pin_memory": False}
-        )
-        last.meta["val"], last.meta["custom"] = value, dict(_tags(first))
-        if gaps:
-            flag = _flag(graph, first)  # the zeros, which have no input, wait for the gradient (else: the forward)
+        if len(gaps) > _GAP_FILLS:  # zero-filled whole: one pass, fewer nodes than a fill per gap
+            last = _zeros(graph, out, dtype, out.shape[0], first, _flag(graph, first))
+        else:
+            # uninitialized: written once, by the gradients and the padding's zeros (a zero fill first was a pass
+            # over the whole buffer of its own); no computation, so inductor allocates it here, not earlier
+            with out.fake_mode:
+                value = torch.empty(out.shape, dtype=dtype, device=out.device)
+            last = graph.call_function(
+                _aten.empty.memory_format,
+                ([out.shape[0]],),
+                {"dtype": dtype, "device": out.device, "pin_memory": False},
+            )
+            last.meta["val"], last.meta["custom"] = value, dict(_tags(first))
+            flag = _flag(graph, first) if gaps else None
             for off, n in gaps:
-                with out.fake_mode:
-                    value = torch.zeros(n, dtype=dtype, device=out.device)
-                zeros = graph.call_function(
-                    _aten.full.default, ([n], 0), {"dtype": dtype, "device": out.device, "pin_memory": False}
-                )
-                zeros.meta["val"], zeros.meta["custom"] = value, dict(_tags(first))
-                gated = _call(graph, _aten.where.self, flag, zeros, zeros)
-                last = _call(graph, _aten.as_strided_scatter.default, last, gated, [n], [1], off)
+                zeros = _zeros(graph, out, dtype, n, first, flag)
+                last = _call(graph, _aten.as_strided_scatter.default, last, zeros, [n], [1], off)
     order[last] = order[first]  # a new node's place: that of the node of the graph it follows
     for off, n, src in chosen:
         anchor = src if order[src] > order[last] else last
@@ -125,6 +123,26 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
     cat.replace_all_uses_with(result)
     graph.erase_node(cat)
     return True
+
+
+#: A buffer with at most this many gaps of padding (runs of the ``cat``'s zeros) is made uninitialized and each gap
+#: written (three nodes each); one with more is zero-filled whole first (one pass over it, two nodes in all): GPT-2's
+#: parameters are whole rows and leave no gap, a model of many small ones (LayerNorms of 128) leaves one per member.
+_GAP_FILLS = 2
+
+
+def _zeros(
+    graph: torch.fx.Graph, out: torch.Tensor, dtype: torch.dtype, n: int, first: torch.fx.Node, flag: torch.fx.Node
+) -> torch.fx.Node:
+    """``n`` zeros that wait for ``flag`` (made from ``first``, a gradient), as ``where(flag, zeros, zeros)``: without
+    an input, inductor would compute them in any earlier kernel, the forward's included."""
+    with out.fake_mode:
+        value = torch.zeros(n, dtype=dtype, device=out.device)
+    zeros = graph.call_function(
+        _aten.full.default, ([n], 0), {"dtype": dtype, "device": out.device, "pin_memory": False}
+    )
+    zeros.meta["val"], zeros.meta["custom"] = value, dict(_tags(first))
+    return _call(graph, _aten.where.self, flag, zeros, zeros)
 
 
 def _flat_gradients(graph: torch.fx.Graph) -> int:
