@@ -722,7 +722,8 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
 #: 8 MiB, 1.09x; the donated step 0.96x and 0.99x; docs/memory.md). Why 16 MiB and not 8: the compile's cost grows
 #: with the number of buffers (each its own gradient writes, row sums and update), and 16 MiB is still under glibc's
 #: largest mmap threshold. GPT-2 124M's body (AMD EPYC Zen 4, 2 cores; docs/benchmarks.md): 25 buffers instead of
-#: 61, the first step 47.0 s against 59.4 s, the steady step 579.4 against 558.4 ms (torch.amp's: 647.1 ms).
+#: 61, the first step 47.0 s against 59.4 s, the steady step 579.4 against 558.4 ms (torch.amp's: 647.1 ms): a run
+#: of more than about 600 such steps loses time overall.
 BUFFER_BYTES = 16 << 20
 
 #: The plan lists each buffer up to this many; past it, a summary per dtype (GPT-2 124M has 62).
