@@ -12,14 +12,14 @@ after the node that makes it, with ``as_strided_scatter``, which inductor's rein
 into the buffer. (A ``slice_scatter`` it keeps functional when its input is not realized, and a chain of them became
 one pointwise ``where`` per element over every part: on 96 parameters of 131,072 bfloat16 elements, 561 ms against
 19 ms for the ``cat``; a GPT-2 124M step 5.25x torch.amp's.) The buffer is made when the first gradient exists,
-uninitialized: each element is written once, by a gradient or by the zeros the ``cat`` held as padding (gated on
-the first gradient: :mod:`funcamp.passes.gates`); a zero fill first was a pass over the whole buffer of its own
-(GPT-2 124M's body, 16 MiB buffers: 20 ms of a 560 ms step). A slice of the buffer that is one
-gradient's part (the norm a clip takes of each member, :mod:`funcamp.train._flat`) is a view of it. Where every
-gradient reaches the ``cat`` as the cast of a narrower tensor (``convert_element_type``, the backward of a
-parameter's cast to the compute dtype), the buffer holds the narrower values and is cast once, after it is full: the
-cast is fused into the update that reads it. The values the update reads are the ``cat``'s, bit for bit (the same
-elements; a cast is elementwise).
+uninitialized: each element is written once, by a gradient or by the zeros the ``cat`` held as padding (gated on the
+first gradient: :mod:`funcamp.passes.gates`; past :data:`_GAP_FILLS` gaps, zero-filled whole first instead): a zero
+fill first was a pass over the whole buffer of its own (GPT-2 124M's body, 16 MiB buffers: 20 ms of a 560 ms step).
+A slice of the buffer that is one gradient's part (the norm a clip takes of each member, :mod:`funcamp.train._flat`)
+is a view of it. Where every gradient reaches the ``cat`` as the cast of a narrower tensor
+(``convert_element_type``, the backward of a parameter's cast to the compute dtype), the buffer holds the narrower
+values and is cast once, after it is full: the cast is fused into the update that reads it. The values the update
+reads are the ``cat``'s, bit for bit (the same elements; a cast is elementwise).
 
 Memory: the finite check and the norms read each member's view of the buffer
 (:meth:`funcamp.train._flat.Flat.gradients`), so a gradient is read only on its way into the buffer. Where a buffer
