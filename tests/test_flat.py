@@ -363,16 +363,16 @@ def test_buffers_split_at_the_cap_on_every_device():
     """The cap holds on every device, not only a CPU's (where glibc's mmap threshold asked for it first): a step
     over one buffer may hold each member's gradient beside the buffer (inductor's peak-memory reordering), so the
     cap bounds what a flat step adds over the per-leaf step on a GPU too. Laid out on the meta device, 44 MiB of
-    float32 parameters in 16 MiB buffers, a 16 MiB weight alone in its own. (Planted: the cap on a CPU only: one
+    float32 parameters in 8 MiB buffers, a 16 MiB weight alone in its own. (Planted: the cap on a CPU only: one
     buffer.)"""
     params = {f"w{i}": torch.empty(1 << 20, device="meta") for i in range(6)}  # 4 MiB each
     params["big"] = torch.empty(4 << 20, device="meta")  # 16 MiB
     params["tail"] = torch.empty(1 << 20, device="meta")
     built = _flat.layout(params, optim.sgd(0.1))
     assert isinstance(built, _flat.Flat), built
-    assert [len(g.members) for g in built.groups] == [1, 4, 3], built.groups  # leaf order: big, tail, w0..
+    assert [len(g.members) for g in built.groups] == [1, 2, 2, 2, 1], built.groups  # leaf order: big, tail, w0..
     assert all(g.numel * 4 <= _flat.BUFFER_BYTES or len(g.members) == 1 for g in built.groups)
-    assert "3 buffers (split at 16 MiB)" in built.describe(), built.describe()
+    assert "5 buffers (split at 8 MiB)" in built.describe(), built.describe()
 
 
 def test_flat_state_is_views_of_one_buffer_and_calls_copy_nothing(monkeypatch, tmp_path):

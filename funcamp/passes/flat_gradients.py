@@ -31,7 +31,7 @@ reordered: a 1-byte scalar computed after the update), and the gradients of a bu
 until then. That probe, compiled and donating with AdamW, adds 128.3 MB over the state at rest in one buffer per
 group (80.5 MB with the reordering off, which costs remat most of its saving: GPT small 33.0 -> 77.4 MB, so it stays
 on), against 64.1 MB leaf by leaf and 136.1 MB for torch's compiled in-place AdamW. So no buffer holds more than
-``funcamp.train._flat.BUFFER_BYTES`` (16 MiB) of parameters, on every device: each of those weights is a buffer of
+``funcamp.train._flat.BUFFER_BYTES`` (8 MiB) of parameters, on every device: each of those weights is a buffer of
 its own, 64.1 MB, and whatever the order a step holds at most one buffer's gradients more than leaf by leaf.
 """
 

@@ -719,12 +719,11 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
 #: Time on a CPU: glibc's ``malloc`` serves a block over its mmap threshold (at most 32 MiB) with a fresh ``mmap`` and
 #: unmaps it when freed, so an undonated step's new state in larger buffers page-faults on every step (GPT-2 124M,
 #: 4 x 256, bfloat16: 148 parameters in 1 buffer, the undonated step 1.19x torch.amp's; in 62 buffers of at most
-#: 8 MiB, 1.09x; the donated step 0.96x and 0.99x; docs/memory.md). Why 16 MiB and not 8: the compile's cost grows
-#: with the number of buffers (each its own gradient writes, row sums and update), and 16 MiB is still under glibc's
-#: largest mmap threshold. GPT-2 124M's body (AMD EPYC Zen 4, 2 cores; docs/benchmarks.md): 25 buffers instead of
-#: 61, the first step 47.0 s against 59.4 s, the steady step 579.4 against 558.4 ms (torch.amp's: 647.1 ms): a run
-#: of more than about 600 such steps loses time overall.
-BUFFER_BYTES = 16 << 20
+#: 8 MiB, 1.09x; the donated step 0.96x and 0.99x; docs/memory.md). 16 MiB was measured and not kept: the compile's
+#: cost grows with the number of buffers, but the steady step with it (AMD EPYC Zen 4, 2 cores; docs/benchmarks.md):
+#: GPT-2 124M's body first step 47.0 s against 59.4 s, steady 1.04x; at 4 x 256, in one process, interleaved, the
+#: steady step 1.05x donated and 1.08x undonated: 150-250 steps pay back the first step's saving.
+BUFFER_BYTES = 8 << 20
 
 #: The plan lists each buffer up to this many; past it, a summary per dtype (GPT-2 124M has 62).
 _LISTED = 8

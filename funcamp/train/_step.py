@@ -73,7 +73,7 @@ def make_train_step(
       donate: write the next state into the given state's tensors, bitwise the pure step's; the given state
         is consumed (using it again raises :class:`funcamp.train.DonatedStateError`). Default False: each step
         allocates a new state, and on a CPU with glibc every block over 32 MiB is a fresh ``mmap`` whose pages
-        fault on first write (flat buffers are split at 16 MiB; GPT-2 124M's undonated step is still
+        fault on first write (flat buffers are split at 8 MiB; GPT-2 124M's undonated step is still
         1.10x the donated one, its embedding one block; equal with ``MALLOC_MMAP_MAX_=0
         MALLOC_TRIM_THRESHOLD_=17179869184`` set before Python starts: docs/memory.md).
       **moved: ``data_parallel=``, ``policy=`` and ``shard=``, deprecated (``DeprecationWarning``): the state
