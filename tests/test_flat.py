@@ -410,6 +410,30 @@ def test_flat_state_is_views_of_one_buffer_and_calls_copy_nothing(monkeypatch, t
     _assert_bitwise((loaded.params, loaded.opt_state), before, "checkpoint")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_past_float32s_range_is_clamped_as_per_leaf(dtype):
+    """Finite gradients whose norm exceeds float32's largest value (64 elements of 1e38): the flat step's
+    ``grad_norm`` (its rows summed in float64) is float32's largest finite value, as the per-leaf step's is, and the
+    step counts as finite. (Planted: the float64 norm cast to float32 without the clamp: inf.)"""
+    params = {"w": torch.zeros(8, 8, dtype=dtype), "b": torch.zeros(8, dtype=dtype)}
+
+    def loss(p, x):
+        return (p["w"].float() * x).sum() + (p["b"].float() * x[0]).sum()
+
+    x = torch.full((8, 8), 1e38)
+    optimizer = optim.sgd(0.0)
+    got = {}
+    for flat in (True, False):  # compiled (the flat check) or eager (the per-leaf norm)
+        state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+        assert isinstance(state.storage, _flat.Flat)  # compiled: the rows; eager: leaf by leaf over the views
+        step = fa.make_train_step(loss, optimizer, backend=BACKEND, compile=flat)
+        _, m = step(state, x)
+        got[flat] = (m["grad_norm"], bool(m["grads_finite"]))
+    biggest = torch.tensor(torch.finfo(torch.float32).max)
+    for flat, (norm, finite) in got.items():
+        assert finite and norm.dtype == torch.float32 and torch.equal(norm, biggest), (flat, norm)
+
+
 def test_flat_off_keeps_the_given_tensors(monkeypatch):
     """``FUNCAMP_FLAT=off``: the state holds the given tensors, each its own, and says why."""
     monkeypatch.setenv("FUNCAMP_FLAT", "off")

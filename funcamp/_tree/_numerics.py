@@ -441,7 +441,8 @@ def global_norm(tree: Any) -> torch.Tensor:
     return norm_of_scaled(*scaled_global_norm(tree))
 
 
-def norm_of_scaled(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The norm ``t / s`` of :func:`scaled_global_norm`'s ``(t, s)``, a finite one clamped to the dtype's largest
-    finite value (:func:`global_norm`'s result), NaN or inf where ``t`` is."""
-    return torch.where(torch.isfinite(t), (t / s).clamp(max=torch.finfo(t.dtype).max), t)
+def norm_of_scaled(t: torch.Tensor, s: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The norm ``t / s`` of :func:`scaled_global_norm`'s ``(t, s)`` in ``dtype`` (default ``t``'s), a finite one
+    clamped to ``dtype``'s largest finite value (:func:`global_norm`'s result), NaN or inf where ``t`` is."""
+    dtype = t.dtype if dtype is None else dtype
+    return torch.where(torch.isfinite(t), (t / s).clamp(max=torch.finfo(dtype).max), t).to(dtype)

@@ -546,10 +546,9 @@ class _MemberNorms:
             return self._layout.stats(grads, loss)
         sums, s = rows
         flags = self._storage.row_flags(sums)
-        norm = _tree.norm_of_scaled(sums.sum().sqrt(), s)
-        if norm.dtype != torch.float32 and not any(g.dtype == torch.float64 for g in self._storage.groups):
-            # summed in float64 (scaled_row_sums); a finite norm past float32's range is clamped to it
-            norm = torch.where(torch.isfinite(norm), norm.clamp(max=torch.finfo(torch.float32).max), norm).float()
+        # the per-leaf norm's dtype (float64 only for float64 parameters), where float32 rows were summed in float64
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g in self._storage.groups) else torch.float32
+        norm = _tree.norm_of_scaled(sums.sum().sqrt(), s, dtype)
         return self._layout.agree(flags.all() & torch.isfinite(loss)), flags, norm
 
     def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
