@@ -57,6 +57,7 @@ import linecache
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -104,6 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=25, help="rows of the attribution tables (default: 25)")
     p.add_argument("--dump", default=None, metavar="DIR", help="also write every graph and output code to DIR")
     p.add_argument("--summarize", default=None, metavar="JSON", help="measure nothing: report a saved result again")
+    p.add_argument(
+        "--job-args",
+        default="",
+        help="further examples/train_gpt.py arguments of funcamp's step, e.g. '--scan off' (default: none)",
+    )
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one variant in this process
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -386,7 +392,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    extra = ["--no-donate"] if args.run == "funcamp_pure" else []
+    extra = (["--no-donate"] if args.run == "funcamp_pure" else []) + shlex.split(args.job_args)
     train_gpt, jargs = _job_args(args.model, extra)
     model = _model(train_gpt, jargs, args.layers)
     batch = _batch(train_gpt, jargs)
@@ -430,6 +436,8 @@ def spawn(variant: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
             cmd += ["--layers", str(args.layers)]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
+        if args.job_args:
+            cmd += ["--job-args=" + args.job_args]
         if args.dump:
             cmd += ["--dump", str(Path(args.dump).resolve() / f"{model}_{variant}")]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)

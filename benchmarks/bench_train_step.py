@@ -193,7 +193,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-backend", default=None, help="compile backend of the check (default: --backend)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--loss-rtol", type=float, default=None, help="agreement tolerance (default: 0.02 bf16, 0.01 f16)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator, TFLOP/s (CUDA default: 989)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="MFU denominator, TFLOP/s (CUDA default: 989; CPU default: measured, see --peak-size)",
+    )
+    p.add_argument(
+        "--peak-size",
+        type=int,
+        default=2048,
+        help="CPU: the MFU denominator is the best rate of an N x N x N matmul in the compute dtype, timed\n"
+        "before the step with the bench's threads (default: 2048; 0: no MFU)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="benchmarks/results/bench_train_step.json", help="output JSON file")
     p.add_argument("--markdown", default="benchmarks/results/bench_train_step.md", help="output markdown file")
@@ -233,8 +245,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_size = args.batch_size or DEFAULT_BATCH.get(args.config, 16)
     if args.loss_rtol is None:
         args.loss_rtol = 0.02 if args.dtype == "bfloat16" else 0.01
+    args.peak_source = "given (--peak-tflops)" if args.peak_tflops is not None else None
     if args.peak_tflops is None and args.device == "cuda":
         args.peak_tflops = H100_BF16_DENSE_TFLOPS
+        args.peak_source = "H100/H200 SXM dense bf16, datasheet"
     return args
 
 
@@ -266,6 +280,33 @@ def make_model(args: argparse.Namespace, device: torch.device) -> GPT:
     cfg = config_for(args.config, vocab_size=vocab, block_size=args.block_size)
     torch.manual_seed(args.seed)
     return GPT(cfg).to(device)
+
+
+def matmul_peak_tflops(dtype: torch.dtype, size: int, *, repeats: int = 10) -> float:
+    """This CPU's measured matmul rate in ``dtype``, TFLOP/s: the fastest of ``repeats`` products of two
+    ``size x size`` matrices (``2 * size**3`` FLOPs each, after two untimed ones), with torch's threads as set.
+    The denominator of MFU on a CPU, where no datasheet peak applies (AMX, AVX-512 with bf16 and AVX2 differ by
+    an order of magnitude). :func:`timing_run` measures it before and after the steps and takes the better: on a
+    shared 2-core Xeon one run measured 2.21 TFLOP/s and the next 0.77."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g).to(dtype)
+    b = torch.randn(size, size, generator=g).to(dtype)
+    for _ in range(2):
+        torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best / 1e12
+
+
+def flops_per_token(model: GPT) -> float:
+    """Training FLOPs per token of ``model``: ``6 N`` for the parameters' matmuls (forward 2, backward 4) plus
+    ``12 L T d`` for attention's scores and weighted sums (``L`` layers, context ``T``, width ``d``; the causal
+    mask's skipped half counted, as PaLM's and nanoGPT's MFU count it)."""
+    c = model.config
+    return 6 * model.num_params() + 12 * c.n_layer * c.block_size * c.n_embd
 
 
 def sync(device: torch.device) -> None:
@@ -803,6 +844,9 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
     batches = make_batches(total, batch_size=args.batch_size, block_size=bs, seed=args.seed, device=device)
     base = make_model(args, device)
     n_params = base.num_params()
+    per_token = flops_per_token(base)
+    measure_peak = args.peak_tflops is None and device.type == "cpu" and args.peak_size
+    peaks = [matmul_peak_tflops(getattr(torch, args.dtype), args.peak_size)] if measure_peak else []
     runners = [Runner(name, build_variant(name, base, args), batches, device) for name in args.variants]
     del base
     # Inductor's first compile in a process also pays for importing and initialising the compiler; pay it
@@ -824,6 +868,13 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
             wall, cpu = r.run(args.steps)
             r.samples_ms.append(1e3 * wall / args.steps)
             r.cpu_samples_ms.append(1e3 * cpu / args.steps)
+    if measure_peak:  # again after the rounds: a shared host's rate moves; the better of the two is the peak
+        peaks.append(matmul_peak_tflops(getattr(torch, args.dtype), args.peak_size))
+        args.peak_tflops = max(peaks)
+        args.peak_source = (
+            f"measured: {args.dtype} {args.peak_size}^3 matmul, {torch.get_num_threads()} threads, the better of "
+            f"{peaks[0]:.2f} before the steps and {peaks[1]:.2f} after"
+        )
     tokens = args.batch_size * block_size(args)
     rows = {}
     for r in runners:
@@ -846,7 +897,7 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
             "plan": getattr(r.step, "plan", None),
         }
         if args.peak_tflops:
-            row["mfu"] = 6 * n_params * row["tokens_per_s"] / (args.peak_tflops * 1e12)
+            row["mfu"] = per_token * row["tokens_per_s"] / (args.peak_tflops * 1e12)
         rows[r.name] = row
     for row in rows.values():
         for ref, key in (("amp_eager", "ratio_vs_2"), ("amp_compile", "ratio_vs_3")):
@@ -854,7 +905,13 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
             # Cross-check: the median over rounds of the ratio within each round (neighbours' load cancels).
             paired = [a / b for a, b in zip(row["samples_ms"], rows[ref]["samples_ms"])] if ref in rows else []
             row["paired_" + key] = statistics.median(paired) if paired else None
-    return {"rows": rows, "n_params": n_params, "tokens_per_step": tokens, "timed_steps": args.rounds * args.steps}
+    return {
+        "rows": rows,
+        "n_params": n_params,
+        "flops_per_token": per_token,
+        "tokens_per_step": tokens,
+        "timed_steps": args.rounds * args.steps,
+    }
 
 
 def check_losses(rows: dict[str, dict], rtol: float) -> tuple[bool, str]:
@@ -1032,6 +1089,12 @@ def markdown(result: dict[str, Any]) -> str:
             cells.append(_fmt(100 * r["mfu"], ".1f") + "%")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", result["loss_check"]]
+    if cfg.get("peak_tflops") and result.get("flops_per_token"):
+        lines += [
+            "",
+            f"MFU: {result['flops_per_token'] / 1e6:.1f} MFLOP per token (6 N + 12 L T d) x tokens/s over "
+            f"{cfg['peak_tflops']:.2f} TFLOP/s ({cfg.get('peak_source') or 'given'}).",
+        ]
     plans = [f"{name}: {r['plan']}" for name, r in rows.items() if r.get("plan")]
     if plans:
         lines += ["", "funcamp's plans (`step.plan_for(state)`): " + "; ".join(f"`{p}`" for p in plans) + "."]

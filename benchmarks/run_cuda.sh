@@ -26,7 +26,7 @@ if [ "$DRY" = 1 ]; then  # the same commands on the CPU: the harness works, noth
   DEV=cpu CONFIG=tiny FP8_CONFIG=tiny FP8_LAYERS=${FP8_LAYERS:-2} BACKEND=eager FP8_BACKEND=eager
   BS=2 FP8_BS=2 WARMUP=1 STEPS=1 ROUNDS=1
   V_BF16=${V_BF16:-amp_eager,funcamp_graph} V_FP16=${V_FP16:-amp_eager} FP8_VARIANTS=${FP8_VARIANTS:-fp8_tensorwise}
-  PROBE=(--no-probe) TESTS=(--collect-only -q)
+  PROBE=(--no-probe) TESTS=(--collect-only -q) NO_MFU=(--peak-size 0)  # a CPU's MFU is not the target's
 else
   DEV=cuda CONFIG=gpt2-124m FP8_CONFIG=gpt2-1.3b FP8_LAYERS=${FP8_LAYERS:-6} BACKEND=inductor FP8_BACKEND=inductor
   BS=16 FP8_BS=8 WARMUP=3 STEPS=10 ROUNDS=3
@@ -34,7 +34,7 @@ else
   V_FP16=${V_FP16:-amp_eager,amp_compile,funcamp_graph}
   FP8_VARIANTS=${FP8_VARIANTS:-funcamp_bf16,fp8_tensorwise,fp8_rowwise,fp8_delayed}
   PROBE=(--probe-variants amp_eager,funcamp_donate,funcamp_graph --probe-workers 3 --probe-steps 3)
-  TESTS=(-q)
+  TESTS=(-q) NO_MFU=()
 fi
 {
   date -u
@@ -52,7 +52,7 @@ run() {  # run NAME LIMIT_S CMD...: skipped when LIMIT_S is 0; its output in OUT
 }
 run test_cuda "$T_TESTS" python3 -m pytest -p no:cacheprovider "${TESTS[@]}" tests/test_cuda.py
 common=(--device "$DEV" --config "$CONFIG" --batch-size "$BS" --backend "$BACKEND" --loss-scale dynamic
-  --check-recompiles 0 --first-step none --warmup "$WARMUP" --steps "$STEPS" --rounds "$ROUNDS")
+  --check-recompiles 0 --first-step none --warmup "$WARMUP" --steps "$STEPS" --rounds "$ROUNDS" "${NO_MFU[@]}")
 run bench_bf16 "$T_BF16" python3 benchmarks/bench_train_step.py "${common[@]}" --dtype bfloat16 --variants "$V_BF16" \
   "${PROBE[@]}" --json "$OUT/bench_train_step_bf16.json" --markdown "$OUT/bench_train_step_bf16.md"
 run bench_fp16 "$T_FP16" python3 benchmarks/bench_train_step.py "${common[@]}" --dtype float16 --variants "$V_FP16" \

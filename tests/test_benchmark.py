@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, str(SCRIPT), "--config", "tiny", "--batch-size", "4", "--warmup", "1"]
     cmd += ["--steps", "2", "--rounds", "1", "--probe-steps", "1", "--backend", "eager", "--check-recompiles", "3"]
+    cmd += ["--peak-size", "128"]  # the MFU denominator's matmul, small: its size is not what is tested
     cmd += ["--probe-variants", ",".join(PROBED)]  # the other probes cost time and add no code path
     cmd += ["--first-step-variants", ",".join(FIRST_STEP), "--tune-cache", str(out / "tune"), "--tune-rounds", "1"]
     cmd += ["--json", str(out / "bench.json"), "--markdown", str(out / "bench.md"), "--cache-dir", str(out / "cache")]
@@ -92,6 +94,24 @@ def test_every_variant_has_every_column(result: dict) -> None:
             assert first["compile_phases_s"]["bytecode_tracing"] > 0
         else:
             assert row["first_step_s"] is None
+
+
+def test_mfu_is_the_flops_per_token_rate_over_the_measured_matmul_peak(result: dict) -> None:
+    cfg = result["config"]
+    source = cfg["peak_source"]
+    assert source.startswith("measured: bfloat16 128^3 matmul, ") and "before the steps" in source, source
+    before, after = (float(x) for x in re.findall(r"([0-9.]+) (?:before|after)", source))
+    assert cfg["peak_tflops"] == pytest.approx(max(before, after), abs=0.006) and cfg["peak_tflops"] > 0
+    # The tiny GPT (bench_train_step's config): 6 N + 12 L T d, its layers, context and width read from gpt.py.
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import config_for
+
+    c = config_for("tiny", vocab_size=256, block_size=cfg["block_size"])
+    assert result["flops_per_token"] == 6 * result["n_params"] + 12 * c.n_layer * c.block_size * c.n_embd
+    for row in result["rows"].values():
+        flops = result["flops_per_token"] * row["tokens_per_s"]
+        assert row["mfu"] == pytest.approx(flops / (cfg["peak_tflops"] * 1e12), rel=1e-12)
+    assert "MFU: " in result["_markdown"] and "TFLOP/s (measured: bfloat16 128^3 matmul" in result["_markdown"]
 
 
 def test_ratios_are_relative_to_variants_2_and_3(result: dict) -> None:
@@ -129,11 +149,11 @@ def test_recompile_check_skips_and_changes_scale_in_one_graph(result: dict) -> N
 def test_markdown_table_has_every_column_and_variant(result: dict) -> None:
     md = result["_markdown"]
     header = next(line for line in md.splitlines() if line.startswith("| variant"))
-    assert [c.strip() for c in header.strip("|").split("|")] == HEADERS
+    assert [c.strip() for c in header.strip("|").split("|")] == [*HEADERS, "MFU"]
     body = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
     assert len(body) == len(VARIANTS)
     for i, line in enumerate(body, start=1):
-        assert line.startswith(f"| {i} ") and len(line.strip("|").split("|")) == len(HEADERS)
+        assert line.startswith(f"| {i} ") and len(line.strip("|").split("|")) == len(HEADERS) + 1
     for text in ("Command: `python benchmarks/bench_train_step.py", "torch ", "final losses agree", "Recompile check"):
         assert text in md
     assert md in result["_stdout"]  # the table written is the table printed
