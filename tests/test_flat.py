@@ -285,6 +285,40 @@ def test_the_verdict_read_from_the_buffers_is_the_leaf_by_leaf_one(backend):
     _assert_same(out[True], out[False], backend, clipped=True)
 
 
+@pytest.mark.parametrize("first", ["empty", "zero_rows"])
+def test_empty_parameters_first_in_their_buffer_stay_flat(first):
+    """A parameter of no elements first in its buffer (shape ``(0,)`` or ``(0, 3)``), under AdamW, whose moments
+    have their parameter's shape: the storage is flat (the moments' ratio to their parameters read from the first
+    member that holds elements), and 3 steps give the leaf-by-leaf step's state and metrics bitwise, pure and
+    donating. (Planted: the ratio read from the first member, as before: the state went per leaf, "an
+    optimizer-state leaf made from a parameter is neither its shape nor empty".)"""
+    g = torch.Generator().manual_seed(5)
+    params = {"a": torch.zeros(0) if first == "empty" else torch.zeros(0, 3), "b": torch.randn(3, 2, generator=g)}
+    params["c"] = torch.randn(5, generator=g)
+    optimizer = optim.adamw(1e-2)
+    assert isinstance(_flat.layout(params, optimizer), _flat.Flat)
+    assert isinstance(_flat.layout({"a": params["a"]}, optimizer), _flat.Flat)  # alone in its buffer too
+
+    def loss(p, batch):
+        return (p["b"].sum(1) * batch[:3]).square().sum() + (p["c"] * batch).sum() + p["a"].sum()
+
+    batches = [torch.randn(5, generator=g) for _ in range(3)]
+    out = {}
+    for flat, donate in ((False, False), (True, False), (True, True)):
+        torch._dynamo.reset()
+        with storage_kind(flat) as kind:
+            state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+            assert state.storage.kind == kind, state.storage
+            step = fa.make_train_step(loss, optimizer, backend="aot_eager", donate=donate)
+            metrics = []
+            for b in batches:
+                state, m = step(state, b)
+                metrics.append(_tree.tree_map(torch.clone, m))
+        out[flat, donate] = (state, metrics)
+    for key in ((True, False), (True, True)):
+        _assert_same(out[key], out[False, False], key, clipped=False)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_finite_flags_read_from_the_rows_of_the_buffers(backend, monkeypatch):
     """``Flat.row_flags`` of ``Flat.row_sums``: each member's finite flag, exactly ``finite_flags`` of the gradients,

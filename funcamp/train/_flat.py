@@ -830,9 +830,12 @@ def _kind(flat: torch.Tensor, g: Group, leaves: list[torch.Tensor], params: list
     times its offset (whole elements), one dtype; or None."""
     if all(x.shape == (0,) for x in leaves) and flat.shape == (0,):
         return "empty"
-    if not params[0].numel() or any(x.dtype != flat.dtype for x in leaves):
+    if any(x.dtype != flat.dtype for x in leaves):
         return None
-    ratio = Fraction(leaves[0].numel(), params[0].numel())
+    # The ratio from the first member that holds elements (an empty parameter's leaf, of its shape, says nothing);
+    # every member empty: each leaf of its parameter's shape, as a moment, and the buffer's leaf empty too.
+    sized = next((k for k, p in enumerate(params) if p.numel()), None)
+    ratio = Fraction(1) if sized is None else Fraction(leaves[sized].numel(), params[sized].numel())
     total = g.numel * ratio
     if total.denominator != 1 or tuple(flat.shape) != (int(total),):
         return None
