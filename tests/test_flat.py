@@ -285,6 +285,24 @@ def test_the_verdict_read_from_the_buffers_is_the_leaf_by_leaf_one(backend):
     _assert_same(out[True], out[False], backend, clipped=True)
 
 
+def test_select_tree_between_two_flat_states_created_alike_traces():
+    """``select_tree`` of two flat states from two ``TrainState.create`` calls alike (equal layouts, not the same
+    object), compiled whole: it traces (the layouts compared by host-made text; optree's spec comparison, in C, does
+    not trace) and picks each state's tensors as eagerly. (Planted: ``Flat.__eq__`` comparing the layouts' keys,
+    optree specs among them: Dynamo raises Unsupported.)"""
+    optimizer = optim.adamw(1e-2)
+    g = torch.Generator().manual_seed(7)
+    params = {"w": torch.randn(3, 3, generator=g), "b": torch.randn(3, generator=g)}
+    a = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+    b = fa.TrainState.create({k: v + 1 for k, v in params.items()}, optimizer)
+    assert a.storage.kind == "flat" and a.storage == b.storage and a.storage is not b.storage
+    select = torch.compile(fa.select_tree, backend="aot_eager", fullgraph=True)
+    for pred in (True, False):
+        got = select(torch.tensor(pred), a, b)
+        _assert_bitwise(got.params, (a if pred else b).params, pred)
+        _assert_bitwise(got.opt_state, (a if pred else b).opt_state, pred)
+
+
 @pytest.mark.parametrize("first", ["empty", "zero_rows"])
 def test_empty_parameters_first_in_their_buffer_stay_flat(first):
     """A parameter of no elements first in its buffer (shape ``(0,)`` or ``(0, 3)``), under AdamW, whose moments

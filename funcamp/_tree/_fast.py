@@ -38,7 +38,8 @@ LEAF_TYPES = (torch.Tensor, int, float, complex, str, bytes)
 #: which optree's registry does not know, is not taken for it.
 FIELDS = "_funcamp_tree_fields"
 
-#: Static field values compared by value (others by identity, and the walk hands a differing pair to optree).
+#: Static field values compared by value (others by identity, and the walk hands a differing pair to optree;
+#: see also :func:`_constant`).
 _CONSTANTS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 
 
@@ -181,6 +182,12 @@ def _plain_tensors(values: list[Any]) -> bool:
     return True
 
 
+def _constant(v: Any) -> bool:
+    """Whether a static field's value is compared by value: one of :data:`_CONSTANTS`, or of a class that marks
+    its ``==`` as a comparison of host-made constants (``_funcamp_static_eq``: the flat storage's layouts)."""
+    return isinstance(v, _CONSTANTS) or getattr(type(v), "_funcamp_static_eq", False)
+
+
 def _walk_fields(node: Any, others: list[Any], strict: bool, leaves: list, rest_leaves: list, fields: Any) -> Any:
     """:func:`_walk` of a dataclass of :func:`funcamp._tree.dataclass`: its static fields equal in ``others``
     (the same object, or equal constants), its children walked in field order."""
@@ -193,7 +200,7 @@ def _walk_fields(node: Any, others: list[Any], strict: bool, leaves: list, rest_
         v = getattr(node, name)
         for o in others:
             w = getattr(o, name)
-            if w is not v and not (type(w) is type(v) and isinstance(v, _CONSTANTS) and w == v):
+            if w is not v and not (type(w) is type(v) and _constant(v) and w == v):
                 return None
         aux.append(v)
     children = []

@@ -108,6 +108,8 @@ class Flat:
 
     kind = "flat"
     reason = None
+    #: ``==`` compares host-made constants, cheap for Dynamo to trace (funcamp._tree._fast's walk of static fields).
+    _funcamp_static_eq = True
 
     def __init__(
         self, params: Any, groups: list[Group], replay: _flat_opt.Replay, state_map: _StateMap, optimizer: Any
@@ -132,6 +134,9 @@ class Flat:
                 past[i] = base + -(-(off + self.numels[i]) // NORM_ROW)
             base += g.numel // NORM_ROW
         self._row_bounds = first + past
+        # Equality by host-made text (the optree specs' reprs among it): Dynamo traces a comparison of two strings,
+        # and cannot trace the C comparison of optree's specs (select_tree between two states created alike).
+        self._identity = repr(self._key())
 
     def __repr__(self) -> str:
         return f"Flat({self.describe()})"
@@ -150,7 +155,7 @@ class Flat:
     def __eq__(self, other: object) -> bool:
         """Two layouts of the same parameters, groups and optimizer-state correspondence (two states created
         alike) are equal: a step compiled for one runs the other."""
-        return isinstance(other, Flat) and (other is self or other._key() == self._key())
+        return isinstance(other, Flat) and (other is self or other._identity == self._identity)
 
     def __hash__(self) -> int:
         return hash((self.params_spec, tuple(self.shapes), tuple(self.groups)))
