@@ -237,12 +237,15 @@ class Flat:
 
     def _views(self, buffers: dict[str, torch.Tensor]) -> list[Any]:
         leaves: list[Any] = [None] * len(self.shapes)
+        numels, shapes = self.numels, self.shapes
         for g in self.groups:
             buffer = buffers[g.key]
-            for i, off in zip(g.members, g.offsets, strict=True):  # an empty placeholder (Kahan's) stays one
-                leaves[i] = (
-                    buffer if buffer.numel() == 0 else buffer.narrow(0, off, self.numels[i]).view(self.shapes[i])
-                )
+            if buffer.numel() == 0:  # an empty placeholder (Kahan's) stays one
+                for i in g.members:
+                    leaves[i] = buffer
+                continue
+            for i, off in zip(g.members, g.offsets):
+                leaves[i] = buffer.narrow(0, off, numels[i]).view(shapes[i])
         return leaves
 
     def flat(self, tree: Any) -> dict[str, torch.Tensor]:
