@@ -204,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=2048,
         help="CPU: the MFU denominator is the best rate of an N x N x N matmul in the compute dtype, timed\n"
-        "before the step with the bench's threads (default: 2048; 0: no MFU)",
+        "before and after the steps with the bench's threads, the better taken (default: 2048; 0: no MFU)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="benchmarks/results/bench_train_step.json", help="output JSON file")

@@ -388,6 +388,7 @@ class Flat:
     def __setstate__(self, fields: dict[str, Any]) -> None:
         self.__dict__.update(fields)
         self._rebuild = _tree.rebuilder(self._stand_ins)
+        self._identity = repr(self._key())  # made again: a layout pickled before it held one has none
 
     def _per_leaf(self, buffers: dict[str, torch.Tensor], flat_state: Any) -> tuple[Any, Any]:
         flat_leaves = _tree.tree_leaves(flat_state)
