@@ -64,15 +64,29 @@ OPTIMIZERS = {
 def _run(optimizer, *, flat, donate, step_optimizer=None):
     """Four steps (the third non-finite) of the compiled step (of ``step_optimizer``, default the state's
     ``optimizer``); the final state and each step's metrics."""
+    return _steps(
+        _PARAMS,
+        _loss,
+        optimizer,
+        _batches(),
+        flat=flat,
+        donate=donate,
+        step_optimizer=step_optimizer,
+        loss_scale=fa.DynamicLossScale(2.0**15),
+    )
+
+
+def _steps(params, loss, optimizer, batches, *, flat, donate=False, backend=BACKEND, step_optimizer=None, **create):
+    """The compiled step of ``loss`` (of ``step_optimizer``, default ``optimizer``) over ``batches`` from a state of
+    copies of ``params`` made flat or leaf by leaf (``flat``; ``create``: further ``TrainState.create`` arguments);
+    the final state and each step's metrics."""
     torch._dynamo.reset()
     with storage_kind(flat) as kind:
-        state = fa.TrainState.create(
-            {k: v.clone() for k, v in _PARAMS.items()}, optimizer, loss_scale=fa.DynamicLossScale(2.0**15)
-        )
-        assert state.storage.kind == kind
-        step = fa.make_train_step(_loss, step_optimizer or optimizer, backend=BACKEND, donate=donate)
+        state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer, **create)
+        assert state.storage.kind == kind, state.storage
+        step = fa.make_train_step(loss, step_optimizer or optimizer, backend=backend, donate=donate)
         metrics = []
-        for batch in _batches():
+        for batch in batches:
             state, out = step(state, batch)
             metrics.append(_tree.tree_map(torch.clone, out))
     return state, metrics
@@ -268,18 +282,7 @@ def test_the_verdict_read_from_the_buffers_is_the_leaf_by_leaf_one(backend):
         batch(scale_y=1e-38),
     ]
     optimizer = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(1e-3))
-    out = {}
-    for flat in (True, False):
-        torch._dynamo.reset()
-        with storage_kind(flat) as kind:
-            state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
-            assert state.storage.kind == kind
-            step = fa.make_train_step(loss, optimizer, backend=backend)
-            metrics = []
-            for b in batches:
-                state, m = step(state, b)
-                metrics.append(_tree.tree_map(torch.clone, m))
-        out[flat] = (state, metrics)
+    out = {flat: _steps(params, loss, optimizer, batches, flat=flat, backend=backend) for flat in (True, False)}
     assert [int(m["nonfinite_leaf"]) for m in out[True][1]] == [-1, 1, 2, 1, -1, -1]
     assert [bool(m["grads_finite"]) for m in out[True][1]] == [True, False, False, False, True, True]
     _assert_same(out[True], out[False], backend, clipped=True)
@@ -303,6 +306,23 @@ def test_select_tree_between_two_flat_states_created_alike_traces():
         _assert_bitwise(got.opt_state, (a if pred else b).opt_state, pred)
 
 
+def test_an_empty_float64_buffer_leaves_the_norm_in_float32():
+    """A float32 parameter beside an empty float64 one (a buffer of its own, of no elements): the flat check's
+    ``grad_norm`` is float32, as the per-leaf norm's (``_tree.norm_dtype`` leaves empty leaves out), and equal.
+    (Planted: the dtype from every buffer's dtype, empty or not: float64.)"""
+    params = {"a": torch.randn(4, generator=torch.Generator().manual_seed(2)), "b": torch.zeros(0, dtype=torch.float64)}
+    optimizer = optim.sgd(0.1)
+
+    def loss(p, x):
+        return (p["a"] * x).sum() + p["b"].sum()
+
+    norms = {
+        flat: _steps(params, loss, optimizer, [torch.ones(4)], flat=flat)[1][0]["grad_norm"] for flat in (True, False)
+    }
+    assert norms[True].dtype == norms[False].dtype == torch.float32
+    torch.testing.assert_close(norms[True], norms[False], rtol=NORM_RTOL, atol=0)
+
+
 @pytest.mark.parametrize("first", ["empty", "zero_rows"])
 def test_empty_parameters_first_in_their_buffer_stay_flat(first):
     """A parameter of no elements first in its buffer (shape ``(0,)`` or ``(0, 3)``), under AdamW, whose moments
@@ -321,18 +341,8 @@ def test_empty_parameters_first_in_their_buffer_stay_flat(first):
         return (p["b"].sum(1) * batch[:3]).square().sum() + (p["c"] * batch).sum() + p["a"].sum()
 
     batches = [torch.randn(5, generator=g) for _ in range(3)]
-    out = {}
-    for flat, donate in ((False, False), (True, False), (True, True)):
-        torch._dynamo.reset()
-        with storage_kind(flat) as kind:
-            state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
-            assert state.storage.kind == kind, state.storage
-            step = fa.make_train_step(loss, optimizer, backend="aot_eager", donate=donate)
-            metrics = []
-            for b in batches:
-                state, m = step(state, b)
-                metrics.append(_tree.tree_map(torch.clone, m))
-        out[flat, donate] = (state, metrics)
+    runs = ((False, False), (True, False), (True, True))
+    out = {(f, d): _steps(params, loss, optimizer, batches, flat=f, donate=d, backend="aot_eager") for f, d in runs}
     for key in ((True, False), (True, True)):
         _assert_same(out[key], out[False, False], key, clipped=False)
 

@@ -555,8 +555,10 @@ class _MemberNorms:
             return self._layout.stats(grads, loss)
         sums, s = rows
         flags = self._storage.row_flags(sums)
-        # the per-leaf norm's dtype (float64 only for float64 parameters), where float32 rows were summed in float64
-        dtype = torch.float64 if any(g.dtype == torch.float64 for g in self._storage.groups) else torch.float32
+        # the per-leaf norm's dtype (float64 only where a float64 parameter holds elements: _tree.norm_dtype's rule,
+        # over the buffers), where float32 rows were summed in float64
+        groups = self._storage.groups
+        dtype = torch.float64 if any(g.dtype == torch.float64 and g.numel for g in groups) else torch.float32
         norm = _tree.norm_of_scaled(sums.sum().sqrt(), s, dtype)
         return self._layout.agree(flags.all() & torch.isfinite(loss)), flags, norm
 
