@@ -526,8 +526,8 @@ class _MemberNorms:
     padding need not be zero) are normed member by member. The norm sums the squares per row where the per-leaf
     step sums them per leaf: within round-off of it, not bit for bit (``tests/test_flat.py``). Where the rows do
     not apply (float8 buffers, float16 on MPS, every member empty, shards), the layout's own per-leaf norm and flags
-    of the members' views. Rows of float32, bfloat16 and float16 are summed in float64: the norm is rounded to float32 once.
-    Everything else is the layout's."""
+    of the members' views. Rows of float32, bfloat16 and float16 are summed in float64: the norm is rounded to
+    float32 once. Everything else is the layout's."""
 
     def __init__(
         self,
