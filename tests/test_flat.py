@@ -742,3 +742,68 @@ def test_check_makes_no_views_where_it_reads_rows():
         assert g["grads_finite"] == r["grads_finite"] and g["nonfinite_leaf"] == r["nonfinite_leaf"], (g, r)
         torch.testing.assert_close(g["grad_norm"], r["grad_norm"], rtol=NORM_RTOL, atol=0, equal_nan=True)
     assert [bool(m["grads_finite"]) for m in got] == [True, False] and int(got[1]["nonfinite_leaf"]) == 0
+
+
+def test_segments_put_each_block_of_a_run_of_alike_blocks_apart():
+    """``_segments``: each block of a run of at least two alike blocks (the same relative names and shapes) a part
+    of its own, named ``<run>.<index>``; a lone block, a run whose blocks differ, and names outside any run go to
+    the rest, in leaf order."""
+    shapes = {
+        "emb.weight": (8, 4),
+        "h.0.ln.weight": (4,),
+        "h.0.fc.weight": (4, 4),
+        "h.1.ln.weight": (4,),
+        "h.1.fc.weight": (4, 4),
+        "enc.layers.0.w": (3,),
+        "enc.layers.1.w": (3,),
+        "enc.layers.2.w": (3,),
+        "dec.layers.0.w": (2,),  # a run whose blocks differ in shape
+        "dec.layers.1.w": (5,),
+        "head.0.weight": (4,),  # a run of one block
+        "ln_f.weight": (4,),
+    }
+    names = list(shapes)
+    leaves = [torch.zeros(s) for s in shapes.values()]
+    got = _flat._segments(list(range(len(names))), names, leaves)
+    assert got == [
+        ("h.0", [1, 2]),
+        ("h.1", [3, 4]),
+        ("enc.layers.0", [5]),
+        ("enc.layers.1", [6]),
+        ("enc.layers.2", [7]),
+        ("", [0, 8, 9, 10, 11]),
+    ], got
+    # a subset of the members (one mask value): only those are segmented
+    assert _flat._segments([1, 3, 11], names, leaves) == [("h.0", [1]), ("h.1", [3]), ("", [11])]
+
+
+def test_alike_blocks_sit_at_the_same_offsets_and_step_as_the_leaf_by_leaf_step():
+    """Each block of a ``ModuleList`` of alike blocks in buffers of its own, its parameters at the same offsets as
+    every other block's (so inductor writes one kernel for all the blocks' uses, as for separate tensors); the
+    biases and norms (not decayed) of each block apart from its matrices; the flat step bitwise the per-leaf one.
+    Planted: the layout before (the blocks packed together) fails the offsets."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.LayerNorm(6), torch.nn.Linear(6, 6), torch.nn.GELU()) for _ in range(3)
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), *blocks, torch.nn.Linear(6, 2))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    mask = {k: v.ndim >= 2 for k, v in params.items()}
+    optimizer = optim.adamw(1e-2, weight_decay=0.1, mask=mask)
+    built = _flat.layout(params, optimizer)
+    names = list(params)
+    by_block = {}
+    for g in built.groups:
+        if g.block:
+            rel = tuple((names[i].split(".", 1)[1], off) for i, off in zip(g.members, g.offsets, strict=True))
+            by_block.setdefault(g.block, []).append((rel, g.numel, g.dtype))
+    assert sorted(by_block) == ["1", "2", "3"], built.groups  # the Sequential's children 1-3 are the blocks
+    assert by_block["1"] == by_block["2"] == by_block["3"] and len(by_block["1"]) == 2, by_block
+
+    def loss(p, batch):
+        return torch.func.functional_call(model, p, (batch,)).square().mean()
+
+    batches = [torch.randn(5, 4) for _ in range(3)]
+    got = _steps(params, loss, optimizer, batches, flat=True)
+    ref = _steps(params, loss, optimizer, batches, flat=False)
+    _assert_same(got, ref, "blocks", clipped=False)
