@@ -784,6 +784,38 @@ def test_compiled_train_step_has_no_graph_break_and_matches_eager(compiled_steps
         assert c_buffers["1.num_batches_tracked"].item() == 2 and c_buffers["1.running_mean"].dtype == F32
 
 
+def test_binding_hooks_are_registered_only_while_an_eager_call_runs():
+    """The copy's modules carry funcamp's binding pre-hook during an eager call (before the user's own hooks,
+    which see the parameters' uses) and at no other time: not between calls, and not while ``torch.compile``
+    traces a call, which binds every use up front (a hook sends every module call through ``nn.Module``'s hooks
+    path, which Dynamo traces). Planted: the hook registered at build time, as before: the compiled call sees it."""
+    seen = []
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            seen.append(len(self.lin._forward_pre_hooks))  # read when run, or when traced
+            return self.lin(x)
+
+    net = Net()
+    users = []
+    net.lin.register_forward_pre_hook(lambda m, args: users.append(m.weight.dtype))  # the user's hook
+    apply_fn, params = functionalize(net, MIXED[BF16])
+    x = torch.randn(4, 3)
+    eager = apply_fn(params, x)
+    assert seen == [2] and users == [torch.bfloat16], (seen, users)  # ours first: theirs saw the bf16 use
+    torch._dynamo.reset()
+    compiled = torch.compile(apply_fn, fullgraph=True, backend="aot_eager")(params, x)
+    assert seen == [2, 1], seen  # only the user's hook while traced
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert users == [torch.bfloat16, torch.bfloat16], users
+    apply_fn(params, x)
+    assert seen == [2, 1, 2], seen
+
+
 # --- Hugging Face transformers (optional) --------------------------------------------------------
 
 
