@@ -165,21 +165,17 @@ def _dict_values(others: list[Any], keys: tuple[str, ...], strict: bool) -> list
             if k not in o:
                 return None
         sub = list(map(o.__getitem__, keys))
-        if strict:
-            for x in sub:
-                if type(x) not in _PLAIN_LEAF_TYPES:
-                    return None
+        if strict and not all(map(_PLAIN_LEAF_TYPES.__contains__, map(type, sub))):
+            return None
         subs.append(sub)
     return subs
 
 
 def _plain_tensors(values: list[Any]) -> bool:
     """Whether every value is a ``torch.Tensor`` or an ``nn.Parameter`` (not a subclass, which the walk asks
-    ``isinstance`` of)."""
-    for x in values:
-        if type(x) not in _TENSOR_TYPES:
-            return False
-    return True
+    ``isinstance`` of). ``all`` over ``map``s: Dynamo traces its own ``all`` in 5 instructions a value, where this
+    loop took 10."""
+    return all(map(_TENSOR_TYPES.__contains__, map(type, values)))
 
 
 def _constant(v: Any) -> bool:
