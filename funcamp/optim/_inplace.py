@@ -192,8 +192,15 @@ def write(old: Any, new: torch.Tensor) -> torch.Tensor:
     Written at once, so that ``new`` can be freed before the next leaf; a ``new`` of another dtype or shape than
     ``old`` is returned as it is (never cast into it).
     """
-    donation = current()
-    if donation is None or new is old or not donation.writable(old) or new.dtype != old.dtype or new.shape != old.shape:
+    stack = _SCOPE._stack  # current(), inline: asked for every leaf of every transformation, traced for each
+    donation = stack[-1] if stack else None
+    if (
+        not isinstance(donation, Donation)
+        or new is old
+        or not donation.writable(old)
+        or new.dtype != old.dtype
+        or new.shape != old.shape
+    ):
         return new
     return torch.where(donation.finite, new, old, out=old)
 
@@ -204,7 +211,14 @@ def reuse(old: Any, new: torch.Tensor) -> torch.Tensor:
     A reusable ``old`` is one of the step's own gradients (or a buffer of one, carrying an earlier update);
     ``new`` is copied into it when dtype and shape agree, so the updates occupy the gradients' memory.
     """
-    donation = current()
-    if donation is None or new is old or not donation.reusable(old) or new.dtype != old.dtype or new.shape != old.shape:
+    stack = _SCOPE._stack  # current(), inline (as in write)
+    donation = stack[-1] if stack else None
+    if (
+        not isinstance(donation, Donation)
+        or new is old
+        or not donation.reusable(old)
+        or new.dtype != old.dtype
+        or new.shape != old.shape
+    ):
         return new
     return old.copy_(new)
