@@ -282,6 +282,16 @@ def make_model(args: argparse.Namespace, device: torch.device) -> GPT:
     return GPT(cfg).to(device)
 
 
+def better_peak(before: float, after: float, dtype: str, size: int) -> tuple[float, str]:
+    """``(peak, source)``: the better of the matmul rates (TFLOP/s) measured before and after the steps, and the
+    sentence the results print for it (``config.peak_source``)."""
+    source = (
+        f"measured: {dtype} {size}^3 matmul, {torch.get_num_threads()} threads, the better of {before:.2f} before "
+        f"the steps and {after:.2f} after"
+    )
+    return max(before, after), source
+
+
 def matmul_peak_tflops(dtype: torch.dtype, size: int, *, repeats: int = 10) -> float:
     """This CPU's measured matmul rate in ``dtype``, TFLOP/s: the fastest of ``repeats`` products of two
     ``size x size`` matrices (``2 * size**3`` FLOPs each, after two untimed ones), with torch's threads as set.
@@ -870,11 +880,7 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
             r.cpu_samples_ms.append(1e3 * cpu / args.steps)
     if measure_peak:  # again after the rounds: a shared host's rate moves; the better of the two is the peak
         peaks.append(matmul_peak_tflops(getattr(torch, args.dtype), args.peak_size))
-        args.peak_tflops = max(peaks)
-        args.peak_source = (
-            f"measured: {args.dtype} {args.peak_size}^3 matmul, {torch.get_num_threads()} threads, the better of "
-            f"{peaks[0]:.2f} before the steps and {peaks[1]:.2f} after"
-        )
+        args.peak_tflops, args.peak_source = better_peak(peaks[0], peaks[1], args.dtype, args.peak_size)
     tokens = args.batch_size * block_size(args)
     rows = {}
     for r in runners:

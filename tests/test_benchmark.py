@@ -182,6 +182,22 @@ def test_tuned_variant_reports_its_map_and_table(result: dict) -> None:
     assert "Compile phases of the first step" in md and "Dynamo tracing" in md
 
 
+@pytest.mark.parametrize("before, after", [(1.25, 2.5), (2.5, 1.25)])
+def test_the_mfu_peak_is_the_better_of_the_two_measures(before: float, after: float) -> None:
+    """The matmul rate MFU divides by is the better of the one measured before the steps and the one after, in
+    either order (the end-to-end run above sees one order only, whichever the host gave). Planted: the first
+    measure kept, fails on (1.25, 2.5)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_train_step
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    peak, source = bench_train_step.better_peak(before, after, "bfloat16", 128)
+    assert peak == 2.5, (peak, source)
+    assert source.startswith("measured: bfloat16 128^3 matmul, ") and f"{before:.2f} before" in source, source
+    assert f"{after:.2f} after" in source
+
+
 def test_auto_policy_benchmark_runs_on_the_tiny_gpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``bench_auto_policy.py``: the main job's decision, then every candidate's step timed interleaved (eager)."""
     monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path / "cache"))
