@@ -777,19 +777,47 @@ def test_segments_put_each_block_of_a_run_of_alike_blocks_apart():
     assert _flat._segments([1, 3, 11], names, leaves) == [("h.0", [1]), ("h.1", [3]), ("", [11])]
 
 
+def _blocks_case():
+    """``(params, loss, optimizer)`` of a ``Sequential`` around three alike blocks, AdamW decaying the matrices."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.LayerNorm(6), torch.nn.Linear(6, 6), torch.nn.GELU()) for _ in range(3)]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), *blocks, torch.nn.Linear(6, 2))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def loss(p, batch):
+        return torch.func.functional_call(model, p, (batch,)).square().mean()
+
+    return params, loss, optim.adamw(1e-2, weight_decay=0.1, mask={k: v.ndim >= 2 for k, v in params.items()})
+
+
+def test_a_state_pickled_before_the_per_block_rule_keeps_its_packed_layout(monkeypatch):
+    """A flat state pickled by a funcamp that packed alike blocks together (its layout has no ``blocks``) steps on:
+    the step's optimizer is laid out by the packed rule again and matches, and the step is the per-leaf step.
+    (Planted: admit laying it out by the per-block rule: the layouts differ, a TypeError naming another
+    optimizer.)"""
+    params, loss, optimizer = _blocks_case()
+    with monkeypatch.context() as m:
+        m.setattr(_flat, "_segments", lambda members, names, leaves: [("", list(members))])  # the earlier rule
+        state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+    assert state.storage.kind == "flat" and not any(g.block for g in state.storage.groups)
+    del state.storage.blocks  # as pickled before the rule
+    old = pickle.loads(pickle.dumps(state))
+    assert old.storage.blocks is False
+    _, loss_fn, fresh = _blocks_case()  # a new process: the optimizer built again, an object the layout never saw
+    step = fa.make_train_step(loss_fn, fresh, backend=BACKEND)
+    batches = [torch.randn(5, 4) for _ in range(2)]
+    for batch in batches:
+        old, _ = step(old, batch)
+    ref, _ = _steps(params, loss, optimizer, batches, flat=False)
+    _assert_bitwise(old.params, ref.params, "params")
+
+
 def test_alike_blocks_sit_at_the_same_offsets_and_step_as_the_leaf_by_leaf_step():
     """Each block of a ``ModuleList`` of alike blocks in buffers of its own, its parameters at the same offsets as
     every other block's (so inductor writes one kernel for all the blocks' uses, as for separate tensors); the
     biases and norms (not decayed) of each block apart from its matrices; the flat step bitwise the per-leaf one.
     Planted: the layout before (the blocks packed together) fails the offsets."""
-    torch.manual_seed(0)
-    blocks = torch.nn.ModuleList(
-        torch.nn.Sequential(torch.nn.LayerNorm(6), torch.nn.Linear(6, 6), torch.nn.GELU()) for _ in range(3)
-    )
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), *blocks, torch.nn.Linear(6, 2))
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    mask = {k: v.ndim >= 2 for k, v in params.items()}
-    optimizer = optim.adamw(1e-2, weight_decay=0.1, mask=mask)
+    params, loss, optimizer = _blocks_case()
     built = _flat.layout(params, optimizer)
     names = list(params)
     by_block = {}
@@ -799,9 +827,6 @@ def test_alike_blocks_sit_at_the_same_offsets_and_step_as_the_leaf_by_leaf_step(
             by_block.setdefault(g.block, []).append((rel, g.numel, g.dtype))
     assert sorted(by_block) == ["1", "2", "3"], built.groups  # the Sequential's children 1-3 are the blocks
     assert by_block["1"] == by_block["2"] == by_block["3"] and len(by_block["1"]) == 2, by_block
-
-    def loss(p, batch):
-        return torch.func.functional_call(model, p, (batch,)).square().mean()
 
     batches = [torch.randn(5, 4) for _ in range(3)]
     got = _steps(params, loss, optimizer, batches, flat=True)

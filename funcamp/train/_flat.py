@@ -114,9 +114,19 @@ class Flat:
     _funcamp_static_eq = True
 
     def __init__(
-        self, params: Any, groups: list[Group], replay: _flat_opt.Replay, state_map: _StateMap, optimizer: Any
+        self,
+        params: Any,
+        groups: list[Group],
+        replay: _flat_opt.Replay,
+        state_map: _StateMap,
+        optimizer: Any,
+        *,
+        blocks: bool = True,
     ) -> None:
         leaves = _tree.tree_leaves(params)
+        # Whether alike blocks were laid out apart (_segments): the rule a step's admit lays the optimizer out by
+        # again. A layout pickled before that rule had none and packed them (False, __setstate__).
+        self.blocks = blocks
         self.params_spec = _tree.tree_structure(params)
         self.shapes = [tuple(x.shape) for x in leaves]
         self.numels = [x.numel() for x in leaves]
@@ -182,7 +192,7 @@ class Flat:
         if any(optimizer is known for known in self._admitted):
             return
         devices = [self._group_of[i][0].device for i in range(len(self.shapes))]
-        built = layout(self._stand_ins, optimizer, devices=devices)
+        built = layout(self._stand_ins, optimizer, devices=devices, blocks=self.blocks)
         if isinstance(built, str) or built._key() != self._key():
             why = built if isinstance(built, str) else "its masks or labels group the parameters otherwise"
             raise TypeError(
@@ -389,7 +399,7 @@ class Flat:
         return {**self.__dict__, "_rebuild": None, "_admitted": [], "replay": _flat_opt.Replay({}, [])}
 
     def __setstate__(self, fields: dict[str, Any]) -> None:
-        self.__dict__.update(fields)
+        self.__dict__.update({"blocks": False, **fields})  # no "blocks": pickled before the per-block rule, packed
         self._rebuild = _tree.rebuilder(self._stand_ins)
         self._identity = repr(self._key())  # made again: a layout pickled before it held one has none
 
@@ -661,11 +671,19 @@ def _tagged_init(
     return state, [tags.get(x) if isinstance(x, torch.Tensor) else None for x in _tree.tree_leaves(state)]
 
 
-def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torch.device] | None = None) -> Flat | str:
+def layout(
+    params: Any,
+    optimizer: GradientTransformation,
+    *,
+    devices: list[torch.device] | None = None,
+    blocks: bool = True,
+) -> Flat | str:
     """The flat storage of ``params`` under ``optimizer``, or the reason they must be kept leaf by leaf.
 
     ``devices``: each parameter's device, for meta ``params`` (:meth:`Flat.admit`; the grouping and the CPU's
-    buffer size read them); default the parameters' own.
+    buffer size read them); default the parameters' own. ``blocks``: each block of a run of alike blocks in
+    buffers of its own (:func:`_segments`); False packs them, as a layout pickled before that rule did (its
+    :meth:`Flat.admit` lays the step's optimizer out so again).
     Leaf by leaf when the optimizer holds a transformation that is not marked elementwise (a user's own, one
     that reads shapes), a parameter is not a plain dense floating tensor, the optimizer's masks depend on more
     than the leaves (a spec gave one leaf two values), or its state does not correspond leaf for leaf between
@@ -697,7 +715,7 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
         return f"the optimizer does not run on shape-only tensors ({type(e).__name__}: {e})"
     if not record.consistent:
         return "a mask or label of the optimizer gave one parameter two values"
-    groups = _groups(leaves, names, record, devices or [x.device for x in leaves])
+    groups = _groups(leaves, names, record, devices or [x.device for x in leaves], blocks)
     replay = _flat_opt.Replay(
         {
             id(spec): {
@@ -720,7 +738,7 @@ def layout(params: Any, optimizer: GradientTransformation, *, devices: list[torc
     state_map = _state_map(leaf_state, leaf_tags, flat_state, flat_tags, leaves, groups)
     if isinstance(state_map, str):
         return state_map
-    return Flat(params, groups, replay, state_map, optimizer)
+    return Flat(params, groups, replay, state_map, optimizer, blocks=blocks)
 
 
 #: No flat buffer holds more than this many bytes of parameters, unless one parameter alone does; larger groups are
@@ -744,7 +762,11 @@ _LISTED = 8
 
 
 def _groups(
-    leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Recording, devices: list[torch.device]
+    leaves: list[torch.Tensor],
+    names: list[str],
+    record: _flat_opt.Recording,
+    devices: list[torch.device],
+    blocks: bool = True,
 ) -> list[Group]:
     """The parameters grouped by device, dtype and the values every mask gave them, in leaf order; within a
     group, each block of a run of alike blocks (:func:`_segments`) in buffers of its own; each part split, in leaf
@@ -755,7 +777,7 @@ def _groups(
         keyed.setdefault((device, x.dtype, values), []).append(i)
     pieces = []
     for key, members in keyed.items():
-        segments = _segments(members, names, leaves)
+        segments = _segments(members, names, leaves) if blocks else [("", members)]
         for block, segment in segments:
             parts, size = [[]], 0
             for i in segment:
