@@ -114,19 +114,9 @@ class Flat:
     _funcamp_static_eq = True
 
     def __init__(
-        self,
-        params: Any,
-        groups: list[Group],
-        replay: _flat_opt.Replay,
-        state_map: _StateMap,
-        optimizer: Any,
-        *,
-        blocks: bool = True,
+        self, params: Any, groups: list[Group], replay: _flat_opt.Replay, state_map: _StateMap, optimizer: Any
     ) -> None:
         leaves = _tree.tree_leaves(params)
-        # Whether alike blocks were laid out apart (_segments): the rule a step's admit lays the optimizer out by
-        # again. A layout pickled before that rule had none and packed them (False, __setstate__).
-        self.blocks = blocks
         self.params_spec = _tree.tree_structure(params)
         self.shapes = [tuple(x.shape) for x in leaves]
         self.numels = [x.numel() for x in leaves]
@@ -192,7 +182,10 @@ class Flat:
         if any(optimizer is known for known in self._admitted):
             return
         devices = [self._group_of[i][0].device for i in range(len(self.shapes))]
-        built = layout(self._stand_ins, optimizer, devices=devices, blocks=self.blocks)
+        # By the rule this layout was made by: a layout pickled before the per-block rule has no group of a block
+        # (its blocks packed), nor has one of parameters without alike blocks, which both rules lay out alike.
+        blocks = any(g.block for g in self.groups)
+        built = layout(self._stand_ins, optimizer, devices=devices, blocks=blocks)
         if isinstance(built, str) or built._key() != self._key():
             why = built if isinstance(built, str) else "its masks or labels group the parameters otherwise"
             raise TypeError(
@@ -399,7 +392,7 @@ class Flat:
         return {**self.__dict__, "_rebuild": None, "_admitted": [], "replay": _flat_opt.Replay({}, [])}
 
     def __setstate__(self, fields: dict[str, Any]) -> None:
-        self.__dict__.update({"blocks": False, **fields})  # no "blocks": pickled before the per-block rule, packed
+        self.__dict__.update(fields)
         self._rebuild = _tree.rebuilder(self._stand_ins)
         self._identity = repr(self._key())  # made again: a layout pickled before it held one has none
 
@@ -738,7 +731,7 @@ def layout(
     state_map = _state_map(leaf_state, leaf_tags, flat_state, flat_tags, leaves, groups)
     if isinstance(state_map, str):
         return state_map
-    return Flat(params, groups, replay, state_map, optimizer, blocks=blocks)
+    return Flat(params, groups, replay, state_map, optimizer)
 
 
 #: No flat buffer holds more than this many bytes of parameters, unless one parameter alone does; larger groups are
