@@ -225,10 +225,15 @@ class OpPolicies(TorchFunctionMode):
                 self.rules[name] = checked
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        # Asked of every op a forward under the policy runs, and traced for each by torch.compile: the op without a
+        # rule in a few instructions, the rest in _ruled (22 traced instructions an op, where 30 were).
         rule = self.rules.get(getattr(func, "__name__", ""))
         if rule is None:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return self._ruled(rule, func, args, kwargs or {})
+
+    def _ruled(self, rule: OpRule, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func(*args, **kwargs)`` under ``rule``: its floating tensors cast to the rule's dtype, and back."""
         dtype = rule if isinstance(rule, torch.dtype) else rule(*args, **kwargs)
         floating = _floating_tensors((args, kwargs))
         if dtype is None or not floating or all(t.dtype == dtype for t in floating):

@@ -49,7 +49,7 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
         flat = _fast.flatten(tree, rest, strict=False)
         if flat is not None:
             leaves, rest_leaves, skeleton = flat
-            return _fast.unflatten(skeleton, [fn(*xs) for xs in zip(leaves, *rest_leaves)])
+            return _fast.unflatten(skeleton, list(map(fn, leaves, *rest_leaves)))  # no traced loop of its own
     return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
 
 
@@ -138,9 +138,7 @@ def tree_paths(tree: Any) -> list[str]:
     if _fast.traced():  # the fast path's skeleton: no optree polyfill to trace
         flat = _fast.flatten(tree, (), strict=True)
         if flat is not None:
-            paths: list[str] = []
-            _fast.skeleton_paths(flat[2], (), paths)
-            return paths
+            return list(_fast.paths(flat[2]))
     paths, _, _ = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     return [".".join(str(k) for k in path) for path in paths]
 

@@ -198,9 +198,10 @@ def _add_leaf(p: Any, u: Any) -> torch.Tensor:
 # --- private helpers shared by the transforms ---
 
 
+@torch._dynamo.assume_constant_result  # dtypes in, a dtype out: Dynamo calls it, it traces nothing per leaf
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype arithmetic runs in: the widest of ``dtypes`` and float32."""
-    known = _COMPUTE.get(dtypes)  # one or two floating dtypes: a table made at import (not traced per leaf)
+    known = _COMPUTE.get(dtypes)  # one or two floating dtypes: a table made at import
     if known is not None:
         return known
     out = torch.float32

@@ -286,8 +286,10 @@ def scale_by_adam(
             g_c = g.to(c)
             m_c = m_in.to(c).lerp(g_c, 1.0 - b1)
             v_c = fmt.second_moment(v_in.to(c), g_c, b2)  # torch.optim's arithmetic, or torchao's
-            # sqrt(v / bc2 + eps_root), written as torch.optim writes it when eps_root == 0.
-            denom = (v_c + eps_root * bc2).sqrt() / bc2_sqrt + eps
+            # sqrt(v / bc2 + eps_root), written as torch.optim writes it when eps_root == 0 (then no add of
+            # 0 * bc2 either: the same bits, v >= +0, and one graph node fewer per leaf or flat buffer).
+            v_root = v_c + eps_root * bc2 if eps_root else v_c
+            denom = v_root.sqrt() / bc2_sqrt + eps
             # NAdam (optax's form): b1 * m / (1 - b1**(t+1)) + (1 - b1) * g / (1 - b1**t).
             m_hat = (m_c / bc1_next) * b1 + (g_c / bc1) * (1.0 - b1) if nesterov else m_c / bc1
             u = (m_hat / denom).to(g.dtype)
