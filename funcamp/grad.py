@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from funcamp import _tree, passes
+from funcamp._tree import _fast
 from funcamp.loss_scale import LossScale
 
 __all__ = ["GradAndValue", "grad_and_value"]
@@ -113,6 +114,10 @@ def scaled_grad_and_value(
 def _at_least_float32(tree: Any) -> Any:
     """Floating leaves narrower than float32 cast to float32 (a sparse one coalesced first, in its own dtype:
     :func:`funcamp._tree.widened`); float32 and float64 leaves as they are (no copy)."""
+    if _fast.traced():  # plain tensors, none floating and narrower: the tree as it is, asked of its dtypes once
+        kinds = _fast.dtypes(_tree.tree_leaves(tree))
+        if kinds is not None and _fast.first_narrow_or_other(kinds, narrow=True) is None:
+            return tree
     return _tree.tree_map(
         lambda g: _tree.widened(g, torch.float32) if _tree.is_floating(g) and g.dtype.itemsize < 4 else g, tree
     )

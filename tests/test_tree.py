@@ -284,3 +284,102 @@ def test_traced_walks_ask_constant_questions_once_not_per_leaf():
     ints = {i: torch.full((2,), float(i)) for i in range(5)}
     (got, _), _ = _traced_instructions(fn, ints, {i: x + 1 for i, x in ints.items()}, pred)
     assert list(got) == list(ints) and all(torch.equal(got[i], ints[i]) for i in ints)
+
+
+class _Opaque:
+    """A static field's value that is neither a constant nor marked comparable (a user's object)."""
+
+
+@_tree.dataclass
+class _Holder:
+    x: torch.Tensor
+    how: object = _tree.field(default=None, pytree_node=False)
+
+
+def test_tree_paths_while_tracing_a_dataclass_with_an_object_static():
+    """The traced walk names the leaves of a tree whose dataclass holds an object in a static field: its skeleton
+    is walked as traced code, never handed to a helper Dynamo calls on constants, which cannot take the object
+    (planted: the skeleton's paths asked of such a helper, Dynamo refuses the trace and this fails)."""
+    tree = {"a": _Holder(torch.ones(2), _Opaque()), "b": [torch.ones(1)]}
+    seen = []
+
+    def fn(tree):
+        seen.append(_tree.tree_paths(tree))
+        return _tree.tree_leaves(tree)[0] + 1
+
+    torch.compile(fn, fullgraph=True, backend="eager")(tree)
+    assert seen == [["a.x", "b.0"]] == [_tree.tree_paths(tree)]
+
+
+def _where_nodes(fn, *args):
+    """``(fn(*args) compiled, the number of torch.where calls in its Dynamo graph)``."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return out, sum(n.target is torch.where for g in graphs for n in g.graph.nodes)
+
+
+def test_traced_select_tree_selects_only_differing_pairs_and_checks_them():
+    """Traced, ``select_tree`` of plain tensors asks its per-pair questions of tuples (``map`` of tensor methods):
+    a pair that is one tensor is returned as it is, with no ``where`` in the graph (planted: a ``where`` for every
+    pair, 30 nodes, fails), the others selected; pairs differing in dtype or shape still raise, as eager."""
+    d = {f"p{i:02d}": torch.full((2,), float(i)) for i in range(30)}
+    e = {k: (v if i % 3 == 0 else v + 1) for i, (k, v) in enumerate(d.items())}
+    for pred in (torch.tensor(True), torch.tensor(False)):
+        out, wheres = _where_nodes(fa.select_tree, pred, d, e)
+        assert wheres == 20
+        assert all(torch.equal(out[k], (d if pred else e)[k]) for k in d)
+        assert all(out[k] is d[k] for i, k in enumerate(d) if i % 3 == 0)
+    for bad, message in ((torch.ones(2, dtype=torch.float64), "dtype"), (torch.ones(3), "shape")):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=message):
+            torch.compile(fa.select_tree, fullgraph=True, backend="eager")(torch.tensor(True), d, {**e, "p01": bad})
+
+
+def test_traced_apply_updates_and_grad_widening_ask_dtypes_once():
+    """Traced, ``apply_updates`` of float32/float64 pairs is ``p + u`` per pair (the sum of their compute dtype: the
+    same bits as eager), bfloat16 parameters still sum in float32; an update of another shape still raises. The
+    gradients' widening returns a tree of float32 leaves as it is, and widens a bfloat16 one; ``first_non_floating``
+    names an integer leaf. Planted: the traced sum without the shape check broadcasts, and this fails."""
+    from funcamp import optim
+    from funcamp.grad import _at_least_float32
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        p = {f"w{i}": torch.randn(3, 4, generator=g).to(dtype) for i in range(5)}
+        u = {k: torch.randn(3, 4, generator=g).to(dtype) * 1e-3 for k in p}
+        torch._dynamo.reset()
+        traced = torch.compile(optim.apply_updates, fullgraph=True, backend="aot_eager")(p, u)
+        eager = optim.apply_updates(p, u)
+        assert all(traced[k].dtype == dtype and torch.equal(traced[k], eager[k]) for k in p)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="shape"):
+        torch.compile(optim.apply_updates, fullgraph=True, backend="eager")(
+            {"w": torch.ones(3, 4)}, {"w": torch.ones(4)}
+        )
+
+    grads = {"a": torch.ones(2), "b": torch.ones(3, dtype=torch.float64)}
+    torch._dynamo.reset()
+    same = torch.compile(_at_least_float32, fullgraph=True, backend="eager")(grads)
+    assert same["a"] is grads["a"] and same["b"] is grads["b"]
+    torch._dynamo.reset()
+    widened = torch.compile(_at_least_float32, fullgraph=True, backend="eager")(
+        {**grads, "c": torch.ones(2).bfloat16()}
+    )
+    assert widened["c"].dtype == torch.float32 and widened["a"] is grads["a"]
+
+    seen = []
+
+    def first(tree):
+        seen.append(_tree.first_non_floating(tree))
+        return tree["a"] + 1
+
+    torch._dynamo.reset()
+    torch.compile(first, fullgraph=True, backend="eager")({**grads, "n": torch.ones(2, dtype=torch.int64)})
+    torch.compile(first, fullgraph=True, backend="eager")(grads)
+    assert seen == [("n", "torch.int64"), None]

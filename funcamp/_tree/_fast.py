@@ -12,6 +12,8 @@ bytecodes per node, and hands anything else back to optree. It is not a flatten 
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 import optree
@@ -175,6 +177,41 @@ def _plain_tensors(values: list[Any]) -> bool:
     return _tensor_types(tuple(map(type, values)))
 
 
+def select_tensors(pred: torch.Tensor, a: list[Any], b: list[Any]) -> list[torch.Tensor] | None:
+    """``[x if x is y else torch.where(pred, x, y) for x, y in zip(a, b)]`` for lists of plain tensors paired in
+    dtype and shape, as Dynamo traces it in a few instructions whatever the length: every per-pair question is a
+    ``map`` of a builtin or a tensor method (which Dynamo runs itself), the plan a constant. None when a value is
+    not a plain tensor or a pair differs in dtype or shape (the caller's per-pair path raises for the latter)."""
+    if not (_plain_tensors(a) and _plain_tensors(b)):
+        return None
+    dtype = torch.Tensor.dtype.__get__
+    if tuple(map(dtype, a)) != tuple(map(dtype, b)) or tuple(map(torch.Tensor.size, a)) != tuple(
+        map(torch.Tensor.size, b)
+    ):
+        return None
+    differing, positions = _select_plan(tuple(map(operator.is_, a, b)))
+    picked = list(
+        map(torch.where, itertools.repeat(pred), map(a.__getitem__, differing), map(b.__getitem__, differing))
+    )
+    return list(map((a + picked).__getitem__, positions))
+
+
+def dtypes(values: list[Any]) -> tuple[torch.dtype, ...] | None:
+    """The dtype of each value, for a list of plain tensors (else None), in a few traced instructions."""
+    return tuple(map(torch.Tensor.dtype.__get__, values)) if _plain_tensors(values) else None
+
+
+def add_alike(a: list[Any], b: list[Any]) -> list[torch.Tensor] | None:
+    """``[x + y for x, y in zip(a, b)]`` for plain float32 or float64 tensors paired in dtype and shape (the sum
+    each pair's compute dtype gives, no cast), in a few traced instructions; None otherwise."""
+    kinds = dtypes(a)
+    if kinds is None or kinds != dtypes(b) or not _wide_floats(kinds):
+        return None
+    if tuple(map(torch.Tensor.size, a)) != tuple(map(torch.Tensor.size, b)):
+        return None
+    return list(map(torch.add, a, b))
+
+
 # The questions below take only constants (types, string keys), so Dynamo calls them as they are and keeps the
 # answer (``assume_constant_result``: guarded like any constant, they read nothing else) instead of tracing their
 # loops, an instruction or more per value: 5 for its ``all``, 6 for a key's ``in`` test, each time a tree of the
@@ -197,6 +234,30 @@ def _within(keys: tuple[str, ...], within: tuple[str, ...]) -> bool:
 def _tensor_types(types: tuple[type, ...]) -> bool:
     """Whether every type of ``types`` is one of :data:`_TENSOR_TYPES`."""
     return all(t in _TENSOR_TYPES for t in types)
+
+
+@torch._dynamo.assume_constant_result
+def _select_plan(same: tuple[bool, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """For pairs that are the same tensor or not (``same``): the indices of the differing pairs, and where each
+    result comes from in ``a + picked`` (``a``'s own where the pair is one tensor, else its ``where``)."""
+    differing = tuple(i for i, s in enumerate(same) if not s)
+    rank = {i: len(same) + n for n, i in enumerate(differing)}
+    return differing, tuple(rank.get(i, i) for i in range(len(same)))
+
+
+@torch._dynamo.assume_constant_result
+def first_narrow_or_other(kinds: tuple[torch.dtype, ...], *, narrow: bool) -> int | None:
+    """The index of the first dtype that is not floating (``narrow``: or floating narrower than float32), or None."""
+    for i, d in enumerate(kinds):
+        if not d.is_floating_point or (narrow and d.itemsize < 4):
+            return i
+    return None
+
+
+@torch._dynamo.assume_constant_result
+def _wide_floats(kinds: tuple[torch.dtype, ...]) -> bool:
+    """Whether every dtype is float32 or float64 (its own compute dtype)."""
+    return all(d in (torch.float32, torch.float64) for d in kinds)
 
 
 @torch._dynamo.assume_constant_result
@@ -296,15 +357,6 @@ def torch_leaves(skeleton: Any) -> bool:
         if child != _LEAF and not torch_leaves(child):
             return False
     return True
-
-
-@torch._dynamo.assume_constant_result
-def paths(skeleton: Any) -> tuple[str, ...]:
-    """The dotted path of every leaf of ``skeleton`` (from :func:`flatten`), in leaf order. A skeleton holds only
-    constants (keys, classes, markers): Dynamo calls this as it is rather than tracing the walk."""
-    out: list[str] = []
-    skeleton_paths(skeleton, (), out)
-    return tuple(out)
 
 
 def skeleton_paths(skeleton: Any, prefix: tuple[str, ...], out: list[str]) -> None:

@@ -8,7 +8,6 @@ norm's first pass where the step is compiled.
 from __future__ import annotations
 
 import cmath
-import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -209,7 +208,10 @@ def select_tree(pred: torch.Tensor, a: T, b: T) -> T:
     fast = flatten_same(a, b)
     if fast is not None:
         (leaves_a, leaves_b), rebuild = fast
-        return rebuild(list(map(functools.partial(_select_leaf, pred), leaves_a, leaves_b)))  # no traced loop
+        picked = _fast.select_tensors(pred, leaves_a, leaves_b)  # traced: no instruction per leaf
+        if picked is None:  # a leaf that is not a plain tensor, or a pair differing in dtype or shape
+            picked = [_select_leaf(pred, x, y) for x, y in zip(leaves_a, leaves_b)]  # which raises for the latter
+        return rebuild(picked)
     leaves_a, spec_a = tree_flatten(a)
     leaves_b, spec_b = tree_flatten(b)
     if not same_structure(spec_a, spec_b, len(leaves_a), len(leaves_b)):

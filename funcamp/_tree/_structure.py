@@ -138,7 +138,11 @@ def tree_paths(tree: Any) -> list[str]:
     if _fast.traced():  # the fast path's skeleton: no optree polyfill to trace
         flat = _fast.flatten(tree, (), strict=True)
         if flat is not None:
-            return list(_fast.paths(flat[2]))
+            # Walked as traced, not handed whole to a constant helper: a skeleton may hold a dataclass's static
+            # value that Dynamo cannot take for a constant (an object of the user's).
+            paths: list[str] = []
+            _fast.skeleton_paths(flat[2], (), paths)
+            return paths
     paths, _, _ = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     return [".".join(str(k) for k in path) for path in paths]
 
@@ -304,6 +308,9 @@ def first_non_floating(tree: Any) -> tuple[str, str] | None:
     made only when such a leaf is found (a compiled step traces one walk of a tree whose leaves all float).
     """
     leaves = tree_leaves(tree)
+    kinds = _fast.dtypes(leaves) if _fast.traced() else None  # plain tensors: one question of their dtypes
+    if kinds is not None and _fast.first_narrow_or_other(kinds, narrow=False) is None:
+        return None
     for i, leaf in enumerate(leaves):
         if not is_floating(leaf):
             path = tree_paths(tree)[i]

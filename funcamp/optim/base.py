@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _tree
+from funcamp._tree import _fast as _tree_fast
 from funcamp.optim import _flat, _inplace
 
 __all__ = ["EmptyState", "GradientTransformation", "apply_updates", "chain", "identity"]
@@ -168,6 +169,9 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     fast = _tree.flatten_same(params, updates)  # while torch.compile traces: cheaper than optree's polyfill
     if fast is not None:
         (p_leaves, u_leaves), rebuild = fast
+        summed = None if _inplace.current() else _tree_fast.add_alike(p_leaves, u_leaves)  # float32/64: p + u
+        if summed is not None:
+            return rebuild(summed)
         return rebuild([_add_leaf(p, u) for p, u in zip(p_leaves, u_leaves, strict=True)])
     p_leaves, p_spec = _tree.tree_flatten(params)
     u_leaves, u_spec = _tree.tree_flatten(updates)
