@@ -831,3 +831,28 @@ def test_alike_blocks_sit_at_the_same_offsets_and_step_as_the_leaf_by_leaf_step(
     got = _steps(params, loss, optimizer, batches, flat=True)
     ref = _steps(params, loss, optimizer, batches, flat=False)
     _assert_same(got, ref, "blocks", clipped=False)
+
+
+def test_views_and_gradient_buffers_made_by_map_in_packed_and_padded_groups():
+    """The members' views and the gradient buffers are made group by group with ``map`` (no traced loop per
+    member) where a group's members lie end to end from 0, and member by member where rows pad them apart: both
+    give each leaf's view at its offset, and buffers holding each leaf there with zeros elsewhere (planted: the
+    views in group order rather than leaf order, fails)."""
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "a": torch.randn(3, generator=g),
+        "b": torch.randn(300, generator=g),
+        "w": torch.randn(256, 2, generator=g),
+    }
+    state = fa.TrainState.create(params, optim.adamw(0.1, mask={"a": True, "b": False, "w": True}))  # a, w | b
+    storage = state.storage
+    assert storage.kind == "flat" and {plan[-1] for plan in storage._view_plan} == {True, False}
+    flat = storage.flat(params)
+    views = storage._views(flat)
+    assert all(torch.equal(v, params[k]) for k, v in zip(sorted(params), views, strict=True))
+    for group in storage.groups:
+        want = torch.zeros(group.numel)
+        for i, off in zip(group.members, group.offsets, strict=True):
+            leaf = params[sorted(params)[i]].reshape(-1)
+            want[off : off + leaf.numel()] = leaf
+        assert torch.equal(flat[group.key], want)

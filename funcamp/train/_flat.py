@@ -33,6 +33,7 @@ kept leaf by leaf and says why.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from fractions import Fraction
@@ -136,6 +137,7 @@ class Flat:
                 past[i] = base + -(-(off + self.numels[i]) // NORM_ROW)
             base += g.numel // NORM_ROW
         self._row_bounds = first + past
+        self._plan_views()
         # Equality by host-made text (the optree specs' reprs among it): Dynamo traces a comparison of two strings,
         # and cannot trace the C comparison of optree's specs (select_tree between two states created alike).
         self._identity = repr(self._key())
@@ -240,18 +242,38 @@ class Flat:
         written (funcamp.passes.flat_gradients); ``grads`` as they are otherwise."""
         return FlatParams(self.flat(grads), self) if isinstance(params, FlatParams) else grads
 
-    def _views(self, buffers: dict[str, torch.Tensor]) -> list[Any]:
-        leaves: list[Any] = [None] * len(self.shapes)
-        numels, shapes = self.numels, self.shapes
+    def _plan_views(self) -> None:
+        """Host-made constants of :meth:`_views` and :meth:`flat`: each group's members' offsets, sizes and shapes,
+        whether its members lie end to end from 0 and the padding after them, and where each leaf's view comes
+        in the views made group by group. With them the two make their views and parts with ``map`` over a group
+        (which Dynamo runs itself) instead of a traced loop per member: 4,617 fewer bytecode instructions in
+        GPT-2 124M's unrolled step (148 parameters, 62 buffers)."""
+        plan, order, at = [], [0] * len(self.shapes), 0
         for g in self.groups:
-            buffer = buffers[g.key]
+            numels = tuple(self.numels[i] for i in g.members)
+            ends = tuple(off + n for off, n in zip(g.offsets, numels, strict=True))
+            packed = g.offsets == (0, *ends[:-1])
+            plan.append((g.key, g.members, g.offsets, numels, tuple(self.shapes[i] for i in g.members), packed))
+            for i in g.members:
+                order[i], at = at, at + 1
+        self._view_plan, self._leaf_order = plan, tuple(order)
+
+    def _views(self, buffers: dict[str, torch.Tensor]) -> list[Any]:
+        views: list[Any] = []
+        for key, _, offsets, numels, shapes, _ in self._view_plan:
+            buffer = buffers[key]
             if buffer.numel() == 0:  # an empty placeholder (Kahan's) stays one
-                for i in g.members:
-                    leaves[i] = buffer
+                views.extend([buffer] * len(offsets))
                 continue
-            for i, off in zip(g.members, g.offsets):
-                leaves[i] = buffer.narrow(0, off, numels[i]).view(shapes[i])
-        return leaves
+            zeros = itertools.repeat(0)
+            views.extend(
+                map(
+                    torch.Tensor.view,
+                    map(torch.Tensor.narrow, itertools.repeat(buffer), zeros, offsets, numels),
+                    shapes,
+                )
+            )
+        return list(map(views.__getitem__, self._leaf_order))
 
     def flat(self, tree: Any) -> dict[str, torch.Tensor]:
         """``{group key: buffer}`` of a tree shaped like the parameters (the gradients): one ``cat`` per group,
@@ -259,21 +281,27 @@ class Flat:
         must not be a view of a gradient the telemetry's ``torch.cond`` also reads)."""
         leaves = _tree.tree_leaves(tree)
         out = {}
-        for g in self.groups:
-            parts, cursor = [], 0
-            for i, off in zip(g.members, g.offsets, strict=True):
-                x = leaves[i]
-                if off > cursor:  # made from the gradient: not before it (zeros with no input may go to the forward)
-                    parts.append(x.new_zeros(off - cursor))
-                parts.append(x.reshape(-1))
-                cursor = off + self.numels[i]
+        for (key, members, offsets, numels, _, packed), g in zip(self._view_plan, self.groups, strict=True):
+            if packed:  # members end to end from 0: their flattened gradients (a map: no loop traced)
+                parts = list(map(torch.Tensor.reshape, map(leaves.__getitem__, members), itertools.repeat(-1)))
+                cursor = offsets[-1] + numels[-1]
+            else:
+                parts, cursor = [], 0
+                for i, off, n in zip(members, offsets, numels, strict=True):
+                    x = leaves[i]
+                    if (
+                        off > cursor
+                    ):  # made from the gradient: not before it (zeros with no input may go to the forward)
+                        parts.append(x.new_zeros(off - cursor))
+                    parts.append(x.reshape(-1))
+                    cursor = off + n
             if g.numel > cursor:
-                parts.append(leaves[g.members[-1]].new_zeros(g.numel - cursor))
+                parts.append(leaves[members[-1]].new_zeros(g.numel - cursor))
             if len(parts) == 1:
-                out[g.key] = parts[0].clone()  # never a view of a gradient
+                out[key] = parts[0].clone()  # never a view of a gradient
                 continue
             with tags.flat_gradients():  # written into as the backward makes them (funcamp.passes.flat_gradients)
-                out[g.key] = torch.cat(parts)
+                out[key] = torch.cat(parts)
         return out
 
     def check(self, stage: Any, grads: Any, loss: torch.Tensor, layout: Any) -> Any:
@@ -393,6 +421,7 @@ class Flat:
 
     def __setstate__(self, fields: dict[str, Any]) -> None:
         self.__dict__.update(fields)
+        self._plan_views()  # made again: a layout pickled before it held none
         self._rebuild = _tree.rebuilder(self._stand_ins)
         self._identity = repr(self._key())  # made again: a layout pickled before it held one has none
 
