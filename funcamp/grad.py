@@ -114,7 +114,7 @@ def scaled_grad_and_value(
 def _at_least_float32(tree: Any) -> Any:
     """Floating leaves narrower than float32 cast to float32 (a sparse one coalesced first, in its own dtype:
     :func:`funcamp._tree.widened`); float32 and float64 leaves as they are (no copy)."""
-    if _fast.traced():  # plain tensors, none floating and narrower: the tree as it is, asked of its dtypes once
+    if _fast.traced():  # plain floating tensors, none narrower than float32: the tree as it is (dtypes asked once)
         kinds = _fast.dtypes(_tree.tree_leaves(tree))
         if kinds is not None and _fast.first_narrow_or_other(kinds, narrow=True) is None:
             return tree

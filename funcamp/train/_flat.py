@@ -244,8 +244,8 @@ class Flat:
 
     def _plan_views(self) -> None:
         """Host-made constants of :meth:`_views` and :meth:`flat`: each group's members' offsets, sizes and shapes,
-        whether its members lie end to end from 0 and the padding after them, and where each leaf's view comes
-        in the views made group by group. With them the two make their views and parts with ``map`` over a group
+        whether its members lie end to end from 0, and where each leaf's view comes in the views made group by
+        group. With them the two make their views and parts with ``map`` over a group
         (which Dynamo runs itself) instead of a traced loop per member: 4,617 fewer bytecode instructions in
         GPT-2 124M's unrolled step (148 parameters, 62 buffers)."""
         plan, order, at = [], [0] * len(self.shapes), 0
@@ -289,9 +289,8 @@ class Flat:
                 parts, cursor = [], 0
                 for i, off, n in zip(members, offsets, numels, strict=True):
                     x = leaves[i]
-                    if (
-                        off > cursor
-                    ):  # made from the gradient: not before it (zeros with no input may go to the forward)
+                    # zeros made from the gradient: not before it (zeros with no input may go to the forward)
+                    if off > cursor:
                         parts.append(x.new_zeros(off - cursor))
                     parts.append(x.reshape(-1))
                     cursor = off + n
