@@ -116,7 +116,7 @@ def _at_least_float32(tree: Any) -> Any:
     :func:`funcamp._tree.widened`); float32 and float64 leaves as they are (no copy)."""
     if _fast.traced():  # plain floating tensors, none narrower than float32: the tree as it is (dtypes asked once)
         kinds = _fast.dtypes(_tree.tree_leaves(tree))
-        if kinds is not None and _fast.first_narrow_or_other(kinds, narrow=True) is None:
+        if kinds is not None and _fast.all_floating(kinds, wide=True):
             return tree
     return _tree.tree_map(
         lambda g: _tree.widened(g, torch.float32) if _tree.is_floating(g) and g.dtype.itemsize < 4 else g, tree

@@ -182,12 +182,7 @@ def select_tensors(pred: torch.Tensor, a: list[Any], b: list[Any]) -> list[torch
     dtype and shape, as Dynamo traces it in a few instructions whatever the length: every per-pair question is a
     ``map`` of a builtin or a tensor method (which Dynamo runs itself), the plan a constant. None when a value is
     not a plain tensor or a pair differs in dtype or shape (the caller's per-pair path raises for the latter)."""
-    if not (_plain_tensors(a) and _plain_tensors(b)):
-        return None
-    dtype = torch.Tensor.dtype.__get__
-    if tuple(map(dtype, a)) != tuple(map(dtype, b)) or tuple(map(torch.Tensor.size, a)) != tuple(
-        map(torch.Tensor.size, b)
-    ):
+    if _paired(a, b) is None:
         return None
     differing, positions = _select_plan(tuple(map(operator.is_, a, b)))
     picked = list(
@@ -201,13 +196,19 @@ def dtypes(values: list[Any]) -> tuple[torch.dtype, ...] | None:
     return tuple(map(torch.Tensor.dtype.__get__, values)) if _plain_tensors(values) else None
 
 
+def _paired(a: list[Any], b: list[Any]) -> tuple[torch.dtype, ...] | None:
+    """The dtypes of ``a`` where ``a`` and ``b`` are lists of plain tensors paired in dtype and size, else None."""
+    kinds = dtypes(a)
+    if kinds is None or kinds != dtypes(b) or tuple(map(torch.Tensor.size, a)) != tuple(map(torch.Tensor.size, b)):
+        return None
+    return kinds
+
+
 def add_alike(a: list[Any], b: list[Any]) -> list[torch.Tensor] | None:
     """``[x + y for x, y in zip(a, b)]`` for plain float32 or float64 tensors paired in dtype and shape (the sum
     each pair's compute dtype gives, no cast), in a few traced instructions; None otherwise."""
-    kinds = dtypes(a)
-    if kinds is None or kinds != dtypes(b) or not _wide_floats(kinds):
-        return None
-    if tuple(map(torch.Tensor.size, a)) != tuple(map(torch.Tensor.size, b)):
+    kinds = _paired(a, b)
+    if kinds is None or not _wide_floats(kinds):
         return None
     return list(map(torch.add, a, b))
 
@@ -246,12 +247,9 @@ def _select_plan(same: tuple[bool, ...]) -> tuple[tuple[int, ...], tuple[int, ..
 
 
 @torch._dynamo.assume_constant_result
-def first_narrow_or_other(kinds: tuple[torch.dtype, ...], *, narrow: bool) -> int | None:
-    """The index of the first dtype that is not floating (``narrow``: or floating narrower than float32), or None."""
-    for i, d in enumerate(kinds):
-        if not d.is_floating_point or (narrow and d.itemsize < 4):
-            return i
-    return None
+def all_floating(kinds: tuple[torch.dtype, ...], *, wide: bool) -> bool:
+    """Whether every dtype is floating (``wide``: and at least as wide as float32)."""
+    return all(d.is_floating_point and not (wide and d.itemsize < 4) for d in kinds)
 
 
 @torch._dynamo.assume_constant_result

@@ -309,7 +309,7 @@ def first_non_floating(tree: Any) -> tuple[str, str] | None:
     """
     leaves = tree_leaves(tree)
     kinds = _fast.dtypes(leaves) if _fast.traced() else None  # plain tensors: one question of their dtypes
-    if kinds is not None and _fast.first_narrow_or_other(kinds, narrow=False) is None:
+    if kinds is not None and _fast.all_floating(kinds, wide=False):
         return None
     for i, leaf in enumerate(leaves):
         if not is_floating(leaf):
