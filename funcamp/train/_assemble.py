@@ -39,6 +39,9 @@ class StepPlan:
       compiled: traced whole by ``torch.compile(fullgraph=True)`` (False: run eagerly).
       backend: the ``torch.compile`` backend (None when eager).
       donate: the next state is written into the given state's tensors.
+      in_place: donating, the body's optimizer stage may write the new state into the given one as it computes it
+        (the body reads neither the parameters and optimizer state nor the gradients after the update:
+        ``make_train_step``'s without telemetry; :func:`funcamp.train._donate.updates_in_place`).
       probes: the names of the metrics probes the body adds (for the plan's line only).
 
     What the state carries (its process layout and its storage) completes the plan of one call:
@@ -49,6 +52,7 @@ class StepPlan:
     backend: str | None
     donate: bool
     probes: tuple[str, ...] = ()
+    in_place: bool = False
 
     def __str__(self) -> str:
         how = f"compiled ({self.backend})" if self.compiled else "eager"
@@ -157,7 +161,8 @@ def assemble(
         )
     if prepare is not None and not callable(prepare):
         raise TypeError(f"assemble: prepare must be None or callable, got {type(prepare).__name__}")
-    plan = StepPlan(compile, (backend or "inductor") if compile else None, donate, tuple(probes))
+    in_place = donate and _donate.may_update_in_place(body)
+    plan = StepPlan(compile, (backend or "inductor") if compile else None, donate, tuple(probes), in_place)
     planned = _within_plan(body, plan)
     if compile:
         traced = _donate.donating(planned) if donate else planned
@@ -165,7 +170,7 @@ def assemble(
         compiled = _dynamo_autograd.compile(traced, fullgraph=True, backend=plan.backend, options=options)
         run = _with_eager_errors(body, _storage_boundary(compiled, donate), plan)
     else:
-        run = _donate.eager(planned, _donate.may_update_in_place(body)) if donate else planned
+        run = _donate.eager(planned, in_place) if donate else planned
     run = _prepared(run, prepare)
     return Step(_donate.returning_state(run) if donate else run, plan, body, prepare)
 

@@ -44,10 +44,12 @@ import torch.utils._pytree as torch_pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from funcamp import _tree
+from funcamp import _scope, _tree
 from funcamp.optim import GradientTransformation
 from funcamp.optim import _flat as _flat_opt
 from funcamp.passes import tags
+from funcamp.train import _flat_regions
+from funcamp.train._layout import SingleProcess
 
 __all__ = ["Flat", "FlatParams", "layout"]
 
@@ -128,6 +130,8 @@ class Flat:
         self._group_of = {i: (g, j) for g in groups for j, i in enumerate(g.members)}
         self._stand_ins = _tree.tree_map(_stand_in, params)
         self._admitted = [optimizer]  # the optimizers whose masks this layout's replay answers for
+        # per admitted optimizer: its update's regions (one compiled per kind of buffer) or why it has none
+        self._regions: list[tuple[Any, _flat_regions.Regions | str]] = []
         # each leaf's first row and the row past its last in the rows of the non-empty buffers, in group order
         # (row_flags): leaf i holds rows [bounds[i], bounds[n + i])
         first, past, base = [0] * len(leaves), [0] * len(leaves), 0
@@ -182,6 +186,7 @@ class Flat:
                 "funcamp.checkpoint.load(path, like=TrainState.create(params, optimizer)), which lays it out anew"
             )
         if any(optimizer is known for known in self._admitted):
+            self._plan_regions(optimizer)
             return
         devices = [self._group_of[i][0].device for i in range(len(self.shapes))]
         # By the rule this layout was made by: a layout pickled before the per-block rule has no group of a block
@@ -197,6 +202,17 @@ class Flat:
         self.replay.values.update(built.replay.values)
         self.replay.specs.extend(built.replay.specs)
         self._admitted.append(optimizer)
+        self._plan_regions(optimizer)
+
+    def _plan_regions(self, optimizer: GradientTransformation) -> None:
+        """Host side, once per admitted optimizer: its update's regions (:func:`funcamp.train._flat_regions.plan`)."""
+        if not any(optimizer is known for known, _ in self._regions):
+            self._regions.append((optimizer, _flat_regions.plan(self, optimizer, _tagged_init)))
+
+    def regions(self, optimizer: GradientTransformation) -> _flat_regions.Regions | str | None:
+        """The regions of ``optimizer``'s update over these buffers (a compiled donating step's, one compiled per
+        kind of buffer: :mod:`funcamp.train._flat_regions`), why it has none, or None before it is admitted."""
+        return next((planned for known, planned in self._regions if known is optimizer), None)
 
     def describe(self) -> str:
         """One line for the step's plan: the buffers and their sizes (each buffer's dtype, members and elements;
@@ -214,7 +230,13 @@ class Flat:
             )
         cap = f" (split at {BUFFER_BYTES >> 20} MiB)" if any(g.split for g in self.groups) else ""
         n = len(self.groups)
-        return f"flat: {len(self.shapes)} parameters in {n} buffer{'s' if n != 1 else ''}{cap}: {sizes}"
+        planned = self._regions[0][1] if self._regions else None
+        kinds = (
+            f"; a donating step's update compiled once per kind of buffer ({planned.kinds} kinds)"
+            if isinstance(planned, _flat_regions.Regions)
+            else ""
+        )
+        return f"flat: {len(self.shapes)} parameters in {n} buffer{'s' if n != 1 else ''}{cap}: {sizes}{kinds}"
 
     # --- inside the step ---------------------------------------------------------------------------------
 
@@ -326,6 +348,20 @@ class Flat:
         if not isinstance(params, FlatParams):
             return stage(optimizer, grads, opt_state, params, layout, finite)
         norms = _MemberNorms(layout, self, gradients=grads.buffers)
+        regions = self.regions(optimizer)
+        plan = _scope.step_plan()
+        if (
+            isinstance(regions, _flat_regions.Regions)
+            and plan is not None
+            and plan.compiled
+            and plan.in_place
+            and type(layout) is SingleProcess
+        ):
+            # written into the donated buffers by one region per buffer, compiled once per kind; the parameters and
+            # the state's buffers are the given ones (commit selects nothing there, donation copies nothing)
+            t, s = norms.scaled_global_norm(grads.buffers)
+            new_state = _flat_regions.run(regions, grads.buffers, params.buffers, opt_state, finite, t, s)
+            return params, new_state, None
         new, new_state, updates = _flat_opt.replaying(
             self.replay, stage, optimizer, grads.buffers, opt_state, params.buffers, norms, None
         )
@@ -411,11 +447,12 @@ class Flat:
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without what holds functions (the rebuild, the optimizers and their masks' replay): a step's
         :meth:`admit` of its optimizer makes the replay again."""
-        return {**self.__dict__, "_rebuild": None, "_admitted": [], "replay": _flat_opt.Replay({}, [])}
+        return {**self.__dict__, "_rebuild": None, "_admitted": [], "_regions": [], "replay": _flat_opt.Replay({}, [])}
 
     def __setstate__(self, fields: dict[str, Any]) -> None:
         self.__dict__.update(fields)
         self._plan_views()  # made again: a layout pickled before it held none
+        self.__dict__.setdefault("_regions", [])  # planned again when a step admits its optimizer
         self._rebuild = _tree.rebuilder(self._stand_ins)
         self._identity = repr(self._key())  # made again: a layout pickled before it held one has none
 

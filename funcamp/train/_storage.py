@@ -177,4 +177,7 @@ def choose(params: Any, optimizer: GradientTransformation, *, sharded: bool) -> 
     from funcamp.train import _flat  # the flat layout builds on the optimizer's meta run: loaded when asked
 
     built = _flat.layout(params, optimizer)
-    return PerLeaf(built) if isinstance(built, str) else built
+    if isinstance(built, str):
+        return PerLeaf(built)
+    built.admit(optimizer)  # its update's regions planned now, for the plan's line
+    return built

@@ -1,0 +1,165 @@
+"""The flat update compiled once per kind of buffer (funcamp/train/_flat_regions.py).
+
+The oracle is the same compiled donating step with the regions off (``MIN_REUSED`` out of reach): the update of
+every buffer over all buffers at once, itself checked against the step kept leaf by leaf (tests/test_flat.py)
+and against torch (tests/test_train.py). Bitwise, one thread (a parallel scatter-add in the embedding-free model
+below is not used; the thread count keeps inductor's reductions in one order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcamp as fa
+from funcamp import _tree, optim
+from funcamp.train import _flat_regions
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x)).relu()
+
+
+class _Model(torch.nn.Module):
+    """Four alike blocks (each in buffers of its own: ``_flat._segments``), so buffers of one kind repeat."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(4))
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+torch.manual_seed(0)
+_APPLY, _PARAMS = fa.nn.functionalize(_Model(), "float32")
+_DECAY = {k: v.ndim >= 2 for k, v in _PARAMS.items()}
+
+
+def _loss(params, batch):
+    return torch.nn.functional.cross_entropy(_APPLY(params, batch[0]), batch[1])
+
+
+def _optimizer():
+    """The main job's: clip, AdamW on a warmup-cosine schedule, no decay on biases and norms."""
+    return optim.chain(
+        optim.clip_by_global_norm(0.5),
+        optim.adamw(optim.warmup_cosine_decay(1e-2, warmup=2, total=20, end_value=1e-3), weight_decay=0.1, mask=_DECAY),
+    )
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    out = [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(4)]
+    out[2] = (torch.full((16, 8), float("nan")), out[2][1])  # skipped: the state kept, the counts not advanced
+    return out
+
+
+def _state(optimizer, reuse, monkeypatch):
+    monkeypatch.setattr(_flat_regions, "MIN_REUSED", reuse)
+    return fa.TrainState.create({k: v.clone() for k, v in _PARAMS.items()}, optimizer)
+
+
+def _run(reuse, monkeypatch, backend, *, donate=True, telemetry=None):
+    """Four steps (the third skipped) of the compiled step; the final state's leaves, the metrics, and how many
+    steps ran the regions."""
+    optimizer = _optimizer()
+    state = _state(optimizer, reuse, monkeypatch)
+    used = []
+    real_run = _flat_regions.run
+
+    def counted(*args):
+        used.append(1)  # traced: Dynamo replays the append at every call of the compiled step
+        return real_run(*args)
+
+    monkeypatch.setattr(_flat_regions, "run", counted)
+    torch._dynamo.reset()
+    step = fa.make_train_step(_loss, optimizer, donate=donate, backend=backend, telemetry=telemetry)
+    metrics = []
+    for batch in _batches():
+        state, out = step(state, batch)
+        metrics.append({k: v.clone() for k, v in out.items() if isinstance(v, torch.Tensor)})
+    leaves = [x.clone() for x in _tree.tree_leaves((state.params, state.opt_state))]
+    return state, leaves, metrics, len(used)
+
+
+def _same(a, b):
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    )
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_regions_update_as_the_whole_update_does(backend, monkeypatch):
+    """Donating and compiled, the regions (4 kinds for 10 buffers) leave every parameter, moment, count and metric
+    bitwise as the update over all buffers at once, a skipped step included. Under inductor this also holds the
+    hazard the module names: a region no graph output reads is dropped with its writes (planted: the new counts
+    taken from the first region alone; every other buffer kept its old values)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        state, got, got_m, used = _run(1, monkeypatch, backend)
+        assert used == 4, "the regions were not used in every step"
+        assert "compiled once per kind of buffer (4 kinds)" in state.storage.describe()
+        _, ref, ref_m, unused = _run(10**9, monkeypatch, backend)
+        assert unused == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert len(got) == len(ref)
+    bad = [i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if not _same(a, b)]
+    assert not bad, f"state leaves {bad} differ"
+    for step, (a, b) in enumerate(zip(got_m, ref_m, strict=True)):
+        assert a.keys() == b.keys()
+        assert all(_same(a[k], b[k]) for k in a), (step, [k for k in a if not _same(a[k], b[k])])
+    assert [int(m["skipped_steps"]) for m in got_m] == [0, 0, 1, 1]
+
+
+def test_the_regions_only_where_the_update_may_write_in_place(monkeypatch):
+    """A pure step, and a donating step with telemetry (which reads the parameters after the update), run the update
+    over all buffers at once: the regions write into the given state as they compute."""
+    for donate, telemetry in ((False, None), (True, 1)):
+        _, _, _, used = _run(1, monkeypatch, "aot_eager", donate=donate, telemetry=telemetry)
+        assert used == 0, (donate, telemetry)
+
+
+def _reason(optimizer):
+    state = fa.TrainState.create({k: v.clone() for k, v in _PARAMS.items()}, optimizer)
+    planned = state.storage.regions(optimizer)
+    assert isinstance(planned, str), planned
+    assert "compiled once per kind" not in state.storage.describe()
+    return planned
+
+
+def test_what_one_buffer_alone_cannot_compute_is_refused_on_the_host(monkeypatch):
+    """Each refusal names its reason, and the update then runs over all buffers at once: too few alike buffers
+    (the default rule here), a clip of what Adam made (a norm of updates, not of the gradients), a transformation
+    whose 0-d state sums its updates (checked bit for bit on small buffers: it differs buffer by buffer).
+    (``stochastic_rounding``, which reads element positions, keeps its state leaf by leaf before any of this.)"""
+    monkeypatch.setattr(_flat_regions, "MIN_REUSED", 16)
+    assert "< 16" in _reason(_optimizer())
+    monkeypatch.setattr(_flat_regions, "MIN_REUSED", 1)
+    late_clip = optim.chain(optim.scale_by_adam(), optim.clip_by_global_norm(0.5), optim.scale(-1e-3))
+    assert "global norm of the updates" in _reason(late_clip)
+
+    def init(params):
+        return torch.zeros(())
+
+    def update(updates, state, params=None):
+        return updates, state + sum(u.sum() for u in updates.values())
+
+    summing = optim.elementwise(optim.GradientTransformation(init, update))
+    why = _reason(optim.chain(summing, optim.sgd(1e-2)))
+    assert "differs" in why, why
