@@ -343,8 +343,11 @@ class Flat:
         """The optimizer stage (``stage``, :mod:`funcamp.train._stages`'): over the buffers for :class:`FlatParams`
         (``grads`` as :meth:`gradients` made them, the gradients concatenated; each mask and label giving a buffer
         its leaves' value, the global norm taken over the members' views), leaf by leaf over the views otherwise
-        (eager, in place when donating). Returns ``(params, opt_state, updates)``, the updates held as the
-        parameters (:class:`FlatParams`)."""
+        (eager, in place when donating). In a compiled step whose body writes its update in place (donating,
+        ``plan.in_place``) on a single process, where :meth:`regions` planned them: one region per buffer, compiled
+        once per kind of buffer (:mod:`funcamp.train._flat_regions`: the pure update, written into the donated
+        buffers), and the updates are None (no probe reads them in such a step). Returns ``(params, opt_state,
+        updates)``, the updates held as the parameters (:class:`FlatParams`)."""
         if not isinstance(params, FlatParams):
             return stage(optimizer, grads, opt_state, params, layout, finite)
         norms = _MemberNorms(layout, self, gradients=grads.buffers)
