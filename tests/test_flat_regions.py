@@ -8,7 +8,6 @@ below is not used; the thread count keeps inductor's reductions in one order).
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import funcamp as fa
@@ -102,19 +101,19 @@ def _same(a, b):
     )
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_the_regions_update_as_the_whole_update_does(backend, monkeypatch):
+def test_the_regions_update_as_the_whole_update_does(monkeypatch):
     """Donating and compiled, the regions (4 kinds for 10 buffers) leave every parameter, moment, count and metric
-    bitwise as the update over all buffers at once, a skipped step included. Under inductor this also holds the
-    hazard the module names: a region no graph output reads is dropped with its writes (planted: the new counts
-    taken from the first region alone; every other buffer kept its old values)."""
+    bitwise as the update over all buffers at once, a skipped step included (inductor, where the regions are
+    compiled; aot_eager gave the same). It also holds the hazard the module names: a region no graph output reads
+    is dropped with its writes (planted: the new counts taken from the first region alone; every other buffer kept
+    its old values)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        state, got, got_m, used = _run(1, monkeypatch, backend)
+        state, got, got_m, used = _run(1, monkeypatch, "inductor")
         assert used == 4, "the regions were not used in every step"
         assert "compiled once per kind of buffer (4 kinds)" in state.storage.describe()
-        _, ref, ref_m, unused = _run(10**9, monkeypatch, backend)
+        _, ref, ref_m, unused = _run(10**9, monkeypatch, "inductor")
         assert unused == 0
     finally:
         torch.set_num_threads(threads)
@@ -127,12 +126,18 @@ def test_the_regions_update_as_the_whole_update_does(backend, monkeypatch):
     assert [int(m["skipped_steps"]) for m in got_m] == [0, 0, 1, 1]
 
 
-def test_the_regions_only_where_the_update_may_write_in_place(monkeypatch):
-    """A pure step, and a donating step with telemetry (which reads the parameters after the update), run the update
-    over all buffers at once: the regions write into the given state as they compute."""
-    for donate, telemetry in ((False, None), (True, 1)):
-        _, _, _, used = _run(1, monkeypatch, "aot_eager", donate=donate, telemetry=telemetry)
-        assert used == 0, (donate, telemetry)
+def test_the_plan_says_where_the_update_may_write_in_place():
+    """``StepPlan.in_place``, which the regions require (they write the new state into the given one as they compute
+    it): a donating step without telemetry; not a pure step, nor a donating step with telemetry (it reads the
+    parameters after the update)."""
+    optimizer = _optimizer()
+    plans = {
+        (donate, telemetry): fa.make_train_step(
+            _loss, optimizer, donate=donate, telemetry=telemetry, backend="aot_eager"
+        ).plan.in_place
+        for donate, telemetry in ((True, None), (False, None), (True, 1))
+    }
+    assert plans == {(True, None): True, (False, None): False, (True, 1): False}
 
 
 def _reason(optimizer):

@@ -130,8 +130,9 @@ class Flat:
         self._group_of = {i: (g, j) for g in groups for j, i in enumerate(g.members)}
         self._stand_ins = _tree.tree_map(_stand_in, params)
         self._admitted = [optimizer]  # the optimizers whose masks this layout's replay answers for
-        # per admitted optimizer: its update's regions (one compiled per kind of buffer) or why it has none
-        self._regions: list[tuple[Any, _flat_regions.Regions | str]] = []
+        # per admitted optimizer, by id: (it, its update's regions (one compiled per kind of buffer) or why it has
+        # none); a dict read by one key while traced, so that a later admit (another optimizer) guards nothing away
+        self._regions: dict[int, tuple[Any, _flat_regions.Regions | str]] = {}
         # each leaf's first row and the row past its last in the rows of the non-empty buffers, in group order
         # (row_flags): leaf i holds rows [bounds[i], bounds[n + i])
         first, past, base = [0] * len(leaves), [0] * len(leaves), 0
@@ -206,13 +207,14 @@ class Flat:
 
     def _plan_regions(self, optimizer: GradientTransformation) -> None:
         """Host side, once per admitted optimizer: its update's regions (:func:`funcamp.train._flat_regions.plan`)."""
-        if not any(optimizer is known for known, _ in self._regions):
-            self._regions.append((optimizer, _flat_regions.plan(self, optimizer, _tagged_init)))
+        if id(optimizer) not in self._regions:
+            self._regions[id(optimizer)] = (optimizer, _flat_regions.plan(self, optimizer, _tagged_init))
 
     def regions(self, optimizer: GradientTransformation) -> _flat_regions.Regions | str | None:
         """The regions of ``optimizer``'s update over these buffers (a compiled donating step's, one compiled per
         kind of buffer: :mod:`funcamp.train._flat_regions`), why it has none, or None before it is admitted."""
-        return next((planned for known, planned in self._regions if known is optimizer), None)
+        entry = self._regions.get(id(optimizer))
+        return entry[1] if entry is not None and entry[0] is optimizer else None
 
     def describe(self) -> str:
         """One line for the step's plan: the buffers and their sizes (each buffer's dtype, members and elements;
@@ -230,7 +232,7 @@ class Flat:
             )
         cap = f" (split at {BUFFER_BYTES >> 20} MiB)" if any(g.split for g in self.groups) else ""
         n = len(self.groups)
-        planned = self._regions[0][1] if self._regions else None
+        planned = next(iter(self._regions.values()))[1] if self._regions else None
         kinds = (
             f"; a donating step's update compiled once per kind of buffer ({planned.kinds} kinds)"
             if isinstance(planned, _flat_regions.Regions)
@@ -450,12 +452,12 @@ class Flat:
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without what holds functions (the rebuild, the optimizers and their masks' replay): a step's
         :meth:`admit` of its optimizer makes the replay again."""
-        return {**self.__dict__, "_rebuild": None, "_admitted": [], "_regions": [], "replay": _flat_opt.Replay({}, [])}
+        return {**self.__dict__, "_rebuild": None, "_admitted": [], "_regions": {}, "replay": _flat_opt.Replay({}, [])}
 
     def __setstate__(self, fields: dict[str, Any]) -> None:
         self.__dict__.update(fields)
         self._plan_views()  # made again: a layout pickled before it held none
-        self.__dict__.setdefault("_regions", [])  # planned again when a step admits its optimizer
+        self.__dict__.setdefault("_regions", {})  # planned again when a step admits its optimizer
         self._rebuild = _tree.rebuilder(self._stand_ins)
         self._identity = repr(self._key())  # made again: a layout pickled before it held one has none
 

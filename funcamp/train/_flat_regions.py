@@ -144,7 +144,11 @@ def _update(replay: Any, optimizer: Any, grads: Any, state: Any, params: Any, la
     return apply_updates(params, updates), new_state
 
 
-_region = torch.compiler.nested_compile_region(_buffer_update, reuse_hash_fn=lambda kind, *args, **kwargs: kind)
+#: Dynamo keeps at most this many traced regions per function and compile (its default, 8, a layout's kinds may pass).
+_MAX_KINDS = 1 << 12
+_region = torch.compiler.nested_compile_region(
+    _buffer_update, max_reuse_entries=_MAX_KINDS, reuse_hash_fn=lambda kind, *args, **kwargs: kind
+)
 
 
 def run(
@@ -206,6 +210,8 @@ def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
         for i, j in zip(k.zero_d, untagged, strict=True):
             order[i] = j
         calls.append((kinds[key], g.key, tuple(order)))
+    if len(kinds) > _MAX_KINDS:
+        return f"{len(kinds)} kinds of buffer > {_MAX_KINDS}"
     regions = Regions(tuple(calls), untagged, len(kinds))
     why = _check(flat, optimizer, regions)
     return why if why is not None else regions
