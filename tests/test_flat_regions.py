@@ -168,3 +168,21 @@ def test_what_one_buffer_alone_cannot_compute_is_refused_on_the_host(monkeypatch
     summing = optim.elementwise(optim.GradientTransformation(init, update))
     why = _reason(optim.chain(summing, optim.sgd(1e-2)))
     assert "differs" in why, why
+
+
+def test_another_layout_planned_later_does_not_recompile_a_step(monkeypatch):
+    """Each kind is its region's own constant, reached from the layout the step traces: a second state planned with
+    regions after a step compiled (a model built for evaluation, a second run in one process) leaves that step's
+    guards alone (planted: the kinds in a module-level list indexed by the regions; the step compiled again)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    optimizer = _optimizer()
+    state = _state(optimizer, 1, monkeypatch)
+    torch._dynamo.reset()
+    step = fa.make_train_step(_loss, optimizer, donate=True, backend=counter)
+    batches = _batches()
+    state, _ = step(state, batches[0])
+    _state(_optimizer(), 1, monkeypatch)  # planned after the step compiled
+    state, _ = step(state, batches[1])
+    assert counter.frame_count == 1

@@ -21,8 +21,9 @@ from the updates is refused there, with the reason, and runs over all buffers at
 
 Two facts of torch 2.13 shape the code. A region is reused only when Dynamo need not re-check what it read;
 funcamp's optimizer reads its masks and norms from dynamic scopes it enters inside the region, which Dynamo
-counts as side effects, so each region call names its kind with ``reuse_hash_fn`` (the kind's index: every
-tensor it is handed has the kind's sizes and dtypes by construction). And inductor drops a region whose outputs
+counts as side effects, so each kind's region names itself with ``reuse_hash_fn`` (a number unique to the kind:
+every tensor it is handed has the kind's sizes and dtypes by construction; the kind is the region's closure, not
+an entry of a module-level table, which Dynamo would guard on). And inductor drops a region whose outputs
 no graph output reads, with its writes into the donated tensors (measured: the writes of every region whose
 output was unused were lost, silently): every region returns the new 0-d optimizer-state leaves (step counts,
 rates), and each new 0-d leaf is the largest of the regions' values, equal in every region (checked by
@@ -31,6 +32,7 @@ rates), and each new 0-d leaf is the largest of the regions' values, equal in ev
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -64,17 +66,15 @@ class _Kind(NamedTuple):
     optimizer: Any
 
 
-#: Every kind ever planned, by index (the region's constant argument and its reuse hash). Host-made, never
-#: changed while a step is traced; a few entries per layout and optimizer.
-_KINDS: list[_Kind] = []
+#: Each kind's reuse hash (``nested_compile_region(reuse_hash_fn=)``): unique in the process, host-made.
+_HASHES = itertools.count()
 
 
 class Regions(NamedTuple):
     """The plan of a layout's update under one optimizer: one region call per buffer, in group order."""
 
-    calls: tuple[
-        tuple[int, str, tuple[int, ...]], ...
-    ]  # (kind index, buffer key, flat state-leaf indices in kind order)
+    # (the kind's region, the buffer's key, its flat state-leaf indices in the kind's leaf order)
+    calls: tuple[tuple[Any, str, tuple[int, ...]], ...]
     zero_d: tuple[int, ...]  # flat state-leaf indices of the 0-d leaves, in the kinds' zero_d order
     kinds: int  # distinct kinds among the calls
 
@@ -122,11 +122,10 @@ class _NotAlone(Exception):
 
 
 def _buffer_update(
-    kind: int, g: torch.Tensor, p: torch.Tensor, finite: torch.Tensor, t: torch.Tensor, s: torch.Tensor, *leaves: Any
+    k: _Kind, g: torch.Tensor, p: torch.Tensor, finite: torch.Tensor, t: torch.Tensor, s: torch.Tensor, *leaves: Any
 ) -> tuple[torch.Tensor, ...]:
     """One buffer's update, written into ``p`` and its optimizer-state ``leaves`` where ``finite`` (donated): the
     optimizer over ``{buffer: g}`` with the global gradient norm ``(t, s)``; returns the new 0-d state leaves."""
-    k = _KINDS[kind]
     state = _tree.tree_map(leaves.__getitem__, k.template)
     grads = {_KEY: g}
     new_p, new_state = _update(k.replay, k.optimizer, grads, state, {_KEY: p}, _GivenNorm(t, s, grads))
@@ -146,9 +145,22 @@ def _update(replay: Any, optimizer: Any, grads: Any, state: Any, params: Any, la
 
 #: Dynamo keeps at most this many traced regions per function and compile (its default, 8, a layout's kinds may pass).
 _MAX_KINDS = 1 << 12
-_region = torch.compiler.nested_compile_region(
-    _buffer_update, max_reuse_entries=_MAX_KINDS, reuse_hash_fn=lambda kind, *args, **kwargs: kind
-)
+
+
+def _region(kind: _Kind) -> Any:
+    """``kind``'s region: :func:`_buffer_update` of ``kind``, a nested compile region reused by a hash unique to it.
+
+    The kind is a constant of the function (its closure), reached from the layout the step traces, not from a
+    registry: a module-level table read while tracing is guarded, and a later layout that added to it would make
+    every compiled step that read it compile again."""
+    key = next(_HASHES)
+
+    def update(*args: Any) -> tuple[torch.Tensor, ...]:
+        return _buffer_update(kind, *args)
+
+    return torch.compiler.nested_compile_region(
+        update, max_reuse_entries=_MAX_KINDS, reuse_hash_fn=lambda *args, **kwargs: key
+    )
 
 
 def run(
@@ -164,8 +176,8 @@ def run(
     and ``opt_state`` buffers; returns the new optimizer state (its buffers the given ones, its 0-d leaves new)."""
     leaves, spec = _tree.tree_flatten(opt_state)
     outs = [
-        _region(kind, grads[key], params[key], finite, t, s, *[leaves[j] for j in order])
-        for kind, key, order in regions.calls
+        region(grads[key], params[key], finite, t, s, *[leaves[j] for j in order])
+        for region, key, order in regions.calls
     ]
     new_leaves = list(leaves)
     for n, j in enumerate(regions.zero_d):
@@ -188,7 +200,7 @@ def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
     untagged = tuple(j for j, src in enumerate(flat.state_map.flat_sources) if src[0] != "group")
     if not untagged:
         return "the optimizer state holds no 0-d leaf (a step count) for every region to feed"
-    kinds: dict[Any, int] = {}
+    kinds: dict[Any, tuple[_Kind, Any]] = {}  # kind key -> (kind, its region)
     calls = []
     for n, g in enumerate(groups):
         key = _kind_key(flat, n)
@@ -198,9 +210,8 @@ def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
                 return kind
             if len(kind.zero_d) != len(untagged):
                 return "the optimizer state of one buffer holds other 0-d leaves than over all buffers"
-            _KINDS.append(kind)
-            kinds[key] = len(_KINDS) - 1
-        k = _KINDS[kinds[key]]
+            kinds[key] = (kind, _region(kind))
+        k, region = kinds[key]
         mine = [j for j, src in enumerate(flat.state_map.flat_sources) if src[0] == "group" and src[1] == n]
         if len(mine) != len(k.tagged):
             return "a buffer's optimizer state holds other leaves alone than over all buffers"
@@ -209,7 +220,7 @@ def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
             order[i] = j
         for i, j in zip(k.zero_d, untagged, strict=True):
             order[i] = j
-        calls.append((kinds[key], g.key, tuple(order)))
+        calls.append((region, g.key, tuple(order)))
     if len(kinds) > _MAX_KINDS:
         return f"{len(kinds)} kinds of buffer > {_MAX_KINDS}"
     regions = Regions(tuple(calls), untagged, len(kinds))
