@@ -98,15 +98,16 @@ class _OneReplay(_flat_opt.Replay):
 
 
 class _GivenNorm:
-    """The layout a region's optimizer sees: the global norm of the gradients, computed before the regions over all
-    buffers (``(t, s)``, :meth:`funcamp.train._flat._MemberNorms.scaled_global_norm`), for the region's gradient
-    buffer; any other norm is refused (it would be this buffer's alone)."""
+    """The layout the optimizer sees in a region (and in :func:`_check`): the global norm of the gradients, computed
+    before the regions over all buffers (``(t, s)``, :meth:`funcamp.train._flat._MemberNorms.scaled_global_norm`),
+    for the tree of gradient buffers it was given; any other norm is refused (in a region it would be that buffer's
+    alone), as are element offsets."""
 
     def __init__(self, t: torch.Tensor, s: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
         self._t, self._s, self._grads = t, s, grads
 
     def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(tree, dict) and tree.get(_KEY) is self._grads[_KEY]:
+        if tree is self._grads or (isinstance(tree, dict) and all(tree.get(k) is v for k, v in self._grads.items())):
             return self._t, self._s
         raise _NotAlone(f"{fn}: a global norm of the updates a transformation made (not of the gradients)")
 
@@ -192,7 +193,8 @@ def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
     buffers of every kind (random gradients, parameters and a state two updates in) both ways, over all buffers
     and buffer by buffer, and compares every result bit for bit."""
     groups = flat.groups
-    reused = len(groups) - len({_kind_key(flat, n) for n in range(len(groups))})
+    keys = [_kind_key(flat, n) for n in range(len(groups))]
+    reused = len(groups) - len(set(keys))
     if reused < MIN_REUSED:
         return f"{reused} alike buffer updates to reuse < {MIN_REUSED}"
     if not flat.state_map.flat_sources:
@@ -202,8 +204,7 @@ def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
         return "the optimizer state holds no 0-d leaf (a step count) for every region to feed"
     kinds: dict[Any, tuple[_Kind, Any]] = {}  # kind key -> (kind, its region)
     calls = []
-    for n, g in enumerate(groups):
-        key = _kind_key(flat, n)
+    for n, (g, key) in enumerate(zip(groups, keys, strict=True)):
         if key not in kinds:
             kind = _make_kind(flat, n, optimizer, tagged_init)
             if isinstance(kind, str):
@@ -282,7 +283,7 @@ def _check(flat: Any, optimizer: Any, regions: Regions) -> str | None:
     try:
         for grads in grad_steps:
             whole_params, whole_state = _update(
-                flat.replay, optimizer, grads, whole_state, whole_params, _AllNorm(t, s, grads)
+                flat.replay, optimizer, grads, whole_state, whole_params, _GivenNorm(t, s, grads)
             )
             parts_state = run(regions, grads, parts_params, parts_state, finite, t, s)
     except _NotAlone as e:
@@ -294,21 +295,3 @@ def _check(flat: Any, optimizer: Any, regions: Regions) -> str | None:
         for a, b in zip(_tree.tree_leaves(whole_state), _tree.tree_leaves(parts_state), strict=True)
     )
     return None if same else "one buffer's update alone differs from it over all buffers (checked on small buffers)"
-
-
-class _AllNorm:
-    """:class:`_GivenNorm` over all buffers, for :func:`_check`'s update over all of them at once."""
-
-    def __init__(self, t: torch.Tensor, s: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
-        self._t, self._s, self._grads = t, s, grads
-
-    def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
-        if tree is self._grads or (isinstance(tree, dict) and all(tree.get(k) is v for k, v in self._grads.items())):
-            return self._t, self._s
-        raise _NotAlone(f"{fn}: a global norm of the updates a transformation made (not of the gradients)")
-
-    def element_offsets(self) -> None:
-        raise _NotAlone("element offsets (stochastic_rounding places each element in its whole tensor)")
-
-    def finish_params(self, params: Any) -> Any:
-        return params
