@@ -45,6 +45,7 @@ FIELDS = "_funcamp_tree_fields"
 _CONSTANTS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
 
 
+@torch._dynamo.assume_constant_result  # a type in, a bool out: Dynamo calls it rather than trace optree's registry
 def is_plain_namedtuple(cls: type) -> bool:
     """A NamedTuple class that optree flattens as a NamedTuple (not a custom node registered for it)."""
     if cls.__bases__ != (tuple,) or not isinstance(getattr(cls, "_fields", None), tuple):

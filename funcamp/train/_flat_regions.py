@@ -175,7 +175,14 @@ def run(
 ) -> Any:
     """Inside the compiled step: every buffer's update by its kind's region, written into the donated ``params``
     and ``opt_state`` buffers; returns the new optimizer state (its buffers the given ones, its 0-d leaves new)."""
-    leaves, spec = _tree.tree_flatten(opt_state)
+    # Plain containers by the traced walk: optree's flatten and rebuild, traced by Dynamo here, were 53,000 of the
+    # GPT-2 body step's 241,000 bytecode instructions.
+    fast = _tree.flatten_same(opt_state)
+    if fast is None:
+        leaves, spec = _tree.tree_flatten(opt_state)
+        rebuild = lambda new: _tree.tree_unflatten(spec, new)  # noqa: E731
+    else:
+        (leaves,), rebuild = fast
     outs = [
         region(grads[key], params[key], finite, t, s, *[leaves[j] for j in order])
         for region, key, order in regions.calls
@@ -184,7 +191,7 @@ def run(
     for n, j in enumerate(regions.zero_d):
         # equal in every region (plan() checked); the largest of them makes every region feed the new state
         new_leaves[j] = torch.stack([out[n] for out in outs]).amax(0)
-    return _tree.tree_unflatten(spec, new_leaves)
+    return rebuild(new_leaves)
 
 
 def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
