@@ -81,10 +81,16 @@ class Group(NamedTuple):
 
 @_tree.dataclass
 class FlatParams:
-    """The parameters inside a compiled step of a flat state: ``buffers`` (``{group key: 1-D tensor}``)."""
+    """The parameters inside a compiled step of a flat state: ``buffers`` (``{group key: 1-D tensor}``).
+
+    Held as the gradients (:meth:`Flat.gradients`), it also holds ``rows``, the buffers' row sums
+    (:meth:`Flat.row_sums`: ``(sums, s)``, or None where rows do not apply), which the finite check's norm and flags
+    and a clip of the gradients all read: one reduction per buffer, traced once. None for parameters and updates.
+    """
 
     buffers: dict[str, torch.Tensor]
     storage: Flat = _tree.field(pytree_node=False)
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class _StateMap(NamedTuple):
@@ -263,8 +269,12 @@ class Flat:
         """The gradients as the update reads them: for :class:`FlatParams` (compiled), the gradients written into
         one buffer per group (:meth:`flat`), held as :class:`FlatParams`, so that the finite check reads each
         member's view of the buffer (:meth:`tree`) rather than the gradients, which then die as they are
-        written (funcamp.passes.flat_gradients); ``grads`` as they are otherwise."""
-        return FlatParams(self.flat(grads), self) if isinstance(params, FlatParams) else grads
+        written (funcamp.passes.flat_gradients), with their row sums (:meth:`row_sums`) for the check's and a clip's
+        norm; ``grads`` as they are otherwise."""
+        if not isinstance(params, FlatParams):
+            return grads
+        buffers = self.flat(grads)
+        return FlatParams(buffers, self, self.row_sums(buffers))
 
     def _plan_views(self) -> None:
         """Host-made constants of :meth:`_views` and :meth:`flat`, per group (beside ``self.groups``): its members'
@@ -330,7 +340,7 @@ class Flat:
         of GPT-2 124M's traced step. Per-leaf gradients (eager): ``stage(grads, loss, layout)``."""
         if not isinstance(grads, FlatParams):
             return stage(grads, loss, layout)
-        return stage(grads, loss, _MemberNorms(layout, self, (grads, grads.buffers)))
+        return stage(grads, loss, _MemberNorms(layout, self, (grads, grads.buffers), rows=grads.rows))
 
     def update(
         self,
@@ -352,7 +362,7 @@ class Flat:
         updates)``, the updates held as the parameters (:class:`FlatParams`)."""
         if not isinstance(params, FlatParams):
             return stage(optimizer, grads, opt_state, params, layout, finite)
-        norms = _MemberNorms(layout, self, gradients=grads.buffers)
+        norms = _MemberNorms(layout, self, gradients=grads.buffers, rows=grads.rows)
         regions = self.regions(optimizer)
         plan = _scope.step_plan()
         if (
@@ -592,8 +602,9 @@ class _MemberNorms:
     gradient buffers (the updates a first clip sees) or of the gradients the check was handed is read from the
     buffers as rows (:meth:`Flat.row_sums`: one 2-d reduction per buffer, each row's sum of squares, not one
     reduction per member), and each member's finite flag from its rows (:meth:`Flat.row_flags`, exact); the check's
-    and a clip's norm are one expression that the ``cse`` graph pass computes once. Updates a transformation made (whose
-    padding need not be zero) are normed member by member. The norm sums the squares per row where the per-leaf
+    and a clip's norm read the same row sums, made once with the gradient buffers (:attr:`FlatParams.rows`; they
+    were two expressions that the ``cse`` graph pass merged, traced twice by Dynamo). Updates a transformation made
+    (whose padding need not be zero) are normed member by member. The norm sums the squares per row where the per-leaf
     step sums them per leaf: within round-off of it, not bit for bit (``tests/test_flat.py``). Where the rows do
     not apply (float8 buffers, float16 on MPS, every member empty, shards), the layout's own per-leaf norm and flags
     of the members' views. Rows of float32, bfloat16 and float16 are summed in float64: the norm is rounded to
@@ -605,10 +616,12 @@ class _MemberNorms:
         storage: Flat,
         checked: tuple[Any, dict[str, Any]] | None = None,
         gradients: dict[str, torch.Tensor] | None = None,
+        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         # checked: the FlatParams the check is handed and its gradient buffers;
-        # gradients: the gradient buffers :meth:`Flat.flat` made (zeros in the padding), for the optimizer's norms
-        self._layout, self._storage, self._checked = layout, storage, checked
+        # gradients: the gradient buffers :meth:`Flat.flat` made (zeros in the padding), for the optimizer's norms;
+        # rows: their row sums (FlatParams.rows), made once for the check and the clip
+        self._layout, self._storage, self._checked, self._rows = layout, storage, checked, rows
         self._gradients = gradients if checked is None else checked[1]
 
     def stats(self, grads: Any, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -618,7 +631,7 @@ class _MemberNorms:
         if self._checked is None or grads is not self._checked[0]:
             return self._layout.stats(grads, loss)
         rows = (
-            self._storage.row_sums(self._checked[1])
+            self._rows
             # shards: the layout's norm is over every rank's
             if getattr(self._layout, "whole_gradients", False) and hasattr(self._layout, "agree")
             else None
@@ -635,19 +648,16 @@ class _MemberNorms:
         return self._layout.agree(flags.all() & torch.isfinite(loss)), flags, norm
 
     def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(t, s)`` of :func:`funcamp._tree.scaled_global_norm`: for a tree of this storage's buffers (the updates
-        a clip sees), read from the buffers' rows as the finite check reads its norm of the gradients
-        (:meth:`Flat.check`), so that both are one expression that the ``cse`` graph pass computes once; over each
-        buffer's members otherwise (the layout's norm of the views)."""
+        """``(t, s)`` of :func:`funcamp._tree.scaled_global_norm`: for the gradient buffers (the updates a first
+        clip sees), read from the row sums the finite check reads its norm from (:attr:`FlatParams.rows`, traced
+        once for both); over each buffer's members otherwise (the layout's norm of the views)."""
         if isinstance(tree, dict) and self._storage.holds_buffers(tree):
             grads = self._gradients
             # The rows and the buffers' largest magnitudes read the padding: only the gradient buffers are known to
             # hold zeros there. An update made from them (a transformation before the clip) may not: f(0) != 0, or
             # Adam's 0 / 0 with eps=0; its norm is the members' (the per-leaf step's, bitwise).
-            if grads is not None and all(tree[k] is grads.get(k) for k in tree):
-                rows = self._storage.row_sums(tree)
-                if rows is not None:
-                    return rows[0].sum().sqrt(), rows[1]
+            if grads is not None and self._rows is not None and all(tree[k] is grads.get(k) for k in tree):
+                return self._rows[0].sum().sqrt(), self._rows[1]
             return self._layout.scaled_global_norm(self._storage._views(tree), fn)
         views: list[torch.Tensor] = []
         for key, leaf in zip(_tree.tree_paths(tree), _tree.tree_leaves(tree), strict=True):
