@@ -235,7 +235,8 @@ def _autograd_grad_and_value(
         args, inputs = list(args), []
         for n in nums:
             leaves, rebuild = _flatten(args[n], n)
-            leaves = [x.detach().requires_grad_() for x in leaves]
+            # by map (Dynamo runs it itself): no traced frame per leaf
+            leaves = list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves)))
             args[n] = rebuild(leaves)
             inputs.append((leaves, rebuild))
         with torch.enable_grad():

@@ -59,7 +59,7 @@ _KEY = "buffer"
 class _Kind(NamedTuple):
     """One kind of buffer: what a region of it rebuilds and runs (host-made constants)."""
 
-    template: Any  # the one-buffer optimizer state with each leaf replaced by its index (ints)
+    rebuild: Any  # ``rebuild(leaves)``: the one-buffer optimizer state of its leaves (``_tree.rebuilder``)
     tagged: tuple[int, ...]  # indices (in the one-buffer state's leaves) of the leaves made from the buffer
     zero_d: tuple[int, ...]  # indices of the others (step counts, rates), in order
     replay: Any  # :class:`_OneReplay`: each mask's value for this kind
@@ -127,7 +127,7 @@ def _buffer_update(
 ) -> tuple[torch.Tensor, ...]:
     """One buffer's update, written into ``p`` and its optimizer-state ``leaves`` where ``finite`` (donated): the
     optimizer over ``{buffer: g}`` with the global gradient norm ``(t, s)``; returns the new 0-d state leaves."""
-    state = _tree.tree_map(leaves.__getitem__, k.template)
+    state = k.rebuild(leaves)  # a host-made skeleton: no walk traced (a tree_map here: 1,700 instructions a kind)
     grads = {_KEY: g}
     new_p, new_state = _update(k.replay, k.optimizer, grads, state, {_KEY: p}, _GivenNorm(t, s, grads))
     new_leaves = _tree.tree_leaves(new_state)
@@ -184,7 +184,7 @@ def run(
     else:
         (leaves,), rebuild = fast
     outs = [
-        region(grads[key], params[key], finite, t, s, *[leaves[j] for j in order])
+        region(grads[key], params[key], finite, t, s, *map(leaves.__getitem__, order))  # no traced loop per leaf
         for region, key, order in regions.calls
     ]
     new_leaves = list(leaves)
@@ -261,7 +261,7 @@ def _make_kind(flat: Any, n: int, optimizer: Any, tagged_init: Any) -> _Kind | s
         return "an optimizer-state leaf made from no buffer is not 0-d"
     if any(not (leaves[i].dtype.is_floating_point or leaves[i].dtype in _COUNTS) for i in zero_d):
         return "a 0-d optimizer-state leaf is neither a count nor floating"
-    return _Kind(template, tagged, zero_d, replay, optimizer)
+    return _Kind(_tree.rebuilder(template), tagged, zero_d, replay, optimizer)
 
 
 _COUNTS = (torch.int32, torch.int64)
