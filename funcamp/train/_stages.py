@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcamp import _dynamo_autograd, _scope, _tree
+from funcamp._tree import _fast
 from funcamp.grad import _Route, scaled_grad_and_value
 from funcamp.loss_scale import LossScale, NoOpLossScale
 from funcamp.optim import GradientTransformation, _inplace, apply_updates, learning_rate
@@ -195,6 +196,11 @@ def gradients(
 def cast_like(grads: Any, params: Any) -> Any:
     """``grads`` cast to the dtypes of ``params`` (the same structure), leaf by leaf; a gradient already in its
     parameter's dtype is itself (no ``to`` call: nothing for a compiled step's graph to hold)."""
+    flat = _tree.flatten_same(grads, params)  # while traced: the dtypes compared as tuples, no frame per leaf
+    if flat is not None:
+        kinds = _fast.dtypes(flat[0][0])
+        if kinds is not None and kinds == _fast.dtypes(flat[0][1]):
+            return grads
     return _tree.tree_map(lambda g, p: g if g.dtype == p.dtype else g.to(p.dtype), grads, params)
 
 
