@@ -718,10 +718,9 @@ def test_a_state_laid_out_before_the_rows_is_refused_with_the_way_over(tmp_path)
     step(new, _batches()[0])
 
 
-def test_check_makes_no_views_where_it_reads_rows():
-    """The finite check of flat gradients reads each buffer's rows, never the members' views: the traced step
-    narrows each parameter once (its view for the forward). Before, the check made every member's view of the
-    gradient buffers as well and read none (two narrows per parameter; 292 graph nodes of GPT-2 124M's step)."""
+def _recorded_three_leaf_steps(optimizer, batches):
+    """The flat compiled step of three small parameters (``a`` 4x3, read through a sum with the batch of 3; ``b``
+    5; ``c`` 2x2) over ``batches``, its Dynamo graphs recorded: ``(params, loss, state, metrics, graphs)``."""
     graphs = []
 
     def recording(gm, example_inputs):
@@ -733,8 +732,16 @@ def test_check_makes_no_views_where_it_reads_rows():
     def loss(p, batch):
         return (p["a"].sum(0) * batch).sum() + p["b"].square().sum() + p["c"].exp().sum()
 
+    state, metrics = _steps(params, loss, optimizer, batches, flat=True, backend=recording)
+    return params, loss, state, metrics, graphs
+
+
+def test_check_makes_no_views_where_it_reads_rows():
+    """The finite check of flat gradients reads each buffer's rows, never the members' views: the traced step
+    narrows each parameter once (its view for the forward). Before, the check made every member's view of the
+    gradient buffers as well and read none (two narrows per parameter; 292 graph nodes of GPT-2 124M's step)."""
     batches = [torch.randn(3), torch.tensor([1.0, float("inf"), 1.0])]  # the second: "a"'s gradient not finite
-    _, got = _steps(params, loss, optim.adamw(1e-2), batches, flat=True, backend=recording)
+    params, loss, _, got, graphs = _recorded_three_leaf_steps(optim.adamw(1e-2), batches)
     narrows = [n for gm in graphs for n in gm.graph.nodes if n.target in ("narrow", torch.narrow, torch.Tensor.narrow)]
     assert len(graphs) == 1 and len(narrows) == len(params), [n.format_node() for n in narrows]
     _, ref = _steps(params, loss, optim.adamw(1e-2), batches, flat=False)
@@ -749,22 +756,12 @@ def test_the_check_and_a_clip_read_one_set_of_row_sums():
     finite check's norm and flags and by a clip of the gradients (before, each traced its own and the ``cse`` pass
     merged them: 248 more Dynamo graph nodes in GPT-2 124M's step; planted: the clip's row sums made again, and two
     are traced). The clipped step is the per-leaf one within round-off."""
-    graphs = []
-
-    def recording(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    params = {"a": torch.randn(4, 3), "b": torch.randn(5), "c": torch.randn(2, 2)}
-
-    def loss(p, batch):
-        return (p["a"].sum(0) * batch).sum() + p["b"].square().sum() + p["c"].exp().sum()
 
     def optimizer():
         return optim.chain(optim.clip_by_global_norm(0.1), optim.adam(1e-2))
 
     batches = [torch.randn(3), torch.randn(3)]
-    got, _ = _steps(params, loss, optimizer(), batches, flat=True, backend=recording)
+    params, loss, got, _, graphs = _recorded_three_leaf_steps(optimizer(), batches)
     made = [
         n
         for gm in graphs

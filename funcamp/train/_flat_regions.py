@@ -253,15 +253,14 @@ def _make_kind(flat: Any, n: int, optimizer: Any, tagged_init: Any) -> _Kind | s
         state, tags = tagged_init(optimizer.init, meta, replay, None)
     except Exception as e:  # noqa: BLE001 (an optimizer that cannot init one buffer alone runs over all at once)
         return f"the optimizer does not initialize one buffer alone ({type(e).__name__}: {e})"
-    leaves, spec = _tree.tree_flatten(state)
-    template = _tree.tree_unflatten(spec, list(range(len(leaves))))
+    leaves = _tree.tree_leaves(state)
     tagged = tuple(i for i, tag in enumerate(tags) if tag is not None)
     zero_d = tuple(i for i, tag in enumerate(tags) if tag is None)
     if any(leaves[i].ndim != 0 for i in zero_d):
         return "an optimizer-state leaf made from no buffer is not 0-d"
     if any(not (leaves[i].dtype.is_floating_point or leaves[i].dtype in _COUNTS) for i in zero_d):
         return "a 0-d optimizer-state leaf is neither a count nor floating"
-    return _Kind(_tree.rebuilder(template), tagged, zero_d, replay, optimizer)
+    return _Kind(_tree.rebuilder(state), tagged, zero_d, replay, optimizer)
 
 
 _COUNTS = (torch.int32, torch.int64)
