@@ -102,28 +102,44 @@ def _same(a, b):
 
 
 def test_the_regions_update_as_the_whole_update_does(monkeypatch):
-    """Donating and compiled, the regions (4 kinds for 10 buffers) leave every parameter, moment, count and metric
-    bitwise as the update over all buffers at once, a skipped step included (inductor, where the regions are
-    compiled; aot_eager gave the same). It also holds the hazard the module names: a region no graph output reads
-    is dropped with its writes (planted: the new counts taken from the first region alone; every other buffer kept
-    its old values)."""
+    """Donating and inductor-compiled, the regions (4 kinds for 10 buffers) leave every parameter, moment, count and
+    metric as the update over all buffers at once does, compiled with ``aot_eager``, a skipped step included: each
+    float leaf within 1e-5 of its largest magnitude (measured 4.1e-7: inductor's forward, backward and update
+    round otherwise than eager kernels), integers and flags equal. Inductor's own whole update, bitwise the
+    regions' when they came, is a second inductor compile (40 s of the suite); bit for bit, one buffer's update
+    alone is the whole update's on every layout that gets regions: :func:`plan` checks it eagerly before it plans
+    them. The test holds the hazard the module names: a region no graph output reads is dropped with its writes
+    (planted: the new counts taken from the first region alone; every other buffer kept its old values)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         state, got, got_m, used = _run(1, monkeypatch, "inductor")
         assert used == 4, "the regions were not used in every step"
         assert "compiled once per kind of buffer (4 kinds)" in state.storage.describe()
-        _, ref, ref_m, unused = _run(10**9, monkeypatch, "inductor")
+        _, ref, ref_m, unused = _run(10**9, monkeypatch, "aot_eager")
         assert unused == 0
     finally:
         torch.set_num_threads(threads)
     assert len(got) == len(ref)
-    bad = [i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if not _same(a, b)]
+    bad = [i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if not _close(a, b)]
     assert not bad, f"state leaves {bad} differ"
     for step, (a, b) in enumerate(zip(got_m, ref_m, strict=True)):
         assert a.keys() == b.keys()
-        assert all(_same(a[k], b[k]) for k in a), (step, [k for k in a if not _same(a[k], b[k])])
+        assert all(_close(a[k], b[k]) for k in a), (step, [k for k in a if not _close(a[k], b[k])])
     assert [int(m["skipped_steps"]) for m in got_m] == [0, 0, 1, 1]
+
+
+def _close(a, b):
+    """Equal dtype and shape; integers and bools equal; floats within 1e-5 of ``b``'s largest magnitude, NaN where
+    ``b`` has NaN."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    if not torch.equal(a.isnan(), b.isnan()):
+        return False
+    a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+    return bool((a - b).abs().max() <= 1e-5 * b.abs().max()) if b.numel() else True
 
 
 def test_the_plan_says_where_the_update_may_write_in_place():
