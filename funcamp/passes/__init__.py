@@ -15,7 +15,9 @@ passes fill and read), one file each:
   gradient;
 - ``flat_gradients`` (:mod:`~funcamp.passes.flat_gradients`): a flat state's gradients written into their buffer;
 - ``scalars_once`` (:mod:`~funcamp.passes.scalars_once`): on a CPU, the step's scalars stored once rather than
-  computed in every loop that reads them.
+  computed in every loop that reads them;
+- ``region_casts`` (:mod:`~funcamp.passes.region_casts`): a nested compile region (the flat update's, one per
+  kind of buffer) handed a widened tensor gets the narrow one and widens it inside.
 
 The copies are made by the ``recompute`` step (:mod:`funcamp.passes.recompute`, between ``sharded_gathers``'
 selection and its regather) and wait through :mod:`funcamp.passes.gates`. Every pass

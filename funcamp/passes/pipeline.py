@@ -7,7 +7,8 @@
 (the sharded parameters' gathers, recomputed too), ``recompute`` (the copies), then the rest of
 ``sharded_gathers`` (unused gathers dropped, the others moved to their user), ``casts_at_use``,
 ``late_constructors``, ``flat_gradients`` (a flat state's gradients written into their buffer as they are made)
-and ``scalars_once`` (a step's scalars stored once rather than computed in every loop that reads them).
+``scalars_once`` (a step's scalars stored once rather than computed in every loop that reads them) and
+``region_casts`` (a nested compile region handed a widened gradient gets the narrow one and widens it inside).
 The loop (:func:`run`) skips the passes switched off and records the graph's node count
 around each pass (:class:`~funcamp.passes._context.PassCount`; logged at debug level on the ``funcamp.passes``
 logger), as torchtitan's ``apply_graph_passes`` and inductor's ``GraphTransformObserver`` do. The rules each pass
@@ -33,6 +34,7 @@ from funcamp.passes import (
     flat_gradients,
     late_constructors,
     recompute,
+    region_casts,
     remat_budget,
     remat_regions,
     scalars_once,
@@ -59,6 +61,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassContext], None]], ...] = (
     (late_constructors.NAME, late_constructors.run),
     (flat_gradients.NAME, flat_gradients.run),
     (scalars_once.NAME, scalars_once.run),
+    (region_casts.NAME, region_casts.run),
 )
 
 #: The passes ``FUNCAMP_PASSES_OFF`` takes, in the order they first run.

@@ -1,0 +1,98 @@
+"""The ``region_casts`` pass (funcamp/passes/region_casts.py): a nested compile region handed a widened tensor
+gets the narrow one and widens it inside, the values bit for bit.
+
+The graphs are AOTAutograd's (``aot_autograd`` with a forward compiler that runs the pass and returns the graph to
+run eagerly): a region that writes into its operands comes as ``auto_functionalized_v2(invoke_subgraph, ...)``, as
+inductor's pre-pass sees funcamp's flat update; a pure one as ``invoke_subgraph`` itself. The oracle is the same
+function compiled with ``aot_eager`` (no pass). The GPT-2 body's counts are in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+from funcamp.passes import region_casts
+
+
+@torch.compiler.nested_compile_region
+def _writing(g, p, m):
+    new_m = 0.9 * m + 0.1 * g
+    p.copy_(p - 0.01 * new_m / (new_m.abs() + 1e-8))
+    m.copy_(new_m)
+    return new_m.sum()
+
+
+@torch.compiler.nested_compile_region
+def _pure(g, p, m):
+    new_m = 0.9 * m + 0.1 * g
+    return p - 0.01 * new_m / (new_m.abs() + 1e-8), new_m
+
+
+def _step(region, widen_both=True):
+    def step(x, w, p1, m1, p2, m2):
+        g1 = (x @ w).float().reshape(-1)  # a bfloat16 matmul's result, widened: the weight gradient's case
+        g2 = (x @ w.t()).float().reshape(-1) if widen_both else p1 * 0.5
+        return region(g1, p1, m1), region(g2, p2, m2)
+
+    return step
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(8, 8, generator=g).bfloat16() for _ in range(2))
+    return [x, w, *(torch.randn(64, generator=g) for _ in range(4))]
+
+
+def _run(step, backend):
+    torch._dynamo.reset()
+    args = _inputs()
+    out = torch.compile(step, backend=backend, fullgraph=True)(*args)
+    return torch.utils._pytree.tree_leaves(out), args
+
+
+def _passed(graphs):
+    def compiler(gm, example_inputs):
+        graphs.append((region_casts._region_casts(gm.graph), gm))
+        gm.recompile()
+        return gm
+
+    return aot_autograd(fw_compiler=compiler)
+
+
+@pytest.mark.parametrize("region", [_writing, _pure], ids=["writes_its_operands", "pure"])
+def test_a_region_widens_its_narrow_operand_itself(region):
+    """Both calls widen a bfloat16 matmul's result for the gradient's operand: the calls hand the bfloat16 tensor
+    (reshaped), the widening is gone from the step, and the new region's operand there is bfloat16, widened to
+    float32 before any use; outputs and the written operands bitwise those without the pass."""
+    graphs = []
+    got, got_args = _run(_step(region), _passed(graphs))
+    ref, ref_args = _run(_step(region), "aot_eager")
+    ((changed, gm),) = graphs
+    assert changed == 1
+    nodes = list(gm.graph.nodes)
+    assert not any(n.target in (torch.ops.aten._to_copy.default, region_casts._CONVERT) for n in nodes)
+    calls = [n for n in nodes if region_casts._Call.of(n) is not None]
+    assert len(calls) == 2
+    for node in calls:
+        call = region_casts._Call(node)
+        sub = getattr(gm, call.attr.target)
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        narrow = [k for k in range(len(placeholders)) if placeholders[k].meta["val"].dtype == torch.bfloat16]
+        assert call.identifier.endswith("_region_casts") and len(narrow) == 1, (call.identifier, narrow)
+        assert call.operand(narrow[0]).meta["val"].dtype == torch.bfloat16
+        (use,) = placeholders[narrow[0]].users
+        assert use.target is region_casts._CONVERT and use.args[1] == torch.float32
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got_args, ref_args, strict=True))
+
+
+def test_a_region_keeps_its_operand_where_one_call_does_not_widen():
+    """One call hands a float32 tensor computed in float32: the region is left as it is (every call of a region
+    runs one copy of it)."""
+    graphs = []
+    got, _ = _run(_step(_pure, widen_both=False), _passed(graphs))
+    ref, _ = _run(_step(_pure, widen_both=False), "aot_eager")
+    assert [changed for changed, _ in graphs] == [0]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
