@@ -7,7 +7,10 @@ first step's inductor time on a 2-core Xeon. Here the update of one buffer (the 
 ``apply_updates``, the select of a skipped step and the writes into the donated tensors) is a function of tensors
 and constants only, marked as a nested compile region: Dynamo traces it once per *kind* (the buffer's size and
 dtype, the values its masks give it, its optimizer-state leaves' sizes and dtypes) and stamps the traced region
-out for every other buffer of that kind, and inductor compiles each kind's region once.
+out for every other buffer of that kind, and inductor compiles each kind's region once. A region's operands are
+tensors in memory: a weight's gradient widened from the backward's bfloat16 would be written out in float32 for it,
+so the ``region_casts`` graph pass (:mod:`funcamp.passes.region_casts`) hands the region the bfloat16 gradient and
+the region widens it as it reads.
 
 When it applies (decided on the host, once per optimizer, by :func:`plan`, and shown in the storage's line of
 the step's plan): a compiled, donating step whose body writes its optimizer stage in place
