@@ -8,9 +8,10 @@ written and 4 read per weight element where the update over all buffers read 2),
 read the bfloat16 gradient and widened it as it went.
 
 Here, for each region (one ``invoke_subgraph`` identifier), an operand that is in every call a widening
-(``convert_element_type``) of a narrower floating tensor, through views, is handed as that tensor (viewed to the
-operand's shape), and every call runs a copy of the region that widens it first. The values are the same bit for
-bit (a widening to float32 is exact); what is gone is the widened copy in memory and its kernel.
+(``convert_element_type``, or ``_to_copy`` before inductor's decompositions) of a narrower floating tensor, through
+views, is handed as that tensor (viewed to the operand's shape), and every call runs a copy of the region that
+widens it first. The values are the same bit for bit (a widening is exact); what is gone is the widened copy in
+memory and its kernel.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized_v2
 _CONVERT = torch.ops.prims.convert_element_type.default
 _TO_COPY = torch.ops.aten._to_copy.default
 _RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
+_OWN = (*_RESHAPES, _CONVERT, _TO_COPY)  # what an operand's widening is made of (erased once nothing reads it)
 _WIDE = (torch.float32, torch.float64)
 
 
@@ -93,8 +95,10 @@ class _Call:
     def __init__(self, node: torch.fx.Node) -> None:
         self.node = node
         self.functionalized = node.target is not _HOP
-        where = node.kwargs if self.functionalized else dict(enumerate(node.args[:2], -2))
-        self.attr, self.identifier = where.get("subgraph", where.get(-2)), where.get("identifier", where.get(-1))
+        if self.functionalized:
+            self.attr, self.identifier = node.kwargs.get("subgraph"), node.kwargs.get("identifier")
+        else:
+            self.attr, self.identifier = node.args[0], node.args[1]
 
     @staticmethod
     def of(node: torch.fx.Node) -> _Call | None:
@@ -164,22 +168,23 @@ def _region_casts(graph: torch.fx.Graph) -> int:
         if any(call.count() not in (None, len(placeholders)) for call in group):
             continue
         positions: dict[int, torch.dtype] = {}
+        sources: dict[int, list[torch.fx.Node]] = {}  # per position, each call's narrow tensor
         for k, ph in enumerate(placeholders):
             want = _val(ph)
             operands = [call.operand(k) for call in group]
-            sources = [_narrow_source(op) for op in operands]
-            if want is None or any(s is None for s in sources):
+            narrow_ones = [_narrow_source(op) for op in operands]
+            if want is None or any(s is None for s in narrow_ones):
                 continue
-            dtypes = {_val(s).dtype for s in sources}
+            dtypes = {_val(s).dtype for s in narrow_ones}
             alike = all(_val(op).shape == want.shape and _val(op).dtype == want.dtype for op in operands)
             if len(dtypes) == 1 and alike:
-                positions[k] = dtypes.pop()
+                positions[k], sources[k] = dtypes.pop(), narrow_ones
         if not positions:
             continue
         name = f"{target}_{NAME}_{next(_NAMES)}"
         root.register_module(name, _narrowed_region(sub, positions))
         new_identifier = f"{identifier}_{NAME}"
-        for call in group:
+        for n, call in enumerate(group):
             old = [call.attr, *(call.operand(k) for k in positions)]
             narrow = {}
             with graph.inserting_before(call.node):
@@ -187,7 +192,7 @@ def _region_casts(graph: torch.fx.Graph) -> int:
                 attr.meta = dict(call.attr.meta)
                 for k in positions:
                     operand = call.operand(k)
-                    source, shape = _narrow_source(operand), list(_val(operand).shape)
+                    source, shape = sources[k][n], list(_val(operand).shape)
                     view = graph.call_function(torch.ops.aten.reshape.default, (source, shape))
                     view.meta = {**source.meta, "val": _val(source).reshape(shape)}
                     view.meta["tensor_meta"] = _extract_tensor_metadata(view.meta["val"])
@@ -205,9 +210,6 @@ def _erase_unused(graph: torch.fx.Graph, node: Any) -> None:
         inputs = node.all_input_nodes
         graph.erase_node(node)
         node = inputs[0] if inputs else None
-
-
-_OWN = (*_RESHAPES, _CONVERT, _TO_COPY)
 
 
 def run(ctx: PassContext) -> None:
