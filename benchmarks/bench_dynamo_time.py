@@ -10,6 +10,13 @@ guards and bytecode included), ``get_fake_value`` and ``build_guards``, in secon
 other checkout's funcamp (its ``funcamp/`` and ``examples/``) runs in turn, round by round, the order alternating;
 the last lines give each round's ratio. Bytecode counts, which do not move with the machine, are
 ``bench_graph_size.py``'s. Run it through ``../shared/tools/quiet``.
+
+    python benchmarks/bench_dynamo_time.py --rounds 1 --by-function 40   # where Dynamo's time goes
+
+``--by-function N`` also prints, per round, the N functions of the step (funcamp's, the model's, torch's) in which
+Dynamo spent the most time, inclusive of what each called, with the number of times Dynamo inlined each: a timer
+around Dynamo's ``InliningInstructionTranslator.inline_call_`` (it costs some 5% of the trace; the seconds are
+Dynamo's symbolic run of that function, not the function's own run). docs/benchmarks.md reads it.
 """
 
 from __future__ import annotations
@@ -21,14 +28,15 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 KEYS = ("bytecode_tracing", "_compile.compile_inner", "get_fake_value", "build_guards")
 
 _CHILD = """
-import json, sys
-root, model, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+import collections, json, sys, time
+root, model, threads, top = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 sys.path[:0] = [root, root + "/examples", {here!r}]
 import torch
 torch.set_num_threads(threads)
@@ -41,17 +49,38 @@ net = bgs._model(train_gpt, jargs, None)
 batch = bgs._batch(train_gpt, jargs)
 policy = train_gpt.make_policy(fa.get_policy(bgs.POLICY), jargs.master_weights)
 run = train_gpt.build_run(jargs, policy, net, torch.device("cpu"), distributed=False)
+spent, calls, active = collections.Counter(), collections.Counter(), collections.Counter()
+if top:
+    from torch._dynamo import symbolic_convert as sc
+    inline = sc.InliningInstructionTranslator.inline_call_
+
+    def timed(tracer, inline=inline):
+        code = tracer.f_code
+        name = code.co_filename.split("site-packages/")[-1].replace(root + "/", "") + ":" + code.co_name
+        active[name] += 1
+        t0 = time.perf_counter()
+        try:
+            return inline(tracer)
+        finally:
+            active[name] -= 1
+            calls[name] += 1
+            if not active[name]:  # a recursive call's time counted once, at its outermost call
+                spent[name] += time.perf_counter() - t0
+
+    sc.InliningInstructionTranslator.inline_call_ = timed
 run.train_step(run.state, batch)
 times = du.compilation_time_metrics
-print("RESULT " + json.dumps({{k: round(sum(times.get(k, [0.0])), 3) for k in {keys!r}}}))
+result = {{k: round(sum(times.get(k, [0.0])), 3) for k in {keys!r}}}
+result["by_function"] = [[n, round(s, 3), calls[n]] for n, s in spent.most_common(top)]
+print("RESULT " + json.dumps(result))
 """
 
 
-def _one(root: Path, model: str, threads: int) -> dict[str, float]:
+def _one(root: Path, model: str, threads: int, top: int = 0) -> dict[str, Any]:
     code = _CHILD.format(here=str(HERE), keys=KEYS)
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run(
-        [sys.executable, "-c", code, str(root), model, str(threads)], capture_output=True, text=True, env=env
+        [sys.executable, "-c", code, str(root), model, str(threads), str(top)], capture_output=True, text=True, env=env
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -65,14 +94,20 @@ def main() -> None:
     p.add_argument("--baseline", type=Path, default=None, help="another checkout of funcamp to run in turn")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--by-function", type=int, default=0, metavar="N", help="print the N functions Dynamo spent most in")
     args = p.parse_args()
     roots = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     got: dict[str, list[dict[str, float]]] = {name: [] for name in roots}
     for r in range(args.rounds):
         order = list(roots.items()) if r % 2 == 0 else list(roots.items())[::-1]
         for name, root in order:
-            got[name].append(_one(root, args.model, args.threads))
+            got[name].append(_one(root, args.model, args.threads, args.by_function))
+            by_function = got[name][-1].pop("by_function")
             print(f"round {r + 1}: {name} ({root}): {got[name][-1]}", flush=True)
+            if by_function:
+                print("  Dynamo's seconds inside each function (inclusive), and the times it was inlined:")
+                for fn, seconds, n in by_function:
+                    print(f"  {seconds:8.2f} s {n:6d}  {fn}")
     for name, runs in got.items():
         med = {k: round(statistics.median(run[k] for run in runs), 2) for k in KEYS}
         print(f"{name}: medians {med}")
