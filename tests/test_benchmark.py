@@ -314,3 +314,20 @@ def test_first_step_summarize_reports_a_run_cut_short(first_step_bench, tmp_path
     assert result["models"]["tiny@2L"]["paired_ratios"]["funcamp_compile"]["cold"] == [3.0]
     assert "funcamp_scan" not in result["models"]["tiny@2L"]["rows"] and result["load"] == "6.5"
     assert "Cut short" in (tmp_path / "r.md").read_text()
+
+
+def test_dynamo_time_by_function_names_the_step_stages() -> None:
+    """``bench_dynamo_time.py --by-function``: the child process traces the main job's small step (backend eager)
+    and reports Dynamo's phases and its inclusive seconds per inlined function, the step's stages among them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_dynamo_time
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    got = bench_dynamo_time._one(ROOT, "small", 1, top=40)
+    assert set(bench_dynamo_time.KEYS) <= set(got) and got["bytecode_tracing"] > 0, got
+    by_name = {name: (seconds, calls) for name, seconds, calls in got["by_function"]}
+    assert len(got["by_function"]) == 40
+    for stage in ("funcamp/train/_stages.py:run", "funcamp/train/_stages.py:gradients"):
+        seconds, calls = by_name[stage]
+        assert 0 < seconds <= got["bytecode_tracing"] and calls == 1, (stage, seconds, calls)
