@@ -15,8 +15,8 @@ the last lines give each round's ratio. Bytecode counts, which do not move with 
 
 ``--by-function N`` also prints, per round, the N functions of the step (funcamp's, the model's, torch's) in which
 Dynamo spent the most time, inclusive of what each called, with the number of times Dynamo inlined each: a timer
-around Dynamo's ``InliningInstructionTranslator.inline_call_`` (it costs some 5% of the trace; the seconds are
-Dynamo's symbolic run of that function, not the function's own run). docs/benchmarks.md reads it.
+around Dynamo's ``InliningInstructionTranslator.inline_call_`` (the seconds are Dynamo's symbolic run of that
+function, not the function's own run, and include the timer's own cost). docs/benchmarks.md reads it.
 """
 
 from __future__ import annotations
