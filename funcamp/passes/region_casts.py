@@ -12,11 +12,19 @@ Here, for each region (one ``invoke_subgraph`` identifier), an operand that is i
 views, is handed as that tensor (viewed to the operand's shape), and every call runs a copy of the region that
 widens it first. The values are the same bit for bit (a widening is exact); what is gone is the widened copy in
 memory and its kernel.
+
+Only a narrow tensor that is in memory with the pass or without it is handed: a graph input, or the result of an op
+inductor runs as a kernel it does not generate (a matmul, a convolution, attention, a region), through views. A
+narrow tensor the graph computes otherwise (``x.bfloat16()`` of a float32 value, then widened) is left alone:
+inductor fuses the narrowing into its reader and, not emulating precision casts by default
+(``emulate_precision_casts``), does not round there, so a region handed the stored narrow tensor would read rounded
+values where the step without the pass read unrounded ones.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Any
 
 import torch
@@ -33,6 +41,30 @@ _TO_COPY = torch.ops.aten._to_copy.default
 _RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
 _OWN = (*_RESHAPES, _CONVERT, _TO_COPY)  # what an operand's widening is made of (erased once nothing reads it)
 _WIDE = (torch.float32, torch.float64)
+_aten = torch.ops.aten
+#: Views a narrow tensor may be read through back to where it is stored.
+_VIEWS = (
+    *_RESHAPES,
+    _aten._unsafe_view.default,
+    _aten.permute.default,
+    _aten.t.default,
+    _aten.transpose.int,
+    _aten.squeeze.dim,
+    _aten.unsqueeze.default,
+)
+#: Ops inductor runs as kernels it does not generate (on a CPU and a GPU, default options): their results are in
+#: memory, fused into no reader. Results of several (attention, a convolution's backward, a region) via ``getitem``.
+_STORED = frozenset(
+    {
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.baddbmm.default,
+        _aten._scaled_mm.default,
+        _aten.convolution.default,
+    }
+)
+_STORED_MANY = ("convolution_backward", "scaled_dot_product")  # in the names of ops read by getitem
 
 
 def _narrow_source(operand: Any) -> torch.fx.Node | None:
@@ -56,7 +88,27 @@ def _narrow_source(operand: Any) -> torch.fx.Node | None:
         return None
     if not val.is_contiguous() or not out.is_contiguous():
         return None
-    return x
+    return x if _stored(x) else None
+
+
+def _stored(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is, through views, a graph input or the result of an op of :data:`_STORED` (or of
+    :data:`_STORED_MANY`, or a region's, read by ``getitem``): in memory whatever inductor fuses."""
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    if node.op == "placeholder":
+        return True
+    if node.op != "call_function":
+        return False
+    if node.target in _STORED:
+        return True
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        source = node.args[0].target
+        if source in (_HOP, _FUNCTIONALIZED):
+            return True
+        name = source.name() if isinstance(source, torch._ops.OpOverload) else ""
+        return any(part in name for part in _STORED_MANY)
+    return False
 
 
 def _val(node: Any) -> torch.Tensor | None:
