@@ -116,3 +116,14 @@ def test_a_narrow_tensor_the_graph_computes_is_left_to_inductor():
     ref, _ = _run(step, "aot_eager")
     assert [changed for changed, _ in graphs] == [0]
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_a_matmul_is_not_taken_as_stored_under_max_autotune():
+    """With max-autotune inductor may generate a matmul as a template that fuses its readers (the widening among
+    them), so a matmul's narrow result is handed to no region then. (Planted: the option not read -> rewritten.)"""
+    graphs = []
+    with torch._inductor.config.patch(max_autotune=True):
+        got, _ = _run(_step(_pure), _passed(graphs))
+    ref, _ = _run(_step(_pure), "aot_eager")
+    assert [changed for changed, _ in graphs] == [0]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))

@@ -52,8 +52,8 @@ _VIEWS = (
     _aten.squeeze.dim,
     _aten.unsqueeze.default,
 )
-#: Ops inductor runs as kernels it does not generate (on a CPU and a GPU, default options): their results are in
-#: memory, fused into no reader. Results of several (attention, a convolution's backward, a region) via ``getitem``.
+#: Ops inductor runs as kernels it does not generate (on a CPU and a GPU, without max-autotune): their results are
+#: in memory, fused into no reader. Results of several (attention, a convolution's backward, a region) via ``getitem``.
 _STORED = frozenset(
     {
         _aten.mm.default,
@@ -101,7 +101,10 @@ def _stored(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     if node.target in _STORED:
-        return True
+        # with max-autotune inductor may generate a matmul or convolution as a template that fuses its readers
+        from torch._inductor import config
+
+        return not (config.max_autotune or config.max_autotune_gemm)
     if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         source = node.args[0].target
         if source in (_HOP, _FUNCTIONALIZED):
