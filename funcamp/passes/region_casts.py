@@ -42,8 +42,9 @@ _RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
 _OWN = (*_RESHAPES, _CONVERT, _TO_COPY)  # what an operand's widening is made of (erased once nothing reads it)
 _WIDE = (torch.float32, torch.float64)
 _aten = torch.ops.aten
-#: Views a narrow tensor may be read through back to where it is stored.
-_VIEWS = (
+#: Views a narrow tensor may be read through back to where it is stored. Not ``funcamp.passes._graph._VIEWS``: that
+#: set holds the casts too, and a cast is what this pass must not look through (a computed narrowing).
+_STORAGE_VIEWS = (
     *_RESHAPES,
     _aten._unsafe_view.default,
     _aten.permute.default,
@@ -94,7 +95,7 @@ def _narrow_source(operand: Any) -> torch.fx.Node | None:
 def _stored(node: torch.fx.Node) -> bool:
     """Whether ``node`` is, through views, a graph input or the result of an op of :data:`_STORED` (or of
     :data:`_STORED_MANY`, or a region's, read by ``getitem``): in memory whatever inductor fuses."""
-    while node.op == "call_function" and node.target in _VIEWS:
+    while node.op == "call_function" and node.target in _STORAGE_VIEWS:
         node = node.args[0]
     if node.op == "placeholder":
         return True
