@@ -22,11 +22,14 @@ each kind (:func:`plan` runs both and compares every result bit for bit); an opt
 of anything but the gradients, reads element positions (``stochastic_rounding``), or advances a 0-d state leaf
 from the updates is refused there, with the reason, and runs over all buffers at once as before.
 
-Two facts of torch 2.13 shape the code. A region is reused only when Dynamo need not re-check what it read;
-funcamp's optimizer reads its masks and norms from dynamic scopes it enters inside the region, which Dynamo
-counts as side effects, so each kind's region names itself with ``reuse_hash_fn`` (a number unique to the kind:
-every tensor it is handed has the kind's sizes and dtypes by construction; the kind is the region's closure, not
-an entry of a module-level table, which Dynamo would guard on). And inductor drops a region whose outputs
+Three facts of torch 2.13 shape the code. A region is reused only when Dynamo need not re-check what it read;
+funcamp's optimizer reads its masks and norms from dynamic scopes (module-level stacks), so each kind's region
+names itself with ``reuse_hash_fn`` (a number unique to the kind: every tensor it is handed has the kind's sizes
+and dtypes by construction; the kind is the region's closure, not an entry of a module-level table, which Dynamo
+would guard on). A region must not enter those scopes itself: a push onto a stack made outside the region is a
+side effect, for which Dynamo returns every intermediate of the region as an extra output and stamps them all
+out at each reuse (~58 a call on GPT-2 124M's body); :func:`run` enters them around the calls, the kind's
+masks around each call, the gradients' norm (:class:`_CallNorm`) around all. And inductor drops a region whose outputs
 no graph output reads, with its writes into the donated tensors (measured: the writes of every region whose
 output was unused were lost, silently): every region returns the new 0-d optimizer-state leaves (step counts,
 rates), and each new 0-d leaf is the largest of the regions' values, equal in every region (checked by
@@ -76,8 +79,8 @@ _HASHES = itertools.count()
 class Regions(NamedTuple):
     """The plan of a layout's update under one optimizer: one region call per buffer, in group order."""
 
-    # (the kind's region, the buffer's key, its flat state-leaf indices in the kind's leaf order)
-    calls: tuple[tuple[Any, str, tuple[int, ...]], ...]
+    # (the kind's region, its replay, the buffer's key, its flat state-leaf indices in the kind's leaf order)
+    calls: tuple[tuple[Any, Any, str, tuple[int, ...]], ...]
     zero_d: tuple[int, ...]  # flat state-leaf indices of the 0-d leaves, in the kinds' zero_d order
     kinds: int  # distinct kinds among the calls
 
@@ -129,10 +132,13 @@ def _buffer_update(
     k: _Kind, g: torch.Tensor, p: torch.Tensor, finite: torch.Tensor, t: torch.Tensor, s: torch.Tensor, *leaves: Any
 ) -> tuple[torch.Tensor, ...]:
     """One buffer's update, written into ``p`` and its optimizer-state ``leaves`` where ``finite`` (donated): the
-    optimizer over ``{buffer: g}`` with the global gradient norm ``(t, s)``; returns the new 0-d state leaves."""
+    optimizer over ``{buffer: g}`` with the global gradient norm ``(t, s)``; returns the new 0-d state leaves.
+
+    Run within the kind's replay and a :class:`_CallNorm` of ``(t, s)``, entered by the caller (:func:`run`): a
+    scope entered here would be a side effect of the region."""
     state = k.rebuild(leaves)  # a host-made skeleton: no walk traced (a tree_map here: 1,700 instructions a kind)
-    grads = {_KEY: g}
-    new_p, new_state = _update(k.replay, k.optimizer, grads, state, {_KEY: p}, _GivenNorm(t, s, grads))
+    updates, new_state = k.optimizer.update({_KEY: g}, state, {_KEY: p})
+    new_p = apply_updates({_KEY: p}, updates)
     new_leaves = _tree.tree_leaves(new_state)
     p.copy_(torch.where(finite, new_p[_KEY], p))
     for i in k.tagged:
@@ -186,15 +192,36 @@ def run(
         rebuild = lambda new: _tree.tree_unflatten(spec, new)  # noqa: E731
     else:
         (leaves,), rebuild = fast
-    outs = [
-        region(grads[key], params[key], finite, t, s, *map(leaves.__getitem__, order))  # no traced loop per leaf
-        for region, key, order in regions.calls
-    ]
+    outs = _scope.within(_CallNorm(t, s), _calls, regions.calls, grads, params, finite, t, s, leaves)
     new_leaves = list(leaves)
     for n, j in enumerate(regions.zero_d):
         # equal in every region (plan() checked); the largest of them makes every region feed the new state
         new_leaves[j] = torch.stack([out[n] for out in outs]).amax(0)
     return rebuild(new_leaves)
+
+
+def _calls(calls: Any, grads: Any, params: Any, finite: Any, t: Any, s: Any, leaves: list[Any]) -> list[Any]:
+    """Every region call of ``calls``, each within its kind's replay (:func:`run`, within the norm)."""
+    return [
+        _flat_opt.replaying(replay, region, grads[key], params[key], finite, t, s, *map(leaves.__getitem__, order))
+        for region, replay, key, order in calls
+    ]
+
+
+class _CallNorm:
+    """The layout the optimizer sees in a region of a compiled step: the gradients' global norm ``(t, s)`` for any
+    tree, none of element offsets. Entered around the region calls, by the outer trace: it cannot tell the region's
+    gradients from another tree, and does not need to; :func:`plan`'s eager check ran the optimizer over all buffers
+    with :class:`_GivenNorm`, which answers only for the gradients, and refused an optimizer asking of another."""
+
+    def __init__(self, t: torch.Tensor, s: torch.Tensor) -> None:
+        self._t, self._s = t, s
+
+    def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
+        return self._t, self._s
+
+    def element_offsets(self) -> None:
+        raise _NotAlone("element offsets (stochastic_rounding places each element in its whole tensor)")
 
 
 def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
@@ -231,7 +258,7 @@ def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
             order[i] = j
         for i, j in zip(k.zero_d, untagged, strict=True):
             order[i] = j
-        calls.append((region, g.key, tuple(order)))
+        calls.append((region, k.replay, g.key, tuple(order)))
     if len(kinds) > _MAX_KINDS:
         return f"{len(kinds)} kinds of buffer > {_MAX_KINDS}"
     regions = Regions(tuple(calls), untagged, len(kinds))
