@@ -395,3 +395,56 @@ def _norm_read(n: torch.fx.Node) -> bool:
         return n.args[0].target == torch.ops.aten.abs.default
     val = n.meta.get("val")
     return n.target == torch.ops.aten.sum.dim_IntList and val is not None and val.dtype == torch.float64
+
+
+def test_cse_leaves_a_narrow_value_stored_on_one_side_and_fused_on_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two equal narrowings ``(h * 0.7).bfloat16()``, one read by a matmul (stored, so rounded to bfloat16), one by a
+    pointwise op (fused into it, where inductor does not round): merged, the pointwise reader read the rounded
+    value. The step with ``cse`` is bitwise the step without it, and the equal float32 values ``h * 0.7`` are still
+    merged. Planted (``_rounded_alike`` always True): the narrowings merged, and, with that assertion removed, the
+    second step's loss 1.7e-5 apart and the parameters up to 2.0e-3 (``w``) after two steps."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    graphs: list[torch.fx.Graph] = []
+    run = pipeline.run
+    monkeypatch.setattr(pipeline, "run", lambda graph: (run(graph), graphs.append(graph))[0])
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(64, 128, generator=g) * 0.3, "m": torch.randn(128, 32, generator=g) * 0.3}
+    batches = [torch.randn(16, 64, generator=g) for _ in range(2)]
+
+    def loss(p, x):
+        h = x @ p["w"]
+        u = (h * 0.7).bfloat16()  # read by a matmul: stored
+        a = (u @ p["m"].bfloat16()).float().square().mean()
+        v = (h * 0.7).bfloat16().float()  # the same narrowing, read by pointwise ops: fused
+        return 1e-3 * a + (v * v).mean()
+
+    optimizer = optim.adamw(1e-3)
+    runs = {}
+    for name, env in (("on", {}), ("off", {"FUNCAMP_PASSES_OFF": cse.NAME})):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            torch._dynamo.reset()
+            state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+            step = fa.make_train_step(loss, optimizer)
+            losses = []
+            for batch in batches:
+                state, metrics = step(state, batch)
+                losses.append(metrics["loss"])
+        narrowings = [n for n in graphs[-1].nodes if _narrowing_of_scaled(n)]
+        scaled = {n.args[0] for n in narrowings}
+        runs[name] = (state.params, losses, len(narrowings), len(scaled))
+    assert runs["on"][2] == runs["off"][2] == 2, runs  # both narrowings kept
+    assert runs["on"][3] == 1 and runs["off"][3] == 2, runs  # the float32 h * 0.7 merged
+    for k in params:
+        assert torch.equal(runs["on"][0][k], runs["off"][0][k]), k
+    assert all(torch.equal(a, b) for a, b in zip(runs["on"][1], runs["off"][1], strict=True))
+
+
+def _narrowing_of_scaled(n: torch.fx.Node) -> bool:
+    """``convert_element_type(h * 0.7, bfloat16)``: the forward's narrowing of the test's scaled value."""
+    if n.target != torch.ops.prims.convert_element_type.default or n.args[1] != torch.bfloat16:
+        return False
+    src = n.args[0]
+    return isinstance(src, torch.fx.Node) and src.target == torch.ops.aten.mul.Tensor and 0.7 in src.args

@@ -1,4 +1,5 @@
-"""Graph helpers the passes share: the view and cast ops, and moving a group of nodes to its first user."""
+"""Graph helpers the passes share: the view and cast ops, what inductor keeps in memory, and moving a group of
+nodes to its first user."""
 
 from __future__ import annotations
 
@@ -25,6 +26,86 @@ def _view_ops() -> frozenset[Any]:
 _VIEWS = _view_ops()
 
 _SPLITS = frozenset({torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor})
+
+
+_aten = torch.ops.aten
+#: Views a tensor may be read through back to where it is stored. Not :data:`_VIEWS`: that set holds the casts
+#: too, and a cast computes a new value (a narrowing inductor may fuse into its reader without rounding).
+_STORAGE_VIEWS = frozenset(
+    {
+        _aten.reshape.default,
+        _aten.view.default,
+        _aten._unsafe_view.default,
+        _aten.permute.default,
+        _aten.t.default,
+        _aten.transpose.int,
+        _aten.squeeze.dim,
+        _aten.unsqueeze.default,
+    }
+)
+#: Ops inductor runs as kernels it does not generate (on a CPU and a GPU, without max-autotune): their operands and
+#: results are in memory, fused into no other kernel. Results of several (attention, a convolution's backward) are
+#: read by ``getitem``; their names hold one of :data:`_STORED_MANY`.
+_STORED = frozenset(
+    {
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.baddbmm.default,
+        _aten._scaled_mm.default,
+        _aten.convolution.default,
+    }
+)
+_STORED_MANY = ("convolution_backward", "scaled_dot_product")
+#: Nested compile regions (plain and functionalized): their operands and results are tensors in memory.
+_REGIONS = (torch.ops.higher_order.invoke_subgraph, torch.ops.higher_order.auto_functionalized_v2)
+
+
+def _autotuned() -> bool:
+    """Whether inductor may generate a matmul or a convolution as a template that fuses what it reads and what
+    reads it (max-autotune): read while the compile's option patch is active."""
+    from torch._inductor import config
+
+    return bool(config.max_autotune or config.max_autotune_gemm)
+
+
+def _extern(target: Any) -> bool:
+    """Whether a call of ``target`` is a kernel inductor does not generate (:data:`_STORED`, :data:`_STORED_MANY`)."""
+    if target in _STORED:
+        return not _autotuned()
+    name = target.name() if isinstance(target, torch._ops.OpOverload) else ""
+    return any(part in name for part in _STORED_MANY)
+
+
+def _in_memory(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is, through views, a graph input, an extern kernel's result (:func:`_extern`, directly or
+    read by ``getitem``) or a region's: in memory whatever inductor fuses."""
+    while node.op == "call_function" and node.target in _STORAGE_VIEWS:
+        node = node.args[0]
+    if node.op == "placeholder":
+        return True
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        source = node.args[0].target
+        return source in _REGIONS or (source not in _STORED and _extern(source))
+    return node.target in _STORED and _extern(node.target)
+
+
+def _read_from_memory(node: torch.fx.Node) -> bool:
+    """Whether every reader of ``node``, through views, reads it from memory: an extern kernel, a region, the
+    graph's output; never a kernel inductor generates, which may compute ``node`` inline instead of storing it."""
+    for user in node.users:
+        if user.op == "output":
+            continue
+        if user.op != "call_function":
+            return False
+        if user.target in _STORAGE_VIEWS:
+            if not _read_from_memory(user):
+                return False
+        elif not (user.target in _REGIONS or _extern(user.target)):
+            return False
+    return True
 
 
 def _is_input(node: torch.fx.Node) -> bool:

@@ -14,7 +14,9 @@ torch's ``nondeterministic_seeded`` or ``nondeterministic_bitwise`` tags (random
 is not fixed) and not a constructor of uninitialized memory (``empty`` and its kin, whose bits are not a value).
 A node is merged only with one of equal tags (``node.meta["custom"]``: the forward and backward phases, remat
 regions, the flat gradients' concatenation), so the passes after it see every region as it was traced, and a
-forward value is never kept alive for a backward that recomputed it on purpose.
+forward value is never kept alive for a backward that recomputed it on purpose. A value narrower than float32 is
+merged only where both nodes are in memory either way (:func:`_rounded_alike`): inductor rounds a narrow value only
+where it stores it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from funcamp.passes._context import PassContext
+from funcamp.passes._graph import _in_memory, _read_from_memory
 from funcamp.passes.tags import _GATHER
 
 NAME = "cse"
@@ -45,6 +48,19 @@ def _mergeable(node: torch.fx.Node) -> bool:
     if _GATHER in (node.meta.get("custom") or {}):  # a sharded parameter gathered again for each use, on purpose
         return False
     return op._schema.name.split("::")[-1] not in _UNINITIALIZED
+
+
+def _rounded_alike(kept: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether ``node``'s readers may read ``kept`` instead and get the same bits: always for a value of float32 or
+    wider (or not floating); for a narrower one (bfloat16, float16, float8) only where both are in memory either
+    way: a graph input's or an extern kernel's result, or read only by extern kernels, regions and the output.
+    Inductor does not round a narrow value it computes inside a kernel (it does not emulate precision casts by
+    default), so a narrowing stored for a matmul and the same narrowing fused into a pointwise reader are two
+    values; merged, the pointwise reader would read the rounded one."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point or val.dtype.itemsize >= 4:
+        return True
+    return all(_in_memory(n) or _read_from_memory(n) for n in (kept, node))
 
 
 def _key(value: Any) -> Any:
@@ -79,7 +95,7 @@ def _cse(graph: torch.fx.Graph) -> int:
         except TypeError:
             continue
         kept = seen.setdefault(key, node)
-        if kept is node:
+        if kept is node or not _rounded_alike(kept, node):
             continue
         node.replace_all_uses_with(kept)
         graph.erase_node(node)

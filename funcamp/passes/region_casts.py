@@ -24,13 +24,13 @@ values where the step without the pass read unrounded ones.
 from __future__ import annotations
 
 import itertools
-import operator
 from typing import Any
 
 import torch
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from funcamp.passes._context import PassContext
+from funcamp.passes._graph import _in_memory
 
 NAME = "region_casts"
 
@@ -41,31 +41,6 @@ _TO_COPY = torch.ops.aten._to_copy.default
 _RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
 _OWN = (*_RESHAPES, _CONVERT, _TO_COPY)  # what an operand's widening is made of (erased once nothing reads it)
 _WIDE = (torch.float32, torch.float64)
-_aten = torch.ops.aten
-#: Views a narrow tensor may be read through back to where it is stored. Not ``funcamp.passes._graph._VIEWS``: that
-#: set holds the casts too, and a cast is what this pass must not look through (a computed narrowing).
-_STORAGE_VIEWS = (
-    *_RESHAPES,
-    _aten._unsafe_view.default,
-    _aten.permute.default,
-    _aten.t.default,
-    _aten.transpose.int,
-    _aten.squeeze.dim,
-    _aten.unsqueeze.default,
-)
-#: Ops inductor runs as kernels it does not generate (on a CPU and a GPU, without max-autotune): their results are
-#: in memory, fused into no reader. Results of several (attention, a convolution's backward, a region) via ``getitem``.
-_STORED = frozenset(
-    {
-        _aten.mm.default,
-        _aten.addmm.default,
-        _aten.bmm.default,
-        _aten.baddbmm.default,
-        _aten._scaled_mm.default,
-        _aten.convolution.default,
-    }
-)
-_STORED_MANY = ("convolution_backward", "scaled_dot_product")  # in the names of ops read by getitem
 
 
 def _narrow_source(operand: Any) -> torch.fx.Node | None:
@@ -89,30 +64,7 @@ def _narrow_source(operand: Any) -> torch.fx.Node | None:
         return None
     if not val.is_contiguous() or not out.is_contiguous():
         return None
-    return x if _stored(x) else None
-
-
-def _stored(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is, through views, a graph input or the result of an op of :data:`_STORED` (or of
-    :data:`_STORED_MANY`, or a region's, read by ``getitem``): in memory whatever inductor fuses."""
-    while node.op == "call_function" and node.target in _STORAGE_VIEWS:
-        node = node.args[0]
-    if node.op == "placeholder":
-        return True
-    if node.op != "call_function":
-        return False
-    if node.target in _STORED:
-        # with max-autotune inductor may generate a matmul or convolution as a template that fuses its readers
-        from torch._inductor import config
-
-        return not (config.max_autotune or config.max_autotune_gemm)
-    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-        source = node.args[0].target
-        if source in (_HOP, _FUNCTIONALIZED):
-            return True
-        name = source.name() if isinstance(source, torch._ops.OpOverload) else ""
-        return any(part in name for part in _STORED_MANY)
-    return False
+    return x if _in_memory(x) else None
 
 
 def _val(node: Any) -> torch.Tensor | None:
