@@ -253,3 +253,83 @@ def test_a_region_is_traced_without_side_effects(monkeypatch):
     step(state, _batches()[0])
     assert "compiled once per kind of buffer" in state.storage.describe()
     assert collected == []
+
+
+class _Wide(torch.nn.Module):
+    """Two alike blocks of width 256 and a 256-way head: every parameter whole rows of the norm (256 elements), so
+    the gradient buffers hold no padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 256)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 256)) for _ in range(2)
+        )
+        self.out = torch.nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x).relu()
+        return self.out(x)
+
+
+def test_unscaled_gradients_reach_the_regions_as_factors(monkeypatch):
+    """A dynamic loss scale's step, bfloat16 compute, donating, with regions: each gradient buffer holds the
+    gradients as the backward made them and is multiplied by the scale's reciprocal once (``flat_gradients``), and
+    each region is handed the buffer and the reciprocal and multiplies as it reads (``region_casts``; the region's
+    gradient is ``g * unit``, a 0-d one otherwise): no region is handed a product. Bitwise the same step with both
+    passes off, a skipped step included. (Planted: the region's ``g * unit`` dropped -> no region is handed the
+    factors.)"""
+    from funcamp.passes import pipeline
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    monkeypatch.setattr(_flat_regions, "MIN_REUSED", 1)
+    graphs = []
+    real = pipeline.run
+    monkeypatch.setattr(pipeline, "run", lambda graph: (real(graph), graphs.append(graph))[0])
+    torch.manual_seed(0)
+    apply, params = fa.nn.functionalize(_Wide(), "params=float32,compute=bfloat16,output=float32")
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 256, (16,), generator=g)) for _ in range(3)]
+    batches[1] = (torch.full((16, 8), float("nan")), batches[1][1])
+
+    def loss(p, batch):
+        return torch.nn.functional.cross_entropy(apply(p, batch[0]), batch[1])
+
+    runs = {}
+    for name, off in (("on", None), ("off", "flat_gradients,region_casts")):
+        with monkeypatch.context() as m:
+            if off:
+                m.setenv("FUNCAMP_PASSES_OFF", off)
+            torch._dynamo.reset()
+            decay = {k: v.ndim >= 2 for k, v in params.items()}
+            optimizer = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-2, weight_decay=0.1, mask=decay))
+            state = fa.TrainState.create(
+                {k: v.clone() for k, v in params.items()}, optimizer, loss_scale=fa.DynamicLossScale(2.0**15)
+            )
+            step = fa.make_train_step(loss, optimizer, donate=True)
+            metrics = []
+            for batch in batches:
+                state, out = step(state, batch)
+                metrics.append({k: v.clone() for k, v in out.items() if isinstance(v, torch.Tensor)})
+        assert "compiled once per kind of buffer" in state.storage.describe()
+        runs[name] = (
+            [x.clone() for x in _tree.tree_leaves((state.params, state.opt_state, state.loss_scale))],
+            metrics,
+        )
+        runs[name + "_graphs"] = list(graphs)
+        graphs.clear()
+    from funcamp.passes import region_casts
+
+    nodes = [n for graph in runs["on_graphs"] for n in graph.nodes]
+    calls = [region_casts._Call(n) for n in nodes if region_casts._Call.of(n) is not None]
+    operands = [op for c in calls for op in map(c.operand, range(16)) if isinstance(op, torch.fx.Node)]
+    products = [op for op in operands if region_casts._product(op, op.meta["val"], torch.float32) is not None]
+    ones = [op for op in operands if region_casts._one(op, torch.float32)]
+    assert calls and not products and not ones, (len(calls), len(products), len(ones))
+    assert all(_same(a, b) for a, b in zip(*(runs[k][0] for k in ("on", "off")), strict=True))
+    for a, b in zip(runs["on"][1], runs["off"][1], strict=True):
+        assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a), [k for k in a if not _same(a[k], b[k])]
+    assert [int(m["skipped_steps"]) for m in runs["on"][1]] == [0, 1, 1]

@@ -260,6 +260,54 @@ def test_flat_gradients_zero_fills_a_buffer_of_many_gaps() -> None:
     assert torch.equal(gm(*args), step(*args))
 
 
+def test_flat_gradients_multiplies_a_buffer_once_by_its_parts_common_factor() -> None:
+    """Every part ``x_i * c`` with one 0-d ``c`` (gradients unscaled by the loss scale's reciprocal) and no padding:
+    the buffer holds the ``x_i`` and is multiplied by ``c`` once it is full (one reader of ``c`` per buffer, where
+    each part read it: on GPT-2 124M's body 192 nodes read the scale, and inductor's scheduler pairs each with its
+    32 neighbours), bfloat16 parts held narrow and widened first; the values the ``cat``'s. With a gap of padding
+    (whose zeros times a negative or NaN ``c`` would not be zeros) or two factors, the parts stay products.
+    (Planted: the common-factor check or the gap check removed -> those parts are folded, and the count fails.)"""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from funcamp.passes import flat_gradients
+    from funcamp.passes.tags import _FLAT_GRADS
+
+    def folded(graph):
+        cat = next(n for n in graph.nodes if n.target is torch.ops.aten.cat.default)
+        cat.meta["custom"] = {_FLAT_GRADS: True}
+        assert flat_gradients._flat_gradients(graph) == 1
+        graph.lint()
+        graph.eliminate_dead_code()  # the parts' own products, no longer read
+        muls = [n for n in graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+        muls = [n for n in muls if all(isinstance(a, torch.fx.Node) for a in n.args)]  # not 1.0 / s's
+        return [tuple(a.meta["val"].shape for a in n.args) for n in muls]
+
+    def one_factor(a, b, s):
+        c = 1.0 / s
+        parts = (a.float() * c).reshape(-1), b.float() * c
+        return torch.cat(parts) + 1
+
+    args = (torch.randn(2, 3).bfloat16(), torch.randn(4).bfloat16(), torch.tensor(-3.0))
+    gm = make_fx(one_factor, tracing_mode="fake")(*args)
+    assert folded(gm.graph) == [((10,), ())]  # one product, of the whole (widened) buffer
+    gm.recompile()
+    assert torch.equal(gm(*args), one_factor(*args))
+
+    def with_gap(a, b, s):
+        c = 1.0 / s
+        return torch.cat(((a * c).reshape(-1), a.new_zeros(2), b * c)) + 1
+
+    def two_factors(a, b, s):
+        return torch.cat(((a * (1.0 / s)).reshape(-1), b * (2.0 / s))) + 1
+
+    for fn in (with_gap, two_factors):
+        args = (torch.randn(2, 3), torch.randn(4), torch.tensor(-3.0))
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+        assert len(folded(gm.graph)) == 2, fn.__name__  # the parts' own products
+        gm.recompile()
+        assert torch.equal(gm(*args), fn(*args)), fn.__name__
+
+
 def _loop_bodies(code: str, least: int):
     """The bodies of inductor's C++ loops over at least ``least`` elements (``for(int64_t x0=...; x0<N...)``)."""
     for m in re.finditer(r"for\(int64_t x0=[^;]*; x0<static_cast<int64_t>\((\d+)L\)", code):

@@ -127,3 +127,46 @@ def test_a_matmul_is_not_taken_as_stored_under_max_autotune():
     ref, _ = _run(_step(_pure), "aot_eager")
     assert [changed for changed, _ in graphs] == [0]
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+@torch.compiler.nested_compile_region
+def _unit_scaled(g, unit, p, m):
+    """As ``_writing``, reading ``g * unit`` (``funcamp.train._flat_regions``' update, its gradient times a 0-d one)."""
+    new_m = 0.9 * m + 0.1 * (g * unit)
+    p.copy_(p - 0.01 * new_m / (new_m.abs() + 1e-8))
+    m.copy_(new_m)
+    return new_m.sum()
+
+
+def test_a_region_is_handed_the_factors_of_a_product_it_multiplies_again():
+    """Each call hands ``(x @ w).float() * c`` (an unscaled gradient: ``c`` the loss scale's reciprocal, 0-d) and a
+    constant one that the region multiplies it by first: the calls hand the factors instead, so the region
+    computes the product itself and it is never written out; then the widening is handed as above (the bfloat16
+    matmul result). Outputs and written operands bitwise those without the pass. (Planted: ``_one`` always
+    False -> the product is handed, the matmul result widened outside.)"""
+
+    def step(x, w, p1, m1, p2, m2):
+        c = torch.reciprocal(p1.sum().abs().double() + 3.0).float()  # a computed 0-d factor, as 1 / loss scale
+        one = torch.ones((), dtype=torch.float32)
+        g1 = ((x @ w).float() * c).reshape(-1)
+        g2 = ((x @ w.t()).float() * c).reshape(-1)
+        return _unit_scaled(g1, one, p1, m1), _unit_scaled(g2, one, p2, m2)
+
+    graphs = []
+    got, got_args = _run(step, _passed(graphs))
+    ref, ref_args = _run(step, "aot_eager")
+    ((changed, gm),) = graphs
+    assert changed == 1
+    calls = [region_casts._Call(n) for n in gm.graph.nodes if region_casts._Call.of(n) is not None]
+    assert len(calls) == 2
+    ones = (torch.ops.aten.ones.default, torch.ops.aten.full.default)
+    for call in calls:
+        sub = getattr(gm, call.attr.target)
+        count = sum(n.op == "placeholder" for n in sub.graph.nodes)
+        operands = [op for op in map(call.operand, range(count)) if isinstance(op, torch.fx.Node)]
+        vals = [op.meta["val"] for op in operands]
+        assert sum(v.ndim == 0 for v in vals) == 1 and not any(op.target in ones for op in operands)  # c, not one
+        assert sum(v.dtype == torch.bfloat16 for v in vals) == 1  # the matmul's result itself
+    assert not any(n.target is torch.ops.aten.mul.Tensor and n.users for n in gm.graph.nodes)  # no product outside
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got_args, ref_args, strict=True))

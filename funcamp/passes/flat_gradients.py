@@ -61,6 +61,24 @@ def _source(node: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, boo
     return node, False
 
 
+def _scaled(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(x, c)`` where a ``cat`` input is ``x * c`` (through a flattening): ``x`` of the input's dtype and element
+    count, ``c`` a 0-d tensor of that dtype (an unscaled gradient: the loss scale's reciprocal); None otherwise."""
+    inner = node.args[0] if node.target in _FLATTENS and isinstance(node.args[0], torch.fx.Node) else node
+    if inner.target is not _aten.mul.Tensor or len(inner.args) != 2 or inner.kwargs:
+        return None
+    out = node.meta["val"]
+    for x, c in (inner.args, inner.args[::-1]):
+        if not (isinstance(x, torch.fx.Node) and isinstance(c, torch.fx.Node)):
+            continue
+        vx, vc = x.meta.get("val"), c.meta.get("val")
+        if not (isinstance(vx, torch.Tensor) and isinstance(vc, torch.Tensor)):
+            continue
+        if vc.ndim == 0 and vc.dtype == out.dtype == vx.dtype and vx.numel() == out.numel():
+            return x, c
+    return None
+
+
 def _is_zeros(node: torch.fx.Node) -> bool:
     if node.target not in _ZEROS:
         return False
@@ -86,6 +104,12 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
         at += n
     if not parts:
         return False
+    # every part ``x_i * c`` with one ``c`` and no padding (whose zeros times ``c`` would be ``-0`` or NaN for some
+    # ``c``): the buffer holds the ``x_i`` and is multiplied by ``c`` once it is full
+    products = [_scaled(x) for _, _, x in parts]
+    scale = products[0][1] if not gaps and all(products) and len({c for _, c in products}) == 1 else None
+    if scale is not None:
+        parts = [(off, n, x) for (off, n, _), (x, _) in zip(parts, products, strict=True)]
     sources = [_source(x, out.dtype) for _, _, x in parts]
     narrow = all(ok for _, ok in sources) and len({s.meta["val"].dtype for s, _ in sources}) == 1
     dtype = sources[0][0].meta["val"].dtype if narrow else out.dtype
@@ -120,6 +144,8 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
         order[last] = order[anchor]  # after its anchor (a node of the graph, or one placed after it)
     with graph.inserting_before(cat):
         result = _call(graph, _prims.convert_element_type.default, last, out.dtype) if narrow else last
+        if scale is not None:
+            result = _call(graph, _aten.mul.Tensor, result, scale)
     cat.replace_all_uses_with(result)
     graph.erase_node(cat)
     return True

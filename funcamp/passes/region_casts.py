@@ -175,6 +175,7 @@ def _region_casts(graph: torch.fx.Graph) -> int:
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         if any(call.count() not in (None, len(placeholders)) for call in group):
             continue
+        scaled = _hand_scales(graph, group, placeholders)
         positions: dict[int, torch.dtype] = {}
         sources: dict[int, list[torch.fx.Node]] = {}  # per position, each call's narrow tensor
         for k, ph in enumerate(placeholders):
@@ -188,6 +189,7 @@ def _region_casts(graph: torch.fx.Graph) -> int:
             if len(dtypes) == 1 and alike:
                 positions[k], sources[k] = dtypes.pop(), narrow_ones
         if not positions:
+            changed += scaled
             continue
         name = f"{target}_{NAME}_{next(_NAMES)}"
         root.register_module(name, _narrowed_region(sub, positions))
@@ -210,6 +212,83 @@ def _region_casts(graph: torch.fx.Graph) -> int:
                 _erase_unused(graph, dead)
         changed += 1
     return changed
+
+
+_MUL = torch.ops.aten.mul.Tensor
+_FULL = torch.ops.aten.full.default
+_ONES = torch.ops.aten.ones.default
+
+
+def _scaled_pairs(placeholders: list[torch.fx.Node]) -> list[tuple[int, int]]:
+    """``(k, j)`` for each placeholder ``k`` of a region read only by ``k * j`` (``aten.mul``), placeholder ``j``
+    0-d and read only there: the region multiplies operand ``k`` by operand ``j`` before anything else reads it."""
+    index = {ph: n for n, ph in enumerate(placeholders)}
+    pairs = []
+    for k, ph in enumerate(placeholders):
+        if len(ph.users) != 1:
+            continue
+        (mul,) = ph.users
+        if mul.target is not _MUL or len(mul.args) != 2 or mul.kwargs or ph not in mul.args:
+            continue
+        other = mul.args[1] if mul.args[0] is ph else mul.args[0]
+        val = _val(other)
+        if other in index and other is not ph and len(other.users) == 1 and val is not None and val.ndim == 0:
+            pairs.append((k, index[other]))
+    return pairs
+
+
+def _one(node: Any, dtype: torch.dtype) -> bool:
+    """Whether ``node`` is a 0-d constant one of ``dtype``: ``aten.full([], 1)``, or ``aten.ones([])`` before
+    inductor's decompositions."""
+    val = _val(node)
+    if val is None or val.ndim != 0 or val.dtype != dtype:
+        return False
+    if node.target is _FULL:
+        return len(node.args) == 2 and node.args[1] == 1
+    return node.target is _ONES and len(node.args) == 1
+
+
+def _product(operand: Any, want: torch.Tensor, scale: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(a, c)`` where ``operand`` is ``a * c`` (through reshapes): ``a`` of ``want``'s dtype and element count,
+    contiguous, ``c`` 0-d of dtype ``scale``; None otherwise."""
+    node = operand
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _RESHAPES:
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.target is _MUL and len(node.args) == 2 and not node.kwargs):
+        return None
+    for a, c in (node.args, node.args[::-1]):
+        va, vc, out = _val(a), _val(c), _val(node)
+        if va is None or vc is None or out is None or vc.ndim != 0 or vc.dtype != scale:
+            continue
+        if va.dtype == want.dtype == out.dtype and va.numel() == want.numel() and va.is_contiguous():
+            return a, c
+    return None
+
+
+def _hand_scales(graph: torch.fx.Graph, group: list[_Call], placeholders: list[torch.fx.Node]) -> int:
+    """Where a region multiplies operand ``k`` by a 0-d operand ``j`` first (:func:`_scaled_pairs`) and every call
+    hands it ``a * c`` and a constant one, hand ``a`` and ``c`` instead: the region computes ``a * c`` itself, the
+    same product of the same values, and the product is not written out for it (``funcamp.train._flat_regions``:
+    a gradient unscaled by the loss scale's reciprocal). Returns 1 if any call changed, else 0."""
+    done = 0
+    for k, j in _scaled_pairs(placeholders):
+        want, unit = _val(placeholders[k]), _val(placeholders[j])
+        if want is None or unit is None:
+            continue
+        products = [_product(call.operand(k), want, unit.dtype) for call in group]
+        if any(p is None for p in products) or not all(_one(call.operand(j), unit.dtype) for call in group):
+            continue
+        for call, (a, c) in zip(group, products, strict=True):
+            with graph.inserting_before(call.node):
+                view = graph.call_function(torch.ops.aten.reshape.default, (a, list(want.shape)))
+                view.meta = {**a.meta, "val": _val(a).reshape(want.shape)}
+                view.meta["tensor_meta"] = _extract_tensor_metadata(view.meta["val"])
+            old = (call.operand(k), call.operand(j))
+            call.replace(call.attr, call.identifier, {k: view, j: c})
+            for dead in old:
+                _erase_unused(graph, dead)
+        done = 1
+    return done
 
 
 def _erase_unused(graph: torch.fx.Graph, node: Any) -> None:

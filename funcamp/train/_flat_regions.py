@@ -129,15 +129,26 @@ class _NotAlone(Exception):
 
 
 def _buffer_update(
-    k: _Kind, g: torch.Tensor, p: torch.Tensor, finite: torch.Tensor, t: torch.Tensor, s: torch.Tensor, *leaves: Any
+    k: _Kind,
+    g: torch.Tensor,
+    unit: torch.Tensor,
+    p: torch.Tensor,
+    finite: torch.Tensor,
+    t: torch.Tensor,
+    s: torch.Tensor,
+    *leaves: Any,
 ) -> tuple[torch.Tensor, ...]:
     """One buffer's update, written into ``p`` and its optimizer-state ``leaves`` where ``finite`` (donated): the
-    optimizer over ``{buffer: g}`` with the global gradient norm ``(t, s)``; returns the new 0-d state leaves.
+    optimizer over ``{buffer: g * unit}`` with the global gradient norm ``(t, s)``; returns the new 0-d state leaves.
+
+    ``unit`` is a 0-d one of ``g``'s dtype (``g * unit`` is ``g``, bit for bit): the ``region_casts`` graph pass
+    hands a region whose gradient is ``x * c`` (an unscaled gradient: the loss scale's reciprocal ``c``) ``x`` and
+    ``c`` there instead, and the region multiplies as it reads, so that the product is never written out.
 
     Run within the kind's replay and a :class:`_CallNorm` of ``(t, s)``, entered by the caller (:func:`run`): a
     scope entered here would be a side effect of the region."""
     state = k.rebuild(leaves)  # a host-made skeleton: no walk traced (a tree_map here: 1,700 instructions a kind)
-    updates, new_state = k.optimizer.update({_KEY: g}, state, {_KEY: p})
+    updates, new_state = k.optimizer.update({_KEY: g * unit}, state, {_KEY: p})
     new_p = apply_updates({_KEY: p}, updates)
     new_leaves = _tree.tree_leaves(new_state)
     p.copy_(torch.where(finite, new_p[_KEY], p))
@@ -192,7 +203,8 @@ def run(
         rebuild = lambda new: _tree.tree_unflatten(spec, new)  # noqa: E731
     else:
         (leaves,), rebuild = fast
-    outs = _scope.within(_CallNorm(t, s), _calls, regions.calls, grads, params, finite, t, s, leaves)
+    units = {g.dtype: torch.ones((), dtype=g.dtype, device=g.device) for g in grads.values()}
+    outs = _scope.within(_CallNorm(t, s), _calls, regions.calls, grads, units, params, finite, t, s, leaves)
     new_leaves = list(leaves)
     for n, j in enumerate(regions.zero_d):
         # equal in every region (plan() checked); the largest of them makes every region feed the new state
@@ -200,10 +212,22 @@ def run(
     return rebuild(new_leaves)
 
 
-def _calls(calls: Any, grads: Any, params: Any, finite: Any, t: Any, s: Any, leaves: list[Any]) -> list[Any]:
+def _calls(
+    calls: Any, grads: Any, units: Any, params: Any, finite: Any, t: Any, s: Any, leaves: list[Any]
+) -> list[Any]:
     """Every region call of ``calls``, each within its kind's replay (:func:`run`, within the norm)."""
     return [
-        _flat_opt.replaying(replay, region, grads[key], params[key], finite, t, s, *map(leaves.__getitem__, order))
+        _flat_opt.replaying(
+            replay,
+            region,
+            grads[key],
+            units[grads[key].dtype],
+            params[key],
+            finite,
+            t,
+            s,
+            *map(leaves.__getitem__, order),
+        )
         for region, replay, key, order in calls
     ]
 
