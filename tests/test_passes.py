@@ -445,12 +445,20 @@ def _norm_read(n: torch.fx.Node) -> bool:
     return n.target == torch.ops.aten.sum.dim_IntList and val is not None and val.dtype == torch.float64
 
 
-def test_cse_leaves_a_narrow_value_stored_on_one_side_and_fused_on_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
+_BM = torch.randn(16, 128, 32, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("reader", ["pointwise", "bmm_m1"])
+def test_cse_leaves_a_narrow_value_stored_on_one_side_and_fused_on_the_other(
+    monkeypatch: pytest.MonkeyPatch, reader: str
+) -> None:
     """Two equal narrowings ``(h * 0.7).bfloat16()``, one read by a matmul (stored, so rounded to bfloat16), one by a
-    pointwise op (fused into it, where inductor does not round): merged, the pointwise reader read the rounded
-    value. The step with ``cse`` is bitwise the step without it, and the equal float32 values ``h * 0.7`` are still
-    merged. Planted (``_rounded_alike`` always True): the narrowings merged, and, with that assertion removed, the
-    second step's loss 1.7e-5 apart and the parameters up to 2.0e-3 (``w``) after two steps."""
+    pointwise op (fused into it, where inductor does not round), or by a ``bmm`` of one row (``M == 1``), which
+    inductor decomposes on a CPU into a product and a sum it generates (fused the same way; found by a sweep of the
+    rule: the parameters 2.0e-3 apart): merged, the fused reader read the rounded value. The step with ``cse`` is
+    bitwise the step without it, and the equal float32 values ``h * 0.7`` are still merged. Planted
+    (``_rounded_alike`` always True; ``_full_matmul`` always True for the bmm): the narrowings merged, and, with
+    that assertion removed, the second step's loss 1.7e-5 apart and the parameters up to 2.0e-3 (``w``)."""
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     graphs: list[torch.fx.Graph] = []
@@ -464,6 +472,9 @@ def test_cse_leaves_a_narrow_value_stored_on_one_side_and_fused_on_the_other(mon
         h = x @ p["w"]
         u = (h * 0.7).bfloat16()  # read by a matmul: stored
         a = (u @ p["m"].bfloat16()).float().square().mean()
+        if reader == "bmm_m1":  # the same narrowing, read by a bmm of one row: decomposed, fused
+            b = torch.bmm((h * 0.7).bfloat16().unsqueeze(1), _BM.bfloat16())
+            return 1e-3 * a + b.float().square().mean()
         v = (h * 0.7).bfloat16().float()  # the same narrowing, read by pointwise ops: fused
         return 1e-3 * a + (v * v).mean()
 

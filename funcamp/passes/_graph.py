@@ -69,10 +69,36 @@ def _autotuned() -> bool:
     return bool(config.max_autotune or config.max_autotune_gemm)
 
 
-def _extern(target: Any) -> bool:
-    """Whether a call of ``target`` is a kernel inductor does not generate (:data:`_STORED`, :data:`_STORED_MANY`)."""
+#: The matrix multiplies of :data:`_STORED`: ``(index of mat1, of mat2, batched)`` in their arguments.
+_MATMULS = {
+    _aten.mm.default: (0, 1, False),
+    _aten.addmm.default: (1, 2, False),
+    _aten.bmm.default: (0, 1, True),
+    _aten.baddbmm.default: (1, 2, True),
+    _aten._scaled_mm.default: (0, 1, False),
+}
+
+
+def _full_matmul(node: torch.fx.Node) -> bool:
+    """Whether a matrix multiply's ``M``, ``N`` and ``K`` are all known and at least 2: inductor decomposes the others
+    into pointwise ops and sums it generates (torch 2.13: ``mm`` with ``K == 1`` or ``M == N == 1``, ``addmm`` with
+    ``M == 1``, ``bmm`` with ``M == 1`` or ``N == 1`` on a CPU, an outer-product ``bmm``), which may fuse what they
+    read and what reads them like any pointwise op."""
+    a_at, b_at, batched = _MATMULS[node.target]
+    try:
+        a, b = node.args[a_at].meta["val"], node.args[b_at].meta["val"]
+    except (AttributeError, IndexError, KeyError):
+        return False
+    dims = (a.shape[-2], a.shape[-1], b.shape[-1]) if batched else (a.shape[0], a.shape[1], b.shape[1])
+    return all(isinstance(d, int) and d >= 2 for d in dims)
+
+
+def _extern(node: torch.fx.Node) -> bool:
+    """Whether the call ``node`` is a kernel inductor does not generate (:data:`_STORED`, :data:`_STORED_MANY`): its
+    operands and results in memory."""
+    target = node.target
     if target in _STORED:
-        return not _autotuned()
+        return not _autotuned() and (target not in _MATMULS or _full_matmul(node))
     name = target.name() if isinstance(target, torch._ops.OpOverload) else ""
     return any(part in name for part in _STORED_MANY)
 
@@ -87,9 +113,9 @@ def _in_memory(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-        source = node.args[0].target
-        return source in _REGIONS or (source not in _STORED and _extern(source))
-    return node.target in _STORED and _extern(node.target)
+        source = node.args[0]
+        return source.op == "call_function" and (source.target in _REGIONS or _extern(source))
+    return _extern(node)
 
 
 def _read_from_memory(node: torch.fx.Node) -> bool:
@@ -103,7 +129,7 @@ def _read_from_memory(node: torch.fx.Node) -> bool:
         if user.target in _STORAGE_VIEWS:
             if not _read_from_memory(user):
                 return False
-        elif not (user.target in _REGIONS or _extern(user.target)):
+        elif not (user.target in _REGIONS or _extern(user)):
             return False
     return True
 

@@ -58,7 +58,8 @@ def _rounded_alike(kept: torch.fx.Node, node: torch.fx.Node) -> bool:
     default), so a narrowing stored for a matmul and the same narrowing fused into a pointwise reader are two
     values; merged, the pointwise reader would read the rounded one."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point or val.dtype.itemsize >= 4:
+    vals = val if isinstance(val, (tuple, list)) else (val,)  # var_mean and the like: a tuple
+    if not any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.dtype.itemsize < 4 for v in vals):
         return True
     return all(_in_memory(n) or _read_from_memory(n) for n in (kept, node))
 

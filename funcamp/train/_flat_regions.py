@@ -113,7 +113,10 @@ class _GivenNorm:
         self._t, self._s, self._grads = t, s, grads
 
     def scaled_global_norm(self, tree: Any, fn: str = "global_norm") -> tuple[torch.Tensor, torch.Tensor]:
-        if tree is self._grads or (isinstance(tree, dict) and all(tree.get(k) is v for k, v in self._grads.items())):
+        grads = self._grads
+        if tree is grads or (
+            isinstance(tree, dict) and tree.keys() == grads.keys() and all(tree[k] is grads[k] for k in grads)
+        ):
             return self._t, self._s
         raise _NotAlone(f"{fn}: a global norm of the updates a transformation made (not of the gradients)")
 
@@ -339,7 +342,8 @@ def _check(flat: Any, optimizer: Any, regions: Regions) -> str | None:
         return f"the optimizer does not initialize small buffers ({type(e).__name__}: {e})"
     whole_params = params
     parts_params = {k: v.clone() for k, v in params.items()}
-    parts_state = _tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, whole_state)
+    clone = lambda tree: _tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)  # noqa: E731
+    parts_state, first_state = clone(whole_state), clone(whole_state)
     try:
         for grads in grad_steps:
             whole_params, whole_state = _update(
@@ -354,4 +358,36 @@ def _check(flat: Any, optimizer: Any, regions: Regions) -> str | None:
         a.dtype == b.dtype and torch.equal(a, b)
         for a, b in zip(_tree.tree_leaves(whole_state), _tree.tree_leaves(parts_state), strict=True)
     )
-    return None if same else "one buffer's update alone differs from it over all buffers (checked on small buffers)"
+    if not same:
+        return "one buffer's update alone differs from it over all buffers (checked on small buffers)"
+    return _zero_d_of_norm_only(flat, optimizer, regions, params, grad_steps[0], first_state, t, s)
+
+
+def _zero_d_of_norm_only(
+    flat: Any, optimizer: Any, regions: Regions, params: Any, grads: Any, state: Any, t: Any, s: Any
+) -> str | None:
+    """Why the new 0-d state leaves are not functions of the old state and the gradients' norm alone, or None.
+
+    Each region computes them from its own buffer, and :func:`run` keeps their largest; that equals the update over
+    all buffers only when no buffer's values move them (a step count, a schedule, a norm's moving average), and a
+    leaf that reduces the updates otherwise (a count of the steps whose updates are all small: any buffer's
+    instead of all of them) can agree with it on :func:`_check`'s data and not on a step's. So one update is run
+    over all buffers on the same state with the gradients and parameters scaled by ``2**-20``, ``2**20`` and
+    ``-1``, the norm ``(t, s)`` kept: its new 0-d leaves must be those of the unscaled data, bit for bit."""
+
+    def zero_d(scale: float) -> list[torch.Tensor]:
+        g = {k: v * scale for k, v in grads.items()}
+        p = {k: v * scale for k, v in params.items()}
+        st = _tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+        _, new_state = _update(flat.replay, optimizer, g, st, p, _GivenNorm(t, s, g))
+        leaves = _tree.tree_leaves(new_state)
+        return [leaves[j] for j in regions.zero_d]
+
+    try:
+        ref = zero_d(1.0)
+        for scale in (2.0**-20, 2.0**20, -1.0):
+            if not all(torch.equal(a, b) for a, b in zip(ref, zero_d(scale), strict=True)):
+                return "a 0-d optimizer-state leaf depends on the values of the updates, not on the norm alone"
+    except Exception as e:  # noqa: BLE001
+        return f"the optimizer does not run on scaled small buffers ({type(e).__name__}: {e})"
+    return None
