@@ -18,8 +18,13 @@ fill first was a pass over the whole buffer of its own (GPT-2 124M's body, 16 Mi
 A slice of the buffer that is one gradient's part (the norm a clip takes of each member, :mod:`funcamp.train._flat`)
 is a view of it. Where every gradient reaches the ``cat`` as the cast of a narrower tensor
 (``convert_element_type``, the backward of a parameter's cast to the compute dtype), the buffer holds the narrower
-values and is cast once, after it is full: the cast is fused into the update that reads it. The values the update
-reads are the ``cat``'s, bit for bit (the same elements; a cast is elementwise).
+values and is cast once, after it is full: the cast is fused into the update that reads it. Likewise where every
+gradient reaches it unscaled, ``x_i * c`` with one 0-d ``c`` (a dynamic loss scale's reciprocal), and the buffer has
+no padding (zeros times some ``c`` are ``-0`` or NaN): the buffer holds the ``x_i`` and is multiplied by ``c`` once,
+where each part read ``c`` before (GPT-2 124M's body: 192 nodes read the scale, and inductor's scheduler paired each
+with up to 32 others in every fusion round; its ``Scheduler.__init__`` 10.3-10.6 s, now 6.0-6.4 s, with
+``region_casts`` handing the factors on to the update's regions). The values the update reads are the ``cat``'s,
+bit for bit (the same elements; a cast and a product by one factor are elementwise).
 
 Memory: the finite check and the norms read each member's view of the buffer
 (:meth:`funcamp.train._flat.Flat.gradients`), so a gradient is read only on its way into the buffer. Where a buffer

@@ -13,6 +13,11 @@ views, is handed as that tensor (viewed to the operand's shape), and every call 
 widens it first. The values are the same bit for bit (a widening is exact); what is gone is the widened copy in
 memory and its kernel.
 
+Before that, an operand that a region multiplies by a 0-d operand before anything else reads it (a flat update's
+gradient ``g * unit``, :mod:`funcamp.train._flat_regions`), where every call hands a product ``a * c`` and a constant
+one, is handed as ``a`` and ``c``: the region computes the same product of the same values, and it is not written
+out for it (a dynamic loss scale's unscaled gradient buffer, in float32). Then ``a`` may be handed narrow as above.
+
 Only a narrow tensor that is in memory with the pass or without it is handed: a graph input, or the result of an op
 inductor runs as a kernel it does not generate (a matmul, a convolution, attention, a region), through views. A
 narrow tensor the graph computes otherwise (``x.bfloat16()`` of a float32 value, then widened) is left alone:

@@ -19,8 +19,10 @@ the update; ``make_train_step``'s body without telemetry), a single-process layo
 least :data:`MIN_REUSED` buffer updates are stamped out rather than compiled. The optimizer must compute one
 buffer's update alone exactly as over all buffers: this is checked on the host, eagerly, on small buffers of
 each kind (:func:`plan` runs both and compares every result bit for bit); an optimizer that asks a global norm
-of anything but the gradients, reads element positions (``stochastic_rounding``), or advances a 0-d state leaf
-from the updates is refused there, with the reason, and runs over all buffers at once as before.
+of anything but the gradients (or of the gradients and more), reads element positions (``stochastic_rounding``),
+or advances a 0-d state leaf from the updates' values (checked again on the data scaled by ``2**-20``, ``2**20`` and
+``-1``: a leaf that agreed on the random buffers by chance differs there) is refused there, with the reason, and runs
+over all buffers at once as before.
 
 Three facts of torch 2.13 shape the code. A region is reused only when Dynamo need not re-check what it read;
 funcamp's optimizer reads its masks and norms from dynamic scopes (module-level stacks), so each kind's region
