@@ -378,8 +378,8 @@ def _zero_d_of_norm_only(
     ``-1``, the norm ``(t, s)`` kept: its new 0-d leaves must be those of the unscaled data, bit for bit."""
 
     def zero_d(scale: float) -> list[torch.Tensor]:
-        g = {k: v * scale for k, v in grads.items()}
-        p = {k: v * scale for k, v in params.items()}
+        g = {k: (v.float() * scale).to(v.dtype) for k, v in grads.items()}  # float8 has no product of its own
+        p = {k: (v.float() * scale).to(v.dtype) for k, v in params.items()}
         st = _tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
         _, new_state = _update(flat.replay, optimizer, g, st, p, _GivenNorm(t, s, g))
         leaves = _tree.tree_leaves(new_state)
