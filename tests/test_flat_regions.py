@@ -255,7 +255,7 @@ def test_the_new_state_is_rebuilt_alike_by_the_traced_walk_and_by_optree(monkeyp
 def test_a_region_is_traced_without_side_effects(monkeypatch):
     """The scopes the optimizer reads in a region (the kind's masks, the gradients' norm) are entered by the outer
     trace, around the calls: a scope entered inside a region is a side effect, for which Dynamo returns every
-    intermediate of the region as an extra output (41 beside the region's 3 here; ~58 a call on GPT-2 124M's body,
+    intermediate of the region as an extra output (41 beside its 3 on 3 blocks of width 64; ~58 a call on GPT-2's body,
     each stamped out again at every reuse). Dynamo collects those outputs only for a region with side effects
     (planted: the replay entered inside the region; collected for both kinds)."""
     from torch._dynamo.variables import higher_order_ops
