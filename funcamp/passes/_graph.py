@@ -4,7 +4,7 @@ nodes to its first user."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,19 +43,19 @@ _STORAGE_VIEWS = frozenset(
         _aten.unsqueeze.default,
     }
 )
+#: The matrix multiplies inductor runs as kernels it does not generate (without max-autotune, and for the sizes
+#: :func:`_full_matmul` allows): ``(index of mat1, of mat2, batched)`` in their arguments.
+_MATMULS = {
+    _aten.mm.default: (0, 1, False),
+    _aten.addmm.default: (1, 2, False),
+    _aten.bmm.default: (0, 1, True),
+    _aten.baddbmm.default: (1, 2, True),
+    _aten._scaled_mm.default: (0, 1, False),
+}
 #: Ops inductor runs as kernels it does not generate (on a CPU and a GPU, without max-autotune): their operands and
 #: results are in memory, fused into no other kernel. Results of several (attention, a convolution's backward) are
 #: read by ``getitem``; their names hold one of :data:`_STORED_MANY`.
-_STORED = frozenset(
-    {
-        _aten.mm.default,
-        _aten.addmm.default,
-        _aten.bmm.default,
-        _aten.baddbmm.default,
-        _aten._scaled_mm.default,
-        _aten.convolution.default,
-    }
-)
+_STORED = frozenset({*_MATMULS, _aten.convolution.default})
 _STORED_MANY = ("convolution_backward", "scaled_dot_product")
 #: Nested compile regions (plain and functionalized): their operands and results are tensors in memory.
 _REGIONS = (torch.ops.higher_order.invoke_subgraph, torch.ops.higher_order.auto_functionalized_v2)
@@ -67,16 +67,6 @@ def _autotuned() -> bool:
     from torch._inductor import config
 
     return bool(config.max_autotune or config.max_autotune_gemm)
-
-
-#: The matrix multiplies of :data:`_STORED`: ``(index of mat1, of mat2, batched)`` in their arguments.
-_MATMULS = {
-    _aten.mm.default: (0, 1, False),
-    _aten.addmm.default: (1, 2, False),
-    _aten.bmm.default: (0, 1, True),
-    _aten.baddbmm.default: (1, 2, True),
-    _aten._scaled_mm.default: (0, 1, False),
-}
 
 
 def _full_matmul(node: torch.fx.Node) -> bool:
@@ -101,6 +91,23 @@ def _extern(node: torch.fx.Node) -> bool:
         return not _autotuned() and (target not in _MATMULS or _full_matmul(node))
     name = target.name() if isinstance(target, torch._ops.OpOverload) else ""
     return any(part in name for part in _STORED_MANY)
+
+
+def _factors(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(a, c)`` for each way ``node`` is ``aten.mul(a, c)`` (either order): ``c`` a 0-d tensor, ``a`` a tensor of
+    the product's dtype and element count (an unscaled gradient: ``c`` the loss scale's reciprocal). Callers add what
+    else they need of ``c`` and ``a``."""
+    out = node.meta.get("val")
+    if node.target is not _aten.mul.Tensor or len(node.args) != 2 or node.kwargs or not isinstance(out, torch.Tensor):
+        return
+    for a, c in (node.args, node.args[::-1]):
+        if not (isinstance(a, torch.fx.Node) and isinstance(c, torch.fx.Node)):
+            continue
+        va, vc = a.meta.get("val"), c.meta.get("val")
+        if not (isinstance(va, torch.Tensor) and isinstance(vc, torch.Tensor)):
+            continue
+        if vc.ndim == 0 and va.dtype == out.dtype and va.numel() == out.numel():
+            yield a, c
 
 
 def _in_memory(node: torch.fx.Node) -> bool:

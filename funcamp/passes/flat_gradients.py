@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from funcamp.passes._context import PassContext
+from funcamp.passes._graph import _factors
 from funcamp.passes.gates import _call, _flag
 from funcamp.passes.tags import _FLAT_GRADS, _tags
 
@@ -70,18 +71,8 @@ def _scaled(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """``(x, c)`` where a ``cat`` input is ``x * c`` (through a flattening): ``x`` of the input's dtype and element
     count, ``c`` a 0-d tensor of that dtype (an unscaled gradient: the loss scale's reciprocal); None otherwise."""
     inner = node.args[0] if node.target in _FLATTENS and isinstance(node.args[0], torch.fx.Node) else node
-    if inner.target is not _aten.mul.Tensor or len(inner.args) != 2 or inner.kwargs:
-        return None
-    out = node.meta["val"]
-    for x, c in (inner.args, inner.args[::-1]):
-        if not (isinstance(x, torch.fx.Node) and isinstance(c, torch.fx.Node)):
-            continue
-        vx, vc = x.meta.get("val"), c.meta.get("val")
-        if not (isinstance(vx, torch.Tensor) and isinstance(vc, torch.Tensor)):
-            continue
-        if vc.ndim == 0 and vc.dtype == out.dtype == vx.dtype and vx.numel() == out.numel():
-            return x, c
-    return None
+    dtype = node.meta["val"].dtype
+    return next(((x, c) for x, c in _factors(inner) if c.meta["val"].dtype == dtype), None)
 
 
 def _is_zeros(node: torch.fx.Node) -> bool:

@@ -35,7 +35,7 @@ import torch
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from funcamp.passes._context import PassContext
-from funcamp.passes._graph import _in_memory
+from funcamp.passes._graph import _factors, _in_memory
 
 NAME = "region_casts"
 
@@ -254,18 +254,16 @@ def _one(node: Any, dtype: torch.dtype) -> bool:
 
 
 def _product(operand: Any, want: torch.Tensor, scale: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """``(a, c)`` where ``operand`` is ``a * c`` (through reshapes): ``a`` of ``want``'s dtype and element count,
-    contiguous, ``c`` 0-d of dtype ``scale``; None otherwise."""
+    """``(a, c)`` where ``operand`` is ``a * c`` (through reshapes, :func:`funcamp.passes._graph._factors`): ``a`` of
+    ``want``'s dtype and element count, contiguous, ``c`` 0-d of dtype ``scale``; None otherwise."""
     node = operand
     while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _RESHAPES:
         node = node.args[0]
-    if not (isinstance(node, torch.fx.Node) and node.target is _MUL and len(node.args) == 2 and not node.kwargs):
+    if not isinstance(node, torch.fx.Node):
         return None
-    for a, c in (node.args, node.args[::-1]):
-        va, vc, out = _val(a), _val(c), _val(node)
-        if va is None or vc is None or out is None or vc.ndim != 0 or vc.dtype != scale:
-            continue
-        if va.dtype == want.dtype == out.dtype and va.numel() == want.numel() and va.is_contiguous():
+    for a, c in _factors(node):
+        va = _val(a)
+        if _val(c).dtype == scale and va.dtype == want.dtype and va.numel() == want.numel() and va.is_contiguous():
             return a, c
     return None
 
