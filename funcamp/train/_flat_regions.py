@@ -344,13 +344,14 @@ def _check(flat: Any, optimizer: Any, regions: Regions) -> str | None:
         return f"the optimizer does not initialize small buffers ({type(e).__name__}: {e})"
     whole_params = params
     parts_params = {k: v.clone() for k, v in params.items()}
-    clone = lambda tree: _tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)  # noqa: E731
-    parts_state, first_state = clone(whole_state), clone(whole_state)
+    parts_state, first_state = _cloned(whole_state), whole_state  # the update over all buffers is pure
     try:
         for grads in grad_steps:
             whole_params, whole_state = _update(
                 flat.replay, optimizer, grads, whole_state, whole_params, _GivenNorm(t, s, grads)
             )
+            if grads is grad_steps[0]:
+                first_zero_d = _zero_d(whole_state, regions)
             parts_state = run(regions, grads, parts_params, parts_state, finite, t, s)
     except _NotAlone as e:
         return f"the optimizer asks one buffer's update for {e}"
@@ -362,11 +363,28 @@ def _check(flat: Any, optimizer: Any, regions: Regions) -> str | None:
     )
     if not same:
         return "one buffer's update alone differs from it over all buffers (checked on small buffers)"
-    return _zero_d_of_norm_only(flat, optimizer, regions, params, grad_steps[0], first_state, t, s)
+    return _zero_d_of_norm_only(flat, optimizer, regions, params, grad_steps[0], first_state, first_zero_d, t, s)
+
+
+def _cloned(tree: Any) -> Any:
+    """``tree`` with each tensor leaf a copy."""
+    return _tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _zero_d(state: Any, regions: Regions) -> list[torch.Tensor]:
+    """The 0-d leaves of an optimizer state over all buffers, in :attr:`Regions.zero_d`'s order."""
+    leaves = _tree.tree_leaves(state)
+    return [leaves[j] for j in regions.zero_d]
+
+
+def _times(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x * scale`` in ``x``'s dtype (exact for a power of two or -1 in range; float8, which has no product of its
+    own, through float32)."""
+    return x * scale if x.dtype.itemsize > 1 else (x.float() * scale).to(x.dtype)
 
 
 def _zero_d_of_norm_only(
-    flat: Any, optimizer: Any, regions: Regions, params: Any, grads: Any, state: Any, t: Any, s: Any
+    flat: Any, optimizer: Any, regions: Regions, params: Any, grads: Any, state: Any, ref: list[Any], t: Any, s: Any
 ) -> str | None:
     """Why the new 0-d state leaves are not functions of the old state and the gradients' norm alone, or None.
 
@@ -375,18 +393,15 @@ def _zero_d_of_norm_only(
     leaf that reduces the updates otherwise (a count of the steps whose updates are all small: any buffer's
     instead of all of them) can agree with it on :func:`_check`'s data and not on a step's. So one update is run
     over all buffers on the same state with the gradients and parameters scaled by ``2**-20``, ``2**20`` and
-    ``-1``, the norm ``(t, s)`` kept: its new 0-d leaves must be those of the unscaled data, bit for bit."""
+    ``-1``, the norm ``(t, s)`` kept: its new 0-d leaves must be ``ref``, those of the unscaled data, bit for bit."""
 
     def zero_d(scale: float) -> list[torch.Tensor]:
-        g = {k: (v.float() * scale).to(v.dtype) for k, v in grads.items()}  # float8 has no product of its own
-        p = {k: (v.float() * scale).to(v.dtype) for k, v in params.items()}
-        st = _tree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
-        _, new_state = _update(flat.replay, optimizer, g, st, p, _GivenNorm(t, s, g))
-        leaves = _tree.tree_leaves(new_state)
-        return [leaves[j] for j in regions.zero_d]
+        g = {k: _times(v, scale) for k, v in grads.items()}
+        p = {k: _times(v, scale) for k, v in params.items()}
+        _, new_state = _update(flat.replay, optimizer, g, _cloned(state), p, _GivenNorm(t, s, g))
+        return _zero_d(new_state, regions)
 
     try:
-        ref = zero_d(1.0)
         for scale in (2.0**-20, 2.0**20, -1.0):
             if not all(torch.equal(a, b) for a, b in zip(ref, zero_d(scale), strict=True)):
                 return "a 0-d optimizer-state leaf depends on the values of the updates, not on the norm alone"
