@@ -169,3 +169,15 @@ def passed(graph: torch.fx.Graph, variant: str) -> tuple[str, str]:
 
 def header() -> str:
     return f"# made by {GENERATOR} with torch {torch.__version__}; the traced graph of tests/_passes_case.py\n"
+
+
+def passed_graphs(monkeypatch: Any) -> list[torch.fx.Graph]:
+    """The graphs the pass pipeline leaves, appended as each step compiles, under ``monkeypatch`` (a pytest
+    ``MonkeyPatch``): inductor's and AOTAutograd's caches off, so that a compile with a pass switched off runs the
+    pipeline again instead of loading the graph of the compile before."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    graphs: list[torch.fx.Graph] = []
+    run = passes.pipeline.run
+    monkeypatch.setattr(passes.pipeline, "run", lambda graph: (run(graph), graphs.append(graph))[0])
+    return graphs

@@ -8,6 +8,7 @@ below is not used; the thread count keeps inductor's reductions in one order).
 
 from __future__ import annotations
 
+import _passes_case
 import torch
 
 import funcamp as fa
@@ -303,14 +304,8 @@ def test_unscaled_gradients_reach_the_regions_as_factors(monkeypatch):
     gradient is ``g * unit``, a 0-d one otherwise): no region is handed a product. Bitwise the same step with both
     passes off, a skipped step included. (Planted: the region's ``g * unit`` dropped -> no region is handed the
     factors.)"""
-    from funcamp.passes import pipeline
-
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    graphs = _passes_case.passed_graphs(monkeypatch)
     monkeypatch.setattr(_flat_regions, "MIN_REUSED", 1)
-    graphs = []
-    real = pipeline.run
-    monkeypatch.setattr(pipeline, "run", lambda graph: (real(graph), graphs.append(graph))[0])
     torch.manual_seed(0)
     apply, params = fa.nn.functionalize(_Wide(), "params=float32,compute=bfloat16,output=float32")
     g = torch.Generator().manual_seed(1)

@@ -393,11 +393,7 @@ def test_cse_takes_the_check_and_clip_norm_once(monkeypatch: pytest.MonkeyPatch)
     ``amax(abs(.))`` per gradient), and the step bitwise the step without ``cse``; the flat step the per-leaf one
     within the norm's round-off. Planted: without ``cse`` the per-leaf graph holds it more than once (the check's,
     the clip's)."""
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    graphs: list[torch.fx.Graph] = []
-    run = pipeline.run
-    monkeypatch.setattr(pipeline, "run", lambda graph: (run(graph), graphs.append(graph))[0])
+    graphs = case.passed_graphs(monkeypatch)
     g = torch.Generator().manual_seed(0)
     params = {"w1": torch.randn(64, 64, generator=g) / 8, "w2": torch.randn(64, 64, generator=g) / 8}
     params["b"] = torch.randn(64, generator=g)
@@ -456,11 +452,7 @@ def test_cse_leaves_a_narrow_value_stored_on_one_side_and_fused_on_the_other(mon
     bitwise the step without it, and the equal float32 values ``h * 0.7`` are still merged. Planted
     (``_rounded_alike`` always True, or ``_full_matmul`` always True): narrowings merged, and, with that assertion
     removed, the parameters up to 2.0e-3 apart (``w``) after two steps."""
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    graphs: list[torch.fx.Graph] = []
-    run = pipeline.run
-    monkeypatch.setattr(pipeline, "run", lambda graph: (run(graph), graphs.append(graph))[0])
+    graphs = case.passed_graphs(monkeypatch)
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(64, 128, generator=g) * 0.3, "m": torch.randn(128, 32, generator=g) * 0.3}
     batches = [torch.randn(16, 64, generator=g) for _ in range(2)]
