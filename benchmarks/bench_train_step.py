@@ -3,6 +3,8 @@
     python benchmarks/bench_train_step.py                        # CPU default (GPT "small", bf16)
     python benchmarks/bench_train_step.py --device cuda --config gpt2-124m --dtype bfloat16
     python benchmarks/bench_train_step.py --device cuda --config gpt2-124m --dtype float16
+    python benchmarks/bench_train_step.py --dtype float32 --variants amp_compile,funcamp_compile --no-probe
+        # the main job's step where its auto policy chose float32 (no autocast, no loss scale on either side)
 
 Six variants train the GPT of ``examples/gpt.py`` from the same initial weights (one model, deep-copied)
 on the same byte-level batches of Python's bundled ``pydoc_data.topics`` text, with the same AdamW
@@ -165,8 +167,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: per config)")
     p.add_argument("--block-size", type=int, default=None, help="context length (default: the config's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16"], help="compute dtype (default bf16)")
-    p.add_argument("--loss-scale", default="dynamic", choices=["dynamic", "none"], help="GradScaler / funcamp scale")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help="compute dtype (default bf16); float32: the recipe without autocast and GradScaler (the fused AdamW and\n"
+        "the compiled model kept) against funcamp's float32 policy without a loss scale, the main job's\n"
+        "--policy auto where no half dtype is faster",
+    )
+    p.add_argument(
+        "--loss-scale",
+        default="dynamic",
+        choices=["dynamic", "none"],
+        help="GradScaler / funcamp scale (float32: none)",
+    )
     p.add_argument("--backend", default="inductor", help="torch.compile backend of variants 3 and 5")
     p.add_argument(
         "--donate",
@@ -241,10 +255,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     args.dtype = args.dtype or "bfloat16"
+    if args.dtype == "float32":  # nothing to scale: no GradScaler, no funcamp loss scale (the table says so)
+        args.loss_scale = "none"
     args.check_backend = args.check_backend or args.backend
     args.batch_size = args.batch_size or DEFAULT_BATCH.get(args.config, 16)
     if args.loss_rtol is None:
-        args.loss_rtol = 0.02 if args.dtype == "bfloat16" else 0.01
+        args.loss_rtol = {"bfloat16": 0.02, "float16": 0.01}.get(args.dtype, 1e-3)
     args.peak_source = "given (--peak-tflops)" if args.peak_tflops is not None else None
     if args.peak_tflops is None and args.device == "cuda":
         args.peak_tflops = H100_BF16_DENSE_TFLOPS
@@ -340,6 +356,8 @@ class TorchStep:
         device = next(model.parameters()).device
         self.device_type, self.amp = device.type, amp
         self.dtype = getattr(torch, args.dtype)
+        # float32 compute: the recipe without autocast and GradScaler (torch.autocast takes no float32 on a CPU)
+        self.autocast = amp and self.dtype != torch.float32
         self.model = model
         self.forward = torch.compile(model, backend=args.backend) if compile_model else model
         self.fused = amp and fused_supported(device)
@@ -351,12 +369,12 @@ class TorchStep:
             device.type,
             init_scale=INIT_SCALE,
             growth_interval=SCALE_PERIOD,
-            enabled=amp and args.loss_scale == "dynamic",
+            enabled=self.autocast and args.loss_scale == "dynamic",
         )
         self.optimizer_kind = "fused" if self.fused else "foreach"
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.amp):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.autocast):
             logits = self.forward(batch["inputs"])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
         self.scaler.scale(loss).backward()

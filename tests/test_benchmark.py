@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import funcamp as fa
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_train_step.py"
@@ -196,6 +199,29 @@ def test_the_mfu_peak_is_the_better_of_the_two_measures(before: float, after: fl
     assert peak == 2.5, (peak, source)
     assert source.startswith("measured: bfloat16 128^3 matmul, ") and f"{before:.2f} before" in source, source
     assert f"{after:.2f} after" in source
+
+
+def test_float32_compares_the_recipes_without_autocast_or_a_loss_scale() -> None:
+    """``--dtype float32`` (the main job's step where its auto policy chose float32): torch's recipe runs without
+    autocast and with GradScaler off (its fused AdamW kept), funcamp's with a float32 policy and no loss scale, and
+    one step of each from the same weights gives the same loss and parameters within float32's round-off (measured
+    1.2e-7; planted: the loss scale left dynamic, or autocast left on -> fails)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_train_step as b
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    args = b.parse_args(["--config", "tiny", "--batch-size", "4", "--dtype", "float32", "--backend", "eager"])
+    assert args.loss_scale == "none" and args.loss_rtol == 1e-3
+    base = b.make_model(args, torch.device("cpu"))
+    batch = b.make_batches(1, batch_size=4, block_size=b.block_size(args), seed=0, device=torch.device("cpu"))[0]
+    torch_step, funcamp_step = b.build_variant("amp_eager", base, args), b.build_variant("funcamp_eager", base, args)
+    assert not torch_step.autocast and not torch_step.scaler.is_enabled()
+    assert isinstance(funcamp_step.state.loss_scale, fa.NoOpLossScale)
+    assert torch.allclose(torch_step(batch), funcamp_step(batch), rtol=1e-6, atol=0)
+    ref = dict(torch_step.model.named_parameters())
+    worst = max((funcamp_step.state.params[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst < 1e-5, worst
 
 
 def test_auto_policy_benchmark_runs_on_the_tiny_gpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
