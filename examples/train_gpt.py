@@ -888,9 +888,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         val_loss = evaluate(loss_fn, whole_params(), val, args, device, state.buffers)
         history["val_loss"].append((0, val_loss))
         logger.log_scalars({"val/loss": val_loss}, 0)
-        if is_main:
-            bar.write(f"step 0: val loss {val_loss:.4f}")
         eval0_s = time.perf_counter() - t0
+        if is_main:  # eager; not in "s to the first step"
+            bar.write(f"step 0: val loss {val_loss:.4f} ({eval0_s:.1f} s)")
     cache = compile_cache_for(args, state, train_batch(start + 1), policy, rank, world_size) if end > start else None
     if cache is not None:  # a warm start: the compiled step of an earlier run with the same key
         loaded = fa.compile_cache.load(*cache)
