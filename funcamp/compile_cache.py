@@ -384,6 +384,23 @@ def load(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
     return CacheResult("loaded", str(file), _count(info) + len(header["kernels"]))
 
 
+def _why_nothing() -> str:
+    """Why torch recorded no artifact: its count of graphs its FX graph cache bypassed in this process, when it has
+    one (torch says why in its ``cache`` log only)."""
+    from torch._dynamo.utils import counters  # loaded by the compile that came first
+
+    reason = "torch recorded no compile artifacts in this process"
+    bypassed = counters["inductor"].get("fxgraph_cache_bypass", 0)
+    if not bypassed:
+        return reason
+    graphs = "graph" if bypassed == 1 else "graphs"
+    return (
+        f"{reason}: its FX graph cache bypassed {bypassed} {graphs} (one holding an operator torch cannot cache, "
+        "such as the scan of functionalize(scan=...) on torch 2.13; TORCH_LOGS=+cache says which), so every new "
+        "process compiles the step again"
+    )
+
+
 def save(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
     """Write every compile artifact torch recorded in this process to ``file``, for ``key``.
 
@@ -395,7 +412,8 @@ def save(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
     directory that :func:`load` would refuse is not written (``action="refused"``). A file that already holds the same
     artifacts for the same key is left as it is (``action="unchanged"``). With caches off
     (``TORCHINDUCTOR_FORCE_DISABLE_CACHES``) or a backend that writes none (``aot_eager``) there is nothing
-    to save (``action="nothing"``).
+    to save (``action="nothing"``), and so with a step torch's FX graph cache will not take: on torch 2.13 one holding
+    the scan operator (``funcamp.nn.functionalize(scan=...)``), which the reason then names.
 
     Args:
       file: the cache file (see :func:`path`).
@@ -413,7 +431,7 @@ def save(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
         return CacheResult("refused", str(file), reason=untrusted)
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
-        return CacheResult("nothing", str(file), reason="torch recorded no compile artifacts in this process")
+        return CacheResult("nothing", str(file), reason=_why_nothing())
     blob, info = saved
     kernels, parts = [], [blob]
     for name, lib in _kernel_files():

@@ -8,6 +8,7 @@ torch's caches, build no C++ library, and end in bitwise the first one's state.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -237,8 +238,20 @@ def test_file_torch_refuses_is_ignored(fake_torch, monkeypatch, refusal):
 
 def test_nothing_to_save(fake_torch, monkeypatch):
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    monkeypatch.setitem(torch._dynamo.utils.counters, "inductor", collections.Counter())
     result = compile_cache.save(fake_torch.file, fake_torch.key)
     assert result.action == "nothing" and not fake_torch.file.exists()
+    assert result.reason == "torch recorded no compile artifacts in this process"
+
+
+def test_nothing_to_save_names_the_graphs_torch_would_not_cache(fake_torch, monkeypatch):
+    """A step torch's FX graph cache bypassed (on torch 2.13 a scanned one: 'Can't cache HigherOrderOperator: scan',
+    measured on a scanned GPT's step) is said so, with where torch says why, rather than a bare "nothing"."""
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    monkeypatch.setitem(torch._dynamo.utils.counters, "inductor", collections.Counter(fxgraph_cache_bypass=1))
+    result = compile_cache.save(fake_torch.file, fake_torch.key)
+    assert result.action == "nothing" and not fake_torch.file.exists()
+    assert "bypassed 1 graph (" in result.reason and "scan" in result.reason and "TORCH_LOGS=+cache" in result.reason
 
 
 def test_unreadable_file_is_ignored(fake_torch):
