@@ -307,7 +307,8 @@ def torch_loop(args: argparse.Namespace) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), jargs.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        first = time.perf_counter() - t0 if first is None else first
+        if first is None:
+            first = time.perf_counter() - t0
     return {
         "seconds_in_process": time.perf_counter() - t0,
         "first_step_in_process": first,
@@ -361,7 +362,7 @@ def main_job(args: argparse.Namespace) -> dict[str, Any]:
         # To its first step: the process's start-up and exit (its wall less the job's own clock) and the job's "s to
         # the first step" (setup, the auto policy, compile and the step; not the step-0 validation). Not what runs
         # after it: the final validation, the checkpoint, the sample.
-        done = re.search(r"after compile: ([0-9.]+) s to the first step\), wall ([0-9.]+) s", proc.stdout)
+        done = re.search(r"(?:after compile|eager): ([0-9.]+) s to the first step\), wall ([0-9.]+) s", proc.stdout)
         if done is None:
             raise RuntimeError(f"the main job's done line is missing:\n{proc.stdout[-2000:]}")
         to_first, job_wall = float(done.group(1)), float(done.group(2))

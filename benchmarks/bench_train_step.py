@@ -354,7 +354,7 @@ class TorchStep:
 
     def __init__(self, model: GPT, args: argparse.Namespace, *, amp: bool, compile_model: bool) -> None:
         device = next(model.parameters()).device
-        self.device_type, self.amp = device.type, amp
+        self.device_type = device.type
         self.dtype = getattr(torch, args.dtype)
         # float32 compute: the recipe without autocast and GradScaler (torch.autocast takes no float32 on a CPU)
         self.autocast = amp and self.dtype != torch.float32
