@@ -13,13 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-# Inductor compiles each graph's kernels in this process, not in a pool of compile workers: on the CI's 2 cores the
-# suite's 2 workers already use both, and every process that compiled (each test worker, each torchrun rank and
-# subprocess test, which inherit the setting) started a pool of its own. The kernels are the same either way;
-# measured on one inductor test alone with fresh caches, 30 against 34 s. Set before torch reads it, at import.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
-import torch  # noqa: E402
+import torch
 from sybil import Sybil
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
