@@ -177,9 +177,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--loss-scale",
-        default="dynamic",
+        default=None,
         choices=["dynamic", "none"],
-        help="GradScaler / funcamp scale (float32: none)",
+        help="GradScaler / funcamp scale (default: dynamic; float32: none, the only choice)",
     )
     p.add_argument("--backend", default="inductor", help="torch.compile backend of variants 3 and 5")
     p.add_argument(
@@ -256,7 +256,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     args.dtype = args.dtype or "bfloat16"
     if args.dtype == "float32":  # nothing to scale: no GradScaler, no funcamp loss scale (the table says so)
+        if args.loss_scale == "dynamic":
+            p.error("--loss-scale dynamic with --dtype float32: float32 has nothing to scale; pass none or omit it")
         args.loss_scale = "none"
+    args.loss_scale = args.loss_scale or "dynamic"
     args.check_backend = args.check_backend or args.backend
     args.batch_size = args.batch_size or DEFAULT_BATCH.get(args.config, 16)
     if args.loss_rtol is None:

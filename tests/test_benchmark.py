@@ -205,7 +205,8 @@ def test_float32_compares_the_recipes_without_autocast_or_a_loss_scale() -> None
     """``--dtype float32`` (the main job's step where its auto policy chose float32): torch's recipe runs without
     autocast and with GradScaler off (its fused AdamW kept), funcamp's with a float32 policy and no loss scale, and
     one step of each from the same weights gives the same loss and parameters within float32's round-off (measured
-    1.2e-7; planted: the loss scale left dynamic, or autocast left on -> fails)."""
+    1.2e-7; planted: the loss scale left dynamic, or autocast left on -> fails). An explicit ``--loss-scale dynamic``
+    is refused (planted: overridden to none -> fails)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_train_step as b
@@ -213,6 +214,8 @@ def test_float32_compares_the_recipes_without_autocast_or_a_loss_scale() -> None
         sys.path.remove(str(ROOT / "benchmarks"))
     args = b.parse_args(["--config", "tiny", "--batch-size", "4", "--dtype", "float32", "--backend", "eager"])
     assert args.loss_scale == "none" and args.loss_rtol == 1e-3
+    with pytest.raises(SystemExit):  # a dynamic scale asked for explicitly is refused, not dropped
+        b.parse_args(["--dtype", "float32", "--loss-scale", "dynamic"])
     base = b.make_model(args, torch.device("cpu"))
     batch = b.make_batches(1, batch_size=4, block_size=b.block_size(args), seed=0, device=torch.device("cpu"))[0]
     torch_step, funcamp_step = b.build_variant("amp_eager", base, args), b.build_variant("funcamp_eager", base, args)
