@@ -37,8 +37,8 @@ def _batch():
     return torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
 
 
-def _train(model, scan, compile, seen=None, steps=2):
-    apply_fn, params = fa.nn.functionalize(model, POLICY, scan=scan)
+def _train(model, scan, compile, seen=None, steps=2, op_policies=None):
+    apply_fn, params = fa.nn.functionalize(model, POLICY, scan=scan, op_policies=op_policies)
 
     def loss_fn(p, batch):
         x, y = batch
@@ -68,6 +68,57 @@ def test_scanned_step_bitwise_equal_to_eager_unrolled(runs):
     for name, p in eager.params.items():
         assert torch.equal(scanned.params[name], p), name
     assert torch.equal(m_scan["loss"], m_eager["loss"])
+
+
+class _Softmaxing(nn.Module):
+    """A block whose softmax falls under funcamp's default float32 rule (``funcamp.ops.FLOAT32_ACCUMULATION``)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.softmax(self.lin(x), dim=-1)
+
+
+class _Head(nn.Module):
+    def __init__(self, n=3, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(256, d)
+        self.blocks = nn.ModuleList(_Softmaxing(d) for _ in range(n))
+        self.out = nn.Linear(d, 256)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize(
+    ("make", "op_policies"),
+    [
+        (lambda: GPT(CFG), {"scaled_dot_product_attention": torch.float32}),  # a rule of the user's
+        (_Head, None),  # the default rules: softmax in float32
+    ],
+    ids=["user-rule", "default-rule"],
+)
+def test_op_rules_hold_inside_the_scanned_body(make, op_policies):
+    """The forward's per-op precision applies inside the scan as in the layers unrolled: the compiled scanned step
+    equals the eager unrolled one bit for bit, and the rules change the result (so that the comparison can fail).
+    Before, Dynamo traced the scan's body without the mode entered around the forward: the compiled scanned step
+    computed attention (and the default rules' softmax) in bfloat16, silently. (Planted: the body without the
+    mode: fails.)"""
+    torch.manual_seed(0)
+    model = make()
+    eager, m_eager = _train(model, None, False, op_policies=op_policies)
+    scanned, m_scan = _train(model, "blocks", True, [], op_policies=op_policies)
+    for name, p in eager.params.items():
+        assert torch.equal(scanned.params[name], p), name
+    assert torch.equal(m_scan["loss"], m_eager["loss"])
+    if op_policies is not None:  # without the rule: other numbers
+        other, _ = _train(model, None, False)
+        assert any(not torch.equal(other.params[n], p) for n, p in eager.params.items())
 
 
 def test_graph_holds_a_scan_only_when_asked(runs):

@@ -36,6 +36,7 @@ tensor of its input's shape and dtype.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -338,11 +339,12 @@ class _Comparable:
         return repr(self.value)
 
 
-def install(skeleton: nn.Module, names: Sequence[str], uses: _use.Uses) -> None:
-    """Make each chosen run of the module copy apply itself as one scan under ``torch.compile``."""
+def install(skeleton: nn.Module, names: Sequence[str], uses: _use.Uses, mode: Any = contextlib.nullcontext) -> None:
+    """Make each chosen run of the module copy apply itself as one scan under ``torch.compile``; ``mode`` is the
+    forward's per-op precision (:func:`funcamp.nn._wrappers.op_mode`), entered again inside the scanned body."""
     for name in names:
         run = skeleton.get_submodule(name)
-        scanned = _Scanned(name, list(run._modules.items()), uses)
+        scanned = _Scanned(name, list(run._modules.items()), uses, mode)
         if isinstance(run, nn.Sequential):
             forward = run.forward
 
@@ -379,8 +381,10 @@ class _ScannedList(nn.ModuleList):
 class _Scanned:
     """``scanned(x, *args, **kwargs)``: every layer of a run applied to ``x`` in order, as one scan."""
 
-    def __init__(self, name: str, layers: list[tuple[str, nn.Module]], uses: _use.Uses) -> None:
-        self.name, self.uses = name, uses
+    def __init__(
+        self, name: str, layers: list[tuple[str, nn.Module]], uses: _use.Uses, mode: Any = contextlib.nullcontext
+    ) -> None:
+        self.name, self.uses, self.mode = name, uses, mode
         self.keys = [key for key, _ in layers]  # the layers' keys in the run (their parameters' names)
         self.template = layers[0][1]
         self.locals = [local for local, _ in self.template.named_parameters()]
@@ -390,6 +394,7 @@ class _Scanned:
         runs its code, checked equal)."""
         part = _Scanned.__new__(_Scanned)
         part.name, part.uses, part.template, part.locals = self.name, self.uses, self.template, self.locals
+        part.mode = self.mode
         part.keys = self.keys[idx]
         return part
 
@@ -412,10 +417,14 @@ class _Scanned:
             local: torch.stack([self.uses.at_use(f"{self.name}.{key}.{local}") for key in self.keys])
             for local in self.locals
         }
-        template, name = self.template, self.name
+        template, name, mode = self.template, self.name, self.mode
 
         def body(h: torch.Tensor, p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            out = torch.func.functional_call(template, p, (h, *args), kwargs, tie_weights=False)
+            # The forward's per-op precision again: Dynamo traces the scan's body without the torch-function
+            # modes entered around the forward (measured: {"scaled_dot_product_attention": float32} was dropped
+            # in the compiled scanned step, silently, while the eager step applied it).
+            with mode():
+                out = torch.func.functional_call(template, p, (h, *args), kwargs, tie_weights=False)
             if not isinstance(out, torch.Tensor) or out.shape != h.shape or out.dtype != h.dtype:
                 raise TypeError(
                     f"funcamp.nn: scan={name!r}: a layer must return one tensor of its input's shape and dtype "
