@@ -181,6 +181,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["dynamic", "none"],
         help="GradScaler / funcamp scale (default: dynamic; float32: none, the only choice)",
     )
+    p.add_argument(
+        "--op-policies",
+        default="none",
+        help="per-op dtypes of the funcamp variants (not the tuned one): none; auto, the main job's --policy auto\n"
+        "rule (funcamp.tune.choose_op_dtypes on one block: attention in float32 where it measures faster); or\n"
+        "op=dtype[,op=dtype], e.g. scaled_dot_product_attention=float32 (default: none)",
+    )
     p.add_argument("--backend", default="inductor", help="torch.compile backend of variants 3 and 5")
     p.add_argument(
         "--donate",
@@ -406,7 +413,7 @@ class FuncampStep:
         scan: str | None = None,
         passes_off: str | None = None,
     ) -> None:
-        self.tune, self.passes_off = None, passes_off
+        self.tune, self.passes_off, self.op_policies = None, passes_off, None
         donate = args.donate if donate is None else donate  # the main job's default, unless the variant says
         if tuned:
             policy = fa.get_policy("params=float32,compute=float32,output=float32")
@@ -437,7 +444,8 @@ class FuncampStep:
             apply_fn, params = functionalize(model, policy, module_policies=result.module_policies)
         else:
             policy = fa.get_policy(f"params=float32,compute={args.dtype},output=float32")
-            apply_fn, params = functionalize(model, policy, scan=scan)
+            self.op_policies = op_policies(args, model)
+            apply_fn, params = functionalize(model, policy, scan=scan, op_policies=self.op_policies)
 
         def loss_fn(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
             logits = apply_fn(params, batch["inputs"])  # float32 out
@@ -468,6 +476,32 @@ class FuncampStep:
         with contextlib.nullcontext() if off is None else mock.patch.dict(os.environ, {"FUNCAMP_PASSES_OFF": off}):
             self.state, metrics = self.step(self.state, batch)
         return metrics["loss"]
+
+
+def op_policies(args: argparse.Namespace, model: GPT) -> dict[str, torch.dtype] | None:
+    """``--op-policies``' rules for ``model`` (auto: measured on one block, as the main job's ``--policy auto``)."""
+    spec = args.op_policies
+    if spec == "none":
+        return None
+    if spec != "auto":
+        rules = {}
+        for item in spec.split(","):
+            op, _, dtype = item.partition("=")
+            if not op or not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise SystemExit(f"--op-policies: {item!r} is not op=dtype (e.g. scaled_dot_product_attention=float32)")
+            rules[op] = getattr(torch, dtype)
+        return rules
+    example = make_batches(
+        1,
+        batch_size=args.batch_size,
+        block_size=block_size(args),
+        seed=args.seed + 1,
+        device=next(model.parameters()).device,
+    )[0]
+    probe = fa.tune.block_probe(model, (example["inputs"],))
+    choice = fa.tune.choose_op_dtypes(probe, getattr(torch, args.dtype), cache=False)
+    print(f"--op-policies auto: {choice.explain()}", flush=True)
+    return dict(choice.op_policies) or None
 
 
 def build_variant(name: str, base: GPT, args: argparse.Namespace) -> TorchStep | FuncampStep:
@@ -691,6 +725,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     out += ["--check-recompiles", str(args.check_recompiles), "--check-config", args.check_config]
     out += ["--check-backend", args.check_backend]
     out += [] if args.donate else ["--no-donate"]
+    out += ["--op-policies", args.op_policies]
     if args.threads:
         out += ["--threads", str(args.threads)]
     if args.block_size:
@@ -922,6 +957,10 @@ def timing_run(args: argparse.Namespace) -> dict[str, Any]:
             "tune": getattr(r.step, "tune", None),
             "capture": getattr(r.step, "capture", None),
             "plan": getattr(r.step, "plan", None),
+            "op_policies": {
+                k: str(v).removeprefix("torch.") for k, v in (getattr(r.step, "op_policies", None) or {}).items()
+            }
+            or None,
         }
         if args.peak_tflops:
             row["mfu"] = per_token * row["tokens_per_s"] / (args.peak_tflops * 1e12)
@@ -1087,7 +1126,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"Model: GPT `{cfg['config']}` ({result['n_params'] / 1e6:.2f}M parameters), batch {cfg['batch_size']} x "
         f"{cfg['block_size']} tokens, {cfg['dtype']} compute, loss scale: {cfg['loss_scale']}; "
         f"{result['timed_steps']} timed steps per variant ({cfg['rounds']} interleaved rounds of {cfg['steps']}) "
-        f"after {cfg['warmup']} warm-up steps; compile backend `{cfg['backend']}`.",
+        f"after {cfg['warmup']} warm-up steps; compile backend `{cfg['backend']}`; funcamp's per-op rules "
+        f"(`--op-policies {cfg.get('op_policies', 'none')}`): "
+        + (", ".join(sorted({str(r.get("op_policies")) for n, r in rows.items() if n.startswith("funcamp")})) or "n/a")
+        + ".",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|",

@@ -20,8 +20,10 @@ half kernels, such as AVX2-only ones); elsewhere (AVX-512 and AMX CPUs) one deco
 kernels (``funcamp.tune.block_probe``: no compile) are timed in each candidate dtype in interleaved rounds,
 float32 unless a half dtype is faster by more than the rounds' spread, the winner's step alone is built and
 compiled, and the decision is cached (``$FUNCAMP_CACHE_DIR/tune`` or ``~/.cache/funcamp/tune``) so
-that every later run on the machine makes the same choice; ``--retune`` times again. The header says
-which, why, and where the decision came from.
+that every later run on the machine makes the same choice; ``--retune`` times again. In a half dtype, the same
+block's kernels are then timed with attention in float32 (``funcamp.tune.choose_op_dtypes``; on a CPU without AMX
+bfloat16 attention can take twice float32's at the main job's shapes), and the rule is kept where it is faster by
+more than the rounds' spread, cached alike. The header says which, why, and where the decisions came from.
 
 ``--telemetry-every N`` adds ``funcamp.numerics``' precision telemetry every N steps (per block: gradient
 and weight amax, the share of gradient elements that would underflow or overflow in float16 and
@@ -351,16 +353,25 @@ def auto_policy_for(dtype: torch.dtype, master_weights: str) -> fa.Policy:
 
 
 def build_run(
-    args: argparse.Namespace, policy: fa.Policy, model: torch.nn.Module, device: torch.device, *, distributed: bool
+    args: argparse.Namespace,
+    policy: fa.Policy,
+    model: torch.nn.Module,
+    device: torch.device,
+    *,
+    distributed: bool,
+    op_policies: dict[str, torch.dtype] | None = None,
 ) -> SimpleNamespace:
     """The functional model, loss, optimizer, first state and train step of ``model`` under ``policy``.
 
     ``distributed``: parameters broadcast from rank 0 and gradients averaged over the ranks (sharded under
-    ``--shard``); False builds this process's step alone (no collective), as ``--policy auto`` times it."""
+    ``--shard``); False builds this process's step alone (no collective), as ``--policy auto`` times it.
+    ``op_policies``: per-op dtypes inside the forward (``--policy auto``'s measured rules:
+    ``fa.tune.choose_op_dtypes``)."""
     stateful = args.fp8 == "delayed"  # its amax histories and scales are buffers, carried by the state
     functional = fa.nn.functionalize(
         model,
         policy,
+        op_policies=op_policies or None,
         module_policies=fp8.MODULE_POLICIES if args.fp8 else None,
         with_buffers=stateful,
         scan="auto" if args.scan == "auto" and not args.shard else None,  # a scan holds every layer gathered at once
@@ -397,6 +408,7 @@ def build_run(
     )
     return SimpleNamespace(
         policy=policy,
+        op_choice=None,  # --policy auto's fa.tune.OpDtypeChoice, set by auto_policy
         apply_fn=apply_fn,
         params=params,
         buffers=buffers,
@@ -439,12 +451,14 @@ def auto_policy(
     a CPU without oneDNN half kernels); else the decision cached for this model, batch shape, settings and
     machine; else one decoder block's forward+backward kernels (``fa.tune.block_probe``: matmuls and attention,
     recorded eagerly in each candidate dtype and replayed, no compile) timed in interleaved rounds, float32
-    unless a half dtype is faster by more than the rounds' spread. Then the winner's step alone is built (and
-    compiled once, by its first call). Under torchrun rank 0 decides alone (no collectives while timing) and
-    every rank takes its decision."""
+    unless a half dtype is faster by more than the rounds' spread. In a half dtype, ``fa.tune.choose_op_dtypes``
+    then times the block with attention in float32 and keeps the rule where it is faster (the step's
+    ``op_policies``; ``run.op_choice`` says why). Then the winner's step alone is built (and compiled once, by its
+    first call). Under torchrun rank 0 decides alone (no collectives while timing) and every rank takes its
+    decisions."""
     batch = get_batch(train, 0, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed, device=device)
     distributed = world_size > 1
-    choice = None
+    choice = op_choice = None
     if rank == 0:
         key = {name: getattr(args, name) for name in _STEP_KEYS}
         key["world_size"] = world_size
@@ -474,13 +488,17 @@ def auto_policy(
                 retune=args.retune,
                 what=probe.what if probe is not None else "the step",
             )
+            if probe is not None:  # then the ops the half step runs faster in float32 (attention, on some CPUs)
+                op_choice = fa.tune.choose_op_dtypes(probe, choice.dtype, key=key, retune=args.retune)
     if distributed:  # one decision for all ranks: rank 0's
-        shared = [choice]
+        shared = [choice, op_choice]
         torch.distributed.broadcast_object_list(shared, src=0)
-        choice = shared[0]
-    return build_run(
-        args, auto_policy_for(choice.dtype, args.master_weights), model, device, distributed=distributed
-    ), choice
+        choice, op_choice = shared
+    rules = dict(op_choice.op_policies) if op_choice is not None else None
+    policy = auto_policy_for(choice.dtype, args.master_weights)
+    run = build_run(args, policy, model, device, distributed=distributed, op_policies=rules)
+    run.op_choice = op_choice
+    return run, choice
 
 
 def default_policy(device: torch.device) -> str:
@@ -749,6 +767,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         run = build_run(args, policy, model, device, distributed=world_size > 1)
     policy, apply_fn, params, loss_fn, train_step = run.policy, run.apply_fn, run.params, run.loss_fn, run.train_step
+    op_choice = run.op_choice
     group, layout, optimizer, state = run.group, run.layout, run.optimizer, run.state
     del run
 
@@ -847,6 +866,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if choice is not None:
             again = " (--retune measures again)" if choice.source != "capability" else ""
             print(f"policy auto: {choice.explain()}{again}", flush=True)
+        if op_choice is not None:
+            print(f"policy auto, per op: {op_choice.explain()}", flush=True)
         if args.telemetry_every:
             print(f"telemetry: numerics/... every {args.telemetry_every} steps (funcamp.numerics)", flush=True)
 
@@ -966,6 +987,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "checkpoint": ckpt_path,
         "policy": str(policy),
         "policy_choice": choice,  # --policy auto: fa.tune.ComputeDtypeChoice (None for an explicit --policy)
+        "op_choice": op_choice,  # --policy auto: fa.tune.OpDtypeChoice (None for an explicit --policy, or on CUDA)
         "sample": None,
     }
     final_params = whole_params() if end == args.steps and args.sample_bytes > 0 else None

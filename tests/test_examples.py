@@ -182,6 +182,56 @@ def test_policy_auto_measures_once_then_reads_the_cache_and_retune_measures_agai
     assert f"policy auto: timing {what} in each candidate dtype" in capsys.readouterr().out
 
 
+def test_policy_auto_runs_attention_in_float32_where_the_block_measures_it_faster(tmp_path, monkeypatch, capsys):
+    """bfloat16 chosen (timers planted: bfloat16's block 0.7x float32's, then attention in float32 0.6x of the
+    bfloat16 block's): the step is built with ``{"scaled_dot_product_attention": float32}``, the header says so, a
+    second run reads both decisions from the cache; a rule that does not pay builds the step without it.
+    (Planted: build_run called without op_policies: fails.)"""
+    import functools
+
+    from funcamp import hardware
+
+    facts = {"capability": "AVX512", "mkldnn_bf16": True, "mkldnn_fp16": False, "amx": False}
+    monkeypatch.setattr(hardware, "_cpu_facts", lambda: dict(facts))
+    monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path / "cache"))
+
+    def dtype_timer(run) -> float:
+        return 0.7 if run.dtype == torch.bfloat16 else 1.0
+
+    rule_time = {"s": 0.6}
+
+    def op_timer(run) -> float:
+        return rule_time["s"] if run.op_policies else 1.0
+
+    monkeypatch.setattr(
+        fa.tune, "choose_compute_dtype", functools.partial(fa.tune.choose_compute_dtype, timer=dtype_timer)
+    )
+    monkeypatch.setattr(fa.tune, "choose_op_dtypes", functools.partial(fa.tune.choose_op_dtypes, timer=op_timer))
+    built = []
+    build_run = train_gpt.build_run
+
+    def recorded(args, policy, *a, **k):
+        built.append((policy.compute_dtype, k.get("op_policies")))
+        return build_run(args, policy, *a, **k)
+
+    monkeypatch.setattr(train_gpt, "build_run", recorded)
+    argv = [*TINY, "--steps", "1", "--no-compile", "--logdir", str(tmp_path / "run")]
+    first = train_gpt.main(argv)
+    out = capsys.readouterr().out
+    rule = {"scaled_dot_product_attention": torch.float32}
+    assert built == [(torch.bfloat16, rule)] and dict(first["op_choice"].op_policies) == rule
+    assert "policy auto, per op: scaled_dot_product_attention in float32 in a bfloat16 step: measured now" in out
+    built.clear()
+    second = train_gpt.main(argv)
+    out = capsys.readouterr().out
+    assert built == [(torch.bfloat16, rule)] and second["op_choice"].source == "cache" and "from the cache file" in out
+    built.clear()
+    rule_time["s"] = 1.0
+    third = train_gpt.main([*argv, "--retune"])
+    assert built == [(torch.bfloat16, {})] and dict(third["op_choice"].op_policies) == {}
+    assert "policy auto, per op: no per-op rule in a bfloat16 step" in capsys.readouterr().out
+
+
 def test_policy_auto_without_half_kernels_is_float32_at_once(tmp_path, monkeypatch, capsys):
     from funcamp import hardware
 
@@ -191,6 +241,7 @@ def test_policy_auto_without_half_kernels_is_float32_at_once(tmp_path, monkeypat
     out = capsys.readouterr().out
     assert results["policy"] == "params=float32,compute=float32,output=float32"
     assert results["policy_choice"].source == "capability" and "timing the" not in out
+    assert results["op_choice"] is None and "per op" not in out  # nothing computes in a half dtype: no op timed
     line = "policy auto: float32 compute on CPU (AVX2), "
     assert line in out and "oneDNN has no bfloat16 or float16 kernels for this CPU (AVX2) (torch's report" in out
     assert "--retune" not in out

@@ -1191,3 +1191,102 @@ def test_block_probe_measures_a_unit_the_user_keeps_in_float32_in_float32() -> N
         for func, args, _ in run.kernels:
             operands = [a for a in args if isinstance(a, torch.Tensor) and a.ndim >= 2]
             assert operands and all(a.dtype == want for a in operands), (module_policies, func, want)
+
+
+# --- choose_op_dtypes: which ops of a half step run faster in float32 (attention on a CPU without AMX) ----------
+
+
+def op_timer(with_rule: float, without: float = 1.0):
+    """A timer: ``with_rule`` seconds for a run whose op rules were added (``run.op_policies``), else ``without``;
+    records each run's rules in order."""
+    order: list[dict] = []
+
+    def timer(run) -> float:
+        run()
+        order.append(dict(run.op_policies))
+        return with_rule if run.op_policies else without
+
+    timer.order = order  # type: ignore[attr-defined]
+    return timer
+
+
+def test_choose_op_dtypes_keeps_attention_in_float32_where_it_is_faster_and_caches(gpt_probe, tmp_path) -> None:
+    """The rule is kept on a clear gain, its candidate replays attention's kernels in float32 and the matmuls in
+    bfloat16 (what ``OpPolicies`` runs), the rounds interleave, and a second call reads the cache without running
+    anything. (Planted: the rule's replay recorded without the rule: its attention operands are bfloat16: fails.)"""
+    probe, _, model, x = gpt_probe
+    timer = op_timer(0.6)
+    c = fa.tune.choose_op_dtypes(probe, BF16, cache=tmp_path, timer=timer, rounds=5)
+    assert (dict(c.op_policies), c.source, c.rounds) == ({"scaled_dot_product_attention": F32}, "measured", 5)
+    (t,) = c.timings
+    assert t.kept and t.ratio == pytest.approx(0.6) and t.low == t.high == pytest.approx(0.6)
+    assert [bool(r) for r in timer.order[:4]] == [False, True, True, False]  # rotated each round
+    assert "scaled_dot_product_attention in float32 in a bfloat16 step: measured now (5 interleaved" in c.explain()
+    trial = probe.run_with(BF16, {"scaled_dot_product_attention": F32})
+    for func, args, _ in trial.kernels:
+        operands = [a for a in args if isinstance(a, torch.Tensor) and a.ndim >= 2]
+        name = func.overloadpacket.__name__
+        want = F32 if "attention" in name else BF16
+        assert all(a.dtype == want for a in (operands[:3] if "attention" in name else operands)), name
+    assert trial.repeat == probe(BF16).repeat and [f for f, _, _ in trial.kernels] == [
+        f for f, _, _ in probe(BF16).kernels
+    ]
+    fresh = fa.tune.block_probe(model, (x,))
+    hit = fa.tune.choose_op_dtypes(fresh, BF16, cache=tmp_path, timer=op_timer(2.0), rounds=5)
+    assert (dict(hit.op_policies), hit.source, fresh.repeat) == ({"scaled_dot_product_attention": F32}, "cache", 0)
+    assert "from the cache file" in hit.explain() and hit.timings == c.timings
+
+
+@pytest.mark.parametrize(
+    ("times", "why"),
+    [
+        ([1.0] * 5, "not faster in float32"),  # equal
+        ([0.99] * 5, "within the margin"),  # 1% < the 2% margin
+        ([0.5, 1.2, 0.6, 1.3, 0.7], "within the spread"),  # faster on the median, noisier than the gain
+    ],
+)
+def test_choose_op_dtypes_refuses_a_rule_that_does_not_clearly_pay(gpt_probe, times, why) -> None:
+    probe = gpt_probe[0]
+    seen = iter(times)
+
+    def timer(run) -> float:
+        return next(seen) if run.op_policies else 1.0
+
+    c = fa.tune.choose_op_dtypes(probe, BF16, cache=False, timer=timer, rounds=5)
+    assert dict(c.op_policies) == {} and not c.timings[0].kept and why in c.timings[0].why, c.timings
+    assert c.explain().startswith("no per-op rule in a bfloat16 step: measured now")
+
+
+def test_choose_op_dtypes_measures_nothing_for_float32_or_an_op_the_block_does_not_call(cpu_facts) -> None:
+    cpu_facts(AVX512_BF16)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))
+    probe = fa.tune.block_probe(model, (torch.randn(4, 16),))
+
+    def never(run) -> float:
+        raise AssertionError("timed")
+
+    skipped = fa.tune.choose_op_dtypes(probe, F32, cache=False, timer=never)
+    assert (dict(skipped.op_policies), skipped.source, probe.repeat) == ({}, "skipped", 0)
+    assert "float32 compute" in skipped.explain()
+    c = fa.tune.choose_op_dtypes(probe, BF16, cache=False, timer=never)  # Linear blocks: no attention to time
+    assert dict(c.op_policies) == {} and c.timings[0].ratio is None and "does not call it" in c.timings[0].why
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"probe": "blocks.0"}, TypeError, "probe must be a funcamp.tune.BlockProbe"),
+        ({"dtype": torch.int8}, TypeError, "dtype must be the step's floating compute dtype"),
+        ({"ops": "scaled_dot_product_attention"}, TypeError, "ops must be a sequence of op names"),
+        ({"ops": ("",)}, TypeError, "ops must be a sequence of op names"),
+        ({"rounds": 2}, ValueError, "rounds"),
+        ({"margin": -0.1}, ValueError, "margin"),
+        ({"key": {"a": object()}}, TypeError, "key must hold JSON values only"),
+        ({"timer": lambda run: 0.0}, ValueError, r"the timer returned 0.0 seconds"),
+    ],
+)
+def test_choose_op_dtypes_bad_input(gpt_probe, kw: dict, error: type, match: str) -> None:
+    args = {"probe": gpt_probe[0], "dtype": BF16, "cache": False, **kw}
+    with pytest.raises(error, match=match):
+        fa.tune.choose_op_dtypes(args.pop("probe"), args.pop("dtype"), **args)

@@ -38,25 +38,31 @@ same directory, so every fresh process on a machine makes the same choice whatev
 The package, one room a story: ``_keys`` (what a measurement is keyed on; the cache files), ``_checks`` (the
 arguments every entry point checks), ``_timing`` (median seconds; a step's candidates in interleaved rounds),
 ``_units`` (a model's units, their inputs, one run alone), ``_candidates`` (:func:`tune_policy`), ``_decision``
-(:func:`choose_compute_dtype`) and ``_probe`` (:func:`block_probe`).
+(:func:`choose_compute_dtype`), ``_probe`` (:func:`block_probe`) and ``_ops`` (:func:`choose_op_dtypes`: which ops of a
+half step run faster in float32, such as attention on a CPU without AMX).
 """
 
 from funcamp.tune._candidates import DEFAULT_RTOL, TuneCandidate, TuneResult, TuneRow, tune_policy
 from funcamp.tune._decision import ComputeDtypeChoice, choose_compute_dtype
 from funcamp.tune._keys import default_cache_dir
+from funcamp.tune._ops import ATTENTION, OpDtypeChoice, OpTiming, choose_op_dtypes
 from funcamp.tune._probe import BlockProbe, block_probe
 from funcamp.tune._timing import StepTiming, median_seconds
 
 __all__ = [
+    "ATTENTION",
     "DEFAULT_RTOL",
     "ComputeDtypeChoice",
     "BlockProbe",
+    "OpDtypeChoice",
+    "OpTiming",
     "StepTiming",
     "TuneCandidate",
     "TuneResult",
     "TuneRow",
     "block_probe",
     "choose_compute_dtype",
+    "choose_op_dtypes",
     "default_cache_dir",
     "median_seconds",
     "tune_policy",
@@ -64,6 +70,6 @@ __all__ = [
 
 # The classes keep the module they had when this package was one file: their reprs, pickles and the type names a
 # checkpoint records (``funcamp.tune.TuneResult``) do not change with the rooms.
-for _cls in (BlockProbe, ComputeDtypeChoice, StepTiming, TuneCandidate, TuneResult, TuneRow):
+for _cls in (BlockProbe, ComputeDtypeChoice, OpDtypeChoice, OpTiming, StepTiming, TuneCandidate, TuneResult, TuneRow):
     _cls.__module__ = __name__
 del _cls

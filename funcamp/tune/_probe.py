@@ -77,6 +77,7 @@ class _Replay:
     dtype: torch.dtype
     kernels: tuple[tuple[Any, tuple, dict], ...]
     repeat: int
+    op_policies: dict = dataclasses.field(default_factory=dict)  # rules added by run_with (choose_op_dtypes)
 
     def __call__(self) -> None:
         for _ in range(self.repeat):
@@ -159,11 +160,14 @@ class BlockProbe:
                 self._inputs = seen[self.name]
         return self._inputs
 
-    def _record(self, dtype: torch.dtype) -> _Replay:
+    @property
+    def device(self) -> torch.device:
+        """The device the block runs on."""
+        return self._device
+
+    def _record(self, dtype: torch.dtype, op_policies: Any) -> _Replay:
         policy = candidate_policy(self._base, dtype)
-        runner = Runner(
-            self._module, policy, self._capture(), self._device, None, self._op_policies, self._module_policies
-        )
+        runner = Runner(self._module, policy, self._capture(), self._device, None, op_policies, self._module_policies)
         return _Replay(dtype, tuple(_record_kernels(runner.run)), max(self.repeat, 1))
 
     def _calibrate(self, first: _Replay) -> None:
@@ -195,11 +199,25 @@ class BlockProbe:
           RuntimeError: whatever the block's forward or backward raises in ``dtype`` (no kernel for it).
         """
         if dtype not in self._replays:
-            replay = self._record(dtype)
+            replay = self._record(dtype, self._op_policies)
             if not self.repeat:
                 self._calibrate(replay)
             self._replays[dtype] = replay
         return self._replays[dtype]
+
+    def run_with(self, dtype: torch.dtype, op_policies: Mapping[str, torch.dtype]) -> _Replay:
+        """``run()`` replaying the block's kernels in ``dtype`` with ``op_policies`` added to the probe's op rules
+        (:func:`funcamp.tune.choose_op_dtypes`' candidates), replayed as often as ``probe(dtype)``'s run;
+        ``run.op_policies`` is the rules added.
+
+        Raises:
+          as ``probe(dtype)``.
+        """
+        base = self(dtype)  # records (and calibrates) the block as it is first
+        if not op_policies:
+            return base
+        replay = self._record(dtype, {**(self._op_policies or {}), **op_policies})
+        return dataclasses.replace(replay, repeat=base.repeat, op_policies=dict(op_policies))
 
     def __repr__(self) -> str:
         return f"BlockProbe({self.what})"
