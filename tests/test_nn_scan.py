@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import funcamp as fa
@@ -119,6 +120,33 @@ def test_op_rules_hold_inside_the_scanned_body(make, op_policies):
     if op_policies is not None:  # without the rule: other numbers
         other, _ = _train(model, None, False)
         assert any(not torch.equal(other.params[n], p) for n, p in eager.params.items())
+
+
+class _CheckpointedHead(_Head):
+    """``_Head`` whose blocks the model's own code checkpoints (``torch.utils.checkpoint``, as Hugging Face's
+    ``gradient_checkpointing_enable()`` does)."""
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+        return self.out(h)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the same kind as the scan's fault, not fixed yet: under torch.compile a torch.utils.checkpoint call in "
+    "the model is Dynamo's activation-checkpoint operator, whose body is traced without funcamp's per-op mode, so "
+    "the compiled step computes the block's softmax in bfloat16 where the eager step computes it in float32 "
+    "(functionalize(remat=) is not affected: it tags the region instead)",
+)
+def test_op_rules_hold_inside_a_checkpoint_the_model_calls():
+    torch.manual_seed(0)
+    model = _CheckpointedHead()
+    eager, _ = _train(model, None, False)
+    compiled, _ = _train(model, None, True, [])
+    for name, p in eager.params.items():
+        assert torch.equal(compiled.params[name], p), name
 
 
 def test_graph_holds_a_scan_only_when_asked(runs):
