@@ -417,12 +417,15 @@ class _Scanned:
             local: torch.stack([self.uses.at_use(f"{self.name}.{key}.{local}") for key in self.keys])
             for local in self.locals
         }
-        template, name, mode = self.template, self.name, self.mode
+        template, name = self.template, self.name
+        # The forward's per-op precision again, where Dynamo traces this call: it traces the scan's body without
+        # the torch-function modes entered around the forward (measured: {"scaled_dot_product_attention": float32}
+        # was dropped in the compiled scanned step, silently, while the eager step applied it). Called eagerly
+        # (capture.check's trace), the scan operator compiles its body alone, where entering a mode is a side
+        # effect Dynamo refuses ("Attempted to mutate TorchFunctionModeStackVariable").
+        mode = self.mode if torch.compiler.is_dynamo_compiling() else contextlib.nullcontext
 
         def body(h: torch.Tensor, p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            # The forward's per-op precision again: Dynamo traces the scan's body without the torch-function
-            # modes entered around the forward (measured: {"scaled_dot_product_attention": float32} was dropped
-            # in the compiled scanned step, silently, while the eager step applied it).
             with mode():
                 out = torch.func.functional_call(template, p, (h, *args), kwargs, tie_weights=False)
             if not isinstance(out, torch.Tensor) or out.shape != h.shape or out.dtype != h.dtype:
