@@ -211,7 +211,8 @@ class BlockProbe:
         ``run.op_policies`` is the rules added.
 
         Raises:
-          as ``probe(dtype)``.
+          ValueError: if the block is not called by the forward or calls no kernel (as ``probe(dtype)``).
+          RuntimeError: whatever the block's forward or backward raises in ``dtype`` with those rules.
         """
         base = self(dtype)  # records (and calibrates) the block as it is first
         if not op_policies:
