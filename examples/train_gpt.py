@@ -20,10 +20,11 @@ half kernels, such as AVX2-only ones); elsewhere (AVX-512 and AMX CPUs) one deco
 kernels (``funcamp.tune.block_probe``: no compile) are timed in each candidate dtype in interleaved rounds,
 float32 unless a half dtype is faster by more than the rounds' spread, the winner's step alone is built and
 compiled, and the decision is cached (``$FUNCAMP_CACHE_DIR/tune`` or ``~/.cache/funcamp/tune``) so
-that every later run on the machine makes the same choice; ``--retune`` times again. In a half dtype, the same
-block's kernels are then timed with attention in float32 (``funcamp.tune.choose_op_dtypes``; on a CPU without AMX
-bfloat16 attention can take twice float32's at the main job's shapes), and the rule is kept where it is faster by
-more than the rounds' spread, cached alike. The header says which, why, and where the decisions came from.
+that every later run on the machine makes the same choice; ``--retune`` times again. Before that, for each half
+candidate, the same block's kernels are timed with attention in float32 (``funcamp.tune.choose_op_dtypes``; on a CPU
+without AMX bfloat16 attention can take twice float32's at the main job's shapes); the rule is kept where it is
+faster by more than the rounds' spread, cached alike, and the half dtype is then timed against float32 with the
+rules it keeps, as its step will run. The header says which, why, and where the decisions came from.
 
 ``--telemetry-every N`` adds ``funcamp.numerics``' precision telemetry every N steps (per block: gradient
 and weight amax, the share of gradient elements that would underflow or overflow in float16 and
@@ -451,10 +452,10 @@ def auto_policy(
     a CPU without oneDNN half kernels); else the decision cached for this model, batch shape, settings and
     machine; else one decoder block's forward+backward kernels (``fa.tune.block_probe``: matmuls and attention,
     recorded eagerly in each candidate dtype and replayed, no compile) timed in interleaved rounds, float32
-    unless a half dtype is faster by more than the rounds' spread. In a half dtype, ``fa.tune.choose_op_dtypes``
-    then times the block with attention in float32 and keeps the rule where it is faster (the step's
-    ``op_policies``; ``run.op_choice`` says why). Then the winner's step alone is built (and compiled once, by its
-    first call). Under torchrun rank 0 decides alone (no collectives while timing) and every rank takes its
+    unless a half dtype is faster by more than the rounds' spread; each half dtype is timed with the per-op rules
+    ``fa.tune.choose_op_dtypes`` keeps for it first (attention in float32 where the block measures it faster: the
+    step's ``op_policies``; ``run.op_choice`` says why). Then the winner's step alone is built (and compiled once,
+    by its first call). Under torchrun rank 0 decides alone (no collectives while timing) and every rank takes its
     decisions."""
     batch = get_batch(train, 0, batch_size=args.batch_size, block_size=args.block_size, seed=args.seed, device=device)
     distributed = world_size > 1
@@ -464,10 +465,13 @@ def auto_policy(
         key["world_size"] = world_size
         base = auto_policy_for(torch.float32, args.master_weights)
 
+        op_choices: dict[torch.dtype, Any] = {}  # each half candidate's per-op rules (fa.tune.OpDtypeChoice)
+
         def make_step(dtype: torch.dtype) -> Any:
             if dtype == torch.float32:
                 print(f"policy auto: timing {probe.what} in each candidate dtype (no compile)", flush=True)
-            return probe(dtype)
+            rules = op_choices[dtype].op_policies if dtype in op_choices else {}
+            return probe.run_with(dtype, rules)  # a half dtype with the ops it runs faster in float32
 
         # Capturing the block's input runs the model; the global RNG is left as it was, so that a run that
         # measures trains exactly like one that reads the cache.
@@ -477,19 +481,28 @@ def auto_policy(
             if cap.decided is None:
                 fp8_policies = fp8.MODULE_POLICIES if args.fp8 else None  # as build_run's functionalize
                 probe = fa.tune.block_probe(model, (batch["inputs"],), policy=base, module_policies=fp8_policies)
+            what = "the step"
             if probe is not None:
                 key["measure"] = probe.key
+                # First the ops each half dtype runs faster in float32 (attention, on a CPU without AMX), then each
+                # half dtype is timed with its rules against float32: a half dtype whose attention alone is slow
+                # is judged as the step will run it.
+                for half in cap.candidates:
+                    op_choices[half] = fa.tune.choose_op_dtypes(probe, half, key=key, retune=args.retune)
+                ruled = [
+                    f"{str(t).removeprefix('torch.')} with {', '.join(c.op_policies)} in float32"
+                    for t, c in op_choices.items()
+                    if c.op_policies
+                ]
+                key["op_policies"] = {
+                    str(t).removeprefix("torch."): sorted(c.op_policies) for t, c in op_choices.items()
+                }
+                what = probe.what + (f" ({'; '.join(ruled)})" if ruled else "")
             choice = fa.tune.choose_compute_dtype(
-                make_step,
-                model,
-                batch,
-                device=device,
-                key=key,
-                retune=args.retune,
-                what=probe.what if probe is not None else "the step",
+                make_step, model, batch, device=device, key=key, retune=args.retune, what=what
             )
-            if probe is not None:  # then the ops the half step runs faster in float32 (attention, on some CPUs)
-                op_choice = fa.tune.choose_op_dtypes(probe, choice.dtype, key=key, retune=args.retune)
+            if probe is not None:  # the chosen dtype's rules (float32: none, nothing measured)
+                op_choice = op_choices.get(choice.dtype) or fa.tune.choose_op_dtypes(probe, choice.dtype, cache=False)
     if distributed:  # one decision for all ranks: rank 0's
         shared = [choice, op_choice]
         torch.distributed.broadcast_object_list(shared, src=0)

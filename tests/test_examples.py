@@ -159,7 +159,9 @@ def test_policy_auto_measures_once_then_reads_the_cache_and_retune_measures_agai
     assert choice.source == "measured" and built == [choice.dtype]  # the winner's step alone
     what = "blocks.0 (Block, one of 2)'s forward+backward kernels"
     assert f"policy auto: timing {what} in each candidate dtype (no compile)\n" in out
-    assert f": measured now (9 interleaved rounds of {what}, medians: float32 " in out
+    # each half dtype timed with the per-op rules it keeps (named after the block where there are any)
+    ruled = r"( \(bfloat16 with [a-z_]+ in float32\))?"
+    assert re.search(rf": measured now \(9 interleaved rounds of {re.escape(what)}{ruled}, medians: float32 ", out), out
     assert [t.dtype for t in choice.timings] == [torch.float32, torch.bfloat16]
     assert f"saved to {choice.cache_path} (--retune measures again)" in out
     assert choice.cache_path.parent == tmp_path / "cache" / "tune"
@@ -183,10 +185,11 @@ def test_policy_auto_measures_once_then_reads_the_cache_and_retune_measures_agai
 
 
 def test_policy_auto_runs_attention_in_float32_where_the_block_measures_it_faster(tmp_path, monkeypatch, capsys):
-    """bfloat16 chosen (timers planted: bfloat16's block 0.7x float32's, then attention in float32 0.6x of the
-    bfloat16 block's): the step is built with ``{"scaled_dot_product_attention": float32}``, the header says so, a
-    second run reads both decisions from the cache; a rule that does not pay builds the step without it.
-    (Planted: build_run called without op_policies: fails.)"""
+    """Timers planted: attention in float32 0.6x of the bfloat16 block's, and the bfloat16 block 0.7x float32's with
+    that rule but 1.1x without it. The rule is measured first and the bfloat16 candidate timed with it, so bfloat16
+    wins and the step is built with ``{"scaled_dot_product_attention": float32}``; the header says so; a second run
+    reads both decisions from the cache; when the rule no longer pays, bfloat16 (timed without it) loses to float32.
+    (Planted: build_run called without op_policies: fails; the bfloat16 candidate timed without its rule: fails.)"""
     import functools
 
     from funcamp import hardware
@@ -196,7 +199,9 @@ def test_policy_auto_runs_attention_in_float32_where_the_block_measures_it_faste
     monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path / "cache"))
 
     def dtype_timer(run) -> float:
-        return 0.7 if run.dtype == torch.bfloat16 else 1.0
+        if run.dtype == torch.float32:
+            return 1.0
+        return 0.7 if run.op_policies else 1.1
 
     rule_time = {"s": 0.6}
 
@@ -221,6 +226,7 @@ def test_policy_auto_runs_attention_in_float32_where_the_block_measures_it_faste
     rule = {"scaled_dot_product_attention": torch.float32}
     assert built == [(torch.bfloat16, rule)] and dict(first["op_choice"].op_policies) == rule
     assert "policy auto, per op: scaled_dot_product_attention in float32 in a bfloat16 step: measured now" in out
+    assert "forward+backward kernels (bfloat16 with scaled_dot_product_attention in float32), medians:" in out
     built.clear()
     second = train_gpt.main(argv)
     out = capsys.readouterr().out
@@ -228,8 +234,9 @@ def test_policy_auto_runs_attention_in_float32_where_the_block_measures_it_faste
     built.clear()
     rule_time["s"] = 1.0
     third = train_gpt.main([*argv, "--retune"])
-    assert built == [(torch.bfloat16, {})] and dict(third["op_choice"].op_policies) == {}
-    assert "policy auto, per op: no per-op rule in a bfloat16 step" in capsys.readouterr().out
+    assert built == [(torch.float32, {})] and dict(third["op_choice"].op_policies) == {}
+    assert third["policy_choice"].dtype == torch.float32
+    assert "policy auto, per op: no per-op rule: float32 compute" in capsys.readouterr().out
 
 
 def test_policy_auto_without_half_kernels_is_float32_at_once(tmp_path, monkeypatch, capsys):
