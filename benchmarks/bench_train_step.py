@@ -261,6 +261,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("warmup", "steps", "rounds", "probe_steps", "tune_rounds", "tune_depth"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.op_policies not in ("none", "auto"):
+        try:
+            explicit_rules(args.op_policies)
+        except ValueError as e:
+            p.error(str(e))
     args.dtype = args.dtype or "bfloat16"
     if args.dtype == "float32":  # nothing to scale: no GradScaler, no funcamp loss scale (the table says so)
         if args.loss_scale == "dynamic":
@@ -478,19 +483,28 @@ class FuncampStep:
         return metrics["loss"]
 
 
+def explicit_rules(spec: str) -> dict[str, torch.dtype]:
+    """``op=dtype[,op=dtype]`` as ``{op: torch dtype}``; ValueError naming the item that is not (a floating dtype)."""
+    rules = {}
+    for item in spec.split(","):
+        op, _, name = item.partition("=")
+        dtype = getattr(torch, name, None) if name else None
+        if not op or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"--op-policies: {item!r} is not op=dtype with a floating dtype (e.g. scaled_dot_product_attention="
+                "float32); or pass none or auto"
+            )
+        rules[op] = dtype
+    return rules
+
+
 def op_policies(args: argparse.Namespace, model: GPT) -> dict[str, torch.dtype] | None:
     """``--op-policies``' rules for ``model`` (auto: measured on one block, as the main job's ``--policy auto``)."""
     spec = args.op_policies
     if spec == "none":
         return None
     if spec != "auto":
-        rules = {}
-        for item in spec.split(","):
-            op, _, dtype = item.partition("=")
-            if not op or not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise SystemExit(f"--op-policies: {item!r} is not op=dtype (e.g. scaled_dot_product_attention=float32)")
-            rules[op] = getattr(torch, dtype)
-        return rules
+        return explicit_rules(spec)
     example = make_batches(
         1,
         batch_size=args.batch_size,

@@ -227,6 +227,27 @@ def test_float32_compares_the_recipes_without_autocast_or_a_loss_scale() -> None
     assert worst < 1e-5, worst
 
 
+def test_op_policies_option_parses_rules_and_refuses_what_is_not_one(capsys: pytest.CaptureFixture) -> None:
+    """``--op-policies``: none and auto as they are, explicit rules as torch dtypes; a malformed item is refused when
+    the arguments are parsed, naming it (before: at the variant's build, after the models were made)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_train_step as b
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    assert b.parse_args(["--op-policies", "auto"]).op_policies == "auto"
+    args = b.parse_args(["--op-policies", "scaled_dot_product_attention=float32,softmax=bfloat16"])
+    assert b.explicit_rules(args.op_policies) == {
+        "scaled_dot_product_attention": torch.float32,
+        "softmax": torch.bfloat16,
+    }
+    for bad in ("scaled_dot_product_attention", "softmax=int8", "=float32", "softmax=float33"):
+        with pytest.raises(SystemExit):
+            b.parse_args(["--op-policies", bad])
+        assert f"--op-policies: {bad!r} is not op=dtype with a floating dtype" in capsys.readouterr().err
+
+
 def test_auto_policy_benchmark_runs_on_the_tiny_gpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``bench_auto_policy.py``: the main job's decision, then every candidate's step timed interleaved (eager)."""
     monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path / "cache"))
