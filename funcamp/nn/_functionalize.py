@@ -249,10 +249,10 @@ def functionalize(
     if scan == "auto":
         for name, decided in scan_report.items():
             _log.info("functionalize(scan='auto'): %s %s", name, decided)
-    skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=budgets)
+    op_mode = _wrappers.op_mode(policy, op_policies, autocast, store.forward_dtypes)
+    skeleton = _wrappers.skeleton(module, plan, uses, autocast=autocast, training=training, remat=budgets, mode=op_mode)
     if not scan_names:  # a scanned run refuses hooks (they would run the first layer's for every layer)
         _deferred.install(skeleton)  # transformers' first-forward hooks, installed under a lock Dynamo cannot enter
-    op_mode = _wrappers.op_mode(policy, op_policies, autocast, store.forward_dtypes)
     _scan.install(skeleton, scan_names, uses, op_mode)
     run = _Apply(skeleton, plan, policy, autocast, store, uses, op_mode)
     if explicit:

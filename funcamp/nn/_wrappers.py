@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -90,12 +91,14 @@ def skeleton(
     autocast: bool,
     training: bool | None,
     remat: Mapping[str, float],
+    mode: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> nn.Module:
     """A copy of ``module``'s structure with the plan of per-module wrappers installed, innermost first."""
     copied = _copy(module, plan, training)
     _bind_uses(copied, uses)
     _casts(copied, plan, autocast)
     _checkpoints(copied, remat)
+    _modes_in_checkpoints(copied, mode)
     return copied
 
 
@@ -143,6 +146,46 @@ def _casts(copied: nn.Module, plan: Plan, autocast: bool) -> None:
         if id(modules[name]) not in wrapped:
             wrapped.add(id(modules[name]))
             _wrap_cast(modules[name], policy, autocast)
+
+
+def _calls_checkpoint(cls: type) -> bool:
+    """Whether ``cls.forward``'s code names a checkpoint (``torch.utils.checkpoint``, Hugging Face's
+    ``_gradient_checkpointing_func``); True where the code cannot be read (it may)."""
+    forward = getattr(cls, "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return False
+    try:
+        return "checkpoint" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return True
+
+
+def _modes_in_checkpoints(copied: nn.Module, mode: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+    """The per-op precision entered again in the forwards of the modules a module's code may checkpoint.
+
+    Under ``torch.compile`` a ``torch.utils.checkpoint`` call in your model's code is Dynamo's checkpoint operator,
+    whose body Dynamo traces without the torch-function modes entered around the forward: the compiled step ran the
+    op rules (yours, and the default float32 softmax) in the compute dtype there, silently, where the eager step
+    applied them. Each submodule of a module whose ``forward`` names a checkpoint enters ``mode`` where it finds the
+    mode stack empty (inside such a body; elsewhere the mode is already entered, and nothing is added); a function
+    checkpointed without calling a module is not covered. ``functionalize(remat=)`` is not concerned: it tags the
+    region instead of calling the operator."""
+    if mode is contextlib.nullcontext:
+        return
+    callers = [m for m in copied.modules() if _calls_checkpoint(type(m))]
+    targets = {id(d): d for m in callers for d in m.modules() if d is not m}
+    for target in targets.values():
+        forward = target.forward
+
+        @functools.wraps(forward)
+        def entered(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            if torch.compiler.is_dynamo_compiling() and torch._C._len_torch_function_stack() == 0:
+                with mode():
+                    return _forward(*args, **kwargs)
+            return _forward(*args, **kwargs)
+
+        target.forward = entered
 
 
 def _checkpoints(copied: nn.Module, remat: Mapping[str, float]) -> None:
