@@ -167,13 +167,20 @@ def _modes_in_checkpoints(copied: nn.Module, mode: Callable[[], contextlib.Abstr
     Under ``torch.compile`` a ``torch.utils.checkpoint`` call in your model's code is Dynamo's checkpoint operator,
     whose body Dynamo traces without the torch-function modes entered around the forward: the compiled step ran the
     op rules (yours, and the default float32 softmax) in the compute dtype there, silently, where the eager step
-    applied them. Each submodule of a module whose ``forward`` names a checkpoint enters ``mode`` where it finds the
-    mode stack empty (inside such a body; elsewhere the mode is already entered, and nothing is added); a function
-    checkpointed without calling a module is not covered. ``functionalize(remat=)`` is not concerned: it tags the
-    region instead of calling the operator."""
+    applied them. Each submodule of a module whose ``forward`` names a checkpoint (unless the module's
+    ``gradient_checkpointing`` is False) enters ``mode`` where it finds the mode stack empty (inside such a body;
+    elsewhere the mode is already entered, and nothing is added); a function checkpointed without calling a module
+    is not covered. ``functionalize(remat=)`` is not concerned: it tags the region instead of calling the
+    operator."""
     if mode is contextlib.nullcontext:
         return
-    callers = [m for m in copied.modules() if _calls_checkpoint(type(m))]
+    # A module that says it does not checkpoint (Hugging Face's ``gradient_checkpointing = False``, which its forward
+    # reads) is spared: on transformers' GPT-2 with checkpointing off the wrappers cost 3.6% of the traced bytecode.
+    callers = [
+        m
+        for m in copied.modules()
+        if getattr(m, "gradient_checkpointing", None) is not False and _calls_checkpoint(type(m))
+    ]
     targets = {id(d): d for m in callers for d in m.modules() if d is not m}
     for target in targets.values():
         forward = target.forward
