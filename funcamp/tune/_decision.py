@@ -17,9 +17,17 @@ import torch
 from torch import nn
 
 from funcamp import hardware
-from funcamp._version import __version__
 from funcamp.tune._checks import check_candidates, check_counts, check_margin, check_module, timing_device
-from funcamp.tune._keys import cache_path, label, module_signature, step_machine, tree_signature, write_json
+from funcamp.tune._keys import (
+    cache_path,
+    label,
+    module_signature,
+    read_cached,
+    software_key,
+    step_machine,
+    tree_signature,
+    write_json,
+)
 from funcamp.tune._timing import StepTiming, time_steps
 
 _CHOICE_FORMAT = 2  # version of the compute-dtype cache files' layout (2: module settings, facts, `what`)
@@ -234,9 +242,7 @@ def choose_compute_dtype(
         "batch": tree_signature(example_batch),
         "device": str(device),
         "machine": machine,
-        "facts": {k: str(v) for k, v in sorted(hardware._cpu_facts().items())} if device.type == "cpu" else None,
-        "torch": torch.__version__,
-        "funcamp": __version__,  # the step's code is funcamp's
+        **software_key(device),
         "what": what,
         "candidates": [label(d) for d in dtypes],
         "rounds": rounds,
@@ -276,8 +282,28 @@ def _save_choice(path: Path, choice: ComputeDtypeChoice, key_doc: dict) -> None:
 
 def _load_choice(path: Path, key_doc: dict, dtypes: tuple[torch.dtype, ...]) -> ComputeDtypeChoice | None:
     """The decision a cache file holds for this key; None when there is none (a warning when it is unreadable)."""
-    if not path.exists():
-        return None
+
+    def parse(doc: dict) -> ComputeDtypeChoice:
+        dtype = getattr(torch, doc["choice"])
+        if dtype not in dtypes:
+            raise ValueError(f"its choice {doc['choice']!r} is not a candidate")
+        timings = tuple(
+            StepTiming(**{**t, "dtype": getattr(torch, t["dtype"]), "samples": tuple(t["samples"])})
+            for t in doc["timings"]
+        )
+        fields = (
+            doc["reason"],
+            doc["device"],
+            doc["machine"],
+            timings,
+            doc["rounds"],
+            path,
+            doc["measured_at"],
+            doc["what"],
+        )
+        return ComputeDtypeChoice(dtype, "cache", *fields)
+
+    return read_cached(path, key_doc, "choose_compute_dtype", parse)
     try:
         doc = json.loads(path.read_text())
         if doc["key"] != json.loads(json.dumps(key_doc, sort_keys=True)):

@@ -20,15 +20,18 @@ import platform
 import re
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
 from funcamp import hardware
+from funcamp._version import __version__
+
+T = TypeVar("T")
 
 
 def label(dtype: torch.dtype) -> str:
@@ -157,6 +160,29 @@ def cache_path(cache: Any, key_doc: dict, fn: str = "tune_policy", prefix: str =
         raise TypeError(f"{fn}: cache must be True, False or a directory, got {cache!r}")
     digest = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()[:32]
     return directory / f"{prefix}{digest}.json"
+
+
+def software_key(device: torch.device) -> dict[str, Any]:
+    """What a timing on ``device`` depends on beside the machine's name, for a cache key: the CPU's facts (None off
+    the CPU) and the torch and funcamp versions (the step's code is funcamp's)."""
+    facts = {k: str(v) for k, v in sorted(hardware._cpu_facts().items())} if device.type == "cpu" else None
+    return {"facts": facts, "torch": torch.__version__, "funcamp": __version__}
+
+
+def read_cached(path: Path, key_doc: dict, fn: str, parse: Callable[[dict], T]) -> T | None:
+    """``parse(doc)`` of the cache file at ``path`` if it holds ``key_doc``'s decision; None when there is no file,
+    and None with a warning when it is unreadable, holds another key, or ``parse`` raises ``ValueError`` (or a
+    ``KeyError``, ``TypeError``, ``AttributeError`` of a malformed document)."""
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        if doc["key"] != json.loads(json.dumps(key_doc, sort_keys=True)):
+            raise ValueError("its key is not this step's")
+        return parse(doc)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        warnings.warn(f"{fn}: ignoring the unreadable cache file {path} ({error}); measuring again", stacklevel=4)
+        return None
 
 
 def write_json(path: Path, doc: dict, fn: str) -> None:

@@ -16,7 +16,6 @@ import math
 import os
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,8 @@ from typing import Any
 import torch
 
 from funcamp import hardware
-from funcamp._version import __version__
 from funcamp.tune._checks import check_counts, check_margin
-from funcamp.tune._keys import cache_path, label, step_machine, write_json
+from funcamp.tune._keys import cache_path, label, read_cached, software_key, step_machine, write_json
 from funcamp.tune._probe import BlockProbe
 from funcamp.tune._timing import synchronizer
 
@@ -186,9 +184,7 @@ def choose_op_dtypes(
         "rounds": rounds,
         "margin": float(margin),
         "machine": step_machine(device, hardware.capability(device)),
-        "facts": {k: str(v) for k, v in sorted(hardware._cpu_facts().items())} if device.type == "cpu" else None,
-        "torch": torch.__version__,
-        "funcamp": __version__,
+        **software_key(device),
         "key": extra,
     }
     path = cache_path(cache, key_doc, fn, prefix=_PREFIX)
@@ -265,19 +261,12 @@ def _save(path: Path, choice: OpDtypeChoice, key_doc: dict) -> None:
 
 def _load(path: Path, key_doc: dict, dtype: torch.dtype) -> OpDtypeChoice | None:
     """The decision a cache file holds for this key; None when there is none (a warning when it is unreadable)."""
-    if not path.exists():
-        return None
-    try:
-        doc = json.loads(path.read_text())
-        if doc["key"] != json.loads(json.dumps(key_doc, sort_keys=True)):
-            raise ValueError("its key is not this step's")
+
+    def parse(doc: dict) -> OpDtypeChoice:
         rules = {op: getattr(torch, d) for op, d in doc["op_policies"].items()}
         if any(d != torch.float32 for d in rules.values()) or not set(rules) <= set(key_doc["ops"]):
             raise ValueError(f"its rules {doc['op_policies']!r} are not float32 rules of the ops asked")
         timings = tuple(OpTiming(**t) for t in doc["timings"])
         return OpDtypeChoice(rules, dtype, "cache", timings, doc["rounds"], doc["what"], path, doc["measured_at"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        warnings.warn(
-            f"choose_op_dtypes: ignoring the unreadable cache file {path} ({error}); measuring again", stacklevel=3
-        )
-        return None
+
+    return read_cached(path, key_doc, "choose_op_dtypes", parse)
