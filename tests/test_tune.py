@@ -1228,6 +1228,7 @@ def test_choose_op_dtypes_keeps_attention_in_float32_where_it_is_faster_and_cach
         name = func.overloadpacket.__name__
         want = F32 if "attention" in name else BF16
         assert all(a.dtype == want for a in (operands[:3] if "attention" in name else operands)), name
+    assert probe.run_with(BF16, {"scaled_dot_product_attention": F32}) is trial  # recorded once, not per call
     assert trial.repeat == probe(BF16).repeat and [f for f, _, _ in trial.kernels] == [
         f for f, _, _ in probe(BF16).kernels
     ]

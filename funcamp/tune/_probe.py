@@ -128,6 +128,7 @@ class BlockProbe:
         self._min_run_time = min_run_time
         self._inputs: Any = None
         self._replays: dict[torch.dtype, _Replay] = {}
+        self._ruled: dict[tuple[torch.dtype, frozenset], _Replay] = {}  # run_with's replays, by dtype and rules
         self.repeat = self.kernels = 0
         self.key = {
             "measure": "block kernels",
@@ -217,8 +218,11 @@ class BlockProbe:
         base = self(dtype)  # records (and calibrates) the block as it is first
         if not op_policies:
             return base
-        replay = self._record(dtype, {**(self._op_policies or {}), **op_policies})
-        return dataclasses.replace(replay, repeat=base.repeat, op_policies=dict(op_policies))
+        key = (dtype, frozenset(op_policies.items()))
+        if key not in self._ruled:  # recorded once: choose_op_dtypes times it, the dtype decision times it again
+            replay = self._record(dtype, {**(self._op_policies or {}), **op_policies})
+            self._ruled[key] = dataclasses.replace(replay, repeat=base.repeat, op_policies=dict(op_policies))
+        return self._ruled[key]
 
     def __repr__(self) -> str:
         return f"BlockProbe({self.what})"
