@@ -422,13 +422,7 @@ class FuncampStep:
         donate = args.donate if donate is None else donate  # the main job's default, unless the variant says
         if tuned:
             policy = fa.get_policy("params=float32,compute=float32,output=float32")
-            example = make_batches(
-                1,
-                batch_size=args.batch_size,
-                block_size=block_size(args),
-                seed=args.seed + 1,
-                device=next(model.parameters()).device,
-            )[0]
+            example = example_batch(args, model)
             t0 = time.perf_counter()
             result = tune_policy(
                 model,
@@ -483,6 +477,14 @@ class FuncampStep:
         return metrics["loss"]
 
 
+def example_batch(args: argparse.Namespace, model: GPT) -> dict[str, torch.Tensor]:
+    """One batch of the timed shape, not one the steps train on (seed + 1), on the model's device: what the funcamp
+    variants measure before they are built (``tune_policy``, ``--op-policies auto``)."""
+    device, size = next(model.parameters()).device, block_size(args)
+    (batch,) = make_batches(1, batch_size=args.batch_size, block_size=size, seed=args.seed + 1, device=device)
+    return batch
+
+
 def explicit_rules(spec: str) -> dict[str, torch.dtype]:
     """``op=dtype[,op=dtype]`` as ``{op: torch dtype}``; ValueError naming the item that is not (a floating dtype)."""
     rules = {}
@@ -505,13 +507,7 @@ def op_policies(args: argparse.Namespace, model: GPT) -> dict[str, torch.dtype] 
         return None
     if spec != "auto":
         return explicit_rules(spec)
-    example = make_batches(
-        1,
-        batch_size=args.batch_size,
-        block_size=block_size(args),
-        seed=args.seed + 1,
-        device=next(model.parameters()).device,
-    )[0]
+    example = example_batch(args, model)
     probe = fa.tune.block_probe(model, (example["inputs"],))
     choice = fa.tune.choose_op_dtypes(probe, getattr(torch, args.dtype), cache=False)
     print(f"--op-policies auto: {choice.explain()}", flush=True)
