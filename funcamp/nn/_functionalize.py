@@ -321,7 +321,7 @@ class _Apply:
         self.uses.push(params, eager=eager)
         try:
             if not eager:  # every use made and bound up front (see funcamp.nn._use)
-                self.uses.bind(self.slots)
+                self.uses.bind_all(self.slots)
             with _remat.inside(call) if call is not None else contextlib.nullcontext(), self.op_mode():
                 out = self._forward(tensors, params, args, kwargs)
         finally:

@@ -113,9 +113,16 @@ class Uses:
                 call.bound[key] = (holder, local, dict.__getitem__(holder._parameters, local))
                 holder._parameters[local] = self.at_use(name)
 
-    def stored(self, name: str) -> Any:
-        """The stored value a use of ``name`` is made from (by its first name): a tensor or an Int8Weight."""
-        return self.frozen[name] if name in self.frozen else self._calls[-1].params[name]
+    def bind_all(self, slots: list[tuple[nn.Module, str, str]]) -> None:
+        """A compiled call's :meth:`bind` of every slot up front, before any is bound: the same uses, made by
+        :meth:`_make` with the layout asked once (traced by Dynamo for each parameter: two frames a parameter where
+        :meth:`bind` inlines four)."""
+        call = self._calls[-1]
+        made, bound = call.made, call.bound
+        layout = _scope.current()
+        for holder, local, name in slots:
+            bound[(id(holder), local)] = (holder, local, dict.__getitem__(holder._parameters, local))
+            holder._parameters[local] = made[name] if name in made else self._make(made, name, layout)
 
     def at_use(self, name: str) -> torch.Tensor:
         """The forward tensor of one use of the parameter ``name`` (a first name or a tied alias).
@@ -137,13 +144,13 @@ class Uses:
             # A first read with gradients off (under no_grad or inference_mode, in a Function's forward): the
             # use is made for the whole call, so it is made with its autograd history, as the parameter has it.
             with torch.inference_mode(False), torch.enable_grad():
-                return self._make(call.made, name)
-        return self._make(call.made, name)
+                return self._make(call.made, name, _scope.current())
+        return self._make(call.made, name, _scope.current())
 
-    def _make(self, made: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    def _make(self, made: dict[str, torch.Tensor], name: str, layout: Any) -> torch.Tensor:
+        """``name``'s use under ``layout`` (:func:`funcamp._scope.current`), kept in ``made``."""
         first = self.aliases.get(name, name)
-        stored = self.stored(first)
-        layout = _scope.current()
+        stored = self.frozen[first] if first in self.frozen else self._calls[-1].params[first]
         if isinstance(layout, _scope.GathersAtUse):
             stored = layout.param_at_use(first, stored)
         dtype = self.forward_dtypes[name]
