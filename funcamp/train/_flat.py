@@ -33,6 +33,7 @@ kept leaf by leaf and says why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -541,7 +542,7 @@ class Flat:
                     f"{shape} on {g.device}; replace state tensors only with tensors of the same shape, "
                     "dtype and device (or build a new state with TrainState.create)"
                 )
-        numel, offsets = int(g.numel * ratio), [int(off * ratio) for off in g.offsets]
+        numel, offsets = _scaled(g.numel, g.offsets, ratio)
         base = tensors[0]._base
         if (
             base is not None
@@ -582,6 +583,14 @@ class Flat:
 
 def _nothing() -> None:
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _scaled(numel: int, offsets: tuple[int, ...], ratio: Fraction) -> tuple[int, tuple[int, ...]]:
+    """A group's length and offsets in a state leaf of ``ratio`` elements per parameter element, computed once per
+    group and ratio (host constants): :meth:`Flat.enter` asks at every step, for every buffer of the state (the
+    ``Fraction`` products were 4 of GPT-2 124M's 19 ms a step outside the compiled call)."""
+    return int(numel * ratio), tuple(int(off * ratio) for off in offsets)
 
 
 @dataclasses.dataclass
