@@ -542,7 +542,7 @@ class Flat:
                     f"{shape} on {g.device}; replace state tensors only with tensors of the same shape, "
                     "dtype and device (or build a new state with TrainState.create)"
                 )
-        numel, offsets = _scaled(g.numel, g.offsets, ratio)
+        numel, offsets = _scaled(g.numel, tuple(g.offsets), ratio)  # (a tuple already: the same object)
         base = tensors[0]._base
         if (
             base is not None
