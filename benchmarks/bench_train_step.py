@@ -891,6 +891,19 @@ def block_size(args: argparse.Namespace) -> int:
     return args.block_size or SIZES[args.config].block_size
 
 
+#: The C library's allocator settings a CPU step's time depends on (docs/memory.md, "The undonated step and the
+#: allocator"): torch.amp's GPT-2 124M step took 2199-2683 ms with them unset and 1464 ms with freed memory kept, in
+#: runs beside a donated funcamp step (docs/benchmarks.md), so every figure says which it ran under.
+ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+
+
+def allocator_settings() -> str:
+    """The :data:`ALLOCATOR_ENV` variables set in this process's environment, ``NAME=value`` joined by spaces, or
+    ``"as it comes"`` when none is."""
+    set_ = [f"{name}={os.environ[name]}" for name in ALLOCATOR_ENV if name in os.environ]
+    return " ".join(set_) if set_ else "as it comes"
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
         "python": platform.python_version(),
@@ -900,6 +913,7 @@ def machine() -> dict[str, Any]:
         "cpu": platform.processor() or platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(),
+        "allocator": allocator_settings(),
     }
     with contextlib.suppress(OSError, FileNotFoundError, subprocess.SubprocessError):
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -1131,7 +1145,8 @@ def markdown(result: dict[str, Any]) -> str:
         + (f", {', '.join(m.get('cpu_bf16', []))}" if m.get("cpu_bf16") else "")
         + ")"
         + (f", GPU {m['gpu']}" if cuda and m.get("gpu") else "")
-        + f"; Python {m['python']}, torch {m['torch']}, funcamp {m['funcamp']}",
+        + f"; Python {m['python']}, torch {m['torch']}, funcamp {m['funcamp']}"
+        + (f"; C allocator: {m['allocator']}" if not cuda and m.get("allocator") else ""),
         "",
         f"Model: GPT `{cfg['config']}` ({result['n_params'] / 1e6:.2f}M parameters), batch {cfg['batch_size']} x "
         f"{cfg['block_size']} tokens, {cfg['dtype']} compute, loss scale: {cfg['loss_scale']}; "

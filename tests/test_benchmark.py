@@ -159,6 +159,7 @@ def test_markdown_table_has_every_column_and_variant(result: dict) -> None:
         assert line.startswith(f"| {i} ") and len(line.strip("|").split("|")) == len(HEADERS) + 1
     for text in ("Command: `python benchmarks/bench_train_step.py", "torch ", "final losses agree", "Recompile check"):
         assert text in md
+    assert f"C allocator: {result['machine']['allocator']}" in md
     assert md in result["_stdout"]  # the table written is the table printed
 
 
@@ -225,6 +226,23 @@ def test_float32_compares_the_recipes_without_autocast_or_a_loss_scale() -> None
     ref = dict(torch_step.model.named_parameters())
     worst = max((funcamp_step.state.params[k] - ref[k]).abs().max().item() for k in ref)
     assert worst < 1e-5, worst
+
+
+def test_the_machine_record_names_the_c_allocators_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU step's time depends on glibc's mmap and trim settings (docs/memory.md): each figure says which it ran
+    under, "as it comes" when none is set (planted: the environment not read: fails)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_train_step as b
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for name in b.ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert b.allocator_settings() == "as it comes"
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "2147483647")
+    assert b.allocator_settings() == "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647"
+    assert b.machine()["allocator"] == "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647"
 
 
 def test_op_policies_option_parses_rules_and_refuses_what_is_not_one(capsys: pytest.CaptureFixture) -> None:
