@@ -8,7 +8,6 @@ import dataclasses
 import datetime as _dt
 import json
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -304,30 +303,3 @@ def _load_choice(path: Path, key_doc: dict, dtypes: tuple[torch.dtype, ...]) -> 
         return ComputeDtypeChoice(dtype, "cache", *fields)
 
     return read_cached(path, key_doc, "choose_compute_dtype", parse)
-    try:
-        doc = json.loads(path.read_text())
-        if doc["key"] != json.loads(json.dumps(key_doc, sort_keys=True)):
-            raise ValueError("its key is not this step's")
-        dtype = getattr(torch, doc["choice"])
-        if dtype not in dtypes:
-            raise ValueError(f"its choice {doc['choice']!r} is not a candidate")
-        timings = tuple(
-            StepTiming(**{**t, "dtype": getattr(torch, t["dtype"]), "samples": tuple(t["samples"])})
-            for t in doc["timings"]
-        )
-        fields = (
-            doc["reason"],
-            doc["device"],
-            doc["machine"],
-            timings,
-            doc["rounds"],
-            path,
-            doc["measured_at"],
-            doc["what"],
-        )
-        return ComputeDtypeChoice(dtype, "cache", *fields)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        warnings.warn(
-            f"choose_compute_dtype: ignoring the unreadable cache file {path} ({error}); measuring again", stacklevel=3
-        )
-        return None
