@@ -7,12 +7,14 @@ Speed is not asserted here: the benchmark measures it; this test checks that the
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,6 +62,15 @@ HEADERS = [
     "host syncs/step",
     "final loss",
 ]
+
+
+def _benchmark(name: str) -> Any:
+    """The module ``benchmarks/<name>.py``, imported with ``benchmarks/`` on ``sys.path`` only while it imports."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 @pytest.fixture(scope="module")
@@ -191,11 +202,7 @@ def test_the_mfu_peak_is_the_better_of_the_two_measures(before: float, after: fl
     """The matmul rate MFU divides by is the better of the one measured before the steps and the one after, in
     either order (the end-to-end run above sees one order only, whichever the host gave). Planted: the first
     measure kept, fails on (1.25, 2.5)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_train_step
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_train_step = _benchmark("bench_train_step")
     peak, source = bench_train_step.better_peak(before, after, "bfloat16", 128)
     assert peak == 2.5, (peak, source)
     assert source.startswith("measured: bfloat16 128^3 matmul, ") and f"{before:.2f} before" in source, source
@@ -208,11 +215,7 @@ def test_float32_compares_the_recipes_without_autocast_or_a_loss_scale() -> None
     one step of each from the same weights gives the same loss and parameters within float32's round-off (measured
     1.2e-7; planted: the loss scale left dynamic, or autocast left on -> fails). An explicit ``--loss-scale dynamic``
     is refused (planted: overridden to none -> fails)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_train_step as b
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    b = _benchmark("bench_train_step")
     args = b.parse_args(["--config", "tiny", "--batch-size", "4", "--dtype", "float32", "--backend", "eager"])
     assert args.loss_scale == "none" and args.loss_rtol == 1e-3
     with pytest.raises(SystemExit):  # a dynamic scale asked for explicitly is refused, not dropped
@@ -231,11 +234,7 @@ def test_float32_compares_the_recipes_without_autocast_or_a_loss_scale() -> None
 def test_the_machine_record_names_the_c_allocators_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU step's time depends on glibc's mmap and trim settings (docs/memory.md): each figure says which it ran
     under, "as it comes" when none is set (planted: the environment not read: fails)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_train_step as b
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    b = _benchmark("bench_train_step")
     for name in b.ALLOCATOR_ENV:
         monkeypatch.delenv(name, raising=False)
     assert b.allocator_settings() == "as it comes"
@@ -248,11 +247,7 @@ def test_the_machine_record_names_the_c_allocators_settings(monkeypatch: pytest.
 def test_op_policies_option_parses_rules_and_refuses_what_is_not_one(capsys: pytest.CaptureFixture) -> None:
     """``--op-policies``: none and auto as they are, explicit rules as torch dtypes; a malformed item is refused when
     the arguments are parsed, naming it (before: at the variant's build, after the models were made)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_train_step as b
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    b = _benchmark("bench_train_step")
 
     assert b.parse_args(["--op-policies", "auto"]).op_policies == "auto"
     args = b.parse_args(["--op-policies", "scaled_dot_product_attention=float32,softmax=bfloat16"])
@@ -269,11 +264,7 @@ def test_op_policies_option_parses_rules_and_refuses_what_is_not_one(capsys: pyt
 def test_auto_policy_benchmark_runs_on_the_tiny_gpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``bench_auto_policy.py``: the main job's decision, then every candidate's step timed interleaved (eager)."""
     monkeypatch.setenv("FUNCAMP_CACHE_DIR", str(tmp_path / "cache"))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_auto_policy
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_auto_policy = _benchmark("bench_auto_policy")
     job = ["--model", "tiny", "--batch-size", "4", "--no-compile", "--quiet"]
     out = bench_auto_policy.main(["--rounds", "3", "--steps", "1", "--json", str(tmp_path / "r.json"), "--", *job])
     assert out["rows"][0]["dtype"] == "float32" and out["rows"][0]["ratio"] == 1.0
@@ -310,11 +301,7 @@ def test_run_cuda_dry_run_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def first_step_bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_first_step
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_first_step = _benchmark("bench_first_step")
     return bench_first_step
 
 
@@ -387,11 +374,7 @@ def test_first_step_summarize_reports_a_run_cut_short(first_step_bench, tmp_path
 def test_dynamo_time_by_function_names_the_step_stages() -> None:
     """``bench_dynamo_time.py --by-function``: the child process traces the main job's small step (backend eager)
     and reports Dynamo's phases and its inclusive seconds per inlined function, the step's stages among them."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_dynamo_time
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_dynamo_time = _benchmark("bench_dynamo_time")
     got = bench_dynamo_time._one(ROOT, "small", 1, top=40)
     assert set(bench_dynamo_time.KEYS) <= set(got) and got["bytecode_tracing"] > 0, got
     by_name = {name: (seconds, calls) for name, seconds, calls in got["by_function"]}
