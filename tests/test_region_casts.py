@@ -170,3 +170,41 @@ def test_a_region_is_handed_the_factors_of_a_product_it_multiplies_again():
     assert not any(n.target is torch.ops.aten.mul.Tensor and n.users for n in gm.graph.nodes)  # no product outside
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, ref, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(got_args, ref_args, strict=True))
+
+
+def test_a_layer_of_a_reversed_stack_is_read_from_the_stack():
+    """A scanned run's stacked gradients come from torch's scan last layer first and are reversed (``flip`` /
+    ``prims.rev``) before each layer's is selected: the selects of the reversal are read from the stack itself
+    (layer ``i`` at ``n - 1 - i``, a view), so each layer's widened gradient is a view of memory the region is handed
+    narrow. The reversal was computed in the kernels that read it, each layer's at its own offset (GPT-2 124M's
+    scanned step: 48 of 76 C++ compiles; docs/benchmarks.md). Here the stack is a batched matmul's; outputs and
+    written operands bitwise those without the pass (planted: no un-reversing: the region is left widened)."""
+
+    def plain(x, w, p1, m1, p2, m2):
+        stack = torch.flip(torch.bmm(torch.stack([x, w]), torch.stack([w, x])), [0])  # bfloat16 [2, 8, 8]
+        g1 = stack[0].float().reshape(-1)
+        g2 = stack[1].float().reshape(-1)
+        return _writing(g1, p1, m1), _writing(g2, p2, m2)
+
+    graphs = []
+    got, got_args = _run(plain, _passed_unreversed(graphs))
+    ref, ref_args = _run(plain, "aot_eager")
+    ((changed, gm),) = graphs
+    assert changed == 1
+    nodes = list(gm.graph.nodes)
+    assert not any(n.target in region_casts._REVERSES for n in nodes)
+    selects = [n for n in nodes if n.target is region_casts._SELECT]
+    assert sorted(n.args[1:] for n in selects) == [(0, 0), (0, 1)]
+    assert all(n.args[0].target is torch.ops.aten.bmm.default for n in selects)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got_args, ref_args, strict=True))
+
+
+def _passed_unreversed(graphs):
+    def compiler(gm, example_inputs):
+        region_casts._unreverse(gm.graph)
+        graphs.append((region_casts._region_casts(gm.graph), gm))
+        gm.recompile()
+        return gm
+
+    return aot_autograd(fw_compiler=compiler)

@@ -41,6 +41,7 @@ _STORAGE_VIEWS = frozenset(
         _aten.transpose.int,
         _aten.squeeze.dim,
         _aten.unsqueeze.default,
+        _aten.select.int,
     }
 )
 #: The matrix multiplies inductor runs as kernels it does not generate (without max-autotune, and for the sizes
@@ -59,6 +60,11 @@ _STORED = frozenset({*_MATMULS, _aten.convolution.default})
 _STORED_MANY = ("convolution_backward", "scaled_dot_product")
 #: Nested compile regions (plain and functionalized): their operands and results are tensors in memory.
 _REGIONS = (torch.ops.higher_order.invoke_subgraph, torch.ops.higher_order.auto_functionalized_v2)
+#: Loops (a scanned run of layers, :mod:`funcamp.nn._scan`, before and after inductor lowers its scan to a
+#: ``while_loop``): their results are tensors in memory, read by ``getitem``.
+_LOOPS = tuple(
+    getattr(torch.ops.higher_order, name) for name in ("scan", "while_loop") if hasattr(torch.ops.higher_order, name)
+)
 
 
 def _autotuned() -> bool:
@@ -112,7 +118,7 @@ def _factors(node: torch.fx.Node) -> Iterator[tuple[torch.fx.Node, torch.fx.Node
 
 def _in_memory(node: torch.fx.Node) -> bool:
     """Whether ``node`` is, through views, a graph input, an extern kernel's result (:func:`_extern`, directly or
-    read by ``getitem``) or a region's: in memory whatever inductor fuses."""
+    read by ``getitem``), a region's or a loop's (:data:`_LOOPS`): in memory whatever inductor fuses."""
     while node.op == "call_function" and node.target in _STORAGE_VIEWS:
         node = node.args[0]
     if node.op == "placeholder":
@@ -121,7 +127,7 @@ def _in_memory(node: torch.fx.Node) -> bool:
         return False
     if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         source = node.args[0]
-        return source.op == "call_function" and (source.target in _REGIONS or _extern(source))
+        return source.op == "call_function" and (source.target in (*_REGIONS, *_LOOPS) or _extern(source))
     return _extern(node)
 
 

@@ -302,6 +302,47 @@ def _erase_unused(graph: torch.fx.Graph, node: Any) -> None:
         node = inputs[0] if inputs else None
 
 
+_SELECT = torch.ops.aten.select.int
+_REVERSES = (torch.ops.prims.rev.default, torch.ops.aten.flip.default)
+
+
+def _unreverse(graph: torch.fx.Graph) -> int:
+    """Read each layer of a reversed stack from the stack itself: ``select(rev(x, [0]), 0, i)`` (a scanned run's
+    stacked gradients, which torch's scan makes last layer first and reverses) becomes ``select(x, 0, n - 1 - i)``,
+    the same tensor, a view. A reversal is computed by the kernels that read it, so the layers' widened gradients
+    were read at ``(n - 1 - i) * size`` in kernels that differed only in that offset, each compiled on its own (GPT-2
+    124M's scanned step: 48 of the first step's 76 C++ compiles), and were no view of memory :func:`_narrow_source`
+    could hand a region. Returns the number of selects changed."""
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _SELECT or len(node.args) != 3 or node.kwargs:
+            continue
+        rev, dim, index = node.args
+        if dim != 0 or not isinstance(index, int) or not isinstance(rev, torch.fx.Node) or rev.op != "call_function":
+            continue
+        if rev.target not in _REVERSES or len(rev.args) != 2 or rev.kwargs or list(rev.args[1]) not in ([0], [-1]):
+            continue
+        stack, val = rev.args[0], _val(rev.args[0])
+        if not isinstance(stack, torch.fx.Node) or val is None or val.ndim == 0:
+            continue
+        if list(rev.args[1]) == [-1] and val.ndim != 1:
+            continue
+        n = val.shape[0]
+        if not isinstance(n, int) or not -n <= index < n:
+            continue
+        with graph.inserting_before(node):
+            layer = graph.call_function(_SELECT, (stack, 0, n - 1 - index % n))
+        layer.meta = {**node.meta, "val": val.select(0, n - 1 - index % n)}
+        layer.meta["tensor_meta"] = _extract_tensor_metadata(layer.meta["val"])
+        node.replace_all_uses_with(layer)
+        graph.erase_node(node)
+        if not rev.users:
+            graph.erase_node(rev)
+        changed += 1
+    return changed
+
+
 def run(ctx: PassContext) -> None:
-    """:func:`_region_casts` of the graph."""
+    """:func:`_unreverse`, then :func:`_region_casts` of the graph."""
+    _unreverse(ctx.graph)
     _region_casts(ctx.graph)
