@@ -143,7 +143,7 @@ def _buffer_update(
     t: torch.Tensor,
     s: torch.Tensor,
     *leaves: Any,
-) -> tuple[torch.Tensor, ...]:
+) -> torch.Tensor:
     """One buffer's update, written into ``p`` and its optimizer-state ``leaves`` where ``finite`` (donated): the
     optimizer over ``{buffer: g * unit}`` with the global gradient norm ``(t, s)``; returns the new 0-d state leaves,
     their bytes in one tensor (:func:`_pack`).
@@ -206,7 +206,7 @@ def _region(kind: _Kind) -> Any:
     every compiled step that read it compile again."""
     key = next(_HASHES)
 
-    def update(*args: Any) -> tuple[torch.Tensor, ...]:
+    def update(*args: Any) -> torch.Tensor:
         return _buffer_update(kind, *args)
 
     return torch.compiler.nested_compile_region(
