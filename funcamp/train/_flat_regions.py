@@ -171,16 +171,20 @@ def _pack(zero_d: list[torch.Tensor]) -> torch.Tensor:
     One output per region, not one per 0-d leaf: inductor makes a node of every output of every region call and of
     every input of the ``cat`` that combined each leaf's values over the calls (GPT-2 124M's body: 62 calls, three
     0-d leaves, 372 of its step graph's 1,381 scheduler nodes)."""
-    order = sorted(range(len(zero_d)), key=lambda i: -zero_d[i].dtype.itemsize)
-    return torch.cat([zero_d[i].reshape(1).view(torch.uint8) for i in order])
+    return torch.cat([zero_d[i].reshape(1).view(torch.uint8) for i in _byte_order(zero_d)])
+
+
+def _byte_order(tensors: list[torch.Tensor]) -> list[int]:
+    """The indices of ``tensors`` in the order :func:`_pack` lays out their bytes and :func:`_unpack` reads them:
+    largest item size first (stable among equal sizes)."""
+    return sorted(range(len(tensors)), key=lambda i: -tensors[i].dtype.itemsize)
 
 
 def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """:func:`_pack`'s inverse: the 0-d tensors of ``like``'s dtypes (in ``like``'s order) read from ``packed``."""
-    order = sorted(range(len(like)), key=lambda i: -like[i].dtype.itemsize)
     out: list[Any] = [None] * len(like)
     at = 0
-    for i in order:
+    for i in _byte_order(like):
         size = like[i].dtype.itemsize
         out[i] = packed[at : at + size].view(like[i].dtype).reshape(())
         at += size
