@@ -216,3 +216,21 @@ def _passed_unreversed(graphs):
         return gm
 
     return aot_autograd(fw_compiler=compiler)
+
+
+def test_a_stack_reversed_along_another_dimension_is_left_as_it_is():
+    """``select(flip(x, [1]), 0, i)`` is not layer ``n - 1 - i`` of ``x``: only a reversal along the first dimension
+    is read from the stack; the values bitwise those without the pass (planted: the dimension not checked: the
+    layers read from the wrong end, the outputs differ)."""
+
+    def step(x, w, p1, m1, p2, m2):
+        stack = torch.flip(torch.bmm(torch.stack([x, w]), torch.stack([w, x])), [1])
+        return _writing(stack[0].float().reshape(-1), p1, m1), _writing(stack[1].float().reshape(-1), p2, m2)
+
+    graphs = []
+    got, got_args = _run(step, _passed_unreversed(graphs))
+    ref, ref_args = _run(step, "aot_eager")
+    ((_, gm),) = graphs
+    assert any(n.target in region_casts._REVERSES for n in gm.graph.nodes)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got_args, ref_args, strict=True))

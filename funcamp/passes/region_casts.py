@@ -320,19 +320,20 @@ def _unreverse(graph: torch.fx.Graph) -> int:
         rev, dim, index = node.args
         if dim != 0 or not isinstance(index, int) or not isinstance(rev, torch.fx.Node) or rev.op != "call_function":
             continue
-        if rev.target not in _REVERSES or len(rev.args) != 2 or rev.kwargs or list(rev.args[1]) not in ([0], [-1]):
+        if rev.target not in _REVERSES or len(rev.args) != 2 or rev.kwargs:
             continue
         stack, val = rev.args[0], _val(rev.args[0])
         if not isinstance(stack, torch.fx.Node) or val is None or val.ndim == 0:
             continue
-        if list(rev.args[1]) == [-1] and val.ndim != 1:
+        if [d % val.ndim for d in rev.args[1]] != [0]:  # reversed along the first dimension alone
             continue
         n = val.shape[0]
         if not isinstance(n, int) or not -n <= index < n:
             continue
+        at = n - 1 - index % n
         with graph.inserting_before(node):
-            layer = graph.call_function(_SELECT, (stack, 0, n - 1 - index % n))
-        layer.meta = {**node.meta, "val": val.select(0, n - 1 - index % n)}
+            layer = graph.call_function(_SELECT, (stack, 0, at))
+        layer.meta = {**node.meta, "val": val.select(0, at)}
         layer.meta["tensor_meta"] = _extract_tensor_metadata(layer.meta["val"])
         node.replace_all_uses_with(layer)
         graph.erase_node(node)
