@@ -57,7 +57,9 @@ ScanLike = str | Sequence[str] | None
 #: with AMX, 2 cores, torch 2.13.0+cpu; ``python benchmarks/bench_scan.py --layers 2,4,12 --backends inductor
 #: --threads 2``, ``benchmarks/results/bench_scan_xeon.json``; ``examples/gpt.py``'s block, width 128): the
 #: scanned step's first call took 1.25x / 0.89x / 0.64x the unrolled one's at 2 / 4 / 12 layers, and its steady
-#: step 1.31x / 1.15x / 1.14x (torch's scan copies the saved activations, reversed, for its backward). Below this
+#: step 1.31x / 1.15x / 1.14x (torch's scan copies the saved activations, reversed, for its backward; the compiled
+#: train step reads them in place since, :mod:`funcamp.passes.scan_reversal`, which that benchmark's own step does
+#: not run: GPT-2 124M's body scanned, 1.03x the unrolled step, docs/benchmarks.md). Below this
 #: depth the first call saves little or costs more, and the steady step is slower everywhere.
 AUTO_MIN_LAYERS = 8
 _AUTO_DEVICES = ("cpu",)
