@@ -67,6 +67,12 @@ _LOOPS = tuple(
 )
 
 
+def _val(node: Any) -> torch.Tensor | None:
+    """The tensor ``node`` computes (its ``meta["val"]``, a fake tensor), or None for a non-node or a non-tensor."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
 def _autotuned() -> bool:
     """Whether inductor may generate a matmul or a convolution as a template that fuses what it reads and what
     reads it (max-autotune): read while the compile's option patch is active."""

@@ -35,7 +35,7 @@ import torch
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from funcamp.passes._context import PassContext
-from funcamp.passes._graph import _factors, _in_memory
+from funcamp.passes._graph import _factors, _in_memory, _val
 
 NAME = "region_casts"
 
@@ -70,11 +70,6 @@ def _narrow_source(operand: Any) -> torch.fx.Node | None:
     if not val.is_contiguous() or not out.is_contiguous():
         return None
     return x if _in_memory(x) else None
-
-
-def _val(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _narrowed_region(sub: torch.fx.GraphModule, positions: dict[int, torch.dtype]) -> torch.fx.GraphModule:

@@ -13,8 +13,8 @@ stacks themselves as additional inputs, read whole, and one ``xs`` operand, the 
 is what inductor's lowering of a scan reads from its reversed copy (``select(copy, 0, loop index)``). The values
 are the same bit for bit; what is gone is the copies, their kernel and their memory.
 
-Only scans on the CPU: elsewhere the index would be read on the host from device memory every layer. Scans with
-some operands not reversed are left as they are (torch makes the backward scan's operands all reversals).
+Only scans of CPU tensors: the index tensor lives on the CPU, and the pass has been checked there alone. A scan with
+some operand not reversed is left as it is (torch makes every operand of the backward scan a reversal).
 """
 
 from __future__ import annotations
@@ -26,15 +26,12 @@ import torch
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from funcamp.passes._context import PassContext
+from funcamp.passes._graph import _val
 
 NAME = "scan_reversal"
 
 _SCAN = torch.ops.higher_order.scan
 _REVERSES = (torch.ops.prims.rev.default, torch.ops.aten.flip.default)
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def _reversed_stack(node: Any) -> torch.fx.Node | None:
@@ -45,7 +42,7 @@ def _reversed_stack(node: Any) -> torch.fx.Node | None:
         return None
     stack, dims = node.args
     val = _val(stack)
-    if not isinstance(val, torch.Tensor) or val.ndim == 0 or val.device.type != "cpu":
+    if val is None or val.ndim == 0 or val.device.type != "cpu":
         return None
     if [d % val.ndim for d in dims] != [0]:
         return None
