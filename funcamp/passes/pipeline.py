@@ -41,7 +41,6 @@ from funcamp.passes import (
     scalars_once,
     scan_reversal,
     sharded_gathers,
-    stacked_sums,
     tags,
 )
 from funcamp.passes._context import PassContext, PassCount
@@ -66,7 +65,6 @@ PIPELINE: tuple[tuple[str, Callable[[PassContext], None]], ...] = (
     (scalars_once.NAME, scalars_once.run),
     (scan_reversal.NAME, scan_reversal.run),
     (region_casts.NAME, region_casts.run),
-    (stacked_sums.NAME, stacked_sums.run),
 )
 
 #: The passes ``FUNCAMP_PASSES_OFF`` takes, in the order they first run.
