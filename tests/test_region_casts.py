@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
-from funcamp.passes import region_casts
+from funcamp.passes import _graph, region_casts
 
 
 @torch.compiler.nested_compile_region
@@ -200,7 +200,7 @@ def test_a_layer_of_a_reversed_stack_is_read_from_the_stack(reverse):
     ((changed, gm),) = graphs
     assert changed == 1
     nodes = list(gm.graph.nodes)
-    assert not any(n.target in region_casts._REVERSES for n in nodes)
+    assert not any(n.target in _graph._REVERSES for n in nodes)
     selects = [n for n in nodes if n.target is region_casts._SELECT]
     assert sorted(n.args[1:] for n in selects) == [(0, 0), (0, 1)]
     assert all(n.args[0].target is torch.ops.aten.bmm.default for n in selects)
@@ -231,6 +231,6 @@ def test_a_stack_reversed_along_another_dimension_is_left_as_it_is():
     got, got_args = _run(step, _passed_unreversed(graphs))
     ref, ref_args = _run(step, "aot_eager")
     ((_, gm),) = graphs
-    assert any(n.target in region_casts._REVERSES for n in gm.graph.nodes)
+    assert any(n.target in _graph._REVERSES for n in gm.graph.nodes)
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(got_args, ref_args, strict=True))

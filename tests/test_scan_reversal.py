@@ -14,7 +14,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._higher_order_ops.scan import scan
 
-from funcamp.passes import scan_reversal
+from funcamp.passes import _graph, scan_reversal
 
 
 def _layers(h, w, b):
@@ -69,7 +69,7 @@ def test_the_backward_scan_reads_the_forward_stacks_from_their_last_layer():
     _, _, xs, additional = node.args
     assert [x.target for x in xs] == [torch.ops.aten.arange.start_step]
     assert xs[0].args == (4, -1, -1)
-    assert not any(a.op == "call_function" and a.target in scan_reversal._REVERSES for a in additional)
+    assert not any(a.op == "call_function" and a.target in _graph._REVERSES for a in additional)
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 

@@ -73,6 +73,24 @@ def _val(node: Any) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+#: Reversals: ``prims.rev(x, dims)`` (what AOTAutograd records for torch's scan's backward) and ``flip(x, dims)``.
+_REVERSES = (torch.ops.prims.rev.default, torch.ops.aten.flip.default)
+
+
+def _first_axis_reversal(node: Any) -> torch.fx.Node | None:
+    """``x`` where ``node`` reverses the tensor ``x`` along its first dimension alone (``rev(x, [0])``, or a
+    negative dimension naming it), else None: a stack of layers read last layer first."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _REVERSES):
+        return None
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    x, dims = node.args
+    val = _val(x)
+    if val is None or val.ndim == 0 or [d % val.ndim for d in dims] != [0]:
+        return None
+    return x
+
+
 def _autotuned() -> bool:
     """Whether inductor may generate a matmul or a convolution as a template that fuses what it reads and what
     reads it (max-autotune): read while the compile's option patch is active."""

@@ -35,7 +35,7 @@ import torch
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from funcamp.passes._context import PassContext
-from funcamp.passes._graph import _factors, _in_memory, _val
+from funcamp.passes._graph import _factors, _first_axis_reversal, _in_memory, _val
 
 NAME = "region_casts"
 
@@ -298,7 +298,6 @@ def _erase_unused(graph: torch.fx.Graph, node: Any) -> None:
 
 
 _SELECT = torch.ops.aten.select.int
-_REVERSES = (torch.ops.prims.rev.default, torch.ops.aten.flip.default)
 
 
 def _unreverse(graph: torch.fx.Graph) -> int:
@@ -313,15 +312,10 @@ def _unreverse(graph: torch.fx.Graph) -> int:
         if node.op != "call_function" or node.target is not _SELECT or len(node.args) != 3 or node.kwargs:
             continue
         rev, dim, index = node.args
-        if dim != 0 or not isinstance(index, int) or not isinstance(rev, torch.fx.Node) or rev.op != "call_function":
+        stack = _first_axis_reversal(rev)
+        if dim != 0 or not isinstance(index, int) or stack is None:
             continue
-        if rev.target not in _REVERSES or len(rev.args) != 2 or rev.kwargs:
-            continue
-        stack, val = rev.args[0], _val(rev.args[0])
-        if not isinstance(stack, torch.fx.Node) or val is None or val.ndim == 0:
-            continue
-        if [d % val.ndim for d in rev.args[1]] != [0]:  # reversed along the first dimension alone
-            continue
+        val = _val(stack)
         n = val.shape[0]
         if not isinstance(n, int) or not -n <= index < n:
             continue

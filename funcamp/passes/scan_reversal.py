@@ -26,27 +26,17 @@ import torch
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from funcamp.passes._context import PassContext
-from funcamp.passes._graph import _val
+from funcamp.passes._graph import _first_axis_reversal, _val
 
 NAME = "scan_reversal"
 
 _SCAN = torch.ops.higher_order.scan
-_REVERSES = (torch.ops.prims.rev.default, torch.ops.aten.flip.default)
 
 
 def _reversed_stack(node: Any) -> torch.fx.Node | None:
     """``x`` where ``node`` is ``rev(x, [0])`` or ``flip(x, [0])`` (the first dimension alone) of a CPU tensor."""
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _REVERSES):
-        return None
-    if len(node.args) != 2 or node.kwargs:
-        return None
-    stack, dims = node.args
-    val = _val(stack)
-    if val is None or val.ndim == 0 or val.device.type != "cpu":
-        return None
-    if [d % val.ndim for d in dims] != [0]:
-        return None
-    return stack
+    stack = _first_axis_reversal(node)
+    return stack if stack is not None and _val(stack).device.type == "cpu" else None
 
 
 def _body(body: torch.fx.GraphModule, carries: int, n: int, rest: int) -> Callable[..., Any]:
