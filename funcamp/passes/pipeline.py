@@ -39,6 +39,7 @@ from funcamp.passes import (
     remat_budget,
     remat_regions,
     scalars_once,
+    scan_copies,
     scan_reversal,
     sharded_gathers,
     tags,
@@ -63,6 +64,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassContext], None]], ...] = (
     (late_constructors.NAME, late_constructors.run),
     (flat_gradients.NAME, flat_gradients.run),
     (scalars_once.NAME, scalars_once.run),
+    (scan_copies.NAME, scan_copies.run),
     (scan_reversal.NAME, scan_reversal.run),
     (region_casts.NAME, region_casts.run),
 )
