@@ -8,7 +8,9 @@
 ``sharded_gathers`` (unused gathers dropped, the others moved to their user), ``casts_at_use``,
 ``late_constructors``, ``flat_gradients`` (a flat state's gradients written into their buffer as they are made),
 ``scalars_once`` (a step's scalars stored once rather than computed in every loop that reads them),
-``scan_reversal`` (a backward scan reads the forward's stacks from their last layer, not reversed copies) and
+``scan_copies`` (a scan's body reads a tensor, not copies of it in the same layout; the backward reads the forward's
+own stacked weights, not saved copies), ``scan_reversal`` (a backward scan reads the forward's stacks from their last
+layer, not reversed copies) and
 ``region_casts`` (a nested compile region handed a widened gradient gets the narrow one and widens it inside).
 The loop (:func:`run`) skips the passes switched off and records the graph's node count
 around each pass (:class:`~funcamp.passes._context.PassCount`; logged at debug level on the ``funcamp.passes``

@@ -11,10 +11,11 @@ from the forward to the backward) and every weight gradient copied twice, each s
 Two rewrites, each exact by construction: both tensors hold the same values at every index in the same strides,
 so every reader reads the same bytes.
 
-* In a body, a chain of copies and views (``clone``, ``permute``, ``t``, ``transpose``, ``view``, ``reshape``,
-  ``_unsafe_view``, ``alias``) from ``a`` to ``b`` that maps every index to itself, ``b`` with ``a``'s shape,
-  dtype and strides, is dropped: ``b``'s readers read ``a``. As a result of the body, ``b`` is kept where ``a`` is
-  a view or one of the body's inputs or results (a result must not alias either).
+* In a body, a chain of copies and views (``clone`` and the ``*_copy`` ops functionalization writes, ``permute``,
+  ``t``, ``transpose``, ``view``, ``reshape``, ``_unsafe_view``, ``alias``, ``detach``) from ``a`` to ``b`` that
+  maps every index to itself, ``b`` with ``a``'s shape, dtype and strides, is dropped: ``b``'s readers read ``a``.
+  As a result of the body, ``b`` is kept where ``a`` is not computed into memory of its own in the body (an input,
+  a view, an item of an op's results) or is a result already (a result must alias no input and no other result).
 * A result of the body stacked by the scan (a ``ys``) that is, by such a chain, the layer the scan reads of one of
   its ``xs`` stacks, with the stack's shape, dtype and strides, is no longer computed: the outer graph reads the
   ``xs`` stack in its place (for a scanned linear layer, the weight the backward reads).
@@ -38,8 +39,8 @@ NAME = "scan_copies"
 
 _SCAN = torch.ops.higher_order.scan
 _aten = torch.ops.aten
-#: Copies: each makes a new tensor holding its operand's values, contiguous, in the layout of its view (``clone``
-#: and the ``*_copy`` ops functionalization writes for views).
+#: Copies: each makes a new tensor of its own holding its operand's values (``clone``, and the ``*_copy`` ops
+#: functionalization writes for views, each the values of its view); the layout is the one its node's value records.
 _COPIES = frozenset(
     {
         _aten.clone.default,
