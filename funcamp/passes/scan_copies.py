@@ -110,8 +110,8 @@ def _same(a: torch.fx.Node, b: torch.fx.Node, chain: list[torch.fx.Node]) -> boo
         return out is not None and out.shape == index.shape and torch.equal(out, index)
 
 
-def _source(b: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
-    """The furthest ``a`` up ``b``'s chain that ``b`` copies whole into the same layout, and the chain from it."""
+def _source(b: torch.fx.Node) -> torch.fx.Node | None:
+    """The furthest ``a`` up the chain ending in the copy ``b`` that ``b`` holds whole, in the same layout."""
     if b.target not in _COPIES or not _link(b):
         return None
     chain = [b]
@@ -121,7 +121,7 @@ def _source(b: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | Non
         if not isinstance(a, torch.fx.Node):
             return found
         if _same(a, b, chain):
-            found = (a, list(chain))
+            found = a
         if not _link(a):
             return found
         chain.insert(0, a)
@@ -140,10 +140,9 @@ def _drop_in_body(body: torch.fx.GraphModule) -> int:
     for b in list(graph.nodes):
         if b.op != "call_function" or not b.users:
             continue
-        found = _source(b)
-        if found is None:
+        a = _source(b)
+        if a is None:
             continue
-        a, _ = found
         keep_result = not _fresh(a) or a in output.all_input_nodes
         if keep_result and all(user.op == "output" for user in b.users):
             continue
@@ -170,10 +169,10 @@ def _drop_saved_layers(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
     drop = {}
     for k in range(len(init), len(results)):
         r = results[k]
-        found = (r, []) if r in layer_of else _source(r) if isinstance(r, torch.fx.Node) else None
-        if found is None or found[0] not in layer_of:
+        layer = r if r in layer_of else _source(r) if isinstance(r, torch.fx.Node) else None
+        if layer not in layer_of:
             continue
-        stack, ys = xs[layer_of[found[0]]], vals[k]
+        stack, ys = xs[layer_of[layer]], vals[k]
         sv = _val(stack)
         if sv is None or not (_static(sv) and _static(ys)):
             continue
