@@ -103,3 +103,24 @@ def test_a_copy_into_another_layout_is_kept():
     assert [n.args[0].op for n in left] == ["placeholder"]
     x = torch.randn(4, 4).t()
     assert torch.equal(gm(x), f(x))
+
+
+def test_a_result_never_becomes_a_view_of_an_input():
+    """A body result that copies a view of an input the same layout (a full ``expand``, a ``slice`` of the whole
+    tensor, a ``squeeze`` of nothing) stays a copy: a result must alias no input (planted: only the chain's own
+    view ops counted as views: the results share the inputs' memory)."""
+    aten = torch.ops.aten
+
+    def f(h, x):
+        whole = aten.slice.Tensor(h, 1, 0, 4)
+        same = aten.expand.default(x, [3, 4])
+        kept = aten.squeeze.dim(h, 0)
+        return (h * 2, aten.clone.default(whole), aten.clone.default(same), aten.clone.default(kept))
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 4), torch.randn(3, 4))
+    scan_copies._drop_in_body(gm)
+    h, x = torch.randn(3, 4), torch.randn(3, 4)
+    out = gm(h, x)
+    inputs = {h.untyped_storage().data_ptr(), x.untyped_storage().data_ptr()}
+    assert not inputs & {o.untyped_storage().data_ptr() for o in out}
+    assert all(torch.equal(a, b) for a, b in zip(out, f(h, x), strict=True))

@@ -97,3 +97,31 @@ def test_only_a_stack_reversed_along_its_first_dimension_is_read_in_place(dims, 
     ref = torch.compile(f, backend="aot_eager", fullgraph=True)(x, h)
     assert [c for c, _ in graphs] == [changed]
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_a_backward_scan_with_a_dynamic_size_is_read_in_place():
+    """With a dynamic batch the backward scan's body also reads the batch size, a SymInt additional input; the
+    rewritten body is traced with it (planted: the example built from tensors alone: the trace fails on the
+    missing size), and the gradients are bitwise those without the pass."""
+
+    def layers(h, w, b):
+        def body(c, wl):
+            c = torch.tanh(c @ wl + b) * c.shape[0]
+            return c, c.sum(0)
+
+        c, ys = scan(body, h, w)
+        return c.sum() + ys.square().sum()
+
+    def grads(backend):
+        torch._dynamo.reset()
+        g = torch.Generator().manual_seed(0)
+        args = [torch.randn(*shape, generator=g, requires_grad=True) for shape in ((6, 4), (5, 4, 4), (4,))]
+        torch._dynamo.mark_dynamic(args[0], 0)  # the batch, not the layers
+        out = torch.compile(layers, backend=backend, fullgraph=True)(*args)
+        return [out, *torch.autograd.grad(out, args)]
+
+    graphs = []
+    got = grads(_passed(graphs))
+    ref = grads("aot_eager")
+    assert [c for c, _ in graphs] == [0, 1]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))

@@ -128,8 +128,11 @@ def _source(b: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _fresh(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is computed into memory of its own (not an input, not a view of one)."""
-    return node.op == "call_function" and node.target not in _VIEWS and node.target is not operator.getitem
+    """Whether ``node`` is computed into memory of its own: an ATen op whose schema says its results alias
+    nothing (not an input, not a view such as ``slice`` or ``expand``, not an item of a higher-order op's results)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return all(r.alias_info is None for r in node.target._schema.returns)
 
 
 def _drop_in_body(body: torch.fx.GraphModule) -> int:

@@ -39,6 +39,11 @@ def _reversed_stack(node: Any) -> torch.fx.Node | None:
     return stack if stack is not None and _val(stack).device.type == "cpu" else None
 
 
+def _meta(node: Any) -> Any:
+    """The value ``node`` computes (a fake tensor or a SymInt), or ``node`` itself where it is a constant."""
+    return node.meta["val"] if isinstance(node, torch.fx.Node) else node
+
+
 def _body(body: torch.fx.GraphModule, carries: int, n: int, rest: int) -> Callable[..., Any]:
     """The scan body that reads its layers from whole stacks: called with ``(*carry, index, *additional,
     *stacks)`` (``index`` the 0-d int64 layer index, ``additional`` the scan's own ``rest`` additional inputs), it
@@ -67,7 +72,8 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, stacks: list[torch.fx.N
     fake_mode = _val(stacks[0]).fake_mode
     with fake_mode:
         index_val = torch.arange(n - 1, -1, -1, dtype=torch.int64, device="cpu")
-        example = [*(_val(c) for c in init), index_val[0], *(_val(a) for a in additional), *(_val(s) for s in stacks)]
+        # a carry or an additional input may be a SymInt (a dynamic size the body reads), which ``_val`` skips
+        example = [*(_meta(c) for c in init), index_val[0], *(_meta(a) for a in additional), *(_val(s) for s in stacks)]
         body = fwd_only(  # no decompositions: the body's ops as they are
             _body(getattr(gm, body_attr.target), len(init), n, len(additional)),
             example,
