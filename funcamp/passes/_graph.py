@@ -73,6 +73,12 @@ def _val(node: Any) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def _value(node: Any) -> Any:
+    """What ``node`` computes (its ``meta["val"]``: a fake tensor, a SymInt, ...), or ``node`` itself where it is a
+    constant argument: the example a traced call is handed."""
+    return node.meta["val"] if isinstance(node, torch.fx.Node) else node
+
+
 #: Reversals: ``prims.rev(x, dims)`` (what AOTAutograd records for torch's scan's backward) and ``flip(x, dims)``.
 _REVERSES = (torch.ops.prims.rev.default, torch.ops.aten.flip.default)
 

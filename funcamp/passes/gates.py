@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from funcamp.passes._graph import _value
 from funcamp.passes.tags import _PHASE, _tags
 
 
@@ -60,7 +61,7 @@ def _call(graph: torch.fx.Graph, op: Any, *args: Any, phase: str | None = "backw
     """A new node of ``op`` at the graph's insertion point, tagged ``phase`` (``None``: untagged, as the
     optimizer's nodes are), with the fake value later passes read."""
     node = graph.call_function(op, args)
-    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    vals = [_value(a) for a in args]
     with vals[0].fake_mode:
         node.meta["val"] = op(*vals)
     if phase is not None:

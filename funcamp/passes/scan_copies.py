@@ -194,9 +194,7 @@ def _drop_saved_layers(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
             graph.erase_node(user)
         else:
             user.args = (node, k - sum(1 for d in drop if d < k))
-    output.args = ([r for k, r in enumerate(results) if k not in drop],)
-    body.graph.eliminate_dead_code()
-    body.recompile()
+    output.args = ([r for k, r in enumerate(results) if k not in drop],)  # the dead copies go in _drop_in_body
     node.meta["val"] = [v for k, v in enumerate(vals) if k not in drop]
     node.meta.pop("tensor_meta", None)
     return len(drop)
@@ -218,7 +216,7 @@ def _rewrite(graph: torch.fx.Graph) -> tuple[int, int]:
         if len(graph.find_nodes(op="get_attr", target=body_attr.target)) != 1:
             continue
         saved += _drop_saved_layers(graph, node)
-        copies += _drop_in_body(getattr(gm, body_attr.target))
+        copies += _drop_in_body(getattr(gm, body_attr.target))  # after it: its dead code eliminated, recompiled
     return saved, copies
 
 

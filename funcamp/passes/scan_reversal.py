@@ -26,7 +26,7 @@ import torch
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from funcamp.passes._context import PassContext
-from funcamp.passes._graph import _first_axis_reversal, _val
+from funcamp.passes._graph import _first_axis_reversal, _val, _value
 
 NAME = "scan_reversal"
 
@@ -37,11 +37,6 @@ def _reversed_stack(node: Any) -> torch.fx.Node | None:
     """``x`` where ``node`` is ``rev(x, [0])`` or ``flip(x, [0])`` (the first dimension alone) of a CPU tensor."""
     stack = _first_axis_reversal(node)
     return stack if stack is not None and _val(stack).device.type == "cpu" else None
-
-
-def _meta(node: Any) -> Any:
-    """The value ``node`` computes (a fake tensor or a SymInt), or ``node`` itself where it is a constant."""
-    return node.meta["val"] if isinstance(node, torch.fx.Node) else node
 
 
 def _body(body: torch.fx.GraphModule, carries: int, n: int, rest: int) -> Callable[..., Any]:
@@ -72,8 +67,9 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, stacks: list[torch.fx.N
     fake_mode = _val(stacks[0]).fake_mode
     with fake_mode:
         index_val = torch.arange(n - 1, -1, -1, dtype=torch.int64, device="cpu")
-        # a carry or an additional input may be a SymInt (a dynamic size the body reads), which ``_val`` skips
-        example = [*(_meta(c) for c in init), index_val[0], *(_meta(a) for a in additional), *(_val(s) for s in stacks)]
+        # a carry or an additional input may be a SymInt (a dynamic size the body reads): ``_value``, not ``_val``
+        carry, rest = [_value(c) for c in init], [_value(a) for a in additional]
+        example = [*carry, index_val[0], *rest, *(_val(s) for s in stacks)]
         body = fwd_only(  # no decompositions: the body's ops as they are
             _body(getattr(gm, body_attr.target), len(init), n, len(additional)),
             example,
