@@ -3,7 +3,8 @@
     python benchmarks/bench_dynamo_time.py --baseline /path/to/other/checkout --rounds 3
 
 Each run is a fresh process that builds the main job's step for ``--model`` (``bench_graph_size.py``'s models:
-``gpt2-body``, the unrolled GPT-2 124M body, or ``small``) with ``--backend eager`` (Dynamo only: nothing is
+``gpt2-body``, GPT-2 124M's body, unrolled or with ``--scan auto`` its 12 blocks stacked and one traced, or
+``small``) with ``--backend eager`` (Dynamo only: nothing is
 lowered or compiled after the trace), calls it once and prints ``torch._dynamo.utils.compile_times()``'s
 ``bytecode_tracing`` (Dynamo's symbolic run of the step), ``_compile.compile_inner`` (all of Dynamo's compile,
 guards and bytecode included), ``get_fake_value`` and ``build_guards``, in seconds. With ``--baseline``, the
@@ -36,7 +37,7 @@ KEYS = ("bytecode_tracing", "_compile.compile_inner", "get_fake_value", "build_g
 
 _CHILD = """
 import collections, json, sys, time
-root, model, threads, top = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+root, model, threads, top, scan = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 sys.path[:0] = [root, root + "/examples", {here!r}]
 import torch
 torch.set_num_threads(threads)
@@ -44,7 +45,7 @@ import funcamp as fa
 assert fa.__file__.startswith(root), (fa.__file__, root)
 import bench_graph_size as bgs
 import torch._dynamo.utils as du
-train_gpt, jargs = bgs._job_args(model, ["--scan", "off", "--backend", "eager"])
+train_gpt, jargs = bgs._job_args(model, ["--scan", scan, "--backend", "eager"])
 net = bgs._model(train_gpt, jargs, None)
 batch = bgs._batch(train_gpt, jargs)
 policy = train_gpt.make_policy(fa.get_policy(bgs.POLICY), jargs.master_weights)
@@ -76,11 +77,14 @@ print("RESULT " + json.dumps(result))
 """
 
 
-def _one(root: Path, model: str, threads: int, top: int = 0) -> dict[str, Any]:
+def _one(root: Path, model: str, threads: int, top: int = 0, scan: str = "off") -> dict[str, Any]:
     code = _CHILD.format(here=str(HERE), keys=KEYS)
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run(
-        [sys.executable, "-c", code, str(root), model, str(threads), str(top)], capture_output=True, text=True, env=env
+        [sys.executable, "-c", code, str(root), model, str(threads), str(top), scan],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -94,6 +98,12 @@ def main() -> None:
     p.add_argument("--baseline", type=Path, default=None, help="another checkout of funcamp to run in turn")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--scan",
+        default="off",
+        choices=("off", "auto"),
+        help="the job's --scan: off (default), every block traced; auto, GPT-2's 12 blocks stacked and one traced",
+    )
     p.add_argument("--by-function", type=int, default=0, metavar="N", help="print the N functions Dynamo spent most in")
     args = p.parse_args()
     roots = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
@@ -101,7 +111,7 @@ def main() -> None:
     for r in range(args.rounds):
         order = list(roots.items()) if r % 2 == 0 else list(roots.items())[::-1]
         for name, root in order:
-            got[name].append(_one(root, args.model, args.threads, args.by_function))
+            got[name].append(_one(root, args.model, args.threads, args.by_function, args.scan))
             by_function = got[name][-1].pop("by_function")
             print(f"round {r + 1}: {name} ({root}): {got[name][-1]}", flush=True)
             if by_function:

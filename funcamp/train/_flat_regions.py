@@ -40,7 +40,6 @@ equal in every region (checked by :func:`plan`), so that every region feeds the 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import Any, NamedTuple
@@ -239,9 +238,10 @@ def run(
         (leaves,), rebuild = fast
     units = {g.dtype: torch.ones((), dtype=g.dtype, device=g.device) for g in grads.values()}
     outs = _scope.within(_CallNorm(t, s), _calls, regions.calls, grads, units, params, finite, t, s, leaves)
-    # Every region's bytes are equal (plan() checked); their largest makes every region feed the new state. A chain
-    # of maximums, which inductor computes in one node, where a stack's cat made a node of each of its inputs.
-    packed = functools.reduce(torch.maximum, outs)
+    # Every region's bytes are equal (plan() checked); their largest makes every region feed the new state. Their
+    # stack's max: inductor hands the stack to aten.cat (no kernel of its own) and takes the max in one kernel, where
+    # a chain of maximums took three on GPT-2 124M's body (the chain's last maximum fused into each 0-d leaf's read).
+    packed = torch.stack(outs).amax(0)
     new_leaves = list(leaves)
     for j, new in zip(regions.zero_d, _unpack(packed, [leaves[j] for j in regions.zero_d]), strict=True):
         new_leaves[j] = new
