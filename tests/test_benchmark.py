@@ -382,3 +382,25 @@ def test_dynamo_time_by_function_names_the_step_stages() -> None:
     for stage in ("funcamp/train/_stages.py:run", "funcamp/train/_stages.py:gradients"):
         seconds, calls = by_name[stage]
         assert 0 < seconds <= got["bytecode_tracing"] and calls == 1, (stage, seconds, calls)
+
+
+def test_kernel_compile_reads_every_kernel_of_an_output_code() -> None:
+    """``bench_kernel_compile.kernels``: every C++ kernel of a real inductor output code (a small function with a
+    pointwise kernel and a reduction, compiled on the CPU), with its argument types and source, as compiled."""
+    from torch._inductor.utils import run_and_get_code
+
+    bench_kernel_compile = _benchmark("bench_kernel_compile")
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin() + y, (x * y).sum(1).cos()
+
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(torch.compile(f, backend="inductor"), x, y)
+    code = "\n".join(codes)
+    got = bench_kernel_compile.kernels(code)
+    assert len(got) == code.count("async_compile.cpp_pybinding(") >= 1, code
+    for name, types, source in got:
+        assert name.startswith("cpp_fused") and 'extern "C"' in source, (name, source[:200])
+        assert types and all(t.endswith("*") for t in types), types
+        assert source.count("in_ptr") and len(types) == source.split(")")[0].count(",") + 1, (types, source[:300])
