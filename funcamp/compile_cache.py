@@ -396,8 +396,8 @@ def _why_nothing() -> str:
     graphs = "graph" if bypassed == 1 else "graphs"
     return (
         f"{reason}: its FX graph cache bypassed {bypassed} {graphs} (one holding an operator torch cannot cache, "
-        "such as the scan of functionalize(scan=...) on torch 2.13; TORCH_LOGS=+cache says which), so every new "
-        "process compiles the step again"
+        "such as a higher-order operator torch does not mark cacheable: funcamp's compiled step marks the scan of "
+        "functionalize(scan=...) so; TORCH_LOGS=+cache says which), so every new process compiles the step again"
     )
 
 
@@ -412,8 +412,10 @@ def save(file: str | os.PathLike[str], key: CacheKey) -> CacheResult:
     directory that :func:`load` would refuse is not written (``action="refused"``). A file that already holds the same
     artifacts for the same key is left as it is (``action="unchanged"``). With caches off
     (``TORCHINDUCTOR_FORCE_DISABLE_CACHES``) or a backend that writes none (``aot_eager``) there is nothing
-    to save (``action="nothing"``), and so with a step torch's FX graph cache will not take: on torch 2.13 one holding
-    the scan operator (``funcamp.nn.functionalize(scan=...)``), which the reason then names.
+    to save (``action="nothing"``), and so with a step torch's FX graph cache will not take (one holding a
+    higher-order operator torch does not mark cacheable; funcamp's compiled step marks the scan of
+    ``funcamp.nn.functionalize(scan=...)`` cacheable, :func:`funcamp.train._assemble.inductor_options`), which the
+    reason then says.
 
     Args:
       file: the cache file (see :func:`path`).

@@ -1,10 +1,11 @@
 """One process of tests/test_compile_cache.py: load the compile cache, run two compiled steps, save the cache.
 
-    python tests/_compile_cache_worker.py CACHE_DIR OUT_PREFIX
+    python tests/_compile_cache_worker.py CACHE_DIR OUT_PREFIX [scan]
 
 Writes ``OUT_PREFIX.json`` (the load and save results, inductor's and AOTAutograd's cache counters, the compile
 phases, the C++ libraries in the inductor cache at the end) and ``OUT_PREFIX.pt`` (the tensors of the state
 after two steps). ``TORCHINDUCTOR_CACHE_DIR`` is the caller's choice (an empty one: what a fresh machine has).
+With ``scan``, the model's middle is a run of three alike blocks that ``functionalize(scan=)`` stacks.
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ import funcamp as fa
 from funcamp import compile_cache, optim
 
 
-def main(cache_dir: str, out: str) -> None:
+def main(cache_dir: str, out: str, scan: bool = False) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
-    apply_fn, params = fa.nn.functionalize(model, "params=float32,compute=bfloat16,output=float32")
+    if scan:
+        blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU()) for _ in range(3)])
+        model = nn.Sequential(nn.Linear(8, 16), blocks, nn.Linear(16, 4))
+    else:
+        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+    policy = "params=float32,compute=bfloat16,output=float32"
+    apply_fn, params = fa.nn.functionalize(model, policy, scan="1" if scan else None)
+    assert tuple(getattr(apply_fn, "scan", ())) == (("1",) if scan else ())
     opt = optim.adamw(1e-2, weight_decay=0.1)
     state = fa.TrainState.create(params, opt, loss_scale=fa.DynamicLossScale(2.0**15))
 
@@ -51,6 +58,7 @@ def main(cache_dir: str, out: str) -> None:
         "libraries": sorted(f"{lib.parent.name}/{lib.name}" for lib in root.glob("??/*.so")),
         "phases": dict(zip(*compile_times(repr="csv", aggregate=True))),
         "loss": float(metrics["loss"]),
+        "key": str(file),
     }
     leaves = [x for x in fa._tree.tree_leaves(state) if isinstance(x, torch.Tensor)]
     torch.save(leaves, out + ".pt")
@@ -59,4 +67,4 @@ def main(cache_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], scan=sys.argv[3:] == ["scan"])

@@ -12,6 +12,7 @@ import collections
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -245,8 +246,9 @@ def test_nothing_to_save(fake_torch, monkeypatch):
 
 
 def test_nothing_to_save_names_the_graphs_torch_would_not_cache(fake_torch, monkeypatch):
-    """A step torch's FX graph cache bypassed (on torch 2.13 a scanned one: 'Can't cache HigherOrderOperator: scan',
-    measured on a scanned GPT's step) is said so, with where torch says why, rather than a bare "nothing"."""
+    """A step torch's FX graph cache bypassed (one holding a higher-order operator torch does not mark cacheable: a
+    scanned GPT's step did, "Can't cache HigherOrderOperator: scan", until funcamp marked the scan) is said so, with
+    where torch says why, rather than a bare "nothing"."""
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
     monkeypatch.setitem(torch._dynamo.utils.counters, "inductor", collections.Counter(fxgraph_cache_bypass=1))
     result = compile_cache.save(fake_torch.file, fake_torch.key)
@@ -360,10 +362,10 @@ def test_save_makes_private_directories(fake_torch):
 # --- a warm start in a second process (inductor) ---------------------------------------------------------
 
 
-def _worker(tmp_path: Path, name: str, inductor: Path) -> tuple[dict, list[torch.Tensor]]:
+def _worker(tmp_path: Path, name: str, inductor: Path, *extra: str) -> tuple[dict, list[torch.Tensor]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(inductor), "OMP_NUM_THREADS": "1"}
     out = tmp_path / name
-    cmd = [sys.executable, str(ROOT / "tests" / "_compile_cache_worker.py"), str(tmp_path / "cache"), str(out)]
+    cmd = [sys.executable, str(ROOT / "tests" / "_compile_cache_worker.py"), str(tmp_path / "cache"), str(out), *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(Path(f"{out}.json").read_text()), torch.load(f"{out}.pt", weights_only=True)
@@ -403,3 +405,61 @@ def test_second_process_loads_the_step(tmp_path):
     assert third["save"]["action"] == "saved"  # the file is written anew
     assert _bitwise_equal(first_state, third_state)
     assert hashlib.sha256(file.read_bytes()).hexdigest() != hashlib.sha256(bytes(data)).hexdigest()
+
+
+@pytest.mark.slow
+def test_a_scanned_step_is_saved_and_loaded(tmp_path):
+    """A step whose run of blocks ``functionalize(scan=)`` stacks: torch 2.13's caches refuse a graph holding the
+    scan operator unless it is marked cacheable (``funcamp.train._assemble.inductor_options``). Saved by the first
+    process; a second on an empty inductor cache loads it, hits the FX graph cache, compiles no C++ and trains bit
+    for bit as the first. (Planted: the scan left unmarked: the first process's graph is bypassed and nothing is
+    saved.)"""
+    first, first_state = _worker(tmp_path, "first", tmp_path / "inductor-1", "scan")
+    assert first["save"]["action"] == "saved", first["save"]
+    assert first["inductor"].get("fxgraph_cache_miss") == 1 and "fxgraph_cache_bypass" not in first["inductor"]
+    (file,) = (tmp_path / "cache").glob("step-*.bin")
+    carried = {name for name, _, _ in json.loads(file.read_bytes().split(b"\n", 2)[1])["kernels"]}
+    second, second_state = _worker(tmp_path, "second", tmp_path / "inductor-2", "scan")
+    assert second["key"] == first["key"] and second["load"]["action"] == "loaded", second["load"]
+    assert second["inductor"].get("fxgraph_cache_hit") == 1 and "fxgraph_cache_miss" not in second["inductor"]
+    assert set(second["libraries"]) <= carried, set(second["libraries"]) - carried  # no C++ library built
+    assert _bitwise_equal(first_state, second_state)
+
+
+def test_the_cache_key_holds_a_scans_body():
+    """What marking the scan cacheable relies on (``funcamp.train._assemble.inductor_options``): torch's FX graph
+    cache keys a graph with its scan's body, so two scans alike but for the body's activation are two entries,
+    never one served for the other. Each compiled under funcamp's options gives its own eager values; the same
+    body compiled again is served from the cache. (A factor new in every run makes the keys new, so no entry of an
+    earlier run answers. Planted: every graph given one FX graph cache key: the second body is served the first's
+    entry and its values are wrong.)"""
+    from torch._dynamo.utils import counters
+    from torch._higher_order_ops import scan
+
+    from funcamp.train._assemble import inductor_options
+
+    marked = inductor_options()["unsafe_marked_cacheable_functions"]
+    assert "torch.ops.higher_order.scan" in marked
+
+    factor = 1.0 + random.random()  # Dynamo writes it into the graph: keys no earlier run made
+
+    def layers(act):
+        def f(x, w):
+            def body(h, wl):
+                return act(h @ wl) * factor, h.new_zeros(())
+
+            return scan(body, x, w)[0].sum(0)
+
+        return f
+
+    x, w = torch.randn(4, 8), torch.randn(3, 8, 8)
+    hits = []
+    for act in (torch.relu, torch.sigmoid, torch.relu):
+        torch._dynamo.reset()
+        before = counters["inductor"]["fxgraph_cache_hit"]
+        with torch._inductor.config.patch(fx_graph_cache=True, unsafe_marked_cacheable_functions=marked):
+            got = torch.compile(layers(act), fullgraph=True, backend="inductor")(x, w)
+        hits.append(counters["inductor"]["fxgraph_cache_hit"] - before)
+        torch.testing.assert_close(got, layers(act)(x, w), msg=f"{act.__name__}: another body's entry served")
+    torch._dynamo.reset()
+    assert hits == [0, 0, 1], hits  # the first body again: from the cache

@@ -268,6 +268,17 @@ def inductor_options() -> dict[str, Any] | None:
     the warm first step of the benchmark GPT on a 2-core AMD EPYC, AVX2). They are torch's own functions,
     marked cacheable here under the running torch version (``torch._inductor.config.
     unsafe_marked_cacheable_functions``), so a change of torch changes the cache key.
+
+    And let the caches store a scanned step (``functionalize(scan=)``): torch 2.13 takes a graph holding a
+    higher-order operator into its FX graph and AOTAutograd caches only where the operator is marked cacheable
+    (``invoke_subgraph`` is; ``scan`` is not: "Can't cache HigherOrderOperator: scan"), so every new process
+    compiled a scanned step anew (GPT-2 124M's main job: 66.0 s to its first step warm, where the unrolled step's
+    second process took 27.0 s), and :mod:`funcamp.compile_cache` had nothing to save. The scan's body and
+    combine graphs are submodules of the graph, which torch's keys hold: two scans alike but for the body are two
+    entries (``tests/test_compile_cache.py``, planted: one key for every graph serves the wrong body); funcamp's
+    graph passes over scans are in the key through :meth:`funcamp.passes.RematPass.uuid`. A scanned step's second
+    process loads it from :mod:`funcamp.compile_cache` and trains bit for bit as the first (the same tests); GPT-2
+    124M's main job scanned: 70.3 s cold, 41.6 s warm (docs/module.md).
     """
     from torch._inductor import config as inductor_config
 
@@ -282,13 +293,18 @@ def inductor_options() -> dict[str, Any] | None:
         for fn in methods
         if isinstance(fn, types.FunctionType) and fn.__module__ == "torch._tensor"
     )
-    return {"unsafe_marked_cacheable_functions": dict.fromkeys(names, torch.__version__), **remat}
+    marked = dict.fromkeys([*names, *_CACHEABLE_HOPS], torch.__version__)
+    return {"unsafe_marked_cacheable_functions": marked, **remat}
 
 
 #: How many later nodes sharing a buffer inductor's scheduler tries to fuse each node with (inductor's default:
 #: 64); :func:`inductor_options`.
 FUSION_PAIR_WINDOW = 32
 
+
+#: Higher-order operators whose graphs :func:`inductor_options` lets torch's caches store (their subgraphs are in
+#: the key): the scan of ``functionalize(scan=)``.
+_CACHEABLE_HOPS = ("torch.ops.higher_order.scan",)
 
 #: Tensor methods that torch writes in Python and that only compute (no hooks, no autograd or storage
 #: state): those a model calls inside the step. Others (``backward``, ``register_hook``) stay refused.
