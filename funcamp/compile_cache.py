@@ -396,8 +396,8 @@ def _why_nothing() -> str:
     graphs = "graph" if bypassed == 1 else "graphs"
     return (
         f"{reason}: its FX graph cache bypassed {bypassed} {graphs} (one holding an operator torch cannot cache, "
-        "such as a higher-order operator torch does not mark cacheable: funcamp's compiled step marks the scan of "
-        "functionalize(scan=...) so; TORCH_LOGS=+cache says which), so every new process compiles the step again"
+        "such as a higher-order operator torch does not mark cacheable (funcamp's compiled step marks the scan of "
+        "functionalize(scan=...)); TORCH_LOGS=+cache says which), so every new process compiles the step again"
     )
 
 
