@@ -4,8 +4,8 @@
 
 Each run is a fresh process that builds the main job's step for ``--model`` (``bench_graph_size.py``'s models:
 ``gpt2-body``, GPT-2 124M's body, unrolled or with ``--scan auto`` its 12 blocks stacked and one traced, or
-``small``) with ``--backend eager`` (Dynamo only: nothing is
-lowered or compiled after the trace), calls it once and prints ``torch._dynamo.utils.compile_times()``'s
+``small``) with ``--backend eager`` (Dynamo only: nothing is lowered or compiled after the trace), calls it once
+and prints ``torch._dynamo.utils.compile_times()``'s
 ``bytecode_tracing`` (Dynamo's symbolic run of the step), ``_compile.compile_inner`` (all of Dynamo's compile,
 guards and bytecode included), ``get_fake_value`` and ``build_guards``, in seconds. With ``--baseline``, the
 other checkout's funcamp (its ``funcamp/`` and ``examples/``) runs in turn, round by round, the order alternating;

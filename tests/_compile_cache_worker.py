@@ -58,7 +58,7 @@ def main(cache_dir: str, out: str, scan: bool = False) -> None:
         "libraries": sorted(f"{lib.parent.name}/{lib.name}" for lib in root.glob("??/*.so")),
         "phases": dict(zip(*compile_times(repr="csv", aggregate=True))),
         "loss": float(metrics["loss"]),
-        "key": str(file),
+        "file": str(file),
     }
     leaves = [x for x in fa._tree.tree_leaves(state) if isinstance(x, torch.Tensor)]
     torch.save(leaves, out + ".pt")

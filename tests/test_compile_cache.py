@@ -420,7 +420,7 @@ def test_a_scanned_step_is_saved_and_loaded(tmp_path):
     (file,) = (tmp_path / "cache").glob("step-*.bin")
     carried = {name for name, _, _ in json.loads(file.read_bytes().split(b"\n", 2)[1])["kernels"]}
     second, second_state = _worker(tmp_path, "second", tmp_path / "inductor-2", "scan")
-    assert second["key"] == first["key"] and second["load"]["action"] == "loaded", second["load"]
+    assert second["file"] == first["file"] and second["load"]["action"] == "loaded", second["load"]
     assert second["inductor"].get("fxgraph_cache_hit") == 1 and "fxgraph_cache_miss" not in second["inductor"]
     assert set(second["libraries"]) <= carried, set(second["libraries"]) - carried  # no C++ library built
     assert _bitwise_equal(first_state, second_state)
