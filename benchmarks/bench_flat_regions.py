@@ -2,9 +2,11 @@
 
     python benchmarks/bench_flat_regions.py --rounds 6 --steps 4
     python benchmarks/bench_flat_regions.py --rounds 6 --steps 4 --variants regions,regions_casts_off
+    python benchmarks/bench_flat_regions.py --rounds 6 --steps 4 --no-donate
 
 One process builds the main job's unrolled GPT-2 124M body (``bench_graph_size.py``'s ``gpt2-body``: 12 layers, width
-768, vocabulary 256, context 128, batch 4, bf16 compute, clip + AdamW, donating) twice: once with its flat update
+768, vocabulary 256, context 128, batch 4, bf16 compute, clip + AdamW, donating; ``--no-donate``: the pure step,
+whose regions return new buffers) twice: once with its flat update
 in regions (``funcamp.train._flat_regions``, 62 buffers of 6 kinds), once with the regions off
 (``MIN_REUSED`` out of reach); or, ``regions_casts_off``, with the regions but the ``region_casts`` graph pass
 off (``FUNCAMP_PASSES_OFF``: each weight's bfloat16 gradient widened into a float32 copy before its region);
@@ -41,13 +43,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True, help="donating steps (default: on)")
     p.add_argument("--variants", default="regions,whole", help=f"two of {', '.join(VARIANTS)} (default: regions,whole)")
     args = p.parse_args()
     names = args.variants.split(",")
     if len(names) != 2 or not set(names) <= set(VARIANTS):
         p.error(f"--variants: two of {', '.join(VARIANTS)}; got {args.variants!r}")
     torch.set_num_threads(args.threads)
-    train_gpt, jargs = bgs._job_args("gpt2-body", ["--scan", "off"])
+    train_gpt, jargs = bgs._job_args("gpt2-body", ["--scan", "off", "--donate" if args.donate else "--no-donate"])
     batch = bgs._batch(train_gpt, jargs)
     policy = train_gpt.make_policy(fa.get_policy(bgs.POLICY), jargs.master_weights)
     runs = {}

@@ -7,8 +7,10 @@ Reads every ``async_compile.cpp_pybinding(...)`` kernel of the given output code
 writes them) and compiles each in this process with inductor's own code cache (``CppPythonBindingsCodeCache``,
 its compiler flags and precompiled header), serially, into a fresh, empty ``TORCHINDUCTOR_CACHE_DIR``: the
 seconds are the compiler's for that kernel, with no pool of workers sharing the cores. The first kernel of a
-process also builds the precompiled header. Prints the kernels by seconds, with their lines of C++, and the
-total. Run it through ``../shared/tools/quiet``; seconds move with the machine, the order of the kernels less.
+process also pays inductor's probe of the CPU's vector instructions (test programs compiled once per cache
+directory: 6.3 s on the EPYC); the precompiled header lives in the default cache directory, shared by all.
+Prints the kernels by seconds, with their lines of C++, and the total. Run it through ``../shared/tools/quiet``;
+seconds move with the machine, the order of the kernels less.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ below is not used; the thread count keeps inductor's reductions in one order).
 from __future__ import annotations
 
 import _passes_case
+import pytest
 import torch
 
 import funcamp as fa
@@ -79,16 +80,20 @@ def _run(reuse, monkeypatch, backend, *, donate=True, telemetry=None):
     used = []
     real_run = _flat_regions.run
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         used.append(1)  # traced: Dynamo replays the append at every call of the compiled step
-        return real_run(*args)
+        return real_run(*args, **kwargs)
 
     monkeypatch.setattr(_flat_regions, "run", counted)
     torch._dynamo.reset()
     step = fa.make_train_step(_loss, optimizer, donate=donate, backend=backend, telemetry=telemetry)
     metrics = []
     for batch in _batches():
-        state, out = step(state, batch)
+        before = None if donate else [x.clone() for x in _tree.tree_leaves(state)]
+        new_state, out = step(state, batch)
+        if before is not None:  # a step that does not donate leaves the given state as it was
+            assert all(_same(a, b) for a, b in zip(before, _tree.tree_leaves(state), strict=True))
+        state = new_state
         metrics.append({k: v.clone() for k, v in out.items() if isinstance(v, torch.Tensor)})
     leaves = [x.clone() for x in _tree.tree_leaves((state.params, state.opt_state))]
     return state, leaves, metrics, len(used)
@@ -102,22 +107,26 @@ def _same(a, b):
     )
 
 
-def test_the_regions_update_as_the_whole_update_does(monkeypatch):
-    """Donating and inductor-compiled, the regions (4 kinds for 10 buffers) leave every parameter, moment, count and
-    metric as the update over all buffers at once does, compiled with ``aot_eager``, a skipped step included: each
+@pytest.mark.parametrize("donate", [True, False], ids=["donating", "fresh"])
+def test_the_regions_update_as_the_whole_update_does(monkeypatch, donate):
+    """Inductor-compiled, donating or not, the regions (4 kinds for 10 buffers) leave every parameter, moment, count
+    and metric as the update over all buffers at once does, compiled with ``aot_eager``, a skipped step included: each
     float leaf within 1e-5 of its largest magnitude (measured 4.1e-7: inductor's forward, backward and update
     round otherwise than eager kernels), integers and flags equal. Inductor's own whole update, bitwise the
     regions' when they came, is a second inductor compile (40 s of the suite); bit for bit, one buffer's update
     alone is the whole update's on every layout that gets regions: :func:`plan` checks it eagerly before it plans
     them. The test holds the hazard the module names: a region no graph output reads is dropped with its writes
-    (planted: the new counts taken from the first region alone; every other buffer kept its old values)."""
+    (planted: the new counts taken from the first region alone; every other buffer kept its old values). A step that
+    does not donate has its regions write into new buffers, and the state it was given is left as it was after every
+    call (planted: the fresh regions written into the given parameters -> the given state changed; the 0-d leaves
+    not selected by commit -> the skipped step's counts advanced)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        state, got, got_m, used = _run(1, monkeypatch, "inductor")
+        state, got, got_m, used = _run(1, monkeypatch, "inductor", donate=donate)
         assert used == 4, "the regions were not used in every step"
         assert "compiled once per kind of buffer (4 kinds)" in state.storage.describe()
-        _, ref, ref_m, unused = _run(10**9, monkeypatch, "aot_eager")
+        _, ref, ref_m, unused = _run(10**9, monkeypatch, "aot_eager", donate=donate)
         assert unused == 0
     finally:
         torch.set_num_threads(threads)
@@ -144,17 +153,22 @@ def _close(a, b):
 
 
 def test_the_plan_says_where_the_update_may_write_in_place():
-    """``StepPlan.in_place``, which the regions require (they write the new state into the given one as they compute
-    it): a donating step without telemetry; not a pure step, nor a donating step with telemetry (it reads the
-    parameters after the update)."""
+    """``StepPlan.direct_update``, which the regions require (they write the new state, selected, as they compute
+    it, and return no updates): a step without telemetry (it reads the parameters and updates after the update);
+    ``StepPlan.in_place``: a donating one of those (the regions write into the given state)."""
     optimizer = _optimizer()
     plans = {
-        (donate, telemetry): fa.make_train_step(
-            _loss, optimizer, donate=donate, telemetry=telemetry, backend="aot_eager"
-        ).plan.in_place
-        for donate, telemetry in ((True, None), (False, None), (True, 1))
+        (donate, telemetry): (lambda plan: (plan.in_place, plan.direct_update))(
+            fa.make_train_step(_loss, optimizer, donate=donate, telemetry=telemetry, backend="aot_eager").plan
+        )
+        for donate, telemetry in ((True, None), (False, None), (True, 1), (False, 1))
     }
-    assert plans == {(True, None): True, (False, None): False, (True, 1): False}
+    assert plans == {
+        (True, None): (True, True),
+        (False, None): (False, True),
+        (True, 1): (False, False),
+        (False, 1): (False, False),
+    }
 
 
 def _reason(optimizer):
@@ -243,7 +257,7 @@ def test_the_new_state_is_rebuilt_alike_by_the_traced_walk_and_by_optree(monkeyp
     def once():
         params = {k: v.clone() for k, v in flat_state.params.buffers.items()}
         opt_state = _tree.tree_map(torch.clone, flat_state.opt_state)
-        new = _flat_regions.run(regions, grads, params, opt_state, torch.tensor(True), t, s)
+        _, new = _flat_regions.run(regions, grads, params, opt_state, torch.tensor(True), t, s)
         return _tree.tree_leaves((params, new))
 
     slow = once()

@@ -42,6 +42,10 @@ class StepPlan:
       in_place: donating, the body's optimizer stage may write the new state into the given one as it computes it
         (the body reads neither the parameters and optimizer state nor the gradients after the update:
         ``make_train_step``'s without telemetry; :func:`funcamp.train._donate.updates_in_place`).
+      direct_update: the body's optimizer stage may write the new state as it computes it, already selected by the
+        verdict, and return no updates (the same bodies as ``in_place``): into the given state when donating
+        (``in_place``), into new tensors otherwise (a compiled flat step's regions,
+        :mod:`funcamp.train._flat_regions`).
       probes: the names of the metrics probes the body adds (for the plan's line only).
 
     What the state carries (its process layout and its storage) completes the plan of one call:
@@ -53,6 +57,7 @@ class StepPlan:
     donate: bool
     probes: tuple[str, ...] = ()
     in_place: bool = False
+    direct_update: bool = False
 
     def __str__(self) -> str:
         how = f"compiled ({self.backend})" if self.compiled else "eager"
@@ -161,8 +166,9 @@ def assemble(
         )
     if prepare is not None and not callable(prepare):
         raise TypeError(f"assemble: prepare must be None or callable, got {type(prepare).__name__}")
-    in_place = donate and _donate.may_update_in_place(body)
-    plan = StepPlan(compile, (backend or "inductor") if compile else None, donate, tuple(probes), in_place)
+    direct = _donate.may_update_in_place(body)
+    in_place = donate and direct
+    plan = StepPlan(compile, (backend or "inductor") if compile else None, donate, tuple(probes), in_place, direct)
     planned = _within_plan(body, plan)
     if compile:
         traced = _donate.donating(planned) if donate else planned

@@ -92,6 +92,9 @@ class FlatParams:
     buffers: dict[str, torch.Tensor]
     storage: Flat = _tree.field(pytree_node=False)
     rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: The new parameters of a step's update that wrote them, and the optimizer state's buffers, already selected by
+    #: the verdict (:meth:`Flat.update`'s regions without donation): ``commit`` keeps them (:meth:`Flat.commit`).
+    committed: bool = _tree.field(pytree_node=False, default=False)
 
 
 class _StateMap(NamedTuple):
@@ -241,7 +244,7 @@ class Flat:
         n = len(self.groups)
         planned = next(iter(self._regions.values()))[1] if self._regions else None
         kinds = (
-            f"; a donating step's update compiled once per kind of buffer ({planned.kinds} kinds)"
+            f"; a compiled step's update compiled once per kind of buffer ({planned.kinds} kinds)"
             if isinstance(planned, _flat_regions.Regions)
             else ""
         )
@@ -356,11 +359,12 @@ class Flat:
         """The optimizer stage (``stage``, :mod:`funcamp.train._stages`'): over the buffers for :class:`FlatParams`
         (``grads`` as :meth:`gradients` made them, the gradients concatenated; each mask and label giving a buffer
         its leaves' value, the global norm taken over the members' views), leaf by leaf over the views otherwise
-        (eager, in place when donating). In a compiled step whose body writes its update in place (donating,
-        ``plan.in_place``) on a single process, where :meth:`regions` planned them: one region per buffer, compiled
-        once per kind of buffer (:mod:`funcamp.train._flat_regions`: the pure update, written into the donated
-        buffers), and the updates are None (no probe reads them in such a step). Returns ``(params, opt_state,
-        updates)``, the updates held as the parameters (:class:`FlatParams`)."""
+        (eager, in place when donating). In a compiled step whose body lets its update write the new state as it
+        computes it (``plan.direct_update``) on a single process, where :meth:`regions` planned them: one region
+        per buffer, compiled once per kind of buffer (:mod:`funcamp.train._flat_regions`: the pure update and the
+        verdict's select, written into the donated buffers, or without donation into new ones, which the
+        parameters returned mark as ``committed``), and the updates are None (no probe reads them in such a step).
+        Returns ``(params, opt_state, updates)``, the updates held as the parameters (:class:`FlatParams`)."""
         if not isinstance(params, FlatParams):
             return stage(optimizer, grads, opt_state, params, layout, finite)
         norms = _MemberNorms(layout, self, gradients=grads.buffers, rows=grads.rows)
@@ -370,18 +374,34 @@ class Flat:
             isinstance(regions, _flat_regions.Regions)
             and plan is not None
             and plan.compiled
-            and plan.in_place
+            and (plan.in_place or getattr(plan, "direct_update", False))
             and type(layout) is SingleProcess
         ):
-            # written into the donated buffers by one region per buffer, compiled once per kind; the parameters and
-            # the state's buffers are the given ones (commit selects nothing there, donation copies nothing)
+            # one region per buffer, compiled once per kind. Donating: written into the given buffers, the
+            # parameters and the state's buffers the given ones (commit selects nothing there, donation copies
+            # nothing). Else into new buffers, already selected: commit keeps them (FlatParams.committed).
             t, s = norms.scaled_global_norm(grads.buffers)
-            new_state = _flat_regions.run(regions, grads.buffers, params.buffers, opt_state, finite, t, s)
-            return params, new_state, None
+            fresh = not plan.in_place
+            new, new_state = _flat_regions.run(
+                regions, grads.buffers, params.buffers, opt_state, finite, t, s, fresh=fresh
+            )
+            return (FlatParams(new, self, committed=True) if fresh else params), new_state, None
         new, new_state, updates = _flat_opt.replaying(
             self.replay, stage, optimizer, grads.buffers, opt_state, params.buffers, norms, None
         )
         return FlatParams(new, self), new_state, FlatParams(updates, self)
+
+    def commit(self, finite: torch.Tensor, params: FlatParams, opt_state: Any, old_opt_state: Any) -> tuple[Any, Any]:
+        """``commit``'s select for ``params`` that :meth:`update`'s regions returned ``committed`` (their buffers
+        and the optimizer state's hold ``where(finite, new, old)`` already): ``(params, opt_state)``, the buffers as
+        they are, each 0-d optimizer-state leaf (counts, rates) ``where(finite, new, old)``."""
+        new_leaves, spec = _tree.tree_flatten(opt_state)
+        old_leaves = _tree.tree_leaves(old_opt_state)
+        kept = [
+            torch.where(finite, new, old) if isinstance(new, torch.Tensor) and new.ndim == 0 else new
+            for new, old in zip(new_leaves, old_leaves, strict=True)
+        ]
+        return FlatParams(params.buffers, self), _tree.tree_unflatten(spec, kept)
 
     def row_sums(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(sums, s)`` of :func:`funcamp._tree.scaled_row_sums` over ``buffers`` (one per group, by key: the

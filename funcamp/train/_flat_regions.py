@@ -13,10 +13,14 @@ so the ``region_casts`` graph pass (:mod:`funcamp.passes.region_casts`) hands th
 the region widens it as it reads.
 
 When it applies (decided on the host, once per optimizer, by :func:`plan`, and shown in the storage's line of
-the step's plan): a compiled, donating step whose body writes its optimizer stage in place
-(:func:`funcamp.train._donate.updates_in_place`: it reads neither the parameters nor the optimizer state after
-the update; ``make_train_step``'s body without telemetry), a single-process layout, and a layout where at
-least :data:`MIN_REUSED` buffer updates are stamped out rather than compiled. The optimizer must compute one
+the step's plan): a compiled step whose body lets its optimizer stage write the new state as it computes it
+(:func:`funcamp.train._donate.updates_in_place`: it reads neither the parameters nor the optimizer state nor the
+updates after the update; ``make_train_step``'s body without telemetry; ``StepPlan.direct_update``), a
+single-process layout, and a layout where at least :data:`MIN_REUSED` buffer updates are stamped out rather than
+compiled. A donating step's regions write into the given buffers; a step that does not donate has each region
+return new buffers (the given ones only read), already selected by the verdict, which ``commit`` keeps
+(``FlatParams.committed``; GPT-2 124M's body, pure step: first step 0.77-0.79x the update over all buffers', the
+steady step 1.01-1.03x). The optimizer must compute one
 buffer's update alone exactly as over all buffers: this is checked on the host, eagerly, on small buffers of
 each kind (:func:`plan` runs both and compares every result bit for bit); an optimizer that asks a global norm
 of anything but the gradients (or of the gradients and more), reads element positions (``stochastic_rounding``),
@@ -81,8 +85,9 @@ _HASHES = itertools.count()
 class Regions(NamedTuple):
     """The plan of a layout's update under one optimizer: one region call per buffer, in group order."""
 
-    # (the kind's region, its replay, the buffer's key, its flat state-leaf indices in the kind's leaf order)
-    calls: tuple[tuple[Any, Any, str, tuple[int, ...]], ...]
+    # (the kind's region into the given tensors, its region returning new ones, its replay, the buffer's key, its flat
+    # state-leaf indices in the kind's leaf order, those of the leaves it writes (the kind's tagged) in their order)
+    calls: tuple[tuple[Any, Any, Any, str, tuple[int, ...], tuple[int, ...]], ...]
     zero_d: tuple[int, ...]  # flat state-leaf indices of the 0-d leaves, in the kinds' zero_d order
     kinds: int  # distinct kinds among the calls
 
@@ -135,6 +140,7 @@ class _NotAlone(Exception):
 
 def _buffer_update(
     k: _Kind,
+    fresh: bool,
     g: torch.Tensor,
     unit: torch.Tensor,
     p: torch.Tensor,
@@ -142,10 +148,12 @@ def _buffer_update(
     t: torch.Tensor,
     s: torch.Tensor,
     *leaves: Any,
-) -> torch.Tensor:
-    """One buffer's update, written into ``p`` and its optimizer-state ``leaves`` where ``finite`` (donated): the
-    optimizer over ``{buffer: g * unit}`` with the global gradient norm ``(t, s)``; returns the new 0-d state leaves,
-    their bytes in one tensor (:func:`_pack`).
+) -> Any:
+    """One buffer's update: the optimizer over ``{buffer: g * unit}`` with the global gradient norm ``(t, s)``, each
+    buffer's new value selected by the verdict (``where(finite, new, old)``). Donating, written into ``p`` and the
+    optimizer-state ``leaves`` made from the buffer (``_Kind.tagged``); returns the new 0-d state leaves, their
+    bytes in one tensor (:func:`_pack`), unselected (``commit`` selects them). ``fresh`` (a step that does not
+    donate): nothing written; returns ``(bytes, new p, *new tagged leaves)``, new tensors.
 
     ``unit`` is a 0-d one of ``g``'s dtype (``g * unit`` is ``g``, bit for bit): the ``region_casts`` graph pass
     hands a region whose gradient is ``x * c`` (an unscaled gradient: the loss scale's reciprocal ``c``) ``x`` and
@@ -157,10 +165,15 @@ def _buffer_update(
     updates, new_state = k.optimizer.update({_KEY: g * unit}, state, {_KEY: p})
     new_p = apply_updates({_KEY: p}, updates)
     new_leaves = _tree.tree_leaves(new_state)
-    p.copy_(torch.where(finite, new_p[_KEY], p))
-    for i in k.tagged:
-        leaves[i].copy_(torch.where(finite, new_leaves[i], leaves[i]))
-    return _pack([new_leaves[i] for i in k.zero_d])
+    kept_p = torch.where(finite, new_p[_KEY], p)
+    kept = [torch.where(finite, new_leaves[i], leaves[i]) for i in k.tagged]
+    packed = _pack([new_leaves[i] for i in k.zero_d])
+    if fresh:
+        return (packed, kept_p, *kept)
+    p.copy_(kept_p)
+    for i, new in zip(k.tagged, kept, strict=True):
+        leaves[i].copy_(new)
+    return packed
 
 
 def _pack(zero_d: list[torch.Tensor]) -> torch.Tensor:
@@ -201,16 +214,17 @@ def _update(replay: Any, optimizer: Any, grads: Any, state: Any, params: Any, la
 _MAX_KINDS = 1 << 12
 
 
-def _region(kind: _Kind) -> Any:
-    """``kind``'s region: :func:`_buffer_update` of ``kind``, a nested compile region reused by a hash unique to it.
+def _region(kind: _Kind, fresh: bool) -> Any:
+    """``kind``'s region: :func:`_buffer_update` of ``kind`` (into the given tensors, or ``fresh``: returning new
+    ones), a nested compile region reused by a hash unique to it.
 
     The kind is a constant of the function (its closure), reached from the layout the step traces, not from a
     registry: a module-level table read while tracing is guarded, and a later layout that added to it would make
     every compiled step that read it compile again."""
     key = next(_HASHES)
 
-    def update(*args: Any) -> torch.Tensor:
-        return _buffer_update(kind, *args)
+    def update(*args: Any) -> Any:
+        return _buffer_update(kind, fresh, *args)
 
     return torch.compiler.nested_compile_region(
         update, max_reuse_entries=_MAX_KINDS, reuse_hash_fn=lambda *args, **kwargs: key
@@ -225,9 +239,16 @@ def run(
     finite: torch.Tensor,
     t: torch.Tensor,
     s: torch.Tensor,
-) -> Any:
-    """Inside the compiled step: every buffer's update by its kind's region, written into the donated ``params``
-    and ``opt_state`` buffers; returns the new optimizer state (its buffers the given ones, its 0-d leaves new)."""
+    *,
+    fresh: bool = False,
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Inside the compiled step: every buffer's update by its kind's region; returns ``(params, opt_state)``, the
+    new parameter buffers and optimizer state. Its buffers hold ``where(finite, new, old)`` (the step's commit has
+    nothing left to select there); its 0-d leaves (counts, rates) are new, unselected.
+
+    Donating (``fresh`` False), the regions write into the given ``params`` and ``opt_state`` buffers, which are
+    returned. ``fresh`` (a step that does not donate): each region returns new buffers, the given ones only
+    read."""
     # Plain containers by the traced walk: optree's flatten and rebuild, traced by Dynamo here, were 53,000 of the
     # GPT-2 body step's 241,000 bytecode instructions.
     fast = _tree.flatten_same(opt_state)
@@ -237,25 +258,31 @@ def run(
     else:
         (leaves,), rebuild = fast
     units = {g.dtype: torch.ones((), dtype=g.dtype, device=g.device) for g in grads.values()}
-    outs = _scope.within(_CallNorm(t, s), _calls, regions.calls, grads, units, params, finite, t, s, leaves)
+    outs = _scope.within(_CallNorm(t, s), _calls, regions.calls, grads, units, params, finite, t, s, leaves, fresh)
+    new_params, new_leaves = dict(params), list(leaves)
+    if fresh:
+        for (_, _, _, key, _, written), out in zip(regions.calls, outs, strict=True):
+            new_params[key] = out[1]
+            for j, new in zip(written, out[2:], strict=True):
+                new_leaves[j] = new
+        outs = [out[0] for out in outs]
     # Every region's bytes are equal (plan() checked); their largest makes every region feed the new state. Their
     # stack's max: inductor hands the stack to aten.cat (no kernel of its own) and takes the max in one kernel, where
     # a chain of maximums took three on GPT-2 124M's body (the chain's last maximum fused into each 0-d leaf's read).
     packed = torch.stack(outs).amax(0)
-    new_leaves = list(leaves)
     for j, new in zip(regions.zero_d, _unpack(packed, [leaves[j] for j in regions.zero_d]), strict=True):
         new_leaves[j] = new
-    return rebuild(new_leaves)
+    return new_params, rebuild(new_leaves)
 
 
 def _calls(
-    calls: Any, grads: Any, units: Any, params: Any, finite: Any, t: Any, s: Any, leaves: list[Any]
+    calls: Any, grads: Any, units: Any, params: Any, finite: Any, t: Any, s: Any, leaves: list[Any], fresh: bool
 ) -> list[Any]:
     """Every region call of ``calls``, each within its kind's replay (:func:`run`, within the norm)."""
     return [
         _flat_opt.replaying(
             replay,
-            region,
+            fresh_region if fresh else region,
             grads[key],
             units[grads[key].dtype],
             params[key],
@@ -264,7 +291,7 @@ def _calls(
             s,
             *map(leaves.__getitem__, order),
         )
-        for region, replay, key, order in calls
+        for region, fresh_region, replay, key, order, _ in calls
     ]
 
 
@@ -299,7 +326,7 @@ def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
     untagged = tuple(j for j, src in enumerate(flat.state_map.flat_sources) if src[0] != "group")
     if not untagged:
         return "the optimizer state holds no 0-d leaf (a step count) for every region to feed"
-    kinds: dict[Any, tuple[_Kind, Any]] = {}  # kind key -> (kind, its region)
+    kinds: dict[Any, tuple[_Kind, Any, Any]] = {}  # kind key -> (kind, its regions: in place, fresh)
     calls = []
     for n, (g, key) in enumerate(zip(groups, keys, strict=True)):
         if key not in kinds:
@@ -308,8 +335,8 @@ def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
                 return kind
             if len(kind.zero_d) != len(untagged):
                 return "the optimizer state of one buffer holds other 0-d leaves than over all buffers"
-            kinds[key] = (kind, _region(kind))
-        k, region = kinds[key]
+            kinds[key] = (kind, _region(kind, False), _region(kind, True))
+        k, region, fresh_region = kinds[key]
         mine = [j for j, src in enumerate(flat.state_map.flat_sources) if src[0] == "group" and src[1] == n]
         if len(mine) != len(k.tagged):
             return "a buffer's optimizer state holds other leaves alone than over all buffers"
@@ -318,7 +345,7 @@ def plan(flat: Any, optimizer: Any, tagged_init: Any) -> Regions | str:
             order[i] = j
         for i, j in zip(k.zero_d, untagged, strict=True):
             order[i] = j
-        calls.append((region, k.replay, g.key, tuple(order)))
+        calls.append((region, fresh_region, k.replay, g.key, tuple(order), tuple(order[i] for i in k.tagged)))
     if len(kinds) > _MAX_KINDS:
         return f"{len(kinds)} kinds of buffer > {_MAX_KINDS}"
     regions = Regions(tuple(calls), untagged, len(kinds))
@@ -358,7 +385,8 @@ _COUNTS = (torch.int32, torch.int64)
 
 def _check(flat: Any, optimizer: Any, regions: Regions) -> str | None:
     """Run the optimizer eagerly on small buffers of every kind, over all buffers at once (as the flat update does)
-    and buffer by buffer (as the regions do), two updates each; the reason if any result differs in a bit."""
+    and buffer by buffer (as the regions do: into the given buffers, and into fresh ones), two updates each; the
+    reason if any result differs in a bit."""
     gen = torch.Generator().manual_seed(0)
     sizes = {g.key: math.gcd(g.numel, 4096) for g in flat.groups}  # whole rows and moment blocks (powers of two)
 
@@ -376,6 +404,7 @@ def _check(flat: Any, optimizer: Any, regions: Regions) -> str | None:
     whole_params = params
     parts_params = {k: v.clone() for k, v in params.items()}
     parts_state, first_state = _cloned(whole_state), whole_state  # the update over all buffers is pure
+    fresh_params, fresh_state = params, whole_state  # only read by the fresh regions
     try:
         for grads in grad_steps:
             whole_params, whole_state = _update(
@@ -383,14 +412,18 @@ def _check(flat: Any, optimizer: Any, regions: Regions) -> str | None:
             )
             if grads is grad_steps[0]:
                 first_zero_d = _zero_d(whole_state, regions)
-            parts_state = run(regions, grads, parts_params, parts_state, finite, t, s)
+            _, parts_state = run(regions, grads, parts_params, parts_state, finite, t, s)
+            fresh_params, fresh_state = run(regions, grads, fresh_params, fresh_state, finite, t, s, fresh=True)
     except _NotAlone as e:
         return f"the optimizer asks one buffer's update for {e}"
     except Exception as e:  # noqa: BLE001
         return f"the optimizer does not run buffer by buffer ({type(e).__name__}: {e})"
-    same = all(torch.equal(whole_params[k], parts_params[k]) for k in params) and all(
+    same = all(
+        torch.equal(whole_params[k], parts[k]) for parts in (parts_params, fresh_params) for k in params
+    ) and all(
         a.dtype == b.dtype and torch.equal(a, b)
-        for a, b in zip(_tree.tree_leaves(whole_state), _tree.tree_leaves(parts_state), strict=True)
+        for parts in (parts_state, fresh_state)
+        for a, b in zip(_tree.tree_leaves(whole_state), _tree.tree_leaves(parts), strict=True)
     )
     if not same:
         return "one buffer's update alone differs from it over all buffers (checked on small buffers)"

@@ -264,13 +264,22 @@ def commit(state: TrainState, finite: torch.Tensor, params: Any, opt_state: Any,
 
     The step count always advances; the loss scale is adjusted once (``state.loss_scale.adjust(finite)``);
     ``skipped_steps`` and ``consecutive_skips`` count the skipped steps. ``torch.where``, no host sync.
+
+    Parameters the optimizer stage returned ``committed`` (a compiled flat step's update, written already selected
+    by this verdict into new buffers: :meth:`funcamp.train._flat.Flat.update`) are kept as they are, with the
+    optimizer state's buffers; only its 0-d leaves are selected.
     """
     skipped = state.skipped_steps + (~finite).to(torch.int32)
     consecutive = torch.where(finite, torch.zeros_like(state.consecutive_skips), state.consecutive_skips + 1)
+    if getattr(params, "committed", False):
+        params, opt_state = params.storage.commit(finite, params, opt_state, state.opt_state)
+    else:
+        params = _tree.select_tree(finite, params, state.params)
+        opt_state = _tree.select_tree(finite, opt_state, state.opt_state)
     return state.replace(
         step=state.step + 1,
-        params=_tree.select_tree(finite, params, state.params),
-        opt_state=_tree.select_tree(finite, opt_state, state.opt_state),
+        params=params,
+        opt_state=opt_state,
         loss_scale=state.loss_scale.adjust(finite),
         buffers=_tree.select_tree(finite, buffers, state.buffers) if state.buffers is not None else None,
         skipped_steps=skipped,
