@@ -271,13 +271,14 @@ def commit(state: TrainState, finite: torch.Tensor, params: Any, opt_state: Any,
     """
     skipped = state.skipped_steps + (~finite).to(torch.int32)
     consecutive = torch.where(finite, torch.zeros_like(state.consecutive_skips), state.consecutive_skips + 1)
+    step = state.step + 1
     if getattr(params, "committed", False):
         params, opt_state = params.storage.commit(finite, params, opt_state, state.opt_state)
     else:
         params = _tree.select_tree(finite, params, state.params)
         opt_state = _tree.select_tree(finite, opt_state, state.opt_state)
     return state.replace(
-        step=state.step + 1,
+        step=step,
         params=params,
         opt_state=opt_state,
         loss_scale=state.loss_scale.adjust(finite),
