@@ -223,6 +223,23 @@ def test_what_one_buffer_alone_cannot_compute_is_refused_on_the_host(monkeypatch
     assert "global norm of the updates" in why, why
 
 
+def test_quantized_moments_are_refused(monkeypatch):
+    """int8 and int4 moments (buffers of at least 4,096 elements are quantized) dequantize through a constant map
+    made in the update, which torch 2.13's inductor leaves unset in a region's generated code ("non-tensor input",
+    found by a sweep: the pure and the donating step crashed at their first call); the regions are refused with
+    the reason (planted: the check removed -> planned), and so are float8 moments, stored as bytes alike."""
+    monkeypatch.setattr(_flat_regions, "MIN_REUSED", 1)
+    _, params = fa.nn.functionalize(_Wide(), "float32")
+    for dtype in ("int8", "int4", torch.float8_e4m3fn):
+        optimizer = optim.adamw(1e-2, moment_dtype=dtype)
+        state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+        planned = state.storage.regions(optimizer)
+        assert isinstance(planned, str) and "quantized" in planned, (dtype, planned)
+    optimizer = optim.adamw(1e-2)  # the same layout with float32 moments keeps its regions
+    state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+    assert isinstance(state.storage.regions(optimizer), _flat_regions.Regions)
+
+
 def test_another_layout_planned_later_does_not_recompile_a_step(monkeypatch):
     """Each kind is its region's own constant, reached from the layout the step traces: a second state planned with
     regions after a step compiled (a model built for evaluation, a second run in one process) leaves that step's
