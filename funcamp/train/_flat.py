@@ -374,7 +374,7 @@ class Flat:
             isinstance(regions, _flat_regions.Regions)
             and plan is not None
             and plan.compiled
-            and (plan.in_place or getattr(plan, "direct_update", False))
+            and plan.direct_update  # (in_place: donating and direct_update)
             and type(layout) is SingleProcess
         ):
             # one region per buffer, compiled once per kind. Donating: written into the given buffers, the
@@ -395,13 +395,19 @@ class Flat:
         """``commit``'s select for ``params`` that :meth:`update`'s regions returned ``committed`` (their buffers
         and the optimizer state's hold ``where(finite, new, old)`` already): ``(params, opt_state)``, the buffers as
         they are, each 0-d optimizer-state leaf (counts, rates) ``where(finite, new, old)``."""
-        new_leaves, spec = _tree.tree_flatten(opt_state)
-        old_leaves = _tree.tree_leaves(old_opt_state)
+        # the traced walk where it applies, as select_tree and _flat_regions.run (optree traced by Dynamo is slow)
+        fast = _tree.flatten_same(opt_state, old_opt_state)
+        if fast is None:
+            new_leaves, spec = _tree.tree_flatten(opt_state)
+            old_leaves = _tree.tree_leaves(old_opt_state)
+            rebuild = lambda leaves: _tree.tree_unflatten(spec, leaves)  # noqa: E731
+        else:
+            (new_leaves, old_leaves), rebuild = fast
         kept = [
             torch.where(finite, new, old) if isinstance(new, torch.Tensor) and new.ndim == 0 else new
             for new, old in zip(new_leaves, old_leaves, strict=True)
         ]
-        return FlatParams(params.buffers, self), _tree.tree_unflatten(spec, kept)
+        return FlatParams(params.buffers, self), rebuild(kept)
 
     def row_sums(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(sums, s)`` of :func:`funcamp._tree.scaled_row_sums` over ``buffers`` (one per group, by key: the
