@@ -223,21 +223,42 @@ def test_what_one_buffer_alone_cannot_compute_is_refused_on_the_host(monkeypatch
     assert "global norm of the updates" in why, why
 
 
-def test_quantized_moments_are_refused(monkeypatch):
-    """int8 and int4 moments (buffers of at least 4,096 elements are quantized) dequantize through a constant map
-    made in the update, which torch 2.13's inductor leaves unset in a region's generated code ("non-tensor input",
-    found by a sweep: the pure and the donating step crashed at their first call); the regions are refused with
-    the reason (planted: the check removed -> planned), and so are float8 moments, stored as bytes alike."""
+def test_quantized_moments_get_regions(monkeypatch):
+    """int8, int4 and float8 moments (buffers of at least 4,096 elements are quantized) get their regions. int8 and
+    int4 dequantize through a map: made inside a region it was a constant torch 2.13's inductor left unset in the
+    region's code ("non-tensor input": a sweep found the pure and the donating step crashing at their first call);
+    kept on the buffers' device (``_moments.keep_maps``), it is an input of the region. Inductor-compiled, int8, a
+    skipped step included: the pure and the donating step with regions leave every leaf bit for bit as the pure step
+    without them (planted: the map made in the update again -> the crash)."""
     monkeypatch.setattr(_flat_regions, "MIN_REUSED", 1)
-    _, params = fa.nn.functionalize(_Wide(), "float32")
+    torch.manual_seed(0)
+    apply, params = fa.nn.functionalize(_Wide(), "float32")
     for dtype in ("int8", "int4", torch.float8_e4m3fn):
         optimizer = optim.adamw(1e-2, moment_dtype=dtype)
         state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
         planned = state.storage.regions(optimizer)
-        assert isinstance(planned, str) and "quantized" in planned, (dtype, planned)
-    optimizer = optim.adamw(1e-2)  # the same layout with float32 moments keeps its regions
-    state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
-    assert isinstance(state.storage.regions(optimizer), _flat_regions.Regions)
+        assert isinstance(planned, _flat_regions.Regions), (dtype, planned)
+        assert any(leaf.dtype == torch.uint8 for leaf in _tree.tree_leaves(state.opt_state)), dtype  # quantized
+
+    def loss(p, batch):
+        return torch.nn.functional.cross_entropy(apply(p, batch[0]), batch[1])
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 256, (16,), generator=g)) for _ in range(3)]
+    batches[1] = (torch.full((16, 8), float("nan")), batches[1][1])
+    results = []
+    for reuse, donate in ((1, False), (1, True), (10**9, False)):
+        monkeypatch.setattr(_flat_regions, "MIN_REUSED", reuse)
+        optimizer = optim.adamw(1e-2, moment_dtype="int8")
+        state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+        assert isinstance(state.storage.regions(optimizer), _flat_regions.Regions) == (reuse == 1)
+        torch._dynamo.reset()
+        step = fa.make_train_step(loss, optimizer, donate=donate)
+        for batch in batches:
+            state, _ = step(state, batch)
+        results.append([x.clone() for x in _tree.tree_leaves((state.params, state.opt_state))])
+    for leaves in results[:2]:
+        assert all(_same(a, b) for a, b in zip(leaves, results[2], strict=True))
 
 
 def test_another_layout_planned_later_does_not_recompile_a_step(monkeypatch):

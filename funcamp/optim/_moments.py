@@ -32,7 +32,8 @@ The state stays a plain pytree of tensors: a quantized moment is a ``QuantizedMo
 NamedTuple where a float moment is a tensor, so ``optimizer.init`` on a shard quantizes that shard in whole
 blocks (its own element count decides, as torchao's rule does on a DTensor's local shard), and the state is
 selected, donated, copied and checkpointed as any other. The map itself is static configuration: it is not in
-the state (torchao keeps a copy per tensor).
+the state (torchao keeps a copy per tensor), and is made once per device (:func:`keep_maps`), so that a compiled
+update reads it as an input of its graph rather than making it as a constant.
 
 **Flat buffers.** A quantized format is not elementwise (a block's scale is a reduction over 256 elements),
 but it is blockwise, and a flat storage layout (:mod:`funcamp.train._flat`) runs it over one buffer per group
@@ -160,6 +161,8 @@ class MomentFormat:
         if not (self.quantizes(p.numel()) if quantized is None else quantized):
             return torch.zeros_like(p, dtype=self.dtype or _at_least_float32(p.dtype))
         n = p.numel()
+        if self.kind == "map":
+            keep_maps(p.device)
         codes = p.new_zeros(n * self.bits // 8, dtype=torch.uint8)  # made from p: optax-style placeholders follow
         return QuantizedMoment(codes, p.new_zeros(n // self.block_size, dtype=torch.float32))
 
@@ -186,6 +189,11 @@ class MomentFormat:
     # --- quantization --------------------------------------------------------------------------------------
 
     def _map(self, signed: bool, device: torch.device) -> torch.Tensor:
+        """The quantization map on ``device``: the tensor :func:`keep_maps` made there (a compiled step reads it as
+        an input of its graph, as it reads a parameter), or a new one where none was made (a constant of the graph)."""
+        made = _MAPS.get((self.name, signed, str(device)))
+        if made is not None:
+            return made
         return torch.tensor(self.signed_map if signed else self.unsigned_map, dtype=torch.float32, device=device)
 
     def _encode(self, value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +228,26 @@ def _nearest(qmap: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     low, high = qmap[below], qmap[above]
     up = (y - low) >= (high - low) * 0.5
     return torch.where(up, above, below).to(torch.uint8)
+
+
+# The quantization maps of the int8 and int4 formats by (format name, signed, device), made on a device once by
+# :func:`keep_maps` and never written. A map made inside a compiled region (the flat update compiled once per kind
+# of buffer) is a constant torch 2.13's inductor leaves unset in the region's generated code ("non-tensor input");
+# a kept one is an input of the graph, as a parameter is.
+_MAPS: dict[tuple[str, bool, str], torch.Tensor] = {}
+
+
+def keep_maps(device: torch.device | str) -> None:
+    """Make the int8 and int4 formats' quantization maps on ``device`` (once; host side, eager): what
+    :meth:`MomentFormat.zeros` does for the moment it makes, and a layout that compiles one buffer's update alone
+    for the device of its buffers. Nothing on the ``meta`` device, and nothing while a step is traced."""
+    device = torch.device(device)
+    if device.type == "meta" or torch.compiler.is_compiling() or ("int8", True, str(device)) in _MAPS:
+        return
+    for fmt in (_quantized("int8"), _quantized("int4")):
+        for signed in (True, False):
+            values = fmt.signed_map if signed else fmt.unsigned_map
+            _MAPS[(fmt.name, signed, str(device))] = torch.tensor(values, dtype=torch.float32, device=device)
 
 
 _BLOCKWISE = "_funcamp_blockwise"

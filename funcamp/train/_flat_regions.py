@@ -52,7 +52,7 @@ import torch
 
 from funcamp import _scope, _tree
 from funcamp.optim import _flat as _flat_opt
-from funcamp.optim import apply_updates
+from funcamp.optim import _moments, apply_updates
 
 __all__ = ["MIN_REUSED", "Regions", "plan", "run"]
 
@@ -374,13 +374,10 @@ def _make_kind(flat: Any, n: int, optimizer: Any, tagged_init: Any) -> _Kind | s
     tagged = tuple(i for i, tag in enumerate(tags) if tag is not None)
     zero_d = tuple(i for i, tag in enumerate(tags) if tag is None)
     if any(leaves[i].dtype in _QUANTIZED for i in tagged):
-        # int8 / int4 moments dequantize through a constant map made in the update: torch 2.13's inductor leaves a
-        # tensor constant made inside a nested compile region unset in its generated code ("non-tensor input").
-        # float8 moments, stored as bytes too, hold no map but are refused with them (not told apart here).
-        return (
-            "quantized optimizer-state buffers (int8 / int4 / float8 moments, stored as bytes): inductor leaves the "
-            "int8 and int4 dequantization map unset in a region"
-        )
+        # int8 / int4 moments dequantize through a map: one made inside a region would be a constant torch 2.13's
+        # inductor leaves unset in the region's code ("non-tensor input"); kept on the buffers' device, it is an
+        # input of the region (float8 moments, stored as bytes too, hold no map: nothing to keep).
+        _moments.keep_maps(g.device)
     if any(leaves[i].ndim != 0 for i in zero_d):
         return "an optimizer-state leaf made from no buffer is not 0-d"
     if any(not (leaves[i].dtype.is_floating_point or leaves[i].dtype in _COUNTS) for i in zero_d):
