@@ -350,7 +350,9 @@ def _complex_with_nan_in(part: str):
 
 
 def _sparse_coo(values):
-    return torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor(values[:2], dtype=torch.float32), (4,))
+    return torch.sparse_coo_tensor(
+        torch.tensor([[0, 2]]), torch.tensor(values[:2], dtype=torch.float32), (4,), check_invariants=True
+    )
 
 
 def _sparse_csr(values):
@@ -462,7 +464,7 @@ def test_sweep_sparse_half_duplicates_overflow_in_their_dtype(dtype, overflow):
     assert math.isfinite(math.fsum(values)) and float(torch.tensor(values).sum()) < torch.finfo(torch.float32).max
     ids = torch.tensor([1] * len(values) + [2])
     w = torch.tensor([*values, 1.0])
-    grad = torch.sparse_coo_tensor(ids[None], w.to(dtype), (4,))
+    grad = torch.sparse_coo_tensor(ids[None], w.to(dtype), (4,), check_invariants=False)  # uncoalesced on purpose
     assert not grad.is_coalesced()
     if dtype == torch.float16:
         assert _gradscaler_found_inf(grad) is overflow
