@@ -261,6 +261,31 @@ def test_quantized_moments_get_regions(monkeypatch):
         assert all(_same(a, b) for a, b in zip(leaves, results[2], strict=True))
 
 
+def test_a_map_kept_later_does_not_recompile_a_step(monkeypatch):
+    """The quantization maps are a module-level table (``_moments._MAPS``) that a compiled int8 step reads: a map
+    kept later for another device (another state, another process's layout loaded) leaves that step's guards alone
+    (Dynamo guards the entry the step read, not the table's keys; planted: the step reading ``len(_MAPS)`` -> a
+    second compile)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from funcamp.optim import _moments
+
+    apply, params = fa.nn.functionalize(
+        torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)), "float32"
+    )
+    optimizer = optim.adamw(1e-2, moment_dtype="int8")
+    state = fa.TrainState.create(params, optimizer)
+    assert ("int8", True, "cpu") in _moments._MAPS
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    step = fa.make_train_step(lambda p, x: apply(p, x).square().mean(), optimizer, backend=counter)
+    x = torch.randn(8, 64)
+    state, _ = step(state, x)
+    monkeypatch.setitem(_moments._MAPS, ("int8", True, "elsewhere"), torch.zeros(256))
+    state, _ = step(state, x)
+    assert counter.frame_count == 1
+
+
 def test_another_layout_planned_later_does_not_recompile_a_step(monkeypatch):
     """Each kind is its region's own constant, reached from the layout the step traces: a second state planned with
     regions after a step compiled (a model built for evaluation, a second run in one process) leaves that step's
