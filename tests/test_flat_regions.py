@@ -229,7 +229,8 @@ def test_quantized_moments_get_regions(monkeypatch):
     region's code ("non-tensor input": a sweep found the pure and the donating step crashing at their first call);
     kept on the buffers' device (``_moments.keep_maps``), it is an input of the region. Inductor-compiled, int8, a
     skipped step included: the pure and the donating step with regions leave every leaf bit for bit as the pure step
-    without them (planted: the map made in the update again -> the crash)."""
+    without them (planted: the map made in the update again -> the crash). Planned under ``multi_transform`` too
+    (planted: the one-buffer replay answering one value whatever the tree -> refused)."""
     monkeypatch.setattr(_flat_regions, "MIN_REUSED", 1)
     torch.manual_seed(0)
     apply, params = fa.nn.functionalize(_Wide(), "float32")
@@ -239,6 +240,15 @@ def test_quantized_moments_get_regions(monkeypatch):
         planned = state.storage.regions(optimizer)
         assert isinstance(planned, _flat_regions.Regions), (dtype, planned)
         assert any(leaf.dtype == torch.uint8 for leaf in _tree.tree_leaves(state.opt_state)), dtype  # quantized
+    # and under multi_transform, where a label's subtree holds no leaf of another label's buffer (a helper's sweep:
+    # refused, "zip() argument 2 is longer than argument 1", the masks' replay giving a buffer's value to no leaf)
+    labels = {k: "a" if k.endswith("weight") else "b" for k in params}  # the two blocks alike
+    optimizer = optim.multi_transform(
+        {"a": optim.adamw(1e-2, moment_dtype="int8"), "b": optim.adamw(1e-3, moment_dtype="int4")}, labels
+    )
+    state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
+    planned = state.storage.regions(optimizer)
+    assert isinstance(planned, _flat_regions.Regions), planned
 
     def loss(p, batch):
         return torch.nn.functional.cross_entropy(apply(p, batch[0]), batch[1])

@@ -103,7 +103,9 @@ class _OneReplay(_flat_opt.Replay):
     def __call__(self, spec: Any, tree: Any) -> list[Any]:
         for known, value in self.pairs:
             if known is spec:
-                return [value]
+                # one value a leaf of ``tree``: the buffer's, or none where ``tree`` holds no leaf (the buffer left
+                # out of a ``multi_transform`` label's subtree)
+                return [value for _ in _tree.tree_leaves(tree)]
         raise RuntimeError(
             "funcamp: a mask or label tree that was not seen when the flat layout was built is read in a flat "
             "buffer's update; report this"
