@@ -246,8 +246,7 @@ def keep_maps(device: torch.device | str) -> None:
         return
     for fmt in (_quantized("int8"), _quantized("int4")):
         for signed in (True, False):
-            values = fmt.signed_map if signed else fmt.unsigned_map
-            _MAPS[(fmt.name, signed, str(device))] = torch.tensor(values, dtype=torch.float32, device=device)
+            _MAPS[(fmt.name, signed, str(device))] = fmt._map(signed, device)  # none kept yet: a new one
 
 
 _BLOCKWISE = "_funcamp_blockwise"

@@ -378,7 +378,8 @@ def _make_kind(flat: Any, n: int, optimizer: Any, tagged_init: Any) -> _Kind | s
     if any(leaves[i].dtype in _QUANTIZED for i in tagged):
         # int8 / int4 moments dequantize through a map: one made inside a region would be a constant torch 2.13's
         # inductor leaves unset in the region's code ("non-tensor input"); kept on the buffers' device, it is an
-        # input of the region (float8 moments, stored as bytes too, hold no map: nothing to keep).
+        # input of the region (float8 moments, stored as bytes too, hold no map: nothing to keep). The moments'
+        # zeros kept them where init ran in this process; a state unpickled here ran none.
         _moments.keep_maps(g.device)
     if any(leaves[i].ndim != 0 for i in zero_d):
         return "an optimizer-state leaf made from no buffer is not 0-d"
