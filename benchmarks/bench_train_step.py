@@ -455,7 +455,9 @@ class FuncampStep:
             scale = fa.DynamicLossScale(INIT_SCALE, period=SCALE_PERIOD, backoff_factor=0.5)
         else:
             scale = fa.NoOpLossScale()
-        self.state = fa.TrainState.create(params, opt, loss_scale=scale)
+        # a scanned run laid out name-major for a donating step (its stacks views of the buffers), as the main job
+        stacked = apply_fn.scan if donate or graph else ()
+        self.state = fa.TrainState.create(params, opt, loss_scale=scale, scan=stacked)
         self.step = fa.make_train_step(loss_fn, opt, compile=compile, backend=args.backend, donate=donate or graph)
         self.plan = self.step.plan_for(self.state)  # compiled or eager, donation, storage: the table's note
         if graph:  # variant 8: the donating step replayed as one CUDA graph (uncaptured, with a warning, on a CPU)

@@ -397,6 +397,8 @@ def build_run(
         buffer_reductions=reductions,
         data_parallel=distributed,  # gradients averaged over the ranks in policy.reduce_dtype
         policy=policy,
+        # the scanned blocks laid out name-major (the scan reads each name's layers as one view), for a donating step
+        scan=apply_fn.scan if args.donate else (),
     )  # the state carries the layout: the step, the clip and stochastic rounding take it from there
     train_step = fa.make_train_step(
         loss_fn,

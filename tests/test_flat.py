@@ -796,15 +796,18 @@ def test_segments_put_each_block_of_a_run_of_alike_blocks_apart():
     leaves = [torch.zeros(s) for s in shapes.values()]
     got = _flat._segments(list(range(len(names))), names, leaves)
     assert got == [
-        ("h.0", [1, 2]),
-        ("h.1", [3, 4]),
-        ("enc.layers.0", [5]),
-        ("enc.layers.1", [6]),
-        ("enc.layers.2", [7]),
-        ("", [0, 8, 9, 10, 11]),
+        ("h.0", [[1], [2]]),
+        ("h.1", [[3], [4]]),
+        ("enc.layers.0", [[5]]),
+        ("enc.layers.1", [[6]]),
+        ("enc.layers.2", [[7]]),
+        ("", [[0], [8], [9], [10], [11]]),
     ], got
     # a subset of the members (one mask value): only those are segmented
-    assert _flat._segments([1, 3, 11], names, leaves) == [("h.0", [1]), ("h.1", [3]), ("", [11])]
+    assert _flat._segments([1, 3, 11], names, leaves) == [("h.0", [[1]]), ("h.1", [[3]]), ("", [[11]])]
+    # a stacked (scanned) run: name-major, each name's layers one unit, in layer order
+    got = _flat._segments(list(range(len(names))), names, leaves, ("h",))
+    assert got[0] == ("h.*", [[1, 3], [2, 4]]) and got[1] == ("enc.layers.0", [[5]]), got
 
 
 def _blocks_case():
@@ -827,7 +830,7 @@ def test_a_state_pickled_before_the_per_block_rule_keeps_its_packed_layout(monke
     optimizer.)"""
     params, loss, optimizer = _blocks_case()
     with monkeypatch.context() as m:
-        m.setattr(_flat, "_segments", lambda members, names, leaves: [("", list(members))])  # the earlier rule
+        m.setattr(_flat, "_segments", lambda members, names, leaves, stacked=(): [("", [[i] for i in members])])  # the earlier rule
         state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
     assert state.storage.kind == "flat" and not any(g.block for g in state.storage.groups)  # as pickled before
     old = pickle.loads(pickle.dumps(state))

@@ -42,6 +42,8 @@ its own, 64.1 MB, and whatever the order a step holds at most one buffer's gradi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from funcamp.passes._context import PassContext
@@ -132,11 +134,21 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
                 zeros = _zeros(graph, out, dtype, n, first, flag)
                 last = _call(graph, _aten.as_strided_scatter.default, last, zeros, [n], [1], off)
     order[last] = order[first]  # a new node's place: that of the node of the graph it follows
-    for off, n, src in chosen:
+    writes = _stacked([(off, [n], [1], src, None, False, None, None) for off, n, src in chosen], dtype)
+    writes.sort(key=lambda part: order[part[3]])
+    for off, size, stride, src, cast, flipped, factor, layer in writes:
         anchor = src if order[src] > order[last] else last
+        if factor is not None and order[factor] > order[anchor]:
+            anchor = factor
         with graph.inserting_before(anchor.next):
-            flat = _call(graph, _aten.reshape.default, src, [n])
-            last = _call(graph, _aten.as_strided_scatter.default, last, flat, [n], [1], off)
+            value = src
+            if layer is not None and size[0] != src.meta["val"].shape[0]:  # some of the stack's layers
+                value = _call(graph, _aten.slice.Tensor, value, 0, layer, layer + size[0])
+            value = _call(graph, _aten.flip.default, value, [0]) if flipped else value
+            value = _call(graph, _prims.convert_element_type.default, value, cast) if cast is not None else value
+            value = _call(graph, _aten.mul.Tensor, value, factor) if factor is not None else value
+            flat = _call(graph, _aten.reshape.default, value, size)
+            last = _call(graph, _aten.as_strided_scatter.default, last, flat, size, stride, off)
         order[last] = order[anchor]  # after its anchor (a node of the graph, or one placed after it)
     with graph.inserting_before(cat):
         result = _call(graph, _prims.convert_element_type.default, last, out.dtype) if narrow else last
@@ -145,6 +157,61 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
     cat.replace_all_uses_with(result)
     graph.erase_node(cat)
     return True
+
+
+def _layer_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int, torch.dtype | None, Any] | None:
+    """``(stack, j, cast, factor)`` where a part is ``[flatten]([mul](([cast](select(stack, 0, j)), factor)))``: layer
+    ``j`` of a tensor whose first dimension stacks layers (a scanned run's stacked gradient), cast to ``cast`` or
+    not, multiplied by a 0-d ``factor`` (an unscaled gradient) or not (None); None otherwise."""
+    if node.target in _FLATTENS and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    factor = None
+    for a, c in _factors(node):
+        node, factor = a, c
+        break
+    cast = None
+    if node.target is _prims.convert_element_type.default and isinstance(node.args[0], torch.fx.Node):
+        cast, node = node.args[1], node.args[0]
+    if node.target is not _aten.select.int or node.args[1] != 0 or not isinstance(node.args[2], int):
+        return None
+    stack = node.args[0]
+    if not isinstance(stack, torch.fx.Node) or stack.meta.get("val") is None:
+        return None
+    j = node.args[2]
+    return (stack, j, cast, factor) if 0 <= j < stack.meta["val"].shape[0] else None
+
+
+def _stacked(writes: list[tuple[Any, ...]], dtype: torch.dtype) -> list[tuple[Any, ...]]:
+    """``writes`` (``(offset, size, stride, source, cast, flipped, factor, first layer)``, each one part's) with the
+    parts that are consecutive layers (two or more) of one stacked tensor, cast and multiplied alike, at equally
+    spaced offsets (a name-major scanned run's layers in this buffer, :func:`funcamp.train._flat._segments`)
+    written as one: those layers of the stack (reversed along the first dimension where the offsets fall as the
+    layer index rises: the scan's backward stacks from the last layer), cast, multiplied, viewed as
+    ``[layers, numel]`` and written with strides ``[spacing, 1]``. The same
+    elementwise ops on the same elements, written to the same places: inductor wrote one loop per part (GPT-2
+    124M's scanned body: the kernel that wrote its 144 layer gradients, 222 loops)."""
+    by_stack: dict[tuple[Any, ...], dict[int, tuple[Any, ...]]] = {}
+    for write in writes:
+        found = _layer_of(write[3])
+        if found is not None:
+            stack, j, cast, factor = found
+            by_stack.setdefault((stack, cast, factor), {}).setdefault(j, write)
+    merged, out = set(), []
+    for (stack, cast, factor), layers in by_stack.items():
+        val = stack.meta["val"]
+        n = val[0].numel()
+        first, count = min(layers), len(layers)
+        if count < 2 or max(layers) - first + 1 != count or any(w[1] != [n] for w in layers.values()):
+            continue  # two layers at least, and every layer between them
+        if (cast if cast is not None else val.dtype) != dtype or not val.is_contiguous():
+            continue
+        offsets = [layers[j][0] for j in range(first, first + count)]
+        step = offsets[1] - offsets[0]
+        if abs(step) < n or any(b - a != step for a, b in zip(offsets, offsets[1:], strict=False)):
+            continue
+        merged.update(id(w) for w in layers.values())
+        out.append((min(offsets), [count, n], [abs(step), 1], stack, cast, step < 0, factor, first))
+    return out + [w for w in writes if id(w) not in merged]
 
 
 #: A buffer with at most this many gaps of padding (runs of the ``cat``'s zeros) is made uninitialized and each gap

@@ -6,7 +6,8 @@
 (what the checkpointed regions recompute), ``remat_budget`` (what a memory budget keeps of it), ``sharded_gathers``
 (the sharded parameters' gathers, recomputed too), ``recompute`` (the copies), then the rest of
 ``sharded_gathers`` (unused gathers dropped, the others moved to their user), ``casts_at_use``,
-``late_constructors``, ``flat_gradients`` (a flat state's gradients written into their buffer as they are made),
+``scan_stacks`` (a name-major scanned run's stacks read as views of its buffers), ``late_constructors``,
+``flat_gradients`` (a flat state's gradients written into their buffer as they are made),
 ``scalars_once`` (a step's scalars stored once rather than computed in every loop that reads them),
 ``scan_copies`` (a scan's body reads a tensor, not copies of it in the same layout; the backward reads the forward's
 own stacked weights, not saved copies), ``scan_reversal`` (a backward scan reads the forward's stacks from their last
@@ -43,6 +44,7 @@ from funcamp.passes import (
     scalars_once,
     scan_copies,
     scan_reversal,
+    scan_stacks,
     sharded_gathers,
     tags,
 )
@@ -63,6 +65,7 @@ PIPELINE: tuple[tuple[str, Callable[[PassContext], None]], ...] = (
     (recompute.NAME, recompute.run),
     (sharded_gathers.NAME, sharded_gathers.regather),
     (casts_at_use.NAME, casts_at_use.run),
+    (scan_stacks.NAME, scan_stacks.run),
     (late_constructors.NAME, late_constructors.run),
     (flat_gradients.NAME, flat_gradients.run),
     (scalars_once.NAME, scalars_once.run),

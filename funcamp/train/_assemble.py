@@ -92,7 +92,20 @@ class Step:
         """The plan of a call on ``state``, in one line: this step's decisions, then each train state's (its
         process layout and its storage, with the reason whenever it is kept leaf by leaf)."""
         states = _states(state)
-        return f"step: {self.plan}" + "".join(f"; state: {s.plan}" for s in states)
+        return f"step: {self.plan}" + "".join(f"; state: {s.plan}{self._stacked_note(s)}" for s in states)
+
+    def _stacked_note(self, state: Any) -> str:
+        """What a pure compiled step costs over a state whose scanned runs are laid out name-major (the layout a
+        donating step pays back: ``TrainState.create(scan=)``), or ""."""
+        runs = getattr(getattr(state, "storage", None), "stacked", ())
+        if not runs or self.plan.donate or not self.plan.compiled:
+            return ""
+        return (
+            f" (its scanned run{'s' if len(runs) > 1 else ''} {', '.join(map(repr, runs))} laid out name-major, for "
+            "a donating step: a pure step makes each name's new buffers whole every step, GPT-2 124M's body 1.1-1.4x "
+            "the per-layer layout's steady step and 20% more memory; make_train_step(donate=True), or "
+            "TrainState.create without scan=)"
+        )
 
     def __repr__(self) -> str:
         return f"Step({self.plan})"

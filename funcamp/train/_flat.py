@@ -127,9 +127,19 @@ class Flat:
     _funcamp_static_eq = True
 
     def __init__(
-        self, params: Any, groups: list[Group], replay: _flat_opt.Replay, state_map: _StateMap, optimizer: Any
+        self,
+        params: Any,
+        groups: list[Group],
+        replay: _flat_opt.Replay,
+        state_map: _StateMap,
+        optimizer: Any,
+        stacked: tuple[str, ...] = (),
+        unstacked: dict[str, str] | None = None,
     ) -> None:
         leaves = _tree.tree_leaves(params)
+        #: The scanned runs laid out name-major (:func:`layout`'s ``stacked``), and why each other one asked for
+        #: is laid out per layer.
+        self.stacked, self.unstacked = stacked, dict(unstacked or {})
         self.params_spec = _tree.tree_structure(params)
         self.shapes = [tuple(x.shape) for x in leaves]
         self.numels = [x.numel() for x in leaves]
@@ -203,7 +213,13 @@ class Flat:
         # By the rule this layout was made by: a layout pickled before the per-block rule has no group of a block
         # (its blocks packed), nor has one of parameters without alike blocks, which both rules lay out alike.
         blocks = any(g.block for g in self.groups)
-        built = layout(self._stand_ins, optimizer, devices=devices, blocks=blocks)
+        built = layout(
+            self._stand_ins,
+            optimizer,
+            devices=devices,
+            blocks=blocks,
+            stacked=(*self.stacked, *self.unstacked),
+        )
         if isinstance(built, str) or built._key() != self._key():
             why = built if isinstance(built, str) else "its masks or labels group the parameters otherwise"
             raise TypeError(
@@ -248,7 +264,11 @@ class Flat:
             if isinstance(planned, _flat_regions.Regions)
             else ""
         )
-        return f"flat: {len(self.shapes)} parameters in {n} buffer{'s' if n != 1 else ''}{cap}: {sizes}{kinds}"
+        stacks = "".join(
+            [f"; run {run!r} name-major (its scan's stacks are views)" for run in self.stacked]
+            + [f"; run {run!r} per layer ({why})" for run, why in self.unstacked.items()]
+        )
+        return f"flat: {len(self.shapes)} parameters in {n} buffer{'s' if n != 1 else ''}{cap}: {sizes}{kinds}{stacks}"
 
     # --- inside the step ---------------------------------------------------------------------------------
 
@@ -495,6 +515,8 @@ class Flat:
         self.__dict__.update(fields)
         self._plan_views()  # made again: a layout pickled before it held none
         self.__dict__.setdefault("_regions", {})  # planned again when a step admits its optimizer
+        self.__dict__.setdefault("stacked", ())  # a layout pickled before stacked runs had none
+        self.__dict__.setdefault("unstacked", {})
         self._rebuild = _tree.rebuilder(self._stand_ins)
         self._identity = repr(self._key())  # made again: a layout pickled before it held one has none
 
@@ -780,13 +802,16 @@ def layout(
     *,
     devices: list[torch.device] | None = None,
     blocks: bool = True,
+    stacked: tuple[str, ...] = (),
 ) -> Flat | str:
     """The flat storage of ``params`` under ``optimizer``, or the reason they must be kept leaf by leaf.
 
     ``devices``: each parameter's device, for meta ``params`` (:meth:`Flat.admit`; the grouping and the CPU's
     buffer size read them); default the parameters' own. ``blocks``: each block of a run of alike blocks in
     buffers of its own (:func:`_segments`); False packs them, as a layout pickled before that rule did (its
-    :meth:`Flat.admit` lays the step's optimizer out so again).
+    :meth:`Flat.admit` lays the step's optimizer out so again). ``stacked``: the runs a compiled step scans
+    (``apply_fn.scan``), laid out name-major (:func:`_segments`): each parameter name's layers end to end in one
+    buffer, so that the scan's stack of them is a view of it (:mod:`funcamp.passes.scan_stacks`).
     Leaf by leaf when the optimizer holds a transformation that is not marked elementwise (a user's own, one
     that reads shapes), a parameter is not a plain dense floating tensor, the optimizer's masks depend on more
     than the leaves (a spec gave one leaf two values), or its state does not correspond leaf for leaf between
@@ -818,7 +843,9 @@ def layout(
         return f"the optimizer does not run on shape-only tensors ({type(e).__name__}: {e})"
     if not record.consistent:
         return "a mask or label of the optimizer gave one parameter two values"
-    groups = _groups(leaves, names, record, devices or [x.device for x in leaves], blocks)
+    devices = devices or [x.device for x in leaves]
+    stacked, unstacked = _stackable(tuple(stacked), names, leaves, _keys(leaves, names, record, devices))
+    groups = _groups(leaves, names, record, devices, blocks, stacked)
     replay = _flat_opt.Replay(
         {
             id(spec): {
@@ -841,7 +868,7 @@ def layout(
     state_map = _state_map(leaf_state, leaf_tags, flat_state, flat_tags, leaves, groups)
     if isinstance(state_map, str):
         return state_map
-    return Flat(params, groups, replay, state_map, optimizer)
+    return Flat(params, groups, replay, state_map, optimizer, stacked, unstacked)
 
 
 #: No flat buffer holds more than this many bytes of parameters, unless one parameter alone does; larger groups are
@@ -864,31 +891,70 @@ BUFFER_BYTES = 8 << 20
 _LISTED = 8
 
 
+def _keys(
+    leaves: list[torch.Tensor], names: list[str], record: _flat_opt.Recording, devices: list[torch.device]
+) -> list[tuple[Any, ...]]:
+    """Each parameter's buffer key: its device, dtype and the values every mask of the optimizer gave it."""
+    return [
+        (device, x.dtype, tuple(record.values[id(spec)].get(name, _ABSENT) for spec in record.specs))
+        for x, name, device in zip(leaves, names, devices, strict=True)
+    ]
+
+
+def _stackable(
+    stacked: tuple[str, ...], names: list[str], leaves: list[torch.Tensor], keys: list[tuple[Any, ...]]
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The runs of ``stacked`` that can be laid out name-major, and why each other one cannot: its layers hold
+    the same relative names and shapes in the same order, and each name's layers one buffer key (a mask or label
+    that tells layers apart, as a layer-wise learning-rate decay does, keeps the run per layer)."""
+    runs, why = [], {}
+    for run in stacked:
+        layers: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            m = _BLOCK_NAME.match(name)
+            if m is not None and m[1] == f"{run}.":
+                layers.setdefault(m[2], []).append(i)
+        signatures = {
+            tuple((_BLOCK_NAME.match(names[i])[3], tuple(leaves[i].shape), keys[i]) for i in part)
+            for part in layers.values()
+        }
+        if len(layers) < 2:
+            why[run] = f"no two layers named {run}.<i>.* among the parameters"
+        elif len({tuple((r, sh) for r, sh, _ in sig) for sig in signatures}) > 1:
+            why[run] = "its layers hold different parameter names or shapes"
+        elif len(signatures) > 1:
+            why[run] = "the optimizer's masks or labels tell its layers apart"
+        else:
+            runs.append(run)
+    return tuple(runs), why
+
+
 def _groups(
     leaves: list[torch.Tensor],
     names: list[str],
     record: _flat_opt.Recording,
     devices: list[torch.device],
     blocks: bool = True,
+    stacked: tuple[str, ...] = (),
 ) -> list[Group]:
     """The parameters grouped by device, dtype and the values every mask gave them, in leaf order; within a
-    group, each block of a run of alike blocks (:func:`_segments`) in buffers of its own; each part split, in leaf
-    order, into buffers of at most :data:`BUFFER_BYTES`."""
+    group, each block of a run of alike blocks (:func:`_segments`) in buffers of its own, or, for the runs of
+    ``stacked``, each parameter name's layers end to end; each part split into buffers of at most
+    :data:`BUFFER_BYTES`, in leaf order, never between the layers of a stacked name."""
     keyed: dict[Any, list[int]] = {}
-    for i, (x, name, device) in enumerate(zip(leaves, names, devices, strict=True)):
-        values = tuple(record.values[id(spec)].get(name, _ABSENT) for spec in record.specs)
-        keyed.setdefault((device, x.dtype, values), []).append(i)
+    for i, key in enumerate(_keys(leaves, names, record, devices)):
+        keyed.setdefault(key, []).append(i)
     pieces = []
     for key, members in keyed.items():
-        segments = _segments(members, names, leaves) if blocks else [("", members)]
-        for block, segment in segments:
+        segments = _segments(members, names, leaves, stacked) if blocks or stacked else [("", [[i] for i in members])]
+        for block, units in segments:
             parts, size = [[]], 0
-            for i in segment:
-                nbytes = leaves[i].numel() * key[1].itemsize
+            for unit in units:
+                nbytes = sum(leaves[i].numel() for i in unit) * key[1].itemsize
                 if parts[-1] and size + nbytes > BUFFER_BYTES:
                     parts.append([])
                     size = 0
-                parts[-1].append(i)
+                parts[-1] += unit
                 size += nbytes
             pieces += [(key, part, len(parts) > 1, block) for part in parts]
     groups = []
@@ -912,18 +978,28 @@ def _groups(
 _BLOCK_NAME = re.compile(r"^((?:[^.]+\.)*?)(\d+)\.(.+)$")
 
 
-def _segments(members: list[int], names: list[str], leaves: list[torch.Tensor]) -> list[tuple[str, list[int]]]:
-    """``members`` (leaf indices of one buffer key, in leaf order) as ``(block, part)`` pairs: each block of a run
-    (the children of one ``ModuleList`` or ``Sequential``) that has an alike block in the same run a part of its
-    own, named ``<run>.<index>`` (alike: the same relative names and shapes, in the same order; a ``Sequential``'s
-    first and last layers, unlike its blocks, stay out), then the rest (block ``""``), each in leaf order.
+def _segments(
+    members: list[int], names: list[str], leaves: list[torch.Tensor], stacked: tuple[str, ...] = ()
+) -> list[tuple[str, list[list[int]]]]:
+    """``members`` (leaf indices of one buffer key, in leaf order) as ``(block, units)`` pairs, ``units`` the
+    lists of members a buffer's split keeps together: each block of a run (the children of one ``ModuleList`` or
+    ``Sequential``) that has an alike block in the same run a part of its own, named ``<run>.<index>`` (alike: the
+    same relative names and shapes, in the same order; a ``Sequential``'s first and last layers, unlike its
+    blocks, stay out), each member a unit; a run of ``stacked`` (checked alike by :func:`_stackable`) one part,
+    named ``<run>.*``, name-major: each relative name's layers in layer order, end to end, one unit; then the
+    rest (block ``""``), each in leaf order.
 
-    Why: a block's parameters then sit at the same offsets in its own buffers as every other block's, so the
-    kernels inductor writes for the blocks' forward and backward, which read parameters and write gradients at
-    constant offsets into the buffers, are the same source for every block and compile once (inductor keeps one
-    kernel per distinct source), as they do for ``torch.compile(model)``'s separate parameter tensors. Packed
+    Why per block: a block's parameters then sit at the same offsets in its own buffers as every other block's,
+    so the kernels inductor writes for the blocks' forward and backward, which read parameters and write gradients
+    at constant offsets into the buffers, are the same source for every block and compile once (inductor keeps
+    one kernel per distinct source), as they do for ``torch.compile(model)``'s separate parameter tensors. Packed
     across blocks, each block's kernels differed only in those offsets (GPT-2 124M's body: 84 C++ kernels against
     torch's 23, 0.7-1.0 s of C++ compiler each for the small ones on a 2-core Xeon).
+
+    Why name-major for a scanned run: its forward stacks each name's layers (``torch.stack``, one loop per
+    layer and name in the kernel inductor writes for it: GPT-2 124M's body, 147 loops, the scanned step's largest
+    kernel) and its backward hands back each name's stacked gradient; laid end to end, a name's layers are one
+    strided view of its buffer, read and written whole (:mod:`funcamp.passes.scan_stacks`).
     """
     runs: dict[str, dict[str, list[int]]] = {}
     relative: dict[int, str] = {}  # a block member's name within its block
@@ -935,19 +1011,26 @@ def _segments(members: list[int], names: list[str], leaves: list[torch.Tensor]) 
         else:
             runs.setdefault(m[1], {}).setdefault(m[2], []).append(i)
             relative[i] = m[3]
-    blocks: list[tuple[str, list[int]]] = []
+    blocks: list[tuple[int, str, list[list[int]]]] = []
     for run, by_index in runs.items():
+        if run[:-1] in stacked:
+            by_name: dict[str, list[int]] = {}
+            for index in sorted(by_index, key=int):
+                for i in by_index[index]:
+                    by_name.setdefault(relative[i], []).append(i)
+            blocks.append((min(min(u) for u in by_name.values()), f"{run}*", list(by_name.values())))
+            continue
         alike: dict[tuple[Any, ...], list[str]] = {}
         for index, part in by_index.items():
             signature = tuple((relative[i], tuple(leaves[i].shape)) for i in part)
             alike.setdefault(signature, []).append(index)
         for indices in alike.values():
             if len(indices) >= 2:
-                blocks += [(f"{run}{index}", by_index[index]) for index in indices]
+                blocks += [(by_index[index][0], f"{run}{index}", [[i] for i in by_index[index]]) for index in indices]
             else:
                 rest += by_index[indices[0]]
-    blocks.sort(key=lambda b: b[1][0])  # in leaf order of their first members
-    return [*blocks, *([("", sorted(rest))] if rest else [])]
+    blocks.sort(key=lambda b: b[0])  # in leaf order of their first members
+    return [*((block, units) for _, block, units in blocks), *([("", [[i] for i in sorted(rest)])] if rest else [])]
 
 
 def _state_map(

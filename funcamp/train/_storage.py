@@ -167,16 +167,19 @@ def flat_enabled() -> bool:
     return os.environ.get(SWITCH, "").strip().lower() not in ("off", "0", "false", "no")
 
 
-def choose(params: Any, optimizer: GradientTransformation, *, sharded: bool) -> ParamStorage:
+def choose(
+    params: Any, optimizer: GradientTransformation, *, sharded: bool, stacked: tuple[str, ...] = ()
+) -> ParamStorage:
     """The storage of a new state of ``params`` under ``optimizer``: flat buffers where they keep the per-leaf
-    numbers (:func:`funcamp.train._flat.layout`), else :class:`PerLeaf` with the reason."""
+    numbers (:func:`funcamp.train._flat.layout`; the runs of ``stacked`` name-major), else :class:`PerLeaf`
+    with the reason."""
     if not flat_enabled():
         return PerLeaf(f"{SWITCH}=off")
     if sharded:
         return PerLeaf("a sharded layout is kept leaf by leaf (flat shards are not built yet)")
     from funcamp.train import _flat  # the flat layout builds on the optimizer's meta run: loaded when asked
 
-    built = _flat.layout(params, optimizer)
+    built = _flat.layout(params, optimizer, stacked=stacked)
     if isinstance(built, str):
         return PerLeaf(built)
     built.admit(optimizer)  # its update's regions planned now, for the plan's line
