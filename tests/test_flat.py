@@ -830,7 +830,8 @@ def test_a_state_pickled_before_the_per_block_rule_keeps_its_packed_layout(monke
     optimizer.)"""
     params, loss, optimizer = _blocks_case()
     with monkeypatch.context() as m:
-        m.setattr(_flat, "_segments", lambda members, names, leaves, stacked=(): [("", [[i] for i in members])])  # the earlier rule
+        earlier = lambda members, names, leaves, stacked=(): [("", [[i] for i in members])]  # noqa: E731 (the old rule)
+        m.setattr(_flat, "_segments", earlier)
         state = fa.TrainState.create({k: v.clone() for k, v in params.items()}, optimizer)
     assert state.storage.kind == "flat" and not any(g.block for g in state.storage.groups)  # as pickled before
     old = pickle.loads(pickle.dumps(state))
