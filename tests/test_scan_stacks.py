@@ -86,6 +86,18 @@ def test_a_scanned_run_is_laid_out_name_major():
         assert torch.equal(stacked.params[name], per_layer.params[name]), name
 
 
+def test_a_run_inside_a_numbered_module_is_found_by_its_name():
+    """A scanned run's parameters are found by the run's name as a prefix, not by the first number in a name: a
+    ``Sequential``'s child ``1`` that is itself a run (``1.0.w``, ``1.1.w``) and a run under a numbered module
+    (``body.0.layers.2.w``). (Planted: the first all-digit component read as the layer -> neither is found.)"""
+    from funcamp.train import _flat
+
+    shapes = {"0.w": (3,), "1.0.w": (3,), "1.1.w": (3,), "body.0.layers.0.w": (2,), "body.0.layers.1.w": (2,)}
+    names, leaves = list(shapes), [torch.zeros(shape) for shape in shapes.values()]
+    got = _flat._segments(list(range(len(names))), names, leaves, ("1", "body.0.layers"))
+    assert got == [("1.*", [[1, 2]]), ("body.0.layers.*", [[3, 4]]), ("", [[0]])], got
+
+
 def test_masks_that_tell_the_layers_apart_keep_the_run_per_layer():
     """A label per layer (a layer-wise learning rate) puts a name's layers in different buffers: the run stays per
     layer, and the plan says why."""

@@ -910,14 +910,13 @@ def _stackable(
     runs, why = [], {}
     for run in stacked:
         layers: dict[str, list[int]] = {}
+        relative: dict[int, str] = {}
         for i, name in enumerate(names):
-            m = _BLOCK_NAME.match(name)
-            if m is not None and m[1] == f"{run}.":
-                layers.setdefault(m[2], []).append(i)
-        signatures = {
-            tuple((_BLOCK_NAME.match(names[i])[3], tuple(leaves[i].shape), keys[i]) for i in part)
-            for part in layers.values()
-        }
+            found = _in_run(name, run)
+            if found is not None:
+                layers.setdefault(found[0], []).append(i)
+                relative[i] = found[1]
+        signatures = {tuple((relative[i], tuple(leaves[i].shape), keys[i]) for i in part) for part in layers.values()}
         if len(layers) < 2:
             why[run] = f"no two layers named {run}.<i>.* among the parameters"
         elif len({tuple((r, sh) for r, sh, _ in sig) for sig in signatures}) > 1:
@@ -973,6 +972,14 @@ def _groups(
     return groups
 
 
+def _in_run(name: str, run: str) -> tuple[str, str] | None:
+    """``(layer index, name within the layer)`` of a parameter of the run ``run`` (``<run>.<index>.<rest>``)."""
+    if not name.startswith(f"{run}."):
+        return None
+    index, _, local = name[len(run) + 1 :].partition(".")
+    return (index, local) if index.isdigit() and local else None
+
+
 #: A parameter's name in a run of blocks: ``<run>.<index>.<rest>`` at its first all-digit component (a
 #: ``ModuleList``'s or ``Sequential``'s child: ``h.3.attn.c_attn.weight``, ``model.layers.11.mlp.up.weight``).
 _BLOCK_NAME = re.compile(r"^((?:[^.]+\.)*?)(\d+)\.(.+)$")
@@ -1001,25 +1008,34 @@ def _segments(
     kernel) and its backward hands back each name's stacked gradient; laid end to end, a name's layers are one
     strided view of its buffer, read and written whole (:mod:`funcamp.passes.scan_stacks`).
     """
+    blocks: list[tuple[int, str, list[list[int]]]] = []
+    taken: set[int] = set()
+    for run in stacked:  # by its name's prefix: a run may sit in a numbered module (``1.0.weight``, ``h.0.mlp.0.w``)
+        by_layer: dict[str, list[tuple[int, str]]] = {}
+        for i in members:
+            found = None if i in taken else _in_run(names[i], run)
+            if found is not None:
+                by_layer.setdefault(found[0], []).append((i, found[1]))
+        by_name: dict[str, list[int]] = {}
+        for index in sorted(by_layer, key=int):
+            for i, local in by_layer[index]:
+                by_name.setdefault(local, []).append(i)
+                taken.add(i)
+        if by_name:
+            blocks.append((min(min(u) for u in by_name.values()), f"{run}.*", list(by_name.values())))
     runs: dict[str, dict[str, list[int]]] = {}
     relative: dict[int, str] = {}  # a block member's name within its block
     rest: list[int] = []
     for i in members:
         m = _BLOCK_NAME.match(names[i])
+        if i in taken:
+            continue
         if m is None:
             rest.append(i)
         else:
             runs.setdefault(m[1], {}).setdefault(m[2], []).append(i)
             relative[i] = m[3]
-    blocks: list[tuple[int, str, list[list[int]]]] = []
     for run, by_index in runs.items():
-        if run[:-1] in stacked:
-            by_name: dict[str, list[int]] = {}
-            for index in sorted(by_index, key=int):
-                for i in by_index[index]:
-                    by_name.setdefault(relative[i], []).append(i)
-            blocks.append((min(min(u) for u in by_name.values()), f"{run}*", list(by_name.values())))
-            continue
         alike: dict[tuple[Any, ...], list[str]] = {}
         for index, part in by_index.items():
             signature = tuple((relative[i], tuple(leaves[i].shape)) for i in part)
