@@ -313,3 +313,18 @@ def test_a_pure_step_says_what_the_name_major_layout_costs_it():
     assert note not in fa.make_train_step(loss_fn, opt, donate=True).plan_for(stacked)
     assert note not in fa.make_train_step(loss_fn, opt, compile=False).plan_for(stacked)
     assert note not in fa.make_train_step(loss_fn, opt).plan_for(per_layer)
+
+
+def test_scan_stacks_leaves_a_flat_gradient_cat_to_flat_gradients():
+    """A flat state's gradient ``cat`` (tagged) is ``flat_gradients``' to write into its buffer, even where its
+    parts are equally spaced slices of one tensor: ``scan_stacks`` leaves it, tag and all. (Planted: the tag not
+    checked -> the ``cat`` becomes a view and a copy, untagged, and ``flat_gradients`` finds nothing to write.)"""
+
+    def step(g):
+        return torch.cat([g[o : o + 10] for o in (0, 16, 32)]) + 1
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(64))
+    cat = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default)
+    cat.meta["custom"] = {_FLAT_GRADS: True}
+    assert scan_stacks._scan_stacks(gm.graph) == 0
+    assert flat_gradients._flat_gradients(gm.graph) == 1

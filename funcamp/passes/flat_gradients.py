@@ -187,9 +187,9 @@ def _stacked(writes: list[tuple[Any, ...]], dtype: torch.dtype) -> list[tuple[An
     spaced offsets (a name-major scanned run's layers in this buffer, :func:`funcamp.train._flat._segments`)
     written as one: those layers of the stack (reversed along the first dimension where the offsets fall as the
     layer index rises: the scan's backward stacks from the last layer), cast, multiplied, viewed as
-    ``[layers, numel]`` and written with strides ``[spacing, 1]``. The same
-    elementwise ops on the same elements, written to the same places: inductor wrote one loop per part (GPT-2
-    124M's scanned body: the kernel that wrote its 144 layer gradients, 222 loops)."""
+    ``[layers, numel]`` and written with strides ``[spacing, 1]``. The same elementwise ops on the same elements,
+    written to the same places: inductor wrote one loop per part (GPT-2 124M's scanned body: the kernel that wrote
+    its 144 layer gradients, 222 loops)."""
     by_stack: dict[tuple[Any, ...], dict[int, tuple[Any, ...]]] = {}
     for write in writes:
         found = _layer_of(write[3])

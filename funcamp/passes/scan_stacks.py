@@ -26,7 +26,7 @@ import torch
 
 from funcamp.passes._context import PassContext
 from funcamp.passes.gates import _call
-from funcamp.passes.tags import _tags
+from funcamp.passes.tags import _FLAT_GRADS, _tags
 
 NAME = "scan_stacks"
 
@@ -132,7 +132,8 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
 
 def _scan_stacks(graph: torch.fx.Graph) -> int:
     """Rewrite every such ``cat`` (see the module docstring); the number rewritten."""
-    cats = [n for n in graph.nodes if n.target is _aten.cat.default]
+    # not a flat state's gradient ``cat`` (tagged): flat_gradients writes those into their buffer
+    cats = [n for n in graph.nodes if n.target is _aten.cat.default and not _tags(n).get(_FLAT_GRADS)]
     return sum(_rewrite(graph, cat) for cat in cats)
 
 
