@@ -328,3 +328,35 @@ def test_scan_stacks_leaves_a_flat_gradient_cat_to_flat_gradients():
     cat.meta["custom"] = {_FLAT_GRADS: True}
     assert scan_stacks._scan_stacks(gm.graph) == 0
     assert flat_gradients._flat_gradients(gm.graph) == 1
+
+
+@pytest.mark.slow
+def test_one_step_over_both_layouts_recompiles_with_dynamic_shapes(monkeypatch):
+    """One compiled step called on a name-major state, then on a per-layer state of the same parameters (a
+    checkpoint loaded ``like=`` the other layout): Dynamo's second compile makes the buffers' sizes symbolic, and
+    the passes leave symbolic sizes alone (a helper's find: ``scan_stacks`` hashed a SymInt, and
+    ``flat_gradients`` made zeros of a symbolic size, which inductor cannot lower; the latter was so before this
+    layout, for any two flat layouts through one step). Both steps' parameters agree. (Planted: either pass's
+    check of static sizes removed -> the second compile crashes.)"""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+    apply_fn, params = _model()
+    opt = optim.sgd(1e-2)
+
+    def loss_fn(p, batch):
+        return torch.nn.functional.mse_loss(apply_fn(p, batch[0]).float(), batch[1])
+
+    step = fa.make_train_step(loss_fn, opt, backend="inductor")
+    g = torch.Generator().manual_seed(5)
+    batch = (torch.randn(2, 6, 8, generator=g), torch.randn(2, 6, 8, generator=g))
+    results = []
+    for scan in (apply_fn.scan, ()):
+        state, metrics = step(fa.TrainState.create(params, opt, scan=scan), batch)
+        results.append((dict(state.params), metrics["loss"]))
+    (a, loss_a), (b, loss_b) = results
+    assert torch.equal(loss_a, loss_b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7, msg=name)

@@ -90,6 +90,8 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
     out = cat.meta["val"]
     if dim != 0 or out.ndim != 1 or not all(isinstance(x, torch.fx.Node) for x in inputs):
         return False
+    if not all(isinstance(x.meta["val"].numel(), int) for x in (cat, *inputs)):
+        return False  # symbolic sizes (a step recompiled with dynamic shapes): the ``cat`` stays
     parts, gaps, at = [], [], 0  # (offset, numel, node): the non-zero inputs where they go; (offset, numel): zeros
     for x in inputs:
         n = x.meta["val"].numel()
@@ -199,6 +201,8 @@ def _stacked(writes: list[tuple[Any, ...]], dtype: torch.dtype) -> list[tuple[An
     merged, out = set(), []
     for (stack, cast, factor), layers in by_stack.items():
         val = stack.meta["val"]
+        if not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+            continue  # a symbolic shape (a step recompiled with dynamic shapes): written part by part
         n = val[0].numel()
         first, count = min(layers), len(layers)
         if count < 2 or max(layers) - first + 1 != count or any(w[1] != [n] for w in layers.values()):
@@ -206,6 +210,8 @@ def _stacked(writes: list[tuple[Any, ...]], dtype: torch.dtype) -> list[tuple[An
         if (cast if cast is not None else val.dtype) != dtype or not val.is_contiguous():
             continue
         offsets = [layers[j][0] for j in range(first, first + count)]
+        if not all(isinstance(o, int) for o in offsets):
+            continue
         step = offsets[1] - offsets[0]
         if abs(step) < n or any(b - a != step for a, b in zip(offsets, offsets[1:], strict=False)):
             continue

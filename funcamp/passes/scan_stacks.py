@@ -34,6 +34,11 @@ _aten, _prims = torch.ops.aten, torch.ops.prims
 _SHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
 
 
+def _static(val: torch.Tensor) -> bool:
+    """Whether ``val``'s shape and strides are plain ints (not a dynamic-shape compile's symbols)."""
+    return all(isinstance(d, int) for d in (*val.shape, *val.stride()))
+
+
 def _slice_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int, torch.dtype | None] | None:
     """``(base, start, numel, cast dtype or None)`` where ``node`` is ``[cast](view*(slice(base, 0, start, end)))``,
     ``base`` a 1-D contiguous tensor and the slice's result contiguous; None otherwise."""
@@ -49,6 +54,7 @@ def _slice_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int, torch.dtype
     val = base.meta.get("val") if isinstance(base, torch.fx.Node) else None
     if (
         val is None
+        or not _static(val)
         or val.ndim != 1
         or val.stride() != (1,)
         or dim != 0
@@ -91,7 +97,9 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node) -> bool:
     if dim != 0 or len(inputs) < 2 or not all(isinstance(x, torch.fx.Node) for x in inputs):
         return False
     vals = [x.meta.get("val") for x in inputs]
-    if any(v is None or not v.is_contiguous() for v in vals) or len({(tuple(v.shape), v.dtype) for v in vals}) != 1:
+    if any(v is None or not _static(v) or not v.is_contiguous() for v in vals):
+        return False  # a symbolic shape (a step recompiled with dynamic shapes) is left as it is
+    if len({(tuple(v.shape), v.dtype) for v in vals}) != 1:
         return False
     n = vals[0].numel()
     slices = [_slice_of(x) for x in inputs]
