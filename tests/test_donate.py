@@ -549,3 +549,20 @@ def test_metrics_and_aux_hold_what_the_step_used(mode):
     _, pure = _aliasing_run(mode, donate=False)
     for i, (m1, m2) in enumerate(zip(pure, donated)):
         S._assert_bitwise(m1, m2, f"{mode} step {i} metrics")
+
+
+def test_a_loss_scale_object_given_to_two_states_is_shared_by_neither():
+    """``TrainState.create`` holds copies of the loss scale's tensors: a donating step writes the next scale into
+    the state's, not into the object passed (a helper's find: two states made from one ``DynamicLossScale``
+    shared its tensors, and donating steps of one moved the other's scale, silently). The object and the other
+    state keep their values while the donated state's scale halves on a non-finite step. (Planted: the state
+    holding the object's tensors -> the other state's scale halves too.)"""
+    params = {"w": torch.randn(3)}
+    scale = fa.DynamicLossScale(2.0**8)
+    opt = optim.sgd(0.1)
+    a = fa.TrainState.create(params, opt, loss_scale=scale)
+    b = fa.TrainState.create(params, opt, loss_scale=scale)
+    step = fa.make_train_step(lambda p, x: (p["w"] * x).sum(), opt, compile=False, donate=True)
+    a, metrics = step(a, torch.tensor([float("inf"), 1.0, 1.0]))
+    assert not bool(metrics["grads_finite"]) and float(a.loss_scale.loss_scale) == 2.0**7
+    assert float(b.loss_scale.loss_scale) == 2.0**8 and float(scale.loss_scale) == 2.0**8

@@ -265,7 +265,7 @@ class Flat:
             else ""
         )
         stacks = "".join(
-            [f"; run {run!r} name-major (its scan's stacks are views)" for run in self.stacked]
+            [f"; run {run!r} name-major (each name's layers end to end)" for run in self.stacked]
             + [f"; run {run!r} per layer ({why})" for run, why in self.unstacked.items()]
         )
         return f"flat: {len(self.shapes)} parameters in {n} buffer{'s' if n != 1 else ''}{cap}: {sizes}{kinds}{stacks}"

@@ -56,6 +56,7 @@ def _stacked_runs(scan: Any, params: Any) -> tuple[str, ...]:
         raise TypeError(
             f"TrainState.create: scan must be a str or a sequence of str (apply_fn.scan), got {type(scan).__name__}"
         )
+    runs = tuple(dict.fromkeys(runs))  # each run once
     names = [".".join(str(k) for k in path) for path in _tree.tree_flatten_with_path(params)[0]]
     for run in runs:
         layers = {n[len(run) + 1 :].split(".", 1)[0] for n in names if n.startswith(f"{run}.")}
@@ -65,6 +66,11 @@ def _stacked_runs(scan: Any, params: Any) -> tuple[str, ...]:
                 "pass apply_fn.scan of the functionalize call that made params"
             )
     return tuple(runs)
+
+
+def _owned(x: Any) -> Any:
+    """A new tensor of ``x``'s values (not ``x``), else ``x``: what a state holds of an object the user keeps."""
+    return x.clone() if isinstance(x, torch.Tensor) else x
 
 
 def _detached(x: Any) -> Any:
@@ -235,7 +241,9 @@ class TrainState:
         Args:
           params: the master parameters, a pytree (usually a dict) of floating tensors.
           optimizer: a :class:`funcamp.optim.GradientTransformation`.
-          loss_scale: default :class:`funcamp.NoOpLossScale`.
+          loss_scale: default :class:`funcamp.NoOpLossScale`. The state holds copies of its tensors: a donating
+            step writes the next scale into them, never into the object you pass (two states made from one
+            object share nothing).
           buffers: model buffers (``funcamp.nn.functionalize`` returns them), or None.
           shard: None (every rank holds everything), or the layout to shard the parameters with.
           buffer_reductions: None, or a mapping of buffer names to ``"max"`` or ``"min"``: how a
@@ -328,7 +336,7 @@ class TrainState:
             step=_zero_int(device),
             params=params,
             opt_state=opt_state,
-            loss_scale=loss_scale.to(device),
+            loss_scale=_tree.tree_map(_owned, loss_scale.to(device)),  # its own tensors: a donating step writes them
             buffers=buffers,
             skipped_steps=_zero_int(device),
             consecutive_skips=_zero_int(device),
