@@ -179,6 +179,18 @@ def test_scan_stacks_reads_equally_spaced_slices_as_one_view():
         assert torch.equal(gm(*args), fn(*args)), fn.__name__
 
 
+def _flat_gradients_of(fn, args) -> tuple:
+    """``fn`` traced, its ``cat`` tagged as a flat state's gradients and rewritten by ``flat_gradients``: the graph
+    module and the shapes of its ``as_strided_scatter`` writes, sorted."""
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    cat = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default)
+    cat.meta["custom"] = {_FLAT_GRADS: True}
+    assert flat_gradients._flat_gradients(gm.graph) == 1
+    gm.graph.lint()
+    writes = [n for n in gm.graph.nodes if n.target is torch.ops.aten.as_strided_scatter.default]
+    return gm, sorted(tuple(n.args[2]) for n in writes)
+
+
 @pytest.mark.parametrize("reverse", [True, False])
 def test_flat_gradients_writes_a_stacked_gradient_whole(reverse):
     """Parts that are every layer of one stacked tensor (cast alike) at equally spaced offsets are written as one
@@ -195,13 +207,7 @@ def test_flat_gradients_writes_a_stacked_gradient_whole(reverse):
         return torch.cat([x.reshape(-1) * 2, layers[0], pad, layers[1], pad, layers[2]]) + 1
 
     args = (torch.randn(3, 2, 3).bfloat16(), torch.randn(4))
-    gm = make_fx(step, tracing_mode="fake")(*args)
-    cat = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default)
-    cat.meta["custom"] = {_FLAT_GRADS: True}
-    assert flat_gradients._flat_gradients(gm.graph) == 1
-    gm.graph.lint()
-    writes = [n for n in gm.graph.nodes if n.target is torch.ops.aten.as_strided_scatter.default]
-    shapes = sorted(tuple(n.args[2]) for n in writes)
+    gm, shapes = _flat_gradients_of(step, args)
     assert (3, 6) in shapes and (6,) not in shapes, shapes
     empty = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.empty.memory_format)
     empty.target = lambda size, **kw: torch.full(size, float("nan"), dtype=kw["dtype"], device=kw["device"])
@@ -217,14 +223,9 @@ def test_flat_gradients_writes_a_stacked_gradient_whole(reverse):
     def gapped(g, x):  # layers 0 and 2: not consecutive, a write each
         return torch.cat([x.reshape(-1), layer(g, 0), layer(g, 2)]) + 1
 
-    for fn, shapes in ((some, [(2, 6), (4,)]), (gapped, [(4,), (6,), (6,)])):
-        gm = make_fx(fn, tracing_mode="fake")(*args)
-        cat = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default)
-        cat.meta["custom"] = {_FLAT_GRADS: True}
-        assert flat_gradients._flat_gradients(gm.graph) == 1
-        gm.graph.lint()
-        writes = [n for n in gm.graph.nodes if n.target is torch.ops.aten.as_strided_scatter.default]
-        assert sorted(tuple(n.args[2]) for n in writes) == shapes, fn.__name__
+    for fn, expected in ((some, [(2, 6), (4,)]), (gapped, [(4,), (6,), (6,)])):
+        gm, shapes = _flat_gradients_of(fn, args)
+        assert shapes == expected, fn.__name__
         gm.recompile()
         assert torch.equal(gm(*args), fn(*args)), fn.__name__
 
@@ -258,7 +259,9 @@ def test_the_compiled_step_name_major_is_the_per_layer_step_bit_for_bit(monkeypa
     """The step compiled with inductor over the run laid out name-major: every parameter, optimizer-state leaf,
     loss scale and metric after four steps (the second skipped: an infinite input) bitwise the per-layer layout's,
     undonated and donated; and both rewrites fired (the forward's stacks as views, the stacked gradients written
-    whole). (Planted: the pass writing the stacked gradient unreversed -> the parameters differ.)"""
+    whole). (Planted: either rewrite's stride taken as the layer's size, which this model's padded layers
+    tell apart -> the parameters differ. The reversal is not exercised here: the layers reach ``flat_gradients``
+    in order; the hand-made graphs above hold it.)"""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 

@@ -67,6 +67,15 @@ _LOOPS = tuple(
 )
 
 
+#: Reshapes: a tensor's elements in the same row-major order under another shape (a ``cat`` part's flattening).
+_RESHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
+
+
+def _static(val: torch.Tensor) -> bool:
+    """Whether ``val``'s shape and strides are plain ints (not a dynamic-shape compile's symbols)."""
+    return all(isinstance(d, int) for d in (*val.shape, *val.stride()))
+
+
 def _val(node: Any) -> torch.Tensor | None:
     """The tensor ``node`` computes (its ``meta["val"]``, a fake tensor), or None for a non-node or a non-tensor."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None

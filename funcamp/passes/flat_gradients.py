@@ -47,21 +47,20 @@ from typing import Any
 import torch
 
 from funcamp.passes._context import PassContext
-from funcamp.passes._graph import _factors
+from funcamp.passes._graph import _RESHAPES, _factors, _static
 from funcamp.passes.gates import _call, _flag
 from funcamp.passes.tags import _FLAT_GRADS, _tags
 
 NAME = "flat_gradients"
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
-_FLATTENS = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
 _ZEROS = (_aten.full.default, _aten.zeros.default, _aten.new_zeros.default)
 
 
 def _source(node: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, bool]:
     """``(source, narrowed)``: the tensor a ``cat`` input is a flattening and a cast to ``dtype`` of (``narrowed``),
     or the input itself."""
-    inner = node.args[0] if node.target in _FLATTENS and isinstance(node.args[0], torch.fx.Node) else node
+    inner = node.args[0] if node.target in _RESHAPES and isinstance(node.args[0], torch.fx.Node) else node
     if inner.target is _prims.convert_element_type.default and inner.args[1] == dtype:
         src = inner.args[0]
         if isinstance(src, torch.fx.Node) and src.meta["val"].dtype.itemsize < dtype.itemsize:
@@ -72,7 +71,7 @@ def _source(node: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, boo
 def _scaled(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """``(x, c)`` where a ``cat`` input is ``x * c`` (through a flattening): ``x`` of the input's dtype and element
     count, ``c`` a 0-d tensor of that dtype (an unscaled gradient: the loss scale's reciprocal); None otherwise."""
-    inner = node.args[0] if node.target in _FLATTENS and isinstance(node.args[0], torch.fx.Node) else node
+    inner = node.args[0] if node.target in _RESHAPES and isinstance(node.args[0], torch.fx.Node) else node
     dtype = node.meta["val"].dtype
     return next(((x, c) for x, c in _factors(inner) if c.meta["val"].dtype == dtype), None)
 
@@ -165,7 +164,7 @@ def _layer_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int, torch.dtype | No
     """``(stack, j, cast, factor)`` where a part is ``[flatten]([mul](([cast](select(stack, 0, j)), factor)))``: layer
     ``j`` of a tensor whose first dimension stacks layers (a scanned run's stacked gradient), cast to ``cast`` or
     not, multiplied by a 0-d ``factor`` (an unscaled gradient) or not (None); None otherwise."""
-    if node.target in _FLATTENS and isinstance(node.args[0], torch.fx.Node):
+    if node.target in _RESHAPES and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
     factor = None
     for a, c in _factors(node):
@@ -188,10 +187,10 @@ def _stacked(writes: list[tuple[Any, ...]], dtype: torch.dtype) -> list[tuple[An
     parts that are consecutive layers (two or more) of one stacked tensor, cast and multiplied alike, at equally
     spaced offsets (a name-major scanned run's layers in this buffer, :func:`funcamp.train._flat._segments`)
     written as one: those layers of the stack (reversed along the first dimension where the offsets fall as the
-    layer index rises: the scan's backward stacks from the last layer), cast, multiplied, viewed as
-    ``[layers, numel]`` and written with strides ``[spacing, 1]``. The same elementwise ops on the same elements,
-    written to the same places: inductor wrote one loop per part (GPT-2 124M's scanned body: the kernel that wrote
-    its 144 layer gradients, 222 loops)."""
+    layer index rises; in the compiled scanned steps tried, the layers reach this pass in order), cast, multiplied,
+    viewed as ``[layers, numel]`` and written with strides ``[spacing, 1]``. The same elementwise ops on the same
+    elements, written to the same places: inductor wrote one loop per part (GPT-2 124M's scanned body: the kernel
+    that wrote its 144 layer gradients, 222 loops)."""
     by_stack: dict[tuple[Any, ...], dict[int, tuple[Any, ...]]] = {}
     for write in writes:
         found = _layer_of(write[3])
@@ -201,7 +200,7 @@ def _stacked(writes: list[tuple[Any, ...]], dtype: torch.dtype) -> list[tuple[An
     merged, out = set(), []
     for (stack, cast, factor), layers in by_stack.items():
         val = stack.meta["val"]
-        if not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+        if not _static(val):
             continue  # a symbolic shape (a step recompiled with dynamic shapes): written part by part
         n = val[0].numel()
         first, count = min(layers), len(layers)

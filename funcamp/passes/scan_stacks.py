@@ -25,18 +25,13 @@ from typing import Any
 import torch
 
 from funcamp.passes._context import PassContext
+from funcamp.passes._graph import _RESHAPES, _static
 from funcamp.passes.gates import _call
 from funcamp.passes.tags import _FLAT_GRADS, _tags
 
 NAME = "scan_stacks"
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
-_SHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
-
-
-def _static(val: torch.Tensor) -> bool:
-    """Whether ``val``'s shape and strides are plain ints (not a dynamic-shape compile's symbols)."""
-    return all(isinstance(d, int) for d in (*val.shape, *val.stride()))
 
 
 def _slice_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int, torch.dtype | None] | None:
@@ -45,7 +40,7 @@ def _slice_of(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int, torch.dtype
     cast = None
     if node.target is _prims.convert_element_type.default:
         cast, node = node.args[1], node.args[0]
-    while isinstance(node, torch.fx.Node) and node.target in _SHAPES:
+    while isinstance(node, torch.fx.Node) and node.target in _RESHAPES:
         node = node.args[0]
     if not isinstance(node, torch.fx.Node) or node.target is not _aten.slice.Tensor:
         return None

@@ -1027,9 +1027,9 @@ def _segments(
     relative: dict[int, str] = {}  # a block member's name within its block
     rest: list[int] = []
     for i in members:
-        m = _BLOCK_NAME.match(names[i])
         if i in taken:
             continue
+        m = _BLOCK_NAME.match(names[i])
         if m is None:
             rest.append(i)
         else:

@@ -57,10 +57,11 @@ def _stacked_runs(scan: Any, params: Any) -> tuple[str, ...]:
             f"TrainState.create: scan must be a str or a sequence of str (apply_fn.scan), got {type(scan).__name__}"
         )
     runs = tuple(dict.fromkeys(runs))  # each run once
+    from funcamp.train._flat import _in_run  # a layer of a run as the flat layout reads it
+
     names = [".".join(str(k) for k in path) for path in _tree.tree_flatten_with_path(params)[0]]
     for run in runs:
-        layers = {n[len(run) + 1 :].split(".", 1)[0] for n in names if n.startswith(f"{run}.")}
-        if len({layer for layer in layers if layer.isdigit()}) < 2:
+        if len({found[0] for found in map(_in_run, names, [run] * len(names)) if found is not None}) < 2:
             raise ValueError(
                 f"TrainState.create: scan={run!r} names no two layers of params (parameters named {run}.<i>.*); "
                 "pass apply_fn.scan of the functionalize call that made params"
